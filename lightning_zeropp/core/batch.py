@@ -1,0 +1,39 @@
+"""Batch helpers: the batch size of a nested batch, and slicing a nested batch by row indices."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+__all__ = ["batch_size", "take_rows", "check_divisible"]
+
+
+def batch_size(batch: Any) -> int:
+    """Leading dimension of the first tensor in a nested batch (tuples, lists, dicts)."""
+    leaves, _ = tree_flatten(batch)
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return leaf.shape[0]
+    raise ValueError("the batch holds no tensor with a batch dimension")
+
+
+def take_rows(batch: Any, rows: torch.Tensor) -> Any:
+    """The same nested batch holding only `rows` (a contiguous index range) of every tensor."""
+    start, stop = int(rows[0]), int(rows[-1]) + 1
+    return tree_map(lambda x: x[start:stop] if _is_batched(x) else x, batch)
+
+
+def check_divisible(size: int, num_microbatches: int) -> None:
+    """Micro-batches must be equal, or the mean of micro-batch means is not the batch mean."""
+    if size % num_microbatches != 0:
+        raise ValueError(
+            f"a batch of {size} rows does not split into num_microbatches={num_microbatches} equal "
+            f"micro-batches; use a per-rank batch size that is a multiple of {num_microbatches} "
+            "(and drop_last=True in the data loader)."
+        )
+
+
+def _is_batched(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.dim() > 0

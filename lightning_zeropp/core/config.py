@@ -1,0 +1,154 @@
+"""Typed, validated settings for a ZeroPP run: the one vocabulary every front speaks.
+
+A `ZeroPPConfig` may leave sizes unset; `resolve(world_size)` fills them in from the world size and
+checks everything a user can get wrong, raising `ValueError` that names the bad value and the fix.
+Every rank resolves the same config before the first collective, so a bad setting fails everywhere
+at once instead of leaving some ranks waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from lightning_zeropp.core.schedule import SCHEDULES, schedule_style
+
+__all__ = ["ZeroPPConfig", "parse_dtype"]
+
+_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "16": torch.float16,
+}
+
+
+def parse_dtype(value: str | torch.dtype | None, name: str) -> torch.dtype | None:
+    """Turn 'bf16' / 'fp32' / a torch dtype / None into a torch dtype (None means 'no cast')."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    key = str(value).lower().replace("torch.", "")
+    if key not in _DTYPES:
+        raise ValueError(f"{name}={value!r} is not a known dtype; use one of {sorted(_DTYPES)}.")
+    return _DTYPES[key]
+
+
+@dataclass(kw_only=True)
+class ZeroPPConfig:
+    """Layout and schedule of a ZeroPP run.
+
+    World = pp_size x dp_replicate_size x dp_shard_size. Weights, gradients and optimizer state are
+    sharded (ZeRO-3, FSDP2) over `dp_shard` (consecutive ranks, i.e. inside a node) and replicated
+    over `dp_replicate` (HSDP when > 1). Each pipeline rank holds `num_chunks` model chunks.
+
+    Defaults: `pp_size` 1; `dp_shard_size` fills the rest of the world; `num_chunks` 1 for
+    single-stage schedules and 2 for interleaved / V schedules; `num_microbatches` equals the number
+    of pipeline ranks (the least 1F1B accepts); no resharding after forward when `pp_size > 1`
+    (torchtitan's default: one gather per stage and step instead of one per micro-batch).
+    """
+
+    pp_size: int | None = None
+    dp_shard_size: int | None = None
+    dp_replicate_size: int = 1
+    num_microbatches: int | None = None
+    schedule: str = "1f1b"
+    num_chunks: int | None = None
+    param_dtype: torch.dtype | str | None = None
+    reduce_dtype: torch.dtype | str | None = None
+    activation_checkpointing: bool = False
+    reshard_after_forward: bool | None = None
+    split_points: list[int] | None = field(default=None)
+
+    def resolve(self, world_size: int) -> ZeroPPConfig:
+        """Return a copy with every default filled in and every setting checked."""
+        cfg = dataclasses.replace(self)
+        cfg.schedule = str(cfg.schedule).lower()
+        if cfg.schedule not in SCHEDULES:
+            raise ValueError(
+                f"schedule={self.schedule!r} is unknown; choose one of {sorted(SCHEDULES)}."
+            )
+        _check_positive("dp_replicate_size", cfg.dp_replicate_size)
+        cfg.pp_size = 1 if cfg.pp_size is None else cfg.pp_size
+        _check_positive("pp_size", cfg.pp_size)
+        if cfg.dp_shard_size is None:
+            cfg.dp_shard_size = max(world_size // (cfg.pp_size * cfg.dp_replicate_size), 1)
+        _check_positive("dp_shard_size", cfg.dp_shard_size)
+        product = cfg.pp_size * cfg.dp_replicate_size * cfg.dp_shard_size
+        if product != world_size:
+            raise ValueError(
+                f"pp_size ({cfg.pp_size}) x dp_replicate_size ({cfg.dp_replicate_size}) x "
+                f"dp_shard_size ({cfg.dp_shard_size}) = {product}, but the world has {world_size} "
+                "processes; choose sizes whose product is the number of processes."
+            )
+        cfg.num_chunks = _resolve_chunks(cfg.schedule, cfg.num_chunks)
+        cfg.num_microbatches = cfg.pp_size if cfg.num_microbatches is None else cfg.num_microbatches
+        _check_positive("num_microbatches", cfg.num_microbatches)
+        _check_microbatches(cfg.schedule, cfg.num_microbatches, cfg.pp_size, cfg.num_chunks)
+        cfg.param_dtype = parse_dtype(cfg.param_dtype, "param_dtype")
+        cfg.reduce_dtype = parse_dtype(cfg.reduce_dtype, "reduce_dtype")
+        if cfg.reshard_after_forward is None:
+            cfg.reshard_after_forward = cfg.pp_size == 1
+        if cfg.split_points is not None:
+            cfg.split_points = [int(p) for p in cfg.split_points]
+        return cfg
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages in total: pp_size x num_chunks (only meaningful once resolved)."""
+        assert self.pp_size is not None and self.num_chunks is not None, "resolve() first"
+        return self.pp_size * self.num_chunks
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel degree: replicas x shards."""
+        assert self.dp_shard_size is not None, "resolve() first"
+        return self.dp_replicate_size * self.dp_shard_size
+
+
+def _check_positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer.")
+
+
+def _resolve_chunks(schedule: str, num_chunks: int | None) -> int:
+    style = schedule_style(schedule)
+    if num_chunks is None:
+        return 1 if style == "single" else 2
+    _check_positive("num_chunks", num_chunks)
+    if style == "single" and num_chunks != 1:
+        raise ValueError(
+            f"num_chunks={num_chunks} needs a multi-stage schedule, but schedule={schedule!r} runs "
+            "one stage per rank; use schedule='interleaved_1f1b' (or another interleaved schedule) "
+            "or num_chunks=1."
+        )
+    if style == "v" and num_chunks != 2:
+        raise ValueError(
+            f"schedule={schedule!r} places exactly 2 stages per rank in a V; got num_chunks="
+            f"{num_chunks}. Use num_chunks=2."
+        )
+    return num_chunks
+
+
+def _check_microbatches(schedule: str, m: int, pp: int, v: int) -> None:
+    """Mirror the schedule constructors' own limits so the error comes early and names the fix."""
+    needs_pp = schedule in ("1f1b", "dualpipev") or (
+        schedule_style(schedule) != "single" and pp > 1
+    )
+    if needs_pp and m < pp and pp > 1:
+        raise ValueError(
+            f"num_microbatches={m} is too few for schedule={schedule!r} with pp_size={pp}: it needs "
+            f"at least {pp}. Raise num_microbatches to a multiple of {pp}."
+        )
+    if schedule_style(schedule) == "looped" and pp > 1:
+        rounds = max(1, m // pp)
+        if m % rounds != 0:
+            raise ValueError(
+                f"num_microbatches={m} must be a multiple of {rounds} (= num_microbatches // "
+                f"pp_size) for schedule={schedule!r}; use a multiple of pp_size={pp}."
+            )

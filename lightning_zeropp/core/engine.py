@@ -1,0 +1,201 @@
+"""One training step of a model pipelined over FSDP2: micro-batches in, loss out, gradients ready.
+
+`ZeroPPEngine` is the whole core seen from a front: it splits the model into this rank's stages,
+shards each stage over the data-parallel mesh, and drives torch's pipeline schedule. Every rank of
+the world calls `train_step` with the same arguments (all stages of one pipeline see the same batch;
+only the first stage feeds it to the model, only the last computes the loss), and every rank gets
+the step's mean loss back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.utils._pytree import tree_flatten
+
+from lightning_zeropp.core._torch_private import on_scheduled_loss
+from lightning_zeropp.core.batch import batch_size, check_divisible
+from lightning_zeropp.core.config import ZeroPPConfig
+from lightning_zeropp.core.grads import GradStash, clip_grad_norm_
+from lightning_zeropp.core.mesh import ParallelDims, build_mesh
+from lightning_zeropp.core.modules import merge_stage_modules
+from lightning_zeropp.core.schedule import (
+    build_schedule,
+    rank_of_stage,
+    schedule_style,
+    stage_ids_for_rank,
+)
+from lightning_zeropp.core.shard import apply_activation_checkpointing, shard_stage
+from lightning_zeropp.core.split import (
+    BlockPlan,
+    SplitMethod,
+    check_no_tied_parameters,
+    find_blocks,
+    plan_blocks,
+    split_model,
+)
+
+__all__ = ["ZeroPPEngine", "LossFn"]
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+class ZeroPPEngine:
+    """This rank's pipeline stages of `model`, sharded, and the schedule that runs them.
+
+    Args:
+        model: the whole model, unmodified (on CPU or meta-free device memory).
+        config: layout and schedule; resolved against the world size here.
+        loss_fn: `loss_fn(output, target_microbatch) -> scalar`, the mean over the micro-batch.
+        split: "trace" (default), "stack", or a callable; see `core.split`.
+        example_args / example_kwargs: one micro-batch of model inputs, for split="trace".
+        probe_loss_fn: used instead of `loss_fn` for the runtime's shape-inference call, which is
+            not a training micro-batch (defaults to `loss_fn`); give one without side effects.
+        device: where the stages run (default: CPU).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: ZeroPPConfig,
+        *,
+        loss_fn: LossFn,
+        split: SplitMethod = "trace",
+        example_args: tuple[Any, ...] | None = None,
+        example_kwargs: dict[str, Any] | None = None,
+        probe_loss_fn: LossFn | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        self.config = config.resolve(dist.get_world_size())
+        cfg = self.config
+        self.device = device or torch.device("cpu")
+        self.dims: ParallelDims = build_mesh(cfg, self.device.type)
+        self.style = schedule_style(cfg.schedule)
+        self.stage_ids = stage_ids_for_rank(
+            self.style, self.dims.pp_rank, cfg.pp_size, cfg.num_chunks
+        )
+        self.num_stages = cfg.num_stages
+        if self.num_stages > 1:
+            check_no_tied_parameters(model)
+        self.plan = _plan(model, self.num_stages, cfg.split_points)
+        modules = split_model(model, self.plan, self.stage_ids, split, example_args, example_kwargs)
+        for stage_id, module in zip(self.stage_ids, modules, strict=True):
+            self._prepare_stage(module, stage_id)
+        self.module: nn.Module = merge_stage_modules(modules)
+        self.stages = [
+            PipelineStage(m, s, self.num_stages, self.device, group=self.dims.pp_group)
+            for s, m in zip(self.stage_ids, modules, strict=True)
+        ]
+        self._loss_fn = loss_fn
+        self._probe_loss_fn = probe_loss_fn or loss_fn
+        self._in_scheduled_loss = False
+        self._schedule = build_schedule(cfg.schedule, self.stages, cfg.num_microbatches, self._loss)
+        on_scheduled_loss(self._schedule, self._scheduled_loss)
+        self.holds_first = 0 in self.stage_ids
+        self.holds_last = self.num_stages - 1 in self.stage_ids
+        self._last_pp_rank = rank_of_stage(self.style, self.num_stages - 1, cfg.pp_size)
+        self._input_shapes: list[tuple[int, ...]] | None = None
+
+    # ------------------------------------------------------------------ set-up
+    def _prepare_stage(self, module: nn.Module, stage_id: int) -> None:
+        blocks = self.plan.stage_blocks(stage_id) if self.plan is not None else []
+        module.to(self.device)
+        if self.config.activation_checkpointing:
+            apply_activation_checkpointing(module, blocks)
+        shard_stage(module, blocks, self.dims.dp_mesh, self.config)
+
+    # ------------------------------------------------------------------ steps
+    def train_step(
+        self, *args: Any, target: torch.Tensor | None = None, **kwargs: Any
+    ) -> torch.Tensor:
+        """Forward and backward over all micro-batches of this rank's batch.
+
+        Gradients (the mean over the global batch) are added to the parameters' `.grad`, as
+        `loss.backward()` would. Returns the loss of the global batch (the mean over every
+        micro-batch of every data-parallel rank) on every rank.
+        """
+        self._check_batch(args, kwargs, target)
+        stash = GradStash()
+        stash.hold(self.parameters())
+        losses: list[torch.Tensor] = []
+        inputs, kw = (args, kwargs) if self.holds_first else ((), {})
+        self._schedule.step(*inputs, target=target, losses=losses, return_outputs=False, **kw)
+        stash.release()
+        return self._broadcast_loss(losses)
+
+    @torch.no_grad()
+    def eval_step(
+        self, *args: Any, target: torch.Tensor | None = None, **kwargs: Any
+    ) -> torch.Tensor | None:
+        """Forward only; returns the mean loss on every rank when `target` is given."""
+        self._check_batch(args, kwargs, target)
+        losses: list[torch.Tensor] = []
+        inputs, kw = (args, kwargs) if self.holds_first else ((), {})
+        self._schedule.eval(*inputs, target=target, losses=losses, **kw)
+        return self._broadcast_loss(losses) if target is not None else None
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the norm over every stage and shard of the model; returns that norm."""
+        return clip_grad_norm_(self.parameters(), max_norm, self.dims.pp_group, norm_type)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.module.parameters()
+
+    # ------------------------------------------------------------------ internals
+    def _loss(self, output: Any, target: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        fn = self._loss_fn if self._in_scheduled_loss else self._probe_loss_fn
+        return fn(output, target, **kwargs)
+
+    def _scheduled_loss(
+        self, compute: Callable[..., Any], output: Any, target: Any, loss_kwargs: Any
+    ) -> torch.Tensor:
+        self._in_scheduled_loss = True
+        try:
+            return compute(output, target, loss_kwargs)
+        finally:
+            self._in_scheduled_loss = False
+
+    def _check_batch(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any) -> None:
+        """Checks every rank can make from its own arguments, before any communication."""
+        present = [x for x in (args or None, kwargs or None, target) if x is not None]
+        if not present:
+            return
+        check_divisible(batch_size(present), self.config.num_microbatches)
+        if not args and not kwargs:
+            return
+        shapes = [tuple(t.shape) for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t)]
+        if self._input_shapes is None:
+            self._input_shapes = shapes
+        elif shapes != self._input_shapes:
+            raise ValueError(
+                f"the model inputs changed shape from {self._input_shapes} to {shapes}; pipeline "
+                "stages fix their shapes at the first step. Keep batch size and sequence length "
+                "constant (drop_last=True, fixed-length padding)."
+            )
+
+    def _broadcast_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        if losses:
+            loss = torch.stack([x.detach().float() for x in losses]).mean().to(self.device)
+        else:
+            loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.config.pp_size > 1:
+            dist.broadcast(loss, group=self.dims.pp_group, group_src=self._last_pp_rank)
+        # Every dp group has its own batch: the step's loss is the mean over all of them.
+        for group in self.dims.dp_groups:
+            dist.all_reduce(loss, group=group)
+        return loss / self.dims.dp_size
+
+
+def _plan(model: nn.Module, num_stages: int, split_points: list[int] | None) -> BlockPlan | None:
+    """The block plan; a single stage without a block container is sharded at its root only."""
+    if num_stages == 1:
+        try:
+            find_blocks(model)
+        except ValueError:
+            return None
+    return plan_blocks(model, num_stages, split_points)

@@ -1,0 +1,78 @@
+"""Gradient-norm clipping by the true global norm (every stage, every shard) and grad stashing."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+__all__ = ["clip_grad_norm_", "total_grad_norm", "GradStash"]
+
+
+def total_grad_norm(
+    params: Iterable[nn.Parameter], pp_group: dist.ProcessGroup | None, norm_type: float = 2.0
+) -> torch.Tensor:
+    """Norm of all gradients of the model: over this rank's shards, the dp mesh and all stages."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=False)
+        if isinstance(norm, DTensor):  # partial over the shard axis: reduce it to the true norm
+            norm = norm.full_tensor()
+    else:  # a rank may hold no gradient at all (frozen stage): it still joins the reduction
+        norm = torch.zeros((), dtype=torch.float32)
+    norm = norm.to(torch.float32)
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        if norm_type == float("inf"):
+            dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=pp_group)
+        else:
+            norm = norm.pow(norm_type)
+            dist.all_reduce(norm, group=pp_group)
+            norm = norm.pow(1.0 / norm_type)
+    return norm
+
+
+def clip_grad_norm_(
+    params: Iterable[nn.Parameter],
+    max_norm: float,
+    pp_group: dist.ProcessGroup | None,
+    norm_type: float = 2.0,
+) -> torch.Tensor:
+    """Scale gradients so their global norm is at most `max_norm`; return the norm before."""
+    params = list(params)
+    norm = total_grad_norm(params, pp_group, norm_type)
+    with_grad = [p for p in params if p.grad is not None]
+    if with_grad:
+        device = with_grad[0].grad.device
+        torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, norm.to(device), foreach=False)
+    return norm
+
+
+class GradStash:
+    """Set gradients aside and add them back later.
+
+    The pipeline runtime divides *all* current gradients by the micro-batch count at the end of a
+    step, so gradients accumulated by earlier steps must be out of the way while it runs.
+    """
+
+    def __init__(self) -> None:
+        self._held: list[tuple[nn.Parameter, torch.Tensor]] = []
+
+    def hold(self, params: Iterable[nn.Parameter]) -> None:
+        for p in params:
+            if p.grad is not None:
+                self._held.append((p, p.grad))
+                p.grad = None
+
+    def release(self, scale: float = 1.0) -> None:
+        """Put the held gradients back (times `scale`), adding to any gradient present now."""
+        for p, g in self._held:
+            if scale != 1.0:
+                g = g * scale
+            p.grad = g if p.grad is None else p.grad + g
+        self._held.clear()
+
+    def __len__(self) -> int:
+        return len(self._held)

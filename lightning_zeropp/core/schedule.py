@@ -1,0 +1,66 @@
+"""Pipeline schedules by name, and where each schedule puts its stages.
+
+Three placement styles cover torch's schedules:
+- "single": one stage per rank, stage i on pipeline rank i (GPipe, 1F1B);
+- "looped": `num_chunks` stages per rank, rank r holds r, r + pp, r + 2pp, ... (Interleaved1F1B,
+  LoopedBFS, InterleavedZeroBubble);
+- "v": two stages per rank folded in a V, rank r holds r and 2pp - 1 - r (ZBVZeroBubble, DualPipeV).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import torch.distributed.pipelining as pipelining
+
+__all__ = ["SCHEDULES", "schedule_style", "stage_ids_for_rank", "rank_of_stage", "build_schedule"]
+
+Style = Literal["single", "looped", "v"]
+
+# name -> (schedule class, placement style)
+SCHEDULES: dict[str, tuple[type, Style]] = {
+    "gpipe": (pipelining.ScheduleGPipe, "single"),
+    "1f1b": (pipelining.Schedule1F1B, "single"),
+    "interleaved_1f1b": (pipelining.ScheduleInterleaved1F1B, "looped"),
+    "looped_bfs": (pipelining.ScheduleLoopedBFS, "looped"),
+    "interleaved_zb": (pipelining.ScheduleInterleavedZeroBubble, "looped"),
+    "zbv": (pipelining.ScheduleZBVZeroBubble, "v"),
+    "dualpipev": (pipelining.ScheduleDualPipeV, "v"),
+}
+
+
+def schedule_style(name: str) -> Style:
+    """Placement style of a schedule name (see module docstring)."""
+    return SCHEDULES[name][1]
+
+
+def stage_ids_for_rank(style: Style, pp_rank: int, pp_size: int, num_chunks: int) -> list[int]:
+    """Global stage indices held by pipeline rank `pp_rank`, in execution order."""
+    if style == "v":
+        return [pp_rank, 2 * pp_size - 1 - pp_rank]
+    return [pp_rank + c * pp_size for c in range(num_chunks)]
+
+
+def rank_of_stage(style: Style, stage: int, pp_size: int) -> int:
+    """Pipeline rank that holds global stage `stage`."""
+    if style == "v" and stage >= pp_size:
+        return 2 * pp_size - 1 - stage
+    return stage % pp_size
+
+
+def build_schedule(
+    name: str,
+    stages: list[pipelining.PipelineStage],
+    num_microbatches: int,
+    loss_fn: Callable | None,
+) -> pipelining.schedules._PipelineSchedule:
+    """Instantiate schedule `name` over this rank's stages.
+
+    Losses are per-micro-batch means and the schedule divides gradients by the micro-batch count
+    (`scale_grads=True`), so gradients are the mean over the rank's batch; FSDP then averages over
+    data-parallel ranks, giving the mean over the global batch.
+    """
+    cls, style = SCHEDULES[name]
+    target = stages[0] if style == "single" else stages
+    return cls(target, n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=True)

@@ -1,0 +1,65 @@
+"""Apply FSDP2 (`fully_shard`) and activation checkpointing to one pipeline stage.
+
+Each block is its own FSDP unit (one all-gather per block, freed after use), and the stage root is a
+unit for whatever lies outside the blocks (embeddings, final norm, head). Under pipeline parallelism
+the default keeps weights unsharded between a stage's micro-batches (`reshard_after_forward=False`),
+so a stage gathers once per step instead of once per micro-batch.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
+
+from lightning_zeropp.core.config import ZeroPPConfig
+
+__all__ = ["shard_stage", "apply_activation_checkpointing"]
+
+
+def shard_stage(
+    stage: nn.Module, block_names: Sequence[str], dp_mesh: DeviceMesh, config: ZeroPPConfig
+) -> nn.Module:
+    """`fully_shard` each block of `stage`, then the stage root, over `dp_mesh`."""
+    policy = MixedPrecisionPolicy(
+        param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype or config.param_dtype
+    )
+    # When the reduce dtype is not set, reduce in fp32 under bf16 params: summing bf16 gradients
+    # over many ranks loses the low bits FSDP users expect to keep.
+    if config.param_dtype is not None and config.reduce_dtype is None:
+        policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=torch.float32)
+    for name in block_names:
+        block = _find_block(stage, name)
+        fully_shard(
+            block,
+            mesh=dp_mesh,
+            reshard_after_forward=config.reshard_after_forward,
+            mp_policy=policy,
+        )
+    fully_shard(
+        stage, mesh=dp_mesh, reshard_after_forward=config.reshard_after_forward, mp_policy=policy
+    )
+    return stage
+
+
+def apply_activation_checkpointing(stage: nn.Module, block_names: Sequence[str]) -> None:
+    """Recompute each block's activations in backward instead of keeping them.
+
+    The block's `forward` is wrapped in place, so parameter names do not change (a wrapper module
+    would add a prefix to every name and break name-based checkpoints).
+    """
+    for name in block_names:
+        block = _find_block(stage, name)
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+
+
+def _find_block(stage: nn.Module, name: str) -> nn.Module:
+    try:
+        return stage.get_submodule(name)
+    except AttributeError as err:
+        raise AssertionError(f"block {name!r} is not in its stage module") from err

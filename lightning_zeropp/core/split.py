@@ -1,0 +1,242 @@
+"""Cut a model into pipeline stages, keeping parameter names and the user's forward.
+
+Three ways, one result (a list of stage modules whose parameters carry their original names, so
+checkpoints do not depend on the layout):
+
+- `"trace"` (default): torch's tracing front end (`torch.distributed.pipelining.pipeline`) with split
+  points at block boundaries. The user's forward is kept exactly as written. Needs one example
+  micro-batch of inputs.
+- `"stack"`: no tracing. Each stage is a pruned copy of the model: blocks outside the stage are
+  removed (the remaining ones keep their names), modules registered before the block container go
+  to the first stage only and modules after it to the last stage only (set to `None` elsewhere).
+  Contract (torchtitan's): the model's forward iterates over its block container and skips
+  modules that are `None`.
+- a callable `split_fn(model, stage_index, num_stages, block_ranges) -> nn.Module`: anything else.
+
+Blocks are found automatically: the `ModuleList` / `ModuleDict` / `nn.Sequential` with the most
+children (ties broken by parameter count). Stages get contiguous runs of blocks balanced by block
+parameter count unless `split_points` (the block index each stage after the first starts at) is
+given.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from torch import nn
+
+__all__ = ["BlockPlan", "SplitFn", "find_blocks", "plan_blocks", "split_model"]
+
+SplitFn = Callable[[nn.Module, int, int, list[range]], nn.Module]
+SplitMethod = Literal["trace", "stack"] | SplitFn
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """Where the blocks live and which blocks each stage gets."""
+
+    container: str  # dotted path of the block container ("" when the model itself is one)
+    names: list[str]  # child names of the blocks, in order
+    ranges: list[range]  # per stage: indices into `names`
+
+    def fqn(self, block_index: int) -> str:
+        name = self.names[block_index]
+        return f"{self.container}.{name}" if self.container else name
+
+    def stage_blocks(self, stage: int) -> list[str]:
+        """Fully qualified names of the blocks of one stage."""
+        return [self.fqn(i) for i in self.ranges[stage]]
+
+
+def find_blocks(model: nn.Module) -> tuple[str, list[str]]:
+    """Return (container path, child names) of the model's repeated blocks."""
+    best: tuple[int, int, str] | None = None
+    for path, module in model.named_modules():
+        if not isinstance(module, _CONTAINERS) or len(module) < 2:
+            continue
+        score = (len(module), _num_params(module), path)
+        if best is None or score[:2] > best[:2]:
+            best = score
+    if best is None:
+        raise ValueError(
+            f"cannot split {type(model).__name__} into pipeline stages: it has no ModuleList, "
+            "ModuleDict or nn.Sequential of at least 2 blocks. Put its repeated layers in one, or "
+            "pass split=<callable> that builds each stage."
+        )
+    container = model.get_submodule(best[2])
+    return best[2], list(container._modules.keys())
+
+
+def plan_blocks(
+    model: nn.Module, num_stages: int, split_points: Sequence[int] | None = None
+) -> BlockPlan:
+    """Assign contiguous blocks to `num_stages` stages."""
+    container, names = find_blocks(model)
+    if len(names) < num_stages:
+        raise ValueError(
+            f"{type(model).__name__} has {len(names)} blocks in '{container or '<root>'}' but the "
+            f"layout needs {num_stages} stages (pp_size x num_chunks); lower pp_size or "
+            "num_chunks, or use a model with more blocks."
+        )
+    if split_points is not None:
+        starts = _check_split_points(split_points, num_stages, len(names))
+    else:
+        holder = model.get_submodule(container) if container else model
+        sizes = [_num_params(holder._modules[n]) for n in names]
+        starts = _balanced_starts(sizes, num_stages)
+    bounds = [*starts, len(names)]
+    ranges = [range(bounds[i], bounds[i + 1]) for i in range(num_stages)]
+    return BlockPlan(container=container, names=names, ranges=ranges)
+
+
+def split_model(
+    model: nn.Module,
+    plan: BlockPlan,
+    stage_ids: Sequence[int],
+    method: SplitMethod = "trace",
+    example_args: tuple[Any, ...] | None = None,
+    example_kwargs: dict[str, Any] | None = None,
+) -> list[nn.Module]:
+    """Build the stage modules `stage_ids` of `model` according to `plan`."""
+    num_stages = len(plan.ranges)
+    if num_stages == 1:
+        return [model]
+    if callable(method):
+        return [method(model, s, num_stages, plan.ranges) for s in stage_ids]
+    if method == "stack":
+        return [_stack_stage(model, plan, s) for s in stage_ids]
+    if method == "trace":
+        return _trace_stages(model, plan, stage_ids, example_args, example_kwargs)
+    raise ValueError(f"split={method!r} is unknown; use 'trace', 'stack' or a callable.")
+
+
+def _trace_stages(
+    model: nn.Module,
+    plan: BlockPlan,
+    stage_ids: Sequence[int],
+    example_args: tuple[Any, ...] | None,
+    example_kwargs: dict[str, Any] | None,
+) -> list[nn.Module]:
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    if example_args is None and not example_kwargs:
+        raise ValueError(
+            "split='trace' needs one example micro-batch of model inputs (example_args), shaped "
+            "exactly like a real micro-batch (batch_size / num_microbatches rows); pass it, or use "
+            "split='stack'."
+        )
+    spec = {plan.fqn(r.start): SplitPoint.BEGINNING for r in plan.ranges[1:]}
+    pipe = pipeline(
+        model, mb_args=tuple(example_args or ()), mb_kwargs=example_kwargs, split_spec=spec
+    )
+    if pipe.num_stages != len(plan.ranges):
+        raise ValueError(
+            f"tracing produced {pipe.num_stages} stages instead of {len(plan.ranges)}; the block "
+            f"container '{plan.container}' is probably not called in order by the forward. Use "
+            "split='stack' or a split callable."
+        )
+    return [pipe.get_stage_module(s) for s in stage_ids]
+
+
+def _stack_stage(model: nn.Module, plan: BlockPlan, stage: int) -> nn.Module:
+    """A copy of `model` holding only this stage's blocks (names kept) and its pre/post modules."""
+    first, last = stage == 0, stage == len(plan.ranges) - 1
+    keep = {plan.names[i] for i in plan.ranges[stage]}
+    # Copy everything except the blocks of other stages, which are never materialized twice.
+    memo: dict[int, Any] = {}
+    container = model.get_submodule(plan.container)
+    for name, block in container._modules.items():
+        if name not in keep:
+            memo[id(block)] = None
+    stage_model = copy.deepcopy(model, memo)
+    new_container = stage_model.get_submodule(plan.container)
+    new_container._modules = {n: m for n, m in new_container._modules.items() if n in keep}
+    _drop_outer_modules(stage_model, plan.container, first, last)
+    return stage_model
+
+
+def _drop_outer_modules(model: nn.Module, container: str, first: bool, last: bool) -> None:
+    """Set modules before the block container to None off the first stage, after it off the last.
+
+    Walks the path to the container: at each level, siblings registered before the path go with the
+    first stage, siblings after it with the last stage. Parameter-free modules stay everywhere.
+    """
+    if not container:  # the model itself is the block container: nothing sits around it
+        return
+    parent = model
+    for part in container.split("."):
+        names = list(parent._modules.keys())
+        pos = names.index(part)
+        for i, name in enumerate(names):
+            child = parent._modules[name]
+            if i == pos or child is None or _num_params(child) == 0:
+                continue
+            if (i < pos and not first) or (i > pos and not last):
+                parent._modules[name] = None
+        parent = parent._modules[part]
+    # Root-level parameters (rare) cannot be split by position: keep them on the first stage.
+    if not first:
+        for pname in list(model._parameters):
+            model._parameters[pname] = None
+
+
+def _check_split_points(points: Sequence[int], num_stages: int, num_blocks: int) -> list[int]:
+    starts = [0, *points]
+    increasing = all(a < b for a, b in zip(starts, starts[1:], strict=False))
+    if len(points) != num_stages - 1 or not increasing or starts[-1] >= num_blocks:
+        raise ValueError(
+            f"split_points={list(points)} must list {num_stages - 1} strictly increasing block "
+            f"indices in 1..{num_blocks - 1} (where stages 1..{num_stages - 1} start)."
+        )
+    return starts
+
+
+def _balanced_starts(sizes: list[int], num_stages: int) -> list[int]:
+    """Contiguous partition of `sizes` minimising the largest part (exact, by dynamic programming)."""
+    n = len(sizes)
+    prefix = [0]
+    for s in sizes:
+        prefix.append(prefix[-1] + s)
+    inf = float("inf")
+    # cost[k][i]: best max-part for the first i blocks in k parts; cut[k][i]: start of the k-th part
+    cost = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    cost[0][0] = 0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n - (num_stages - k) + 1):
+            for j in range(k - 1, i):
+                c = max(cost[k - 1][j], prefix[i] - prefix[j])
+                if c < cost[k][i]:
+                    cost[k][i], cut[k][i] = c, j
+    starts, i = [], n
+    for k in range(num_stages, 0, -1):
+        i = cut[k][i]
+        starts.append(i)
+    return starts[::-1]
+
+
+def _num_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def stage_param_names(stages: Sequence[nn.Module]) -> list[str]:
+    """All parameter names of some stage modules (used to check that none is shared)."""
+    return [n for s in stages for n, _ in s.named_parameters()]
+
+
+def check_no_tied_parameters(model: nn.Module) -> None:
+    """Tied weights cannot live on two stages; say so before splitting."""
+    seen: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen and seen[id(p)] != name:
+            raise ValueError(
+                f"parameters '{seen[id(p)]}' and '{name}' are the same tensor (tied weights); "
+                "pipeline stages cannot share a parameter. Untie them (e.g. "
+                "tie_word_embeddings=False) before training with pp_size > 1."
+            )
+        seen[id(p)] = name
