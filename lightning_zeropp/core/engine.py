@@ -57,6 +57,7 @@ class ZeroPPEngine:
         probe_loss_fn: used instead of `loss_fn` for the runtime's shape-inference call, which is
             not a training micro-batch (defaults to `loss_fn`); give one without side effects.
         device: where the stages run (default: CPU).
+        dims: an existing mesh for this config (default: build one).
     """
 
     def __init__(
@@ -70,11 +71,12 @@ class ZeroPPEngine:
         example_kwargs: dict[str, Any] | None = None,
         probe_loss_fn: LossFn | None = None,
         device: torch.device | None = None,
+        dims: ParallelDims | None = None,
     ) -> None:
         self.config = config.resolve(dist.get_world_size())
         cfg = self.config
         self.device = device or torch.device("cpu")
-        self.dims: ParallelDims = build_mesh(cfg, self.device.type)
+        self.dims: ParallelDims = dims or build_mesh(cfg, self.device.type)
         self.style = schedule_style(cfg.schedule)
         self.stage_ids = stage_ids_for_rank(
             self.style, self.dims.pp_rank, cfg.pp_size, cfg.num_chunks
@@ -98,7 +100,7 @@ class ZeroPPEngine:
         on_scheduled_loss(self._schedule, self._scheduled_loss)
         self.holds_first = 0 in self.stage_ids
         self.holds_last = self.num_stages - 1 in self.stage_ids
-        self._last_pp_rank = rank_of_stage(self.style, self.num_stages - 1, cfg.pp_size)
+        self.last_pp_rank = rank_of_stage(self.style, self.num_stages - 1, cfg.pp_size)
         self._input_shapes: list[tuple[int, ...]] | None = None
 
     # ------------------------------------------------------------------ set-up
@@ -184,7 +186,7 @@ class ZeroPPEngine:
         else:
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.config.pp_size > 1:
-            dist.broadcast(loss, group=self.dims.pp_group, group_src=self._last_pp_rank)
+            dist.broadcast(loss, group=self.dims.pp_group, group_src=self.last_pp_rank)
         # Every dp group has its own batch: the step's loss is the mean over all of them.
         for group in self.dims.dp_groups:
             dist.all_reduce(loss, group=group)

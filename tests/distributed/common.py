@@ -41,18 +41,40 @@ def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
     raise ValueError(kind)
 
 
-def reference(optimizer: str, clip: bool, steps: int) -> dict[str, Any]:
+def sampler_batches(steps: int, epochs: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The global batches Lightning's injected DistributedSampler yields (it always shuffles the
+    training data, seeded by epoch): data-parallel ranks each take a strided slice of one
+    permutation, so step k's global batch is rows [k*B, (k+1)*B) of that permutation."""
+    batches = make_batches(steps)
+    x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+    out = []
+    for epoch in range(epochs):
+        perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(epoch))
+        out += [(x[i], y[i]) for i in perm.split(GLOBAL_BATCH)]
+    return out
+
+
+def reference(
+    optimizer: str,
+    clip: bool,
+    steps: int,
+    batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    accumulate: int = 1,
+) -> dict[str, Any]:
     """Single-process fp32 training on the global batch: the numbers every layout must match."""
     model = make_model()
     opt = make_optimizer(optimizer, model.parameters())
     losses, norms = [], []
-    for x, y in make_batches(steps):
+    batches = batches if batches is not None else make_batches(steps)
+    for i, (x, y) in enumerate(batches):
         loss = lm_loss(model(x), y)
-        loss.backward()
+        (loss / accumulate).backward()
+        losses.append(float(loss.detach()))
+        if (i + 1) % accumulate:
+            continue
         if clip:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss.detach()))
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"losses": losses, "norms": norms, "params": params}

@@ -1,0 +1,244 @@
+"""Count the collectives and point-to-point messages a rank issues, by kind and mesh axis.
+
+`CommCounter` is a context manager: while it is active, the public `torch.distributed` collective
+functions are replaced (on both `torch.distributed` and `torch.distributed.distributed_c10d`) by
+wrappers that record one call and its bytes before calling the original; on exit, even on an
+exception, the original functions are put back.
+
+    with CommCounter(mesh_axis_namer(engine.dims.mesh)) as comm:
+        engine.train_step(x, target=y)
+    comm.summary()  # {"all_gather": {"dp_shard": {"count": 18, "bytes": ...}}, "send": {...}}
+
+Bytes convention: the payload *this rank* hands to the call, whatever the algorithm moves on the
+wire. All-gather: the input shard. Reduce-scatter: the full (unreduced) input. All-reduce and
+broadcast: the tensor (on every rank, source or not). All-to-all: the input. Send / isend: the
+tensor sent (kind "send"); recv / irecv: the buffer received into (kind "recv"). Barrier: 0.
+`batch_isend_irecv` counts each of its `P2POp`s as one send or recv. A collective called from
+inside another (the deprecated `all_gather_into_tensor` calls `all_gather_single`, and
+`batch_isend_irecv` calls `isend`/`irecv`) is counted once, at the outermost call.
+
+What is seen: every call made through `dist.<name>` or `distributed_c10d.<name>` attribute look-up,
+which is how FSDP2 (`fsdp/_fully_shard/_fsdp_collectives.py`: `dist.all_gather_single`,
+`dist.reduce_scatter_single`, `dist.all_reduce` for HSDP) and the pipelining runtime
+(`dist.P2POp(dist.isend/irecv)` in `stage.py`; `p.op(...)` or `dist.batch_isend_irecv` in
+`schedules.py`; `dist.send/recv`) call them in torch 2.13: neither imports a collective by name.
+What is not seen: (1) calls through a name imported before entering (`from torch.distributed import
+all_reduce`), and a `P2POp` built before entering whose `op` is then called directly; (2)
+functional collectives (DTensor redistribution such as `full_tensor()`, the norm of DTensor
+gradients), which dispatch to `torch.ops._c10d_functional`; (3) collectives issued from C++, e.g.
+DDP's reducer: register DDP's `allreduce_hook` comm hook to route its buckets through
+`dist.all_reduce`. Caveats of patching: `P2POp(fn, ...)` accepts only the current module-level
+`isend`/`irecv`, so building one inside the context from a by-name import of the original raises;
+a `P2POp` built inside holds the wrapper, so hand it to `batch_isend_irecv` inside the context.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["AxisNamer", "CommCounter", "mesh_axis_namer"]
+
+AxisNamer = Callable[[ProcessGroup | None], str]
+
+# function name -> (kind it is counted as, argument whose tensor bytes are counted)
+_SPECS: dict[str, tuple[str, str | None]] = {
+    "all_gather_into_tensor": ("all_gather", "input_tensor"),
+    "all_gather_single": ("all_gather", "input_tensor"),
+    "all_gather": ("all_gather", "tensor"),
+    "reduce_scatter_tensor": ("reduce_scatter", "input"),
+    "reduce_scatter_single": ("reduce_scatter", "input"),
+    "reduce_scatter": ("reduce_scatter", "input_list"),
+    "all_reduce": ("all_reduce", "tensor"),
+    "broadcast": ("broadcast", "tensor"),
+    "all_to_all_single": ("all_to_all", "input"),
+    "all_to_all": ("all_to_all", "input_tensor_list"),
+    "send": ("send", "tensor"),
+    "isend": ("send", "tensor"),
+    "recv": ("recv", "tensor"),
+    "irecv": ("recv", "tensor"),
+    "barrier": ("barrier", None),
+}
+_MODULES = (dist, c10d)
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, list | tuple):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def _root(fn: Any) -> Any:
+    """The torch function under any number of (nested counters') wrappers."""
+    while hasattr(fn, "_comm_original"):
+        fn = fn._comm_original
+    return fn
+
+
+def _default_axis(group: ProcessGroup | None) -> str:
+    if group is None or group is dist.group.WORLD:
+        return "world"
+    desc = getattr(group, "group_desc", "")
+    return desc if desc and desc != "undefined" else group.group_name
+
+
+class CommCounter:
+    """Record (count, bytes) per (kind, axis) of the collectives issued while active.
+
+    `axis_of_group(group)` names the group a call runs on (see `mesh_axis_namer`); by default the
+    default group is "world" and any other group goes by its description or name. Counters may be
+    nested (both record) if they exit in reverse order of entry.
+    """
+
+    def __init__(self, axis_of_group: AxisNamer | None = None) -> None:
+        self._axis_of_group = axis_of_group or _default_axis
+        self._stats: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+        self._lock = threading.Lock()  # backward hooks may issue collectives on other threads
+        self._local = threading.local()  # per-thread depth: count the outermost call only
+        self._saved: list[tuple[Any, str, Any]] = []
+        self._active = False
+
+    # ------------------------------------------------------------------ context
+    def __enter__(self) -> CommCounter:
+        if self._active:
+            raise RuntimeError("this CommCounter is already active")
+        originals = {
+            n: getattr(c10d, n) for n in [*_SPECS, "batch_isend_irecv"] if hasattr(c10d, n)
+        }
+        for name, fn in originals.items():
+            wrapper = self._wrap(name, fn)
+            for module in _MODULES:
+                if hasattr(module, name):
+                    self._saved.append((module, name, getattr(module, name)))
+                    setattr(module, name, wrapper)
+        self._active = True
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._active = False  # wrappers still referenced (e.g. by a P2POp) stop recording
+        while self._saved:
+            module, name, original = self._saved.pop()
+            setattr(module, name, original)
+
+    # ------------------------------------------------------------------ results
+    def summary(self) -> dict[str, dict[str, dict[str, int]]]:
+        """{kind: {axis: {"count": calls, "bytes": bytes}}}, sorted by kind then axis."""
+        with self._lock:
+            items = sorted(self._stats.items())
+        out: dict[str, dict[str, dict[str, int]]] = {}
+        for (kind, axis), (count, nbytes) in items:
+            out.setdefault(kind, {})[axis] = {"count": count, "bytes": nbytes}
+        return out
+
+    def reset(self) -> None:
+        with self._lock:
+            self._stats.clear()
+
+    # ------------------------------------------------------------------ internals
+    def _record(self, kind: str, group: ProcessGroup | None, nbytes: int) -> None:
+        axis = self._axis_of_group(group)
+        with self._lock:
+            entry = self._stats[(kind, axis)]
+            entry[0] += 1
+            entry[1] += nbytes
+
+    def _outermost(self) -> bool:
+        return self._active and getattr(self._local, "depth", 0) == 0
+
+    def _call(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self._local.depth = getattr(self._local, "depth", 0) + 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._local.depth -= 1
+
+    def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        if name == "batch_isend_irecv":
+            wrapper = self._wrap_batch(fn)
+        else:
+            kind, arg = _SPECS[name]
+            signature = inspect.signature(fn)
+
+            @functools.wraps(fn)
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                if self._outermost():
+                    try:
+                        bound = signature.bind(*args, **kwargs).arguments
+                    except TypeError:  # bad arguments: let torch raise its own error
+                        bound = None
+                    if bound is not None:
+                        nbytes = _nbytes(bound.get(arg)) if arg else 0
+                        self._record(kind, bound.get("group"), nbytes)
+                return self._call(fn, args, kwargs)
+
+        wrapper._comm_original = fn  # type: ignore[attr-defined]
+        return wrapper
+
+    def _wrap_batch(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(p2p_op_list: list[dist.P2POp]) -> Any:
+            send = _root(c10d.isend)
+            if self._outermost():
+                for op in p2p_op_list:
+                    kind = "send" if _root(op.op) is send else "recv"
+                    self._record(kind, op.group, _nbytes(op.tensor))
+            # torch tells sends from receives by `op.op is isend` (the patched module global):
+            # hand it ops that use the current global, whichever function they were built with.
+            ops = [
+                _with_op(op, c10d.isend if _root(op.op) is send else c10d.irecv)
+                for op in p2p_op_list
+            ]
+            return self._call(fn, (ops,), {})
+
+        return wrapper
+
+
+def _with_op(op: dist.P2POp, fn: Callable[..., Any]) -> dist.P2POp:
+    if op.op is fn:
+        return op
+    copy = object.__new__(type(op))  # P2POp.__new__ re-validates `op`; the caller's op stays as is
+    copy.__dict__.update(op.__dict__)
+    copy.op = fn
+    return copy
+
+
+def mesh_axis_namer(mesh: DeviceMesh) -> AxisNamer:
+    """Name a process group by the axis of `mesh` it spans: "pp", "dp_shard", ... or "world"/"other".
+
+    A group is matched by identity with `mesh.get_group(axis)` first, then by its ranks; axes of
+    size > 1 are tried first, so a one-rank group gets a size-1 axis name only by identity. An axis
+    that spans every rank *is* the default group in DeviceMesh, so the default group (`None`) is
+    named by that axis when there is one; a group matching no axis is "world" if it spans every
+    rank, else "other".
+    """
+    axes = list(mesh.mesh_dim_names or ())
+    groups = {axis: mesh.get_group(axis) for axis in axes}
+    ranks = {axis: dist.get_process_group_ranks(g) for axis, g in groups.items()}
+    axes.sort(key=lambda a: len(ranks[a]) == 1)  # stable: mesh order within each size class
+    world = list(range(dist.get_world_size()))
+    cache: dict[ProcessGroup, str] = {}
+
+    def name(group: ProcessGroup | None) -> str:
+        group = group if group is not None else dist.group.WORLD
+        if group not in cache:
+            found = next((a for a in axes if groups[a] is group), None)
+            if found is None:
+                group_ranks = dist.get_process_group_ranks(group)
+                found = next((a for a in axes if ranks[a] == group_ranks), None)
+                found = found or ("world" if sorted(group_ranks) == world else "other")
+            cache[group] = found
+        return cache[group]
+
+    return name

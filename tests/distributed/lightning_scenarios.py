@@ -1,0 +1,92 @@
+"""Scenarios run on gloo ranks through `Trainer(strategy=ZeroPPStrategy(...))`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_zeropp import ZeroPPStrategy
+from lightning_zeropp.models.lit_gpt import LitGPT
+from tests.distributed.common import GLOBAL_BATCH, MAX_NORM, MODEL, make_batches, make_model
+
+
+class Record(pl.Callback):
+    """What rank 0 would show: the logged loss and the step output, per step."""
+
+    def __init__(self) -> None:
+        self.logged: list[float] = []
+        self.returned: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.logged.append(float(trainer.callback_metrics["train_loss"]))
+        self.returned.append(float(outputs["loss"]))
+
+
+def fit(
+    layout: dict[str, Any],
+    optimizer: str = "sgd",
+    clip: bool = False,
+    steps: int = 3,
+    split: str = "trace",
+    accumulate: int = 1,
+    save_to: str | None = None,
+    resume_from: str | None = None,
+    max_epochs: int | None = None,
+    data_steps: int | None = None,
+) -> dict[str, Any]:
+    strategy = ZeroPPStrategy(split=split, **layout)
+    world = int(torch.distributed.get_world_size()) if torch.distributed.is_initialized() else None
+    del world
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=_world_size(),
+        strategy=strategy,
+        max_steps=steps if max_epochs is None else -1,
+        max_epochs=max_epochs,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=MAX_NORM if clip else None,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        deterministic=True,
+    )
+    dp = _world_size() // (layout.get("pp_size") or 1)
+    micro = GLOBAL_BATCH // dp // layout.get("num_microbatches", layout.get("pp_size") or 1)
+    module = LitGPT(MODEL, micro_batch_size=micro, optimizer=optimizer, lr=_lr(optimizer))
+    module.model.load_state_dict(make_model().state_dict())
+    record = Record()
+    trainer.callbacks.append(record)
+    trainer.fit(module, _loader(data_steps or steps * accumulate, dp), ckpt_path=resume_from)
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
+    params = {n: _full(p) for n, p in module.model.named_parameters()}
+    return {"logged": record.logged, "returned": record.returned, "params": params}
+
+
+def _loader(steps: int, dp: int) -> DataLoader:
+    batches = make_batches(steps)
+    x = torch.cat([b[0] for b in batches])
+    y = torch.cat([b[1] for b in batches])
+    return DataLoader(
+        TensorDataset(x, y), batch_size=GLOBAL_BATCH // dp, shuffle=False, drop_last=True
+    )
+
+
+def _lr(optimizer: str) -> float:
+    return 0.5 if optimizer == "sgd" else 1e-3
+
+
+def _world_size() -> int:
+    import os
+
+    return int(os.environ["WORLD_SIZE"])
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    return (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
