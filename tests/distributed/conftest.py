@@ -1,0 +1,59 @@
+"""Shared fixtures: launch a batch of cases once per world size, compare each case separately."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tests.distributed.common import reference
+
+
+def merged_params(results: list[dict[str, Any]], case_id: str, prefix: str = "") -> dict[str, Any]:
+    """Each rank reports the parameters of its stages: the union is the whole model."""
+    params: dict[str, Any] = {}
+    for rank_result in results:
+        for name, value in rank_result[case_id]["params"].items():
+            params[name.removeprefix(prefix)] = value
+    return params
+
+
+def assert_matches_reference(
+    results: list[dict[str, Any]],
+    case: dict[str, Any],
+    losses_key: str = "losses",
+    prefix: str = "",
+    batches: Any = None,
+    accumulate: int = 1,
+) -> None:
+    """Loss at every step and every parameter after training within 1e-5 of one process."""
+    ref = reference(
+        case.get("optimizer", "sgd"),
+        case.get("clip", False),
+        case.get("steps", 3),
+        batches=batches,
+        accumulate=accumulate,
+    )
+    for rank, rank_result in enumerate(results):  # every rank reports the same global loss
+        got = rank_result[case["id"]][losses_key]
+        torch.testing.assert_close(
+            torch.tensor(got),
+            torch.tensor(ref["losses"]),
+            rtol=0,
+            atol=1e-5,
+            msg=lambda m, r=rank, g=got: f"rank {r} losses {g} vs reference {ref['losses']}: {m}",
+        )
+    params = merged_params(results, case["id"], prefix)
+    assert params.keys() == ref["params"].keys()
+    for name, want in ref["params"].items():
+        torch.testing.assert_close(
+            params[name], want, rtol=0, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
+        )
+    if case.get("clip"):
+        # The test only proves clipping if the norm really exceeded the limit.
+        norms = results[0][case["id"]].get("norms")
+        if norms:
+            torch.testing.assert_close(
+                torch.tensor(norms), torch.tensor(ref["norms"]), rtol=1e-5, atol=1e-6
+            )
+        assert max(ref["norms"]) > 0.3

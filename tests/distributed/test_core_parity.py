@@ -1,0 +1,116 @@
+"""Every layout and schedule of the core engine reproduces single-process fp32 training.
+
+One launch per world size runs all of its cases in sequence; each case is then checked on its own
+(loss at every step and all parameters after 3 optimizer steps within 1e-5). AdamW runs with
+eps=1e-6: with eps=1e-8 Adam turns fp32 reduction-order noise in near-zero gradient entries into
+lr-sized updates, which no parallel layout can match exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.conftest import assert_matches_reference
+from tests.distributed.launch import launch
+
+pytestmark = pytest.mark.distributed
+
+
+def _case(id: str, optimizer: str = "sgd", clip: bool = True, split: str = "trace", **layout):
+    return {"id": id, "layout": layout, "optimizer": optimizer, "clip": clip, "split": split}
+
+
+CASES = {
+    1: [_case("single-rank", num_microbatches=2)],
+    2: [
+        _case("dp_shard2", dp_shard_size=2, num_microbatches=2),
+        _case("dp_replicate2-adamw", "adamw", dp_replicate_size=2),
+        _case("pp2-gpipe", pp_size=2, schedule="gpipe", num_microbatches=4, clip=False),
+        _case("pp2-1f1b-adamw", "adamw", pp_size=2, num_microbatches=4),
+        _case("pp2-interleaved", pp_size=2, schedule="interleaved_1f1b", num_microbatches=4),
+        _case("pp2-zbv-adamw", "adamw", pp_size=2, schedule="zbv", num_microbatches=4),
+        _case("pp2-1f1b-stack", pp_size=2, num_microbatches=2, split="stack"),
+    ],
+    4: [
+        _case("pp2-dp_shard2-1f1b", pp_size=2, dp_shard_size=2, num_microbatches=4),
+        _case(
+            "pp2-dp_replicate2-gpipe-adamw",
+            "adamw",
+            pp_size=2,
+            dp_replicate_size=2,
+            schedule="gpipe",
+        ),
+        _case("pp4-1f1b", pp_size=4, num_microbatches=4),
+        _case(
+            "pp4-interleaved-adamw",
+            "adamw",
+            pp_size=4,
+            schedule="interleaved_1f1b",
+            num_microbatches=4,
+        ),
+        _case("pp4-zbv", pp_size=4, schedule="zbv", num_microbatches=4),
+        _case("dp_replicate2-dp_shard2-adamw", "adamw", dp_replicate_size=2, dp_shard_size=2),
+        _case(
+            "pp2-dp_shard2-zbv-adamw",
+            "adamw",
+            pp_size=2,
+            dp_shard_size=2,
+            schedule="zbv",
+            num_microbatches=2,
+        ),
+    ],
+    8: [
+        _case(
+            "pp2-dpr2-dps2-1f1b-adamw",
+            "adamw",
+            pp_size=2,
+            dp_replicate_size=2,
+            dp_shard_size=2,
+            num_microbatches=2,
+        ),
+        _case(
+            "pp4-dps2-interleaved",
+            pp_size=4,
+            dp_shard_size=2,
+            schedule="interleaved_1f1b",
+            num_microbatches=4,
+        ),
+        _case(
+            "pp2-dpr2-dps2-zbv",
+            pp_size=2,
+            dp_replicate_size=2,
+            dp_shard_size=2,
+            schedule="zbv",
+            num_microbatches=2,
+        ),
+        _case(
+            "pp4-dpr2-gpipe-adamw",
+            "adamw",
+            pp_size=4,
+            dp_replicate_size=2,
+            schedule="gpipe",
+            num_microbatches=2,
+        ),
+    ],
+}
+ALL = [(world, case) for world, cases in CASES.items() for case in cases]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    cache: dict[int, list] = {}
+
+    def get(world: int) -> list:
+        if world not in cache:
+            out = tmp_path_factory.mktemp(f"core{world}")
+            cache[world] = launch(
+                world, "core_scenarios.parity", {"cases": CASES[world]}, out, timeout=420
+            )
+        return cache[world]
+
+    return get
+
+
+@pytest.mark.parametrize(("world", "case"), ALL, ids=[f"w{w}-{c['id']}" for w, c in ALL])
+def test_layout_matches_single_process(results, world, case):
+    assert_matches_reference(results(world), case)

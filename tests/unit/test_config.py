@@ -1,0 +1,38 @@
+"""Settings validation: every mistake a user can make is a ValueError naming the value and the fix."""
+
+import pytest
+import torch
+
+from lightning_zeropp import ZeroPPConfig
+
+
+def test_defaults_fill_from_world_size():
+    cfg = ZeroPPConfig(pp_size=2).resolve(8)
+    assert (cfg.pp_size, cfg.dp_replicate_size, cfg.dp_shard_size) == (2, 1, 4)
+    assert cfg.num_microbatches == 2 and cfg.num_chunks == 1
+    assert cfg.reshard_after_forward is False  # one gather per stage and step under PP
+    assert ZeroPPConfig().resolve(4).reshard_after_forward is True  # plain FSDP
+    assert ZeroPPConfig(schedule="interleaved_1f1b", pp_size=2).resolve(2).num_chunks == 2
+    assert ZeroPPConfig(param_dtype="bf16").resolve(1).param_dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "world", "match"),
+    [
+        (
+            dict(pp_size=2, dp_shard_size=3),
+            8,
+            r"pp_size \(2\) x dp_replicate_size \(1\) x dp_shard_size \(3\) = 6",
+        ),
+        (dict(pp_size=4, num_microbatches=2), 4, r"num_microbatches=2 is too few .* at least 4"),
+        (dict(schedule="pipedream"), 1, r"schedule='pipedream' is unknown"),
+        (dict(schedule="1f1b", num_chunks=2), 1, r"num_chunks=2 needs a multi-stage schedule"),
+        (dict(schedule="zbv", num_chunks=3, pp_size=2), 2, r"exactly 2 stages per rank"),
+        (dict(pp_size=0), 1, r"pp_size=0 must be a positive integer"),
+        (dict(param_dtype="fp8"), 1, r"param_dtype='fp8' is not a known dtype"),
+        (dict(schedule="interleaved_1f1b", pp_size=2, num_microbatches=5), 2, r"multiple of 2"),
+    ],
+)
+def test_bad_settings_name_the_value(kwargs, world, match):
+    with pytest.raises(ValueError, match=match):
+        ZeroPPConfig(**kwargs).resolve(world)
