@@ -181,7 +181,8 @@ class ZeroPPStrategy(ModelParallelStrategy):
         world_size = self.num_nodes * self.num_processes
         self.zeropp_config = self.zeropp_config.resolve(world_size)
         self._setup_distributed()
-        self._dims = build_mesh(self.zeropp_config, self.root_device.type)
+        if self._dims is None:  # fit then validate on one Trainer sets up twice: keep one mesh
+            self._dims = build_mesh(self.zeropp_config, self.root_device.type)
         self._device_mesh = self._dims.mesh
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._dims.mesh
@@ -198,6 +199,16 @@ class ZeroPPStrategy(ModelParallelStrategy):
                 "and backward together. Remove `self.automatic_optimization = False`."
             )
         name = self._pipelined_name(module)
+        if self._engine is None or module._modules[name] is not self._engine.module:
+            self._build_engine(module, name)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def _build_engine(self, module: pl.LightningModule, name: str) -> None:
+        """Split, shard and schedule the module's network; put this rank's stages in its place."""
         self._engine = ZeroPPEngine(
             getattr(module, name),
             self.zeropp_config,
@@ -210,11 +221,6 @@ class ZeroPPStrategy(ModelParallelStrategy):
         )
         module._modules[name] = self._engine.module
         self._pipelined = name
-        self.model_to_device()
-        self.barrier()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
 
     def _pipelined_name(self, module: pl.LightningModule) -> str:
         if self._module_name is not None:

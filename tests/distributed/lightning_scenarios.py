@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import lightning.pytorch as pl
@@ -12,6 +13,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_zeropp import ZeroPPStrategy
 from lightning_zeropp.models.lit_gpt import LitGPT
 from tests.distributed.common import GLOBAL_BATCH, MAX_NORM, MODEL, make_batches, make_model
+
+# Read once: Lightning's cluster environment deletes WORLD_SIZE when a Trainer tears down.
+_WORLD_SIZE = int(os.environ["WORLD_SIZE"])
 
 
 class Record(pl.Callback):
@@ -26,6 +30,21 @@ class Record(pl.Callback):
         self.returned.append(float(outputs["loss"]))
 
 
+def fit_cases(cases: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several Trainer.fit runs in one process group, one per case."""
+    return {case.pop("id"): fit(**case) for case in cases}
+
+
+def resume(layout: dict[str, Any], save_to: str) -> dict[str, Any]:
+    """Two epochs straight, against one epoch + checkpoint + a fresh Trainer resuming the second."""
+    full = fit(layout, optimizer="adamw", max_epochs=2, data_steps=3)
+    first = fit(layout, optimizer="adamw", max_epochs=1, data_steps=3, save_to=save_to)
+    resumed = fit(
+        layout, optimizer="adamw", max_epochs=2, data_steps=3, resume_from=save_to, init_seed=7
+    )
+    return {"full": full, "first": first, "resumed": resumed}
+
+
 def fit(
     layout: dict[str, Any],
     optimizer: str = "sgd",
@@ -37,10 +56,10 @@ def fit(
     resume_from: str | None = None,
     max_epochs: int | None = None,
     data_steps: int | None = None,
+    validate: bool = False,
+    init_seed: int = 0,
 ) -> dict[str, Any]:
     strategy = ZeroPPStrategy(split=split, **layout)
-    world = int(torch.distributed.get_world_size()) if torch.distributed.is_initialized() else None
-    del world
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=_world_size(),
@@ -59,14 +78,16 @@ def fit(
     dp = _world_size() // (layout.get("pp_size") or 1)
     micro = GLOBAL_BATCH // dp // layout.get("num_microbatches", layout.get("pp_size") or 1)
     module = LitGPT(MODEL, micro_batch_size=micro, optimizer=optimizer, lr=_lr(optimizer))
-    module.model.load_state_dict(make_model().state_dict())
+    module.model.load_state_dict(make_model(init_seed).state_dict())
     record = Record()
     trainer.callbacks.append(record)
     trainer.fit(module, _loader(data_steps or steps * accumulate, dp), ckpt_path=resume_from)
     if save_to is not None:
         trainer.save_checkpoint(save_to)
+    val = trainer.validate(module, _loader(steps, dp), verbose=False) if validate else None
     params = {n: _full(p) for n, p in module.model.named_parameters()}
-    return {"logged": record.logged, "returned": record.returned, "params": params}
+    out = {"logged": record.logged, "returned": record.returned, "params": params}
+    return out | ({"val_loss": val[0]["val_loss"]} if val else {})
 
 
 def _loader(steps: int, dp: int) -> DataLoader:
@@ -83,9 +104,7 @@ def _lr(optimizer: str) -> float:
 
 
 def _world_size() -> int:
-    import os
-
-    return int(os.environ["WORLD_SIZE"])
+    return _WORLD_SIZE
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:

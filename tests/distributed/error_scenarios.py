@@ -1,0 +1,64 @@
+"""Bad input on every rank: each attempt must raise a clear error on all ranks, never hang."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+from lightning_zeropp import ZeroPPConfig, ZeroPPEngine, ZeroPPStrategy
+from lightning_zeropp.models.lit_gpt import LitGPT
+from tests.distributed.common import MODEL, lm_loss, make_model
+
+
+def _engine(model: nn.Module | None = None, **layout: Any) -> ZeroPPEngine:
+    example = (torch.zeros(2, MODEL.seq_len, dtype=torch.long),)
+    return ZeroPPEngine(
+        model or make_model(), ZeroPPConfig(**layout), loss_fn=lm_loss, example_args=example
+    )
+
+
+def _indivisible_batch() -> None:
+    engine = _engine(pp_size=2, dp_shard_size=2, num_microbatches=4)
+    x = torch.zeros(6, MODEL.seq_len, dtype=torch.long)
+    engine.train_step(x, target=x)
+
+
+def _lightning_bad_layout() -> None:
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=4,
+        strategy=ZeroPPStrategy(pp_size=3),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    trainer.fit(LitGPT(MODEL), [])
+
+
+ATTEMPTS = {
+    "world_mismatch": lambda: _engine(pp_size=3),
+    "too_few_microbatches": lambda: _engine(pp_size=4, num_microbatches=2),
+    "more_stages_than_blocks": lambda: _engine(
+        pp_size=4, schedule="interleaved_1f1b", num_chunks=4, num_microbatches=4
+    ),
+    "indivisible_batch": _indivisible_batch,
+    "unknown_schedule": lambda: _engine(pp_size=2, schedule="pipedream"),
+    "unsplittable_model": lambda: _engine(nn.Linear(4, 4), pp_size=2),
+    "lightning_bad_layout": _lightning_bad_layout,
+}
+
+
+def attempt_all() -> dict[str, str]:
+    """Each attempt's error, as 'Type: message' (or 'no error')."""
+    out = {}
+    for name, fn in ATTEMPTS.items():
+        try:
+            fn()
+            out[name] = "no error"
+        except Exception as err:  # noqa: BLE001 - the test inspects what was raised
+            out[name] = f"{type(err).__name__}: {err}"
+    return out
