@@ -217,11 +217,10 @@ def _with_op(op: dist.P2POp, fn: Callable[..., Any]) -> dist.P2POp:
 def mesh_axis_namer(mesh: DeviceMesh) -> AxisNamer:
     """Name a process group by the axis of `mesh` it spans: "pp", "dp_shard", ... or "world"/"other".
 
-    A group is matched by identity with `mesh.get_group(axis)` first, then by its ranks; axes of
-    size > 1 are tried first, so a one-rank group gets a size-1 axis name only by identity. An axis
-    that spans every rank *is* the default group in DeviceMesh, so the default group (`None`) is
-    named by that axis when there is one; a group matching no axis is "world" if it spans every
-    rank, else "other".
+    A group is matched by identity with `mesh.get_group(axis)` first, then by its ranks, trying
+    axes of size > 1 before size-1 ones. DeviceMesh reuses the default group for an axis that spans
+    every rank, so the default group (`None`) is named by that axis when there is one; a group
+    matching no axis is "world" if it spans every rank, else "other".
     """
     axes = list(mesh.mesh_dim_names or ())
     groups = {axis: mesh.get_group(axis) for axis in axes}

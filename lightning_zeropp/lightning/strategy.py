@@ -221,6 +221,9 @@ class ZeroPPStrategy(ModelParallelStrategy):
         )
         module._modules[name] = self._engine.module
         self._pipelined = name
+        # The example served the tracer. Lightning's model summary would feed it to this rank's
+        # stages as if they were the whole model, so it goes.
+        module.example_input_array = None
 
     def _pipelined_name(self, module: pl.LightningModule) -> str:
         if self._module_name is not None:

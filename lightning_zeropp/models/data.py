@@ -52,10 +52,12 @@ class TokenDataset(Dataset):
 
     @classmethod
     def markov(
-        cls, num_samples: int, seq_len: int, vocab_size: int = 256, seed: int = 0
+        cls, num_samples: int, seq_len: int, vocab_size: int = 256, stream: int = 0
     ) -> TokenDataset:
-        lang = MarkovLanguage(vocab_size=vocab_size, seed=seed)
-        return cls(lang.sample(num_samples * seq_len + 1, seed=seed + 1), seq_len)
+        """`num_samples` windows of the bundled language; another `stream` gives other text of
+        the same language (use one for training and another for validation)."""
+        lang = MarkovLanguage(vocab_size=vocab_size)
+        return cls(lang.sample(num_samples * seq_len + 1, seed=1000 + stream), seq_len)
 
     def __len__(self) -> int:
         return (len(self.tokens) - 1) // self.seq_len
