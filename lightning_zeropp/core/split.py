@@ -126,9 +126,9 @@ def _trace_stages(
 
     if example_args is None and not example_kwargs:
         raise ValueError(
-            "split='trace' needs one example micro-batch of model inputs (example_args), shaped "
-            "exactly like a real micro-batch (batch_size / num_microbatches rows); pass it, or use "
-            "split='stack'."
+            "split='trace' needs one example micro-batch of model inputs, shaped exactly like a "
+            "real micro-batch (per-rank batch size / num_microbatches rows): pass example_args to "
+            "the engine (in Lightning: set the module's example_input_array), or use split='stack'."
         )
     spec = {plan.fqn(r.start): SplitPoint.BEGINNING for r in plan.ranges[1:]}
     pipe = pipeline(

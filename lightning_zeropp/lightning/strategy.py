@@ -134,6 +134,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
         )
         self._split = split
         self._module_name = module_name
+        self._pipelined: str | None = None  # the LightningModule attribute that was pipelined
         self._dims: ParallelDims | None = None
         self._engine: ZeroPPEngine | None = None
         self._stash = GradStash()

@@ -34,7 +34,8 @@ def _train(
     config = ZeroPPConfig(**layout).resolve(torch.distributed.get_world_size())
     micro = GLOBAL_BATCH // config.dp_size // config.num_microbatches
     example = (torch.zeros(micro, make_batches(1)[0][0].shape[1], dtype=torch.long),)
-    engine = ZeroPPEngine(make_model(), config, loss_fn=lm_loss, split=split, example_args=example)
+    method = _stage_builder if split == "callable" else split
+    engine = ZeroPPEngine(make_model(), config, loss_fn=lm_loss, split=method, example_args=example)
     opt = make_optimizer(optimizer, engine.parameters())
     losses, norms = [], []
     for x, y in make_batches(steps):
@@ -47,6 +48,32 @@ def _train(
         losses.append(float(loss))
     params = {n: _full(p) for n, p in engine.module.named_parameters()}
     return {"losses": losses, "norms": norms, "params": params}
+
+
+class _Stage(torch.nn.Module):
+    """A hand-written stage: the documented hook for models neither traceable nor stack-shaped."""
+
+    def __init__(self, model: torch.nn.Module, blocks: range, first: bool, last: bool) -> None:
+        super().__init__()
+        self.first, self.last = first, last
+        if first:
+            self.tok_emb, self.pos_emb = model.tok_emb, model.pos_emb
+        self.blocks = torch.nn.ModuleList()
+        self.blocks._modules = {str(i): model.blocks[i] for i in blocks}  # original names
+        if last:
+            self.norm, self.head = model.norm, model.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            pos = torch.arange(x.shape[1])
+            x = self.tok_emb(x) * (self.tok_emb.embedding_dim**0.5) * 0.1 + self.pos_emb(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x)) if self.last else x
+
+
+def _stage_builder(model, stage: int, num_stages: int, ranges: list[range]) -> torch.nn.Module:
+    return _Stage(model, ranges[stage], stage == 0, stage == num_stages - 1)
 
 
 def _rows(engine: ZeroPPEngine) -> slice:

@@ -30,6 +30,15 @@ class Record(pl.Callback):
         self.returned.append(float(outputs["loss"]))
 
 
+class DirectLitGPT(LitGPT):
+    """A step that calls the network attribute directly instead of `self(x)`."""
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        logits = self.model(x)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+
 def fit_cases(cases: list[dict[str, Any]]) -> dict[str, Any]:
     """Several Trainer.fit runs in one process group, one per case."""
     return {case.pop("id"): fit(**case) for case in cases}
@@ -58,6 +67,7 @@ def fit(
     data_steps: int | None = None,
     validate: bool = False,
     init_seed: int = 0,
+    direct: bool = False,
 ) -> dict[str, Any]:
     strategy = ZeroPPStrategy(split=split, **layout)
     trainer = pl.Trainer(
@@ -77,7 +87,9 @@ def fit(
     )
     dp = _world_size() // (layout.get("pp_size") or 1)
     micro = GLOBAL_BATCH // dp // layout.get("num_microbatches", layout.get("pp_size") or 1)
-    module = LitGPT(MODEL, micro_batch_size=micro, optimizer=optimizer, lr=_lr(optimizer))
+    module = (DirectLitGPT if direct else LitGPT)(
+        MODEL, micro_batch_size=micro, optimizer=optimizer, lr=_lr(optimizer)
+    )
     module.model.load_state_dict(make_model(init_seed).state_dict())
     record = Record()
     trainer.callbacks.append(record)

@@ -35,6 +35,7 @@ CASES = [
         "id": "pp4-interleaved-stack",
         "layout": {"pp_size": 4, "schedule": "interleaved_1f1b", "num_microbatches": 4},
         "split": "stack",
+        "direct": True,
         "validate": True,
     },
     {
