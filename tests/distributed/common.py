@@ -60,10 +60,21 @@ def reference(
     steps: int,
     batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     accumulate: int = 1,
+    lr_schedule: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
-    """Single-process fp32 training on the global batch: the numbers every layout must match."""
+    """Single-process fp32 training on the global batch: the numbers every layout must match.
+
+    `lr_schedule=(warmup_steps, max_steps)` steps the bundled LitGPT's warm-up + cosine schedule
+    after every optimizer step, as Lightning does for `interval="step"`.
+    """
     model = make_model()
     opt = make_optimizer(optimizer, model.parameters())
+    sched = None
+    if lr_schedule is not None:
+        from lightning_zeropp.models.lit_gpt import LitGPT
+
+        factor = LitGPT(MODEL, warmup_steps=lr_schedule[0], max_steps=lr_schedule[1])._lr_factor
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
     losses, norms = [], []
     batches = batches if batches is not None else make_batches(steps)
     for i, (x, y) in enumerate(batches):
@@ -76,5 +87,7 @@ def reference(
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
         opt.step()
         opt.zero_grad()
+        if sched is not None:
+            sched.step()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"losses": losses, "norms": norms, "params": params}

@@ -33,6 +33,7 @@ def assert_matches_reference(
         case.get("steps", 3),
         batches=batches,
         accumulate=accumulate,
+        lr_schedule=case.get("lr_schedule"),
     )
     for rank, rank_result in enumerate(results):  # every rank reports the same global loss
         got = rank_result[case["id"]][losses_key]

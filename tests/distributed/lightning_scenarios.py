@@ -68,6 +68,7 @@ def fit(
     validate: bool = False,
     init_seed: int = 0,
     direct: bool = False,
+    lr_schedule: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     strategy = ZeroPPStrategy(split=split, **layout)
     trainer = pl.Trainer(

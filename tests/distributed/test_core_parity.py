@@ -43,6 +43,7 @@ CASES = {
         ),
         _case("pp2-dualpipev", pp_size=2, schedule="dualpipev", num_microbatches=4),
         _case("pp2-split-callable", pp_size=2, num_microbatches=2, split="callable"),
+        _case("pp2-recompute", pp_size=2, num_microbatches=2, activation_checkpointing=True),
     ],
     4: [
         _case("pp2-dp_shard2-1f1b", pp_size=2, dp_shard_size=2, num_microbatches=4),
