@@ -51,6 +51,9 @@ class ZeroPPConfig:
     single-stage schedules and 2 for interleaved / V schedules; `num_microbatches` equals the number
     of pipeline ranks (the least 1F1B accepts); no resharding after forward when `pp_size > 1`
     (torchtitan's default: one gather per stage and step instead of one per micro-batch).
+
+    `schedule="zeropp"` runs micro-batches in units of `unit_size` (U, default `pp_size`, at least
+    `pp_size`); each chunk's weights are gathered once per block of a unit and released after it.
     """
 
     pp_size: int | None = None
@@ -64,6 +67,7 @@ class ZeroPPConfig:
     activation_checkpointing: bool = False
     reshard_after_forward: bool | None = None
     split_points: list[int] | None = field(default=None)
+    unit_size: int | None = None
 
     def resolve(self, world_size: int) -> ZeroPPConfig:
         """Return a copy with every default filled in and every setting checked."""
@@ -89,6 +93,7 @@ class ZeroPPConfig:
         cfg.num_chunks = _resolve_chunks(cfg.schedule, cfg.num_chunks)
         cfg.num_microbatches = cfg.pp_size if cfg.num_microbatches is None else cfg.num_microbatches
         _check_positive("num_microbatches", cfg.num_microbatches)
+        cfg.unit_size = _resolve_unit_size(cfg.schedule, cfg.unit_size, cfg.pp_size)
         _check_microbatches(cfg.schedule, cfg.num_microbatches, cfg.pp_size, cfg.num_chunks)
         cfg.param_dtype = parse_dtype(cfg.param_dtype, "param_dtype")
         cfg.reduce_dtype = parse_dtype(cfg.reduce_dtype, "reduce_dtype")
@@ -135,8 +140,27 @@ def _resolve_chunks(schedule: str, num_chunks: int | None) -> int:
     return num_chunks
 
 
+def _resolve_unit_size(schedule: str, unit_size: int | None, pp: int) -> int | None:
+    if schedule != "zeropp":
+        if unit_size is not None:
+            raise ValueError(
+                f"unit_size={unit_size} applies to schedule='zeropp' only (got schedule={schedule!r})."
+            )
+        return None
+    unit_size = pp if unit_size is None else unit_size
+    _check_positive("unit_size", unit_size)
+    if unit_size < pp:
+        raise ValueError(
+            f"unit_size={unit_size} is smaller than pp_size={pp}: the first pipeline rank would stall "
+            f"inside every unit. Use unit_size >= {pp}."
+        )
+    return unit_size
+
+
 def _check_microbatches(schedule: str, m: int, pp: int, v: int) -> None:
     """Mirror the schedule constructors' own limits so the error comes early and names the fix."""
+    if schedule == "zeropp":  # any M: the last unit may be smaller than the others, even than pp
+        return
     needs_pp = schedule in ("1f1b", "dualpipev") or (
         schedule_style(schedule) != "single" and pp > 1
     )

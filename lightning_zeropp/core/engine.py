@@ -96,7 +96,9 @@ class ZeroPPEngine:
         self._loss_fn = loss_fn
         self._probe_loss_fn = probe_loss_fn or loss_fn
         self._in_scheduled_loss = False
-        self._schedule = build_schedule(cfg.schedule, self.stages, cfg.num_microbatches, self._loss)
+        self._schedule = build_schedule(
+            cfg.schedule, self.stages, cfg.num_microbatches, self._loss, cfg.unit_size
+        )
         on_scheduled_loss(self._schedule, self._scheduled_loss)
         self.holds_first = 0 in self.stage_ids
         self.holds_last = self.num_stages - 1 in self.stage_ids

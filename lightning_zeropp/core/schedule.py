@@ -18,8 +18,8 @@ __all__ = ["SCHEDULES", "schedule_style", "stage_ids_for_rank", "rank_of_stage",
 
 Style = Literal["single", "looped", "v"]
 
-# name -> (schedule class, placement style)
-SCHEDULES: dict[str, tuple[type, Style]] = {
+# name -> (torch schedule class, or None for ZeroPP's own order; placement style)
+SCHEDULES: dict[str, tuple[type | None, Style]] = {
     "gpipe": (pipelining.ScheduleGPipe, "single"),
     "1f1b": (pipelining.Schedule1F1B, "single"),
     "interleaved_1f1b": (pipelining.ScheduleInterleaved1F1B, "looped"),
@@ -27,6 +27,8 @@ SCHEDULES: dict[str, tuple[type, Style]] = {
     "interleaved_zb": (pipelining.ScheduleInterleavedZeroBubble, "looped"),
     "zbv": (pipelining.ScheduleZBVZeroBubble, "v"),
     "dualpipev": (pipelining.ScheduleDualPipeV, "v"),
+    # ZeroPP's unit schedule (core.zeropp_schedule), run by torch's runtime: see _build_zeropp.
+    "zeropp": (None, "looped"),
 }
 
 
@@ -54,6 +56,7 @@ def build_schedule(
     stages: list[pipelining.PipelineStage],
     num_microbatches: int,
     loss_fn: Callable | None,
+    unit_size: int | None = None,
 ) -> pipelining.schedules._PipelineSchedule:
     """Instantiate schedule `name` over this rank's stages.
 
@@ -61,6 +64,26 @@ def build_schedule(
     (`scale_grads=True`), so gradients are the mean over the rank's batch; FSDP then averages over
     data-parallel ranks, giving the mean over the global batch.
     """
+    if name == "zeropp":
+        return _build_zeropp(stages, num_microbatches, loss_fn, unit_size)
     cls, style = SCHEDULES[name]
+    assert cls is not None
     target = stages[0] if style == "single" else stages
     return cls(target, n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=True)
+
+
+def _build_zeropp(
+    stages: list[pipelining.PipelineStage],
+    num_microbatches: int,
+    loss_fn: Callable | None,
+    unit_size: int | None,
+) -> pipelining.schedules._PipelineSchedule:
+    from lightning_zeropp.core._torch_private import UnitScheduleRuntime
+    from lightning_zeropp.core.zeropp_schedule import check_orders, rank_order
+
+    assert unit_size is not None, "resolve() fills unit_size for schedule='zeropp'"
+    pp, num_stages = stages[0].group_size, stages[0].num_stages
+    chunks = num_stages // pp
+    orders = {r: rank_order(r, pp, chunks, num_microbatches, unit_size) for r in range(pp)}
+    check_orders(orders, num_stages, num_microbatches)  # cheap; a bug here would be a hang
+    return UnitScheduleRuntime(stages, num_microbatches, loss_fn, orders)

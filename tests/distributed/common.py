@@ -19,9 +19,11 @@ def make_model(seed: int = 0) -> GPT:
     return GPT(MODEL)
 
 
-def make_batches(steps: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def make_batches(
+    steps: int, seed: int = 1, global_batch: int = GLOBAL_BATCH
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    shape = (GLOBAL_BATCH, MODEL.seq_len)
+    shape = (global_batch, MODEL.seq_len)
     return [
         (torch.randint(0, MODEL.vocab_size, shape, generator=g),) * 1
         + (torch.randint(0, MODEL.vocab_size, shape, generator=g),)
@@ -61,6 +63,7 @@ def reference(
     batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     accumulate: int = 1,
     lr_schedule: tuple[int, int] | None = None,
+    global_batch: int = GLOBAL_BATCH,
 ) -> dict[str, Any]:
     """Single-process fp32 training on the global batch: the numbers every layout must match.
 
@@ -76,7 +79,7 @@ def reference(
         factor = LitGPT(MODEL, warmup_steps=lr_schedule[0], max_steps=lr_schedule[1])._lr_factor
         sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
     losses, norms = [], []
-    batches = batches if batches is not None else make_batches(steps)
+    batches = batches if batches is not None else make_batches(steps, global_batch=global_batch)
     for i, (x, y) in enumerate(batches):
         loss = lm_loss(model(x), y)
         (loss / accumulate).backward()

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from tests.distributed.common import reference
+from tests.distributed.common import GLOBAL_BATCH, reference
 
 
 def merged_params(results: list[dict[str, Any]], case_id: str, prefix: str = "") -> dict[str, Any]:
@@ -34,6 +34,7 @@ def assert_matches_reference(
         batches=batches,
         accumulate=accumulate,
         lr_schedule=case.get("lr_schedule"),
+        global_batch=case.get("global_batch", GLOBAL_BATCH),
     )
     for rank, rank_result in enumerate(results):  # every rank reports the same global loss
         got = rank_result[case["id"]][losses_key]

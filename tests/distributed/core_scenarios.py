@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
+from lightning_zeropp.core.comm import CommCounter, mesh_axis_namer
 from tests.distributed.common import (
     GLOBAL_BATCH,
     MAX_NORM,
+    MODEL,
     lm_loss,
     make_batches,
     make_model,
@@ -30,24 +33,55 @@ def _train(
     clip: bool = False,
     steps: int = 3,
     split: str = "trace",
+    global_batch: int = GLOBAL_BATCH,
+    count_comms: bool = False,
 ) -> dict[str, Any]:
     config = ZeroPPConfig(**layout).resolve(torch.distributed.get_world_size())
-    micro = GLOBAL_BATCH // config.dp_size // config.num_microbatches
-    example = (torch.zeros(micro, make_batches(1)[0][0].shape[1], dtype=torch.long),)
+    micro = global_batch // config.dp_size // config.num_microbatches
+    example = (torch.zeros(micro, MODEL.seq_len, dtype=torch.long),)
     method = _stage_builder if split == "callable" else split
     engine = ZeroPPEngine(make_model(), config, loss_fn=lm_loss, split=method, example_args=example)
     opt = make_optimizer(optimizer, engine.parameters())
-    losses, norms = [], []
-    for x, y in make_batches(steps):
-        rows = _rows(engine)
-        loss = engine.train_step(x[rows], target=y[rows])
+    losses, norms, comms = [], [], []
+    for x, y in make_batches(steps, global_batch=global_batch):
+        rows = _rows(engine, global_batch)
+        with CommCounter(mesh_axis_namer(engine.dims.mesh)) if count_comms else nullcontext() as c:
+            loss = engine.train_step(x[rows], target=y[rows])
+        comms.append(c.summary() if count_comms else None)
         if clip:
             norms.append(float(engine.clip_grad_norm_(MAX_NORM)))
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))
     params = {n: _full(p) for n, p in engine.module.named_parameters()}
-    return {"losses": losses, "norms": norms, "params": params}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "params": params,
+        "comms": comms,
+        "plan": _plan(engine),
+    }
+
+
+def _plan(engine: ZeroPPEngine) -> dict[int, int]:
+    """FSDP units that own parameters, per local stage: what one gather of the stage all-gathers."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def owns_params(unit: torch.nn.Module) -> bool:
+        nested = {
+            id(p)
+            for m in unit.modules()
+            if m is not unit and isinstance(m, FSDPModule)
+            for p in m.parameters()
+        }
+        return any(id(p) not in nested for p in unit.parameters())
+
+    return {
+        stage.stage_index: sum(
+            1 for m in stage.submod.modules() if isinstance(m, FSDPModule) and owns_params(m)
+        )
+        for stage in engine.stages
+    }
 
 
 class _Stage(torch.nn.Module):
@@ -76,8 +110,8 @@ def _stage_builder(model, stage: int, num_stages: int, ranges: list[range]) -> t
     return _Stage(model, ranges[stage], stage == 0, stage == num_stages - 1)
 
 
-def _rows(engine: ZeroPPEngine) -> slice:
-    per_rank = GLOBAL_BATCH // engine.dims.dp_size
+def _rows(engine: ZeroPPEngine, global_batch: int) -> slice:
+    per_rank = global_batch // engine.dims.dp_size
     start = engine.dims.dp_rank * per_rank
     return slice(start, start + per_rank)
 
