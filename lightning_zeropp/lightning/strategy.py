@@ -85,7 +85,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
 
     Args mirror `ZeroPPConfig` (pp_size, dp_shard_size, dp_replicate_size, num_microbatches,
     schedule, num_chunks, param_dtype, reduce_dtype, activation_checkpointing,
-    reshard_after_forward, split_points), plus:
+    reshard_after_forward, split_points, unit_size), plus:
         split: "trace" (default; needs `example_input_array` set to one micro-batch of model
             inputs), "stack", or a callable (see `lightning_zeropp.core.split`).
         module_name: the LightningModule attribute to pipeline (default: its only child module
@@ -113,6 +113,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
         activation_checkpointing: bool = False,
         reshard_after_forward: bool | None = None,
         split_points: list[int] | None = None,
+        unit_size: int | None = None,
         split: SplitMethod = "trace",
         module_name: str | None = None,
         timeout: datetime.timedelta = datetime.timedelta(minutes=30),
@@ -131,6 +132,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
             activation_checkpointing=activation_checkpointing,
             reshard_after_forward=reshard_after_forward,
             split_points=split_points,
+            unit_size=unit_size,
         )
         self._split = split
         self._module_name = module_name

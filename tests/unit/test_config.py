@@ -14,6 +14,8 @@ def test_defaults_fill_from_world_size():
     assert ZeroPPConfig().resolve(4).reshard_after_forward is True  # plain FSDP
     assert ZeroPPConfig(schedule="interleaved_1f1b", pp_size=2).resolve(2).num_chunks == 2
     assert ZeroPPConfig(param_dtype="bf16").resolve(1).param_dtype == torch.bfloat16
+    zeropp = ZeroPPConfig(schedule="zeropp", pp_size=2, num_microbatches=7).resolve(2)
+    assert (zeropp.num_chunks, zeropp.unit_size) == (2, 2)  # any M: the last unit may be smaller
 
 
 @pytest.mark.parametrize(
@@ -31,6 +33,12 @@ def test_defaults_fill_from_world_size():
         (dict(pp_size=0), 1, r"pp_size=0 must be a positive integer"),
         (dict(param_dtype="fp8"), 1, r"param_dtype='fp8' is not a known dtype"),
         (dict(schedule="interleaved_1f1b", pp_size=2, num_microbatches=5), 2, r"multiple of 2"),
+        (
+            dict(schedule="zeropp", pp_size=4, unit_size=2),
+            4,
+            r"unit_size=2 is smaller than pp_size=4",
+        ),
+        (dict(schedule="1f1b", unit_size=2), 1, r"unit_size=2 applies to schedule='zeropp' only"),
     ],
 )
 def test_bad_settings_name_the_value(kwargs, world, match):
