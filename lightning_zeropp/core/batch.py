@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["batch_size", "take_rows", "check_divisible"]
+__all__ = ["ShapeGuard", "batch_size", "take_rows", "check_divisible"]
 
 
 def batch_size(batch: Any) -> int:
@@ -37,3 +37,23 @@ def check_divisible(size: int, num_microbatches: int) -> None:
 
 def _is_batched(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.dim() > 0
+
+
+class ShapeGuard:
+    """Pipeline stages fix their tensor shapes when a mode (train / eval) first runs: a later batch
+    of another shape must fail here, on every rank (each checks its own copy of the batch), before
+    the schedule, where a mismatch on one stage would leave the others waiting."""
+
+    def __init__(self) -> None:
+        self._first: dict[str, list[tuple[int, ...]]] = {}
+
+    def check(self, mode: str, batch: Any) -> None:
+        leaves, _ = tree_flatten(batch)
+        shapes = [tuple(t.shape) for t in leaves if isinstance(t, torch.Tensor)]
+        first = self._first.setdefault(mode, shapes)
+        if shapes != first:
+            raise ValueError(
+                f"a {mode} batch changed shape from {first} to {shapes}; pipeline stages fix their "
+                "shapes at the first step. Keep batch size and sequence length constant "
+                "(drop_last=True, fixed-length padding)."
+            )

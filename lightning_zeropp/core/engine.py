@@ -16,10 +16,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
-from torch.utils._pytree import tree_flatten
 
 from lightning_zeropp.core._torch_private import on_scheduled_loss
-from lightning_zeropp.core.batch import batch_size, check_divisible
+from lightning_zeropp.core.batch import ShapeGuard, batch_size, check_divisible
 from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.grads import GradStash, clip_grad_norm_
 from lightning_zeropp.core.mesh import ParallelDims, build_mesh
@@ -103,7 +102,7 @@ class ZeroPPEngine:
         self.holds_first = 0 in self.stage_ids
         self.holds_last = self.num_stages - 1 in self.stage_ids
         self.last_pp_rank = rank_of_stage(self.style, self.num_stages - 1, cfg.pp_size)
-        self._input_shapes: list[tuple[int, ...]] | None = None
+        self._shapes = ShapeGuard()
 
     # ------------------------------------------------------------------ set-up
     def _prepare_stage(self, module: nn.Module, stage_id: int) -> None:
@@ -123,7 +122,7 @@ class ZeroPPEngine:
         `loss.backward()` would. Returns the loss of the global batch (the mean over every
         micro-batch of every data-parallel rank) on every rank.
         """
-        self._check_batch(args, kwargs, target)
+        self._check_batch("train", args, kwargs, target)
         stash = GradStash()
         stash.hold(self.parameters())
         losses: list[torch.Tensor] = []
@@ -137,7 +136,7 @@ class ZeroPPEngine:
         self, *args: Any, target: torch.Tensor | None = None, **kwargs: Any
     ) -> torch.Tensor | None:
         """Forward only; returns the mean loss on every rank when `target` is given."""
-        self._check_batch(args, kwargs, target)
+        self._check_batch("eval", args, kwargs, target)
         losses: list[torch.Tensor] = []
         inputs, kw = (args, kwargs) if self.holds_first else ((), {})
         self._schedule.eval(*inputs, target=target, losses=losses, **kw)
@@ -164,23 +163,14 @@ class ZeroPPEngine:
         finally:
             self._in_scheduled_loss = False
 
-    def _check_batch(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any) -> None:
-        """Checks every rank can make from its own arguments, before any communication."""
+    def _check_batch(
+        self, mode: str, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any
+    ) -> None:
+        """Checks every rank makes from its own arguments, before any communication."""
         present = [x for x in (args or None, kwargs or None, target) if x is not None]
-        if not present:
-            return
-        check_divisible(batch_size(present), self.config.num_microbatches)
-        if not args and not kwargs:
-            return
-        shapes = [tuple(t.shape) for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t)]
-        if self._input_shapes is None:
-            self._input_shapes = shapes
-        elif shapes != self._input_shapes:
-            raise ValueError(
-                f"the model inputs changed shape from {self._input_shapes} to {shapes}; pipeline "
-                "stages fix their shapes at the first step. Keep batch size and sequence length "
-                "constant (drop_last=True, fixed-length padding)."
-            )
+        if present:
+            check_divisible(batch_size(present), self.config.num_microbatches)
+            self._shapes.check(mode, present)
 
     def _broadcast_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         if losses:

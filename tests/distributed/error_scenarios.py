@@ -26,6 +26,13 @@ def _indivisible_batch() -> None:
     engine.train_step(x, target=x)
 
 
+def _shape_change() -> None:
+    engine = _engine(pp_size=2, dp_shard_size=2, num_microbatches=2)
+    for seq in (MODEL.seq_len, MODEL.seq_len // 2):
+        x = torch.zeros(4, seq, dtype=torch.long)
+        engine.train_step(x, target=x)
+
+
 def _lightning_bad_layout() -> None:
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -46,6 +53,7 @@ ATTEMPTS = {
         pp_size=4, schedule="interleaved_1f1b", num_chunks=4, num_microbatches=4
     ),
     "indivisible_batch": _indivisible_batch,
+    "shape_change": _shape_change,
     "unknown_schedule": lambda: _engine(pp_size=2, schedule="pipedream"),
     "unsplittable_model": lambda: _engine(nn.Linear(4, 4), pp_size=2),
     "lightning_bad_layout": _lightning_bad_layout,

@@ -13,6 +13,7 @@ EXPECTED = {
     "too_few_microbatches": "num_microbatches=2 is too few for schedule='1f1b' with pp_size=4",
     "more_stages_than_blocks": "has 8 blocks in 'blocks' but the layout needs 16 stages",
     "indivisible_batch": "a batch of 6 rows does not split into num_microbatches=4",
+    "shape_change": "a train batch changed shape from [(4, 16), (4, 16)] to [(4, 8), (4, 8)]",
     "unknown_schedule": "schedule='pipedream' is unknown",
     "unsplittable_model": "no ModuleList, ModuleDict or nn.Sequential",
     "lightning_bad_layout": "pp_size (3) x dp_replicate_size (1) x dp_shard_size (1) = 3, but the world has 4",
