@@ -21,7 +21,9 @@ from lightning_zeropp.models.lit_gpt import LitGPT
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--pp", type=int, default=2, help="pipeline ranks")
     p.add_argument("--dp-shard", type=int, default=2, help="ranks that shard each stage (FSDP2)")
@@ -41,8 +43,12 @@ def main() -> None:
     per_rank = args.global_batch // dp
     model_cfg = GPTConfig()
     pl.seed_everything(0)
-    train = TokenDataset.markov(args.steps * args.global_batch, model_cfg.seq_len, model_cfg.vocab_size)
-    val = TokenDataset.markov(4 * args.global_batch, model_cfg.seq_len, model_cfg.vocab_size, stream=1)
+    train = TokenDataset.markov(
+        args.steps * args.global_batch, model_cfg.seq_len, model_cfg.vocab_size
+    )
+    val = TokenDataset.markov(
+        4 * args.global_batch, model_cfg.seq_len, model_cfg.vocab_size, stream=1
+    )
     module = LitGPT(
         model_cfg,
         micro_batch_size=per_rank // args.microbatches,
@@ -72,7 +78,9 @@ def main() -> None:
     )
     if trainer.is_global_zero:
         floor = MarkovLanguage(vocab_size=model_cfg.vocab_size).entropy()
-        print(f"world {world} = pp {args.pp} x dp_replicate {args.dp_replicate} x dp_shard {args.dp_shard}; loss floor {floor:.3f}")
+        print(
+            f"world {world} = pp {args.pp} x dp_replicate {args.dp_replicate} x dp_shard {args.dp_shard}; loss floor {floor:.3f}"
+        )
     trainer.fit(
         module,
         DataLoader(train, batch_size=per_rank, shuffle=True, drop_last=True),
