@@ -2,11 +2,29 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from tests.distributed.common import GLOBAL_BATCH, reference
+from tests.distributed.launch import launch
+
+
+def core_results_by_world(
+    tmp_path_factory: Any, cases_by_world: dict[int, list[dict[str, Any]]], name: str
+) -> Callable[[int], list[Any]]:
+    """Run each world size's core cases in one launch, on first use, and remember the results."""
+    cache: dict[int, list[Any]] = {}
+
+    def get(world: int) -> list[Any]:
+        if world not in cache:
+            out = tmp_path_factory.mktemp(f"{name}{world}")
+            params = {"cases": cases_by_world[world]}
+            cache[world] = launch(world, "core_scenarios.parity", params, out, timeout=420)
+        return cache[world]
+
+    return get
 
 
 def merged_params(results: list[dict[str, Any]], case_id: str, prefix: str = "") -> dict[str, Any]:

@@ -12,7 +12,11 @@ import pytest
 import torch
 
 from tests.distributed.common import reference
-from tests.distributed.conftest import assert_matches_reference, merged_params
+from tests.distributed.conftest import (
+    assert_matches_reference,
+    core_results_by_world,
+    merged_params,
+)
 from tests.distributed.launch import launch
 
 pytestmark = pytest.mark.distributed
@@ -112,17 +116,7 @@ ALL = [(world, case) for world, cases in CASES.items() for case in cases]
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    cache: dict[int, list] = {}
-
-    def get(world: int) -> list:
-        if world not in cache:
-            out = tmp_path_factory.mktemp(f"core{world}")
-            cache[world] = launch(
-                world, "core_scenarios.parity", {"cases": CASES[world]}, out, timeout=420
-            )
-        return cache[world]
-
-    return get
+    return core_results_by_world(tmp_path_factory, CASES, "core")
 
 
 @pytest.mark.parametrize(("world", "case"), ALL, ids=[f"w{w}-{c['id']}" for w, c in ALL])

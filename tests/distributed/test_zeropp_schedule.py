@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_zeropp.core.zeropp_schedule import gather_blocks, rank_order
-from tests.distributed.conftest import assert_matches_reference
-from tests.distributed.launch import launch
+from tests.distributed.conftest import assert_matches_reference, core_results_by_world
 
 pytestmark = pytest.mark.distributed
 
@@ -49,18 +48,8 @@ ALL = [(w, c) for w, cases in CASES.items() for c in cases]
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    cache: dict[int, list] = {}
-
-    def get(world: int) -> list:
-        if world not in cache:
-            cases = [{**c, "count_comms": True} for c in CASES[world]]
-            out = tmp_path_factory.mktemp(f"zeropp{world}")
-            cache[world] = launch(
-                world, "core_scenarios.parity", {"cases": cases}, out, timeout=420
-            )
-        return cache[world]
-
-    return get
+    counted = {w: [{**c, "count_comms": True} for c in cases] for w, cases in CASES.items()}
+    return core_results_by_world(tmp_path_factory, counted, "zeropp")
 
 
 @pytest.mark.parametrize(("world", "case"), ALL, ids=[f"w{w}-{c['id']}" for w, c in ALL])
