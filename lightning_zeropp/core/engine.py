@@ -100,7 +100,6 @@ class ZeroPPEngine:
         )
         on_scheduled_loss(self._schedule, self._scheduled_loss)
         self.holds_first = 0 in self.stage_ids
-        self.holds_last = self.num_stages - 1 in self.stage_ids
         self.last_pp_rank = rank_of_stage(self.style, self.num_stages - 1, cfg.pp_size)
         self._shapes = ShapeGuard()
 

@@ -26,13 +26,12 @@ def shard_stage(
     stage: nn.Module, block_names: Sequence[str], dp_mesh: DeviceMesh, config: ZeroPPConfig
 ) -> nn.Module:
     """`fully_shard` each block of `stage`, then the stage root, over `dp_mesh`."""
-    policy = MixedPrecisionPolicy(
-        param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype or config.param_dtype
-    )
-    # When the reduce dtype is not set, reduce in fp32 under bf16 params: summing bf16 gradients
-    # over many ranks loses the low bits FSDP users expect to keep.
-    if config.param_dtype is not None and config.reduce_dtype is None:
-        policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=torch.float32)
+    # When the reduce dtype is not set, reduce in fp32 under low-precision params: summing bf16
+    # gradients over many ranks loses the low bits FSDP users expect to keep.
+    reduce_dtype = config.reduce_dtype
+    if reduce_dtype is None and config.param_dtype is not None:
+        reduce_dtype = torch.float32
+    policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=reduce_dtype)
     for name in block_names:
         block = _find_block(stage, name)
         fully_shard(

@@ -32,7 +32,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_zeropp.core import checkpoint as ckpt
-from lightning_zeropp.core.batch import ShapeGuard, batch_size, check_divisible, take_rows
+from lightning_zeropp.core.batch import ShapeGuard, batch_size, take_rows
 from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.engine import ZeroPPEngine
 from lightning_zeropp.core.grads import GradStash
@@ -287,9 +287,8 @@ class ZeroPPStrategy(ModelParallelStrategy):
     def _run(self, step_fn: Callable[..., Any], args: tuple[Any, ...], train: bool) -> torch.Tensor:
         batch, rest = args[0], args[1:]
         rows = torch.arange(batch_size(batch), device=self.root_device)
-        # Every rank holds the whole batch: check it here, since only the first stage sees the
-        # model inputs that the engine checks.
-        check_divisible(len(rows), self.zeropp_config.num_microbatches)
+        # Every rank holds the whole batch: check its shapes here, since only the first stage sees
+        # the model inputs the engine checks (the engine checks divisibility on `rows` everywhere).
         self._shapes.check("train" if train else "eval", batch)
         self._step = (step_fn, batch, rest)
         inputs, kw = self._capture_inputs() if self.engine.holds_first else ((), {})
