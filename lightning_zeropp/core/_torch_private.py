@@ -5,17 +5,24 @@ Covered torch range: 2.13.x (pinned in pyproject.toml).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining.schedules import (
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
     FORWARD,
     FULL_BACKWARD,
+    REDUCE_GRAD,
     RESHARD,
     UNSHARD,
     _Action,
     _add_reduce_grad,
     _add_send_recv,
+    _PipelineContext,
     _PipelineSchedule,
     _PipelineScheduleRuntime,
 )
@@ -47,7 +54,17 @@ class UnitScheduleRuntime(_PipelineScheduleRuntime):
 
     The compute order comes from `core.zeropp_schedule`. Lowering: one UNSHARD (all-gather of every
     FSDP unit of the stage) before each contiguous block of one stage's tasks and one RESHARD after
-    it, then torch's own passes add the end-of-step gradient reduction and the send/recv actions.
+    it, an early gradient reduce-scatter after the tasks listed in `reduce_at` (a REDUCE_GRAD action
+    carrying a micro-batch index; torch's own end-of-step REDUCE_GRAD carries none), then torch's
+    own passes add the end-of-step reduction and the send/recv actions.
+
+    Two actions get their own implementation:
+    - BACKWARD_WEIGHT on a stage whose weights were released (a held-back W) computes the weight
+      gradients against FSDP's unsharded parameter objects, whose data is gone but whose autograd
+      identity and `.grad` are kept: a weight gradient needs saved activations, not weights.
+    - REDUCE_GRAD with a micro-batch index reduce-scatters the gradients gathered so far into the
+      sharded gradients (which accumulate) and leaves the weights as they are; the end-of-step one
+      is torch's, which also scales by the micro-batch count.
     """
 
     def __init__(
@@ -56,25 +73,125 @@ class UnitScheduleRuntime(_PipelineScheduleRuntime):
         n_microbatches: int,
         loss_fn: Callable[..., Any] | None,
         orders: Mapping[int, Sequence[Task]],
+        reduce_at: Mapping[int, Sequence[int]] | None = None,
     ) -> None:
         super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
-        kinds = {"F": FORWARD, "B": FULL_BACKWARD}
+        kinds = {"F": FORWARD, "B": FULL_BACKWARD, "I": BACKWARD_INPUT, "W": BACKWARD_WEIGHT}
         self.pipeline_order = {
             rank: [_Action(t.stage, kinds[t.kind], t.microbatch) for t in order]
             for rank, order in orders.items()
         }
+        reduce_at = reduce_at or {}
         lowered = {
-            rank: _add_reduce_grad(_gather_per_block(orders[rank], actions), n_microbatches)
+            rank: _add_reduce_grad(
+                _lower(orders[rank], actions, set(reduce_at.get(rank, ()))), n_microbatches
+            )
             for rank, actions in self.pipeline_order.items()
         }
         mapping = self.stage_index_to_group_rank
         self.pipeline_order_with_comms = _add_send_recv(
             lowered, stage_to_rank=lambda s: mapping[s], num_stages=self._num_stages
         )
+        self.register_custom_function(BACKWARD_WEIGHT, _backward_weight)
+        self.register_custom_function(REDUCE_GRAD, _reduce_grad)
 
 
-def _gather_per_block(order: Sequence[Task], actions: list[_Action]) -> list[_Action]:
+def _lower(order: Sequence[Task], actions: list[_Action], reduce_at: set[int]) -> list[_Action]:
+    starts = {start: stage for stage, start, _ in gather_blocks(order)}
+    ends = {end - 1: stage for stage, _, end in gather_blocks(order)}
     lowered: list[_Action] = []
-    for stage, start, end in gather_blocks(order):
-        lowered += [_Action(stage, UNSHARD), *actions[start:end], _Action(stage, RESHARD)]
+    for i, (task, action) in enumerate(zip(order, actions, strict=True)):
+        if i in starts:
+            lowered.append(_Action(starts[i], UNSHARD))
+        lowered.append(action)
+        if i in reduce_at:
+            lowered.append(_Action(task.stage, REDUCE_GRAD, task.microbatch))
+        if i in ends:
+            lowered.append(_Action(ends[i], RESHARD))
     return lowered
+
+
+def _stage_of(runtime: Any, stage_index: int) -> Any:
+    return next(s for s in runtime._stages if s.stage_index == stage_index)
+
+
+def _backward_weight(action: _Action, ctx: _PipelineContext) -> None:
+    runtime = ctx.schedule_ref
+    stage = _stage_of(runtime, action.stage_index)
+    runtime.backward_counter[stage.stage_index] += 1
+    last = runtime.backward_counter[stage.stage_index] == runtime._n_microbatches
+    gathered = stage.stage_index in runtime.unsharded_stages or stage.stage_index in (
+        runtime.unshard_ops
+    )
+    if gathered or not isinstance(stage.submod, FSDPModule):
+        runtime._assert_unsharded(stage)
+        stage.backward_weight_one_chunk(action.microbatch_index, last_backward=last)
+        return
+    with _unsharded_parameters(stage.submod):
+        stage.backward_weight_one_chunk(action.microbatch_index, last_backward=last)
+
+
+@contextlib.contextmanager
+def _unsharded_parameters(module: nn.Module) -> Iterator[None]:
+    """Make `module.parameters()` yield FSDP's unsharded parameter objects while resharded.
+
+    The stage computes weight gradients for (and accumulates them into) `submod.parameters()`;
+    once resharded those are the sharded DTensors, which the saved autograd graph never saw.
+
+    A weight's gradient never needs its own value when the weight enters its op once and linearly
+    (matmuls, embeddings, norms), but some kernels still touch the memory: layer norm's backward
+    reads the scale even when only the scale's gradient is wanted. Vectors (norm scales, biases;
+    tiny) therefore get memory filled with NaN for the duration: read but unused it is harmless,
+    used it poisons the gradients and the loss, so a model whose weight gradients do depend on the
+    weights fails loudly instead of training on garbage. Matrices stay unallocated; a kernel that
+    reads one fails with the error below.
+    """
+    params = [
+        fsdp_param._unsharded_param
+        for m in module.modules()
+        if isinstance(m, FSDPModule) and (group := m._get_fsdp_state()._fsdp_param_group)
+        for fsdp_param in group.fsdp_params
+        if hasattr(fsdp_param, "_unsharded_param")
+    ]
+    filled = [p for p in params if p.ndim <= 1 and p.untyped_storage().size() == 0]
+    for p in filled:
+        p.untyped_storage().resize_((p.storage_offset() + p.numel()) * p.element_size())
+        p.data.fill_(float("nan"))
+    module.parameters = lambda recurse=True: iter(params)  # type: ignore[method-assign]
+    try:
+        yield
+    except RuntimeError as err:
+        if "data is not allocated" not in str(err):
+            raise
+        raise RuntimeError(
+            "a held-back weight-gradient task (schedule='zeropp', split_backward=True) needed the "
+            "values of a released weight matrix; this model's weight gradients depend on its "
+            "weights. Use split_backward=False."
+        ) from err
+    finally:
+        del module.parameters
+        for p in filled:
+            p.untyped_storage().resize_(0)
+
+
+def _reduce_grad(action: _Action, ctx: _PipelineContext) -> None:
+    runtime = ctx.schedule_ref
+    stage = _stage_of(runtime, action.stage_index)
+    if action.microbatch_index is None:  # torch's end-of-step reduction, as the runtime does it
+        stage.perform_reduce_grad(runtime._n_microbatches if runtime.scale_grads else 1)
+        return
+    root = stage.submod
+    if not isinstance(root, FSDPModule):
+        return
+    # What perform_reduce_grad does, minus resharding (the block may still be running) and minus
+    # scaling (the end-of-step reduction scales everything once).
+    root.set_requires_gradient_sync(True)
+    root.set_reshard_after_backward(False)
+    root.set_is_last_backward(True)
+    state = root._get_fsdp_state()
+    for sub in state._state_ctx.all_states:
+        for group in sub._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
+    root.set_requires_gradient_sync(False)
+    root.set_is_last_backward(False)

@@ -15,7 +15,10 @@ import torch
 
 from lightning_zeropp.core.schedule import SCHEDULES, schedule_style
 
-__all__ = ["ZeroPPConfig", "parse_dtype"]
+__all__ = ["ZeroPPConfig", "parse_dtype", "RECOMPUTE", "GRAD_REDUCE"]
+
+RECOMPUTE = ("none", "all", "except_last")
+GRAD_REDUCE = ("step", "unit", "microbatch")
 
 _DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -54,6 +57,13 @@ class ZeroPPConfig:
 
     `schedule="zeropp"` runs micro-batches in units of `unit_size` (U, default `pp_size`, at least
     `pp_size`); each chunk's weights are gathered once per block of a unit and released after it.
+    Its backward is split into input- and weight-gradient tasks (`split_backward`, default on), and
+    `grad_reduce` says when gradients are reduce-scattered: once per "step" (default), per "unit",
+    or per "microbatch" (the latter two free unsharded gradients sooner, at more communication).
+
+    `activation_checkpointing` (recomputation): False / "none", True / "all" (every block), or
+    "except_last" (every block except those of the last stage, whose activations are consumed
+    right after they are made: ZeroPP's policy). Recomputed stages run a full backward.
     """
 
     pp_size: int | None = None
@@ -64,10 +74,12 @@ class ZeroPPConfig:
     num_chunks: int | None = None
     param_dtype: torch.dtype | str | None = None
     reduce_dtype: torch.dtype | str | None = None
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | str = False
     reshard_after_forward: bool | None = None
     split_points: list[int] | None = field(default=None)
     unit_size: int | None = None
+    split_backward: bool | None = None
+    grad_reduce: str = "step"
 
     def resolve(self, world_size: int) -> ZeroPPConfig:
         """Return a copy with every default filled in and every setting checked."""
@@ -101,7 +113,26 @@ class ZeroPPConfig:
             cfg.reshard_after_forward = cfg.pp_size == 1
         if cfg.split_points is not None:
             cfg.split_points = [int(p) for p in cfg.split_points]
+        cfg.activation_checkpointing = _resolve_recompute(cfg.activation_checkpointing)
+        cfg.split_backward = _resolve_zeropp_only(
+            "split_backward", cfg.split_backward, cfg.schedule, default=cfg.schedule == "zeropp"
+        )
+        cfg.grad_reduce = str(cfg.grad_reduce).lower()
+        if cfg.grad_reduce not in GRAD_REDUCE:
+            raise ValueError(
+                f"grad_reduce={self.grad_reduce!r} is unknown; choose one of {list(GRAD_REDUCE)}."
+            )
+        if cfg.grad_reduce != "step" and cfg.schedule != "zeropp":
+            raise ValueError(
+                f"grad_reduce={cfg.grad_reduce!r} applies to schedule='zeropp' only (got "
+                f"schedule={cfg.schedule!r}); other schedules reduce once per step."
+            )
         return cfg
+
+    def recomputes(self, stage: int) -> bool:
+        """Whether stage `stage` recomputes its blocks' activations in backward (resolved config)."""
+        policy = self.activation_checkpointing
+        return policy == "all" or (policy == "except_last" and stage != self.num_stages - 1)
 
     @property
     def num_stages(self) -> int:
@@ -119,6 +150,28 @@ class ZeroPPConfig:
 def _check_positive(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name}={value!r} must be a positive integer.")
+
+
+def _resolve_recompute(value: bool | str) -> str:
+    if isinstance(value, bool):
+        return "all" if value else "none"
+    policy = str(value).lower()
+    if policy not in RECOMPUTE:
+        raise ValueError(
+            f"activation_checkpointing={value!r} is unknown; use True/False or one of {RECOMPUTE}."
+        )
+    return policy
+
+
+def _resolve_zeropp_only(name: str, value: bool | None, schedule: str, default: bool) -> bool:
+    if value is None:
+        return default
+    if value and schedule != "zeropp":
+        raise ValueError(
+            f"{name}=True applies to schedule='zeropp' only (got schedule={schedule!r}); torch's "
+            "zero-bubble schedules ('interleaved_zb', 'zbv', 'dualpipev') split backward themselves."
+        )
+    return bool(value)
 
 
 def _resolve_chunks(schedule: str, num_chunks: int | None) -> int:

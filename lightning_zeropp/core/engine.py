@@ -95,9 +95,7 @@ class ZeroPPEngine:
         self._loss_fn = loss_fn
         self._probe_loss_fn = probe_loss_fn or loss_fn
         self._in_scheduled_loss = False
-        self._schedule = build_schedule(
-            cfg.schedule, self.stages, cfg.num_microbatches, self._loss, cfg.unit_size
-        )
+        self._schedule = build_schedule(cfg, self.stages, self._loss)
         on_scheduled_loss(self._schedule, self._scheduled_loss)
         self.holds_first = 0 in self.stage_ids
         self.last_pp_rank = rank_of_stage(self.style, self.num_stages - 1, cfg.pp_size)
@@ -107,7 +105,7 @@ class ZeroPPEngine:
     def _prepare_stage(self, module: nn.Module, stage_id: int) -> None:
         blocks = self.plan.stage_blocks(stage_id) if self.plan is not None else []
         module.to(self.device)
-        if self.config.activation_checkpointing:
+        if self.config.recomputes(stage_id):
             apply_activation_checkpointing(module, blocks)
         shard_stage(module, blocks, self.dims.dp_mesh, self.config)
 

@@ -10,11 +10,23 @@ Three placement styles cover torch's schedules:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch.distributed.pipelining as pipelining
 
-__all__ = ["SCHEDULES", "schedule_style", "stage_ids_for_rank", "rank_of_stage", "build_schedule"]
+from lightning_zeropp.core.zeropp_schedule import Task, check_orders, rank_order, reduce_points
+
+if TYPE_CHECKING:
+    from lightning_zeropp.core.config import ZeroPPConfig
+
+__all__ = [
+    "SCHEDULES",
+    "schedule_style",
+    "stage_ids_for_rank",
+    "rank_of_stage",
+    "build_schedule",
+    "zeropp_orders",
+]
 
 Style = Literal["single", "looped", "v"]
 
@@ -52,38 +64,52 @@ def rank_of_stage(style: Style, stage: int, pp_size: int) -> int:
 
 
 def build_schedule(
-    name: str,
+    config: ZeroPPConfig,
     stages: list[pipelining.PipelineStage],
-    num_microbatches: int,
     loss_fn: Callable | None,
-    unit_size: int | None = None,
 ) -> pipelining.schedules._PipelineSchedule:
-    """Instantiate schedule `name` over this rank's stages.
+    """Instantiate the (resolved) config's schedule over this rank's stages.
 
     Losses are per-micro-batch means and the schedule divides gradients by the micro-batch count
     (`scale_grads=True`), so gradients are the mean over the rank's batch; FSDP then averages over
     data-parallel ranks, giving the mean over the global batch.
     """
-    if name == "zeropp":
-        return _build_zeropp(stages, num_microbatches, loss_fn, unit_size)
-    cls, style = SCHEDULES[name]
+    if config.schedule == "zeropp":
+        return _build_zeropp(config, stages, loss_fn)
+    cls, style = SCHEDULES[config.schedule]
     assert cls is not None
     target = stages[0] if style == "single" else stages
-    return cls(target, n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=True)
+    return cls(target, n_microbatches=config.num_microbatches, loss_fn=loss_fn, scale_grads=True)
+
+
+def zeropp_orders(config: ZeroPPConfig) -> dict[int, list[Task]]:
+    """Every pipeline rank's ZeroPP task order for a resolved config (checked: no deadlock)."""
+    pp, v, m, u = config.pp_size, config.num_chunks, config.num_microbatches, config.unit_size
+    assert pp is not None and v is not None and m is not None and u is not None, "resolve() first"
+    full = [s for s in range(config.num_stages) if config.recomputes(s)]
+    orders = {
+        r: rank_order(
+            r, pp, v, m, u, split_backward=bool(config.split_backward), full_backward=full
+        )
+        for r in range(pp)
+    }
+    check_orders(orders, config.num_stages, m)  # cheap; a bug here would be a hang
+    return orders
 
 
 def _build_zeropp(
-    stages: list[pipelining.PipelineStage],
-    num_microbatches: int,
-    loss_fn: Callable | None,
-    unit_size: int | None,
+    config: ZeroPPConfig, stages: list[pipelining.PipelineStage], loss_fn: Callable | None
 ) -> pipelining.schedules._PipelineSchedule:
     from lightning_zeropp.core._torch_private import UnitScheduleRuntime
-    from lightning_zeropp.core.zeropp_schedule import check_orders, rank_order
 
-    assert unit_size is not None, "resolve() fills unit_size for schedule='zeropp'"
-    pp, num_stages = stages[0].group_size, stages[0].num_stages
-    chunks = num_stages // pp
-    orders = {r: rank_order(r, pp, chunks, num_microbatches, unit_size) for r in range(pp)}
-    check_orders(orders, num_stages, num_microbatches)  # cheap; a bug here would be a hang
-    return UnitScheduleRuntime(stages, num_microbatches, loss_fn, orders)
+    orders = zeropp_orders(config)
+    assert config.num_microbatches is not None and config.unit_size is not None
+    return UnitScheduleRuntime(
+        stages,
+        config.num_microbatches,
+        loss_fn,
+        orders,
+        reduce_at={
+            r: reduce_points(o, config.unit_size, config.grad_reduce) for r, o in orders.items()
+        },
+    )

@@ -21,7 +21,7 @@ def core_results_by_world(
         if world not in cache:
             out = tmp_path_factory.mktemp(f"{name}{world}")
             params = {"cases": cases_by_world[world]}
-            cache[world] = launch(world, "core_scenarios.parity", params, out, timeout=420)
+            cache[world] = launch(world, "core_scenarios.parity", params, out, timeout=600)
         return cache[world]
 
     return get

@@ -16,6 +16,16 @@ def test_defaults_fill_from_world_size():
     assert ZeroPPConfig(param_dtype="bf16").resolve(1).param_dtype == torch.bfloat16
     zeropp = ZeroPPConfig(schedule="zeropp", pp_size=2, num_microbatches=7).resolve(2)
     assert (zeropp.num_chunks, zeropp.unit_size) == (2, 2)  # any M: the last unit may be smaller
+    assert (zeropp.split_backward, zeropp.grad_reduce) == (True, "step")
+    assert ZeroPPConfig(pp_size=2).resolve(2).split_backward is False
+
+
+def test_recompute_policy():
+    cfg = ZeroPPConfig(schedule="zeropp", pp_size=2, activation_checkpointing="except_last")
+    cfg = cfg.resolve(2)
+    assert [cfg.recomputes(s) for s in range(4)] == [True, True, True, False]
+    assert ZeroPPConfig(activation_checkpointing=True).resolve(1).recomputes(0)
+    assert not ZeroPPConfig().resolve(1).recomputes(0)
 
 
 @pytest.mark.parametrize(
@@ -39,6 +49,10 @@ def test_defaults_fill_from_world_size():
             r"unit_size=2 is smaller than pp_size=4",
         ),
         (dict(schedule="1f1b", unit_size=2), 1, r"unit_size=2 applies to schedule='zeropp' only"),
+        (dict(grad_reduce="epoch"), 1, r"grad_reduce='epoch' is unknown"),
+        (dict(grad_reduce="unit"), 1, r"grad_reduce='unit' applies to schedule='zeropp' only"),
+        (dict(split_backward=True), 1, r"split_backward=True applies to schedule='zeropp' only"),
+        (dict(activation_checkpointing="some"), 1, r"activation_checkpointing='some' is unknown"),
     ],
 )
 def test_bad_settings_name_the_value(kwargs, world, match):
