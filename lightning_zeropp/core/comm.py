@@ -47,7 +47,7 @@ import torch.distributed.distributed_c10d as c10d
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["AxisNamer", "CommCounter", "mesh_axis_namer"]
+__all__ = ["AxisNamer", "CommCounter", "mesh_axis_namer", "KINDS", "flatten_summary"]
 
 AxisNamer = Callable[[ProcessGroup | None], str]
 
@@ -70,6 +70,9 @@ _SPECS: dict[str, tuple[str, str | None]] = {
     "barrier": ("barrier", None),
 }
 _MODULES = (dist, c10d)
+
+# Every kind a summary can hold, in a fixed order (metrics keys must agree across ranks).
+KINDS: tuple[str, ...] = tuple(dict.fromkeys(kind for kind, _ in _SPECS.values()))
 
 
 def _nbytes(value: Any) -> int:
@@ -241,3 +244,17 @@ def mesh_axis_namer(mesh: DeviceMesh) -> AxisNamer:
         return cache[group]
 
     return name
+
+
+def flatten_summary(
+    summary: dict[str, dict[str, dict[str, int]]], axes: list[str], prefix: str = "comm"
+) -> dict[str, float]:
+    """`summary()` as flat metrics `{prefix}/{kind}/{axis}/count|bytes`, with every kind in
+    `KINDS` and every axis in `axes` present (zeros included), in a fixed order."""
+    out: dict[str, float] = {}
+    for kind in KINDS:
+        for axis in axes:
+            stats = summary.get(kind, {}).get(axis, {})
+            out[f"{prefix}/{kind}/{axis}/count"] = float(stats.get("count", 0))
+            out[f"{prefix}/{kind}/{axis}/bytes"] = float(stats.get("bytes", 0))
+    return out

@@ -9,6 +9,7 @@ the step's mean loss back.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -19,6 +20,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from lightning_zeropp.core._torch_private import on_scheduled_loss
 from lightning_zeropp.core.batch import ShapeGuard, batch_size, check_divisible
+from lightning_zeropp.core.comm import CommCounter, flatten_summary, mesh_axis_namer
 from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.grads import GradStash, clip_grad_norm_
 from lightning_zeropp.core.mesh import ParallelDims, build_mesh
@@ -57,6 +59,7 @@ class ZeroPPEngine:
             not a training micro-batch (defaults to `loss_fn`); give one without side effects.
         device: where the stages run (default: CPU).
         dims: an existing mesh for this config (default: build one).
+        count_comms: record every training step's collectives (`last_comms`, `comm_metrics`).
     """
 
     def __init__(
@@ -71,6 +74,7 @@ class ZeroPPEngine:
         probe_loss_fn: LossFn | None = None,
         device: torch.device | None = None,
         dims: ParallelDims | None = None,
+        count_comms: bool = False,
     ) -> None:
         self.config = config.resolve(dist.get_world_size())
         cfg = self.config
@@ -100,6 +104,10 @@ class ZeroPPEngine:
         self.holds_first = 0 in self.stage_ids
         self.last_pp_rank = rank_of_stage(self.style, self.num_stages - 1, cfg.pp_size)
         self._shapes = ShapeGuard()
+        self.count_comms = count_comms
+        self._axis_namer = mesh_axis_namer(self.dims.mesh)
+        # {kind: {axis: {"count", "bytes"}}} of the last train_step, when count_comms is on
+        self.last_comms: dict[str, dict[str, dict[str, int]]] | None = None
 
     # ------------------------------------------------------------------ set-up
     def _prepare_stage(self, module: nn.Module, stage_id: int) -> None:
@@ -124,9 +132,14 @@ class ZeroPPEngine:
         stash.hold(self.parameters())
         losses: list[torch.Tensor] = []
         inputs, kw = (args, kwargs) if self.holds_first else ((), {})
-        self._schedule.step(*inputs, target=target, losses=losses, return_outputs=False, **kw)
+        counter = CommCounter(self._axis_namer) if self.count_comms else None
+        with counter or contextlib.nullcontext():
+            self._schedule.step(*inputs, target=target, losses=losses, return_outputs=False, **kw)
+            loss = self._broadcast_loss(losses)
         stash.release()
-        return self._broadcast_loss(losses)
+        if counter is not None:
+            self.last_comms = counter.summary()
+        return loss
 
     @torch.no_grad()
     def eval_step(
@@ -142,6 +155,23 @@ class ZeroPPEngine:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the norm over every stage and shard of the model; returns that norm."""
         return clip_grad_norm_(self.parameters(), max_norm, self.dims.pp_group, norm_type)
+
+    def comm_metrics(self, prefix: str = "comm") -> dict[str, float]:
+        """The last training step's collectives as flat metrics, averaged over every rank.
+
+        Keys are `{prefix}/{kind}/{axis}/count` and `.../bytes` (kinds: all_gather,
+        reduce_scatter, all_reduce, broadcast, all_to_all, send and recv for point-to-point, ...;
+        axes: the mesh's, or "world"), per rank and step; kinds and axes that never occur on any
+        rank are left out. Collective: every rank must call it. Needs `count_comms=True`.
+        """
+        if not self.count_comms or self.last_comms is None:
+            raise RuntimeError("comm_metrics needs count_comms=True and one train_step first")
+        axes = [*(self.dims.mesh.mesh_dim_names or ()), "world", "other"]
+        flat = flatten_summary(self.last_comms, axes, prefix)
+        values = torch.tensor(list(flat.values()), dtype=torch.float64, device=self.device)
+        dist.all_reduce(values)  # outside the counter: not part of any step's traffic
+        values /= dist.get_world_size()
+        return {k: float(v) for k, v in zip(flat, values.tolist(), strict=True) if v}
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()
