@@ -32,7 +32,9 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_zeropp.core import checkpoint as ckpt
+from lightning_zeropp.core import export
 from lightning_zeropp.core.batch import ShapeGuard, batch_size, take_rows
+from lightning_zeropp.core.call_adapter import get_call_adapter
 from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.engine import ZeroPPEngine
 from lightning_zeropp.core.grads import GradStash
@@ -213,6 +215,9 @@ class ZeroPPStrategy(ModelParallelStrategy):
 
     def _build_engine(self, module: pl.LightningModule, name: str) -> None:
         """Split, shard and schedule the module's network; put this rank's stages in its place."""
+        # How the user's calls of the network map to stage inputs and outputs (e.g. HF's `labels=`
+        # and `.logits`); read now, since the stages that replace the network do not carry it.
+        self._call_adapter = get_call_adapter(getattr(module, name))
         self._engine = ZeroPPEngine(
             getattr(module, name),
             self.zeropp_config,
@@ -310,7 +315,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
             try:
                 step_fn(batch, *rest)
             except _Captured as got:
-                return got.args, got.kwargs
+                return self._call_adapter.stage_inputs(got.args, got.kwargs)
         raise RuntimeError(
             f"{step_fn.__name__} never called the model (self(...) or self.{self._pipelined}(...)); "
             "ZeroPPStrategy feeds the pipeline with what the step passes to it."
@@ -319,7 +324,12 @@ class ZeroPPStrategy(ModelParallelStrategy):
     def _scheduled_loss(self, output: Any, rows: torch.Tensor) -> torch.Tensor:
         """The user's step on one micro-batch, with the model's output already computed."""
         step_fn, batch, rest = self._step
-        with self._redirected(lambda *a, **k: output), self._recorder.microbatch(len(rows)):
+        adapter = self._call_adapter
+
+        def returned(*args: Any, **kwargs: Any) -> Any:
+            return adapter.stage_output(output, args, kwargs)
+
+        with self._redirected(returned), self._recorder.microbatch(len(rows)):
             result = step_fn(take_rows(batch, rows), *rest)
         return _loss_of(result, output)
 
@@ -389,6 +399,13 @@ class ZeroPPStrategy(ModelParallelStrategy):
         strategy_registry.register(
             cls.strategy_name, cls, description="ZeroPP: pipeline parallelism over FSDP2"
         )
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective (call it on every rank, e.g. after `trainer.fit`): the pipelined network's
+        whole state, every stage and shard, as CPU tensors under the unsplit network's names
+        (no LightningModule attribute prefix), on global rank 0; an empty dict elsewhere. Feed it
+        to an exporter such as `lightning_zeropp.models.hf.export_hf`."""
+        return export.full_state_dict(self.engine.module, self.engine.dims)
 
 
 def _loss_of(result: Any, output: Any) -> torch.Tensor:
