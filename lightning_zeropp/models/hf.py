@@ -1,0 +1,281 @@
+"""HF decoder-only causal LMs (Llama, Mistral, Qwen2, Qwen3) under ZeroPP, and their export.
+
+The adapter between `transformers` and the library; the core never imports transformers.
+
+- `build_causal_lm(family, **overrides)` builds a `*ForCausalLM` from a config (no download);
+  `from_pretrained(path)` loads one from a local directory. Both return the model ready for
+  pipelining (`prepare_causal_lm`), with its parameter names and forward untouched.
+- `prepare_causal_lm(model)` makes any model of that shape pipelinable: it refuses (or, asked to,
+  unties) tied embeddings, turns off the KV cache, makes the rotary embedding traceable and attaches
+  a `CausalLMCallAdapter`, so a training step that calls `model(input_ids, labels=labels).loss` or
+  `model(input_ids).logits` works unchanged under `ZeroPPStrategy`.
+- `export_hf(path, state_dict, config)` writes a consolidated HF directory (`config.json` +
+  `model.safetensors`) that `AutoModelForCausalLM.from_pretrained(path)` loads; the state dict comes
+  from `ZeroPPStrategy.full_state_dict()` or `core.export.full_state_dict(...)`.
+
+Splitting: `split="trace"` (the default) with one micro-batch of `input_ids` as the example. The
+stages keep HF's names (`model.layers.3.mlp.up_proj.weight`, `lm_head.weight`). `split="stack"`
+does not apply: HF's decoder forward calls `embed_tokens`, `norm` and `lm_head` unconditionally
+and takes token ids, not hidden states, so a pruned copy cannot run a middle stage.
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_zeropp.core.call_adapter import CallAdapter, set_call_adapter
+from lightning_zeropp.core.export import save_consolidated
+from lightning_zeropp.core.split import find_blocks
+
+__all__ = [
+    "FAMILIES",
+    "LOSS_KWARGS",
+    "CausalLMCallAdapter",
+    "build_causal_lm",
+    "export_hf",
+    "from_pretrained",
+    "prepare_causal_lm",
+]
+
+# The families tested end to end; others of the same shape pass `prepare_causal_lm`'s checks.
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+# Arguments of a causal LM's forward that only its loss reads: never fed to the first stage.
+LOSS_KWARGS = ("labels", "shift_labels", "num_items_in_batch", "ignore_index")
+
+_BLOCKS = "model.layers"
+_WEIGHTS = "model.safetensors"
+
+
+def build_causal_lm(
+    family: str, *, seed: int | None = None, untie_embeddings: bool = False, **overrides: Any
+) -> nn.Module:
+    """A freshly initialised `*ForCausalLM` of `family` from its config class and `overrides`.
+
+    Example: `build_causal_lm("llama", vocab_size=256, hidden_size=64, intermediate_size=128,
+    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)`. `tie_word_embeddings`
+    defaults to False (pipeline stages cannot share the embedding with `lm_head`).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    key = family.lower()
+    if key not in FAMILIES:
+        raise ValueError(
+            f"family={family!r} is not supported; use one of {list(FAMILIES)} or load another "
+            "decoder of the same shape with from_pretrained(path)."
+        )
+    overrides.setdefault("tie_word_embeddings", False)
+    config = AutoConfig.for_model(key, **overrides)
+    if seed is not None:
+        torch.manual_seed(seed)  # HF initialises from the global generator
+    model = AutoModelForCausalLM.from_config(config)
+    return prepare_causal_lm(model, untie_embeddings=untie_embeddings)
+
+
+def from_pretrained(
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    untie_embeddings: bool = False,
+    **config_overrides: Any,
+) -> nn.Module:
+    """Load a `*ForCausalLM` from a local HF directory (no download), ready for pipelining.
+
+    fp32 by default: these are the master weights FSDP2 shards (use
+    `ZeroPPStrategy(param_dtype="bf16")` for bf16 compute).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{path} has no config.json; pass a local directory written by save_pretrained or "
+            "export_hf (downloads are not attempted)."
+        )
+    config = AutoConfig.from_pretrained(path, local_files_only=True, **config_overrides)
+    _check_untied(config, untie_embeddings)  # before reading any weights
+    model = AutoModelForCausalLM.from_pretrained(
+        path, config=config, dtype=dtype, local_files_only=True
+    )
+    return prepare_causal_lm(model, untie_embeddings=untie_embeddings)
+
+
+def prepare_causal_lm(model: nn.Module, *, untie_embeddings: bool = False) -> nn.Module:
+    """Make an HF causal LM pipelinable in place (idempotent); returns it.
+
+    Parameter names, values and the forward's arithmetic are unchanged.
+    """
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "get_output_embeddings"):
+        raise TypeError(
+            f"prepare_causal_lm expects a transformers *ForCausalLM model, got "
+            f"{type(model).__name__}; build one with build_causal_lm or from_pretrained."
+        )
+    container, _ = find_blocks(model)
+    if container != _BLOCKS:
+        raise ValueError(
+            f"{type(model).__name__} keeps its blocks in '{container}', not '{_BLOCKS}': it is not "
+            f"a decoder of the Llama shape ({', '.join(FAMILIES)}). Pass split=<callable> to the "
+            "strategy to cut it by hand."
+        )
+    _check_untied(config, untie_embeddings)
+    if untie_embeddings:
+        _untie(model)
+    # The KV cache is for generation; a traced training forward cannot return a cache object.
+    config.use_cache = False
+    _inline_grad_mode_decorators(model)
+    vocab_size = model.get_output_embeddings().out_features
+    # `loss_function` is a property returning a plain function: the adapter keeps no reference to
+    # the whole model (which would pin every stage's weights after the split).
+    set_call_adapter(model, CausalLMCallAdapter(model.loss_function, vocab_size))
+    return model
+
+
+class CausalLMCallAdapter(CallAdapter):
+    """`model(input_ids, labels=..., ...)` under a pipeline, as HF's causal LM forward answers it.
+
+    First stage: gets `input_ids` only (the traced forward was traced on them); loss arguments
+    (`LOSS_KWARGS`) are kept back. Last stage: the call returns a `CausalLMOutputWithPast` whose
+    `.logits` are the stage's output and whose `.loss` is the model's own `loss_function` on them
+    when `labels` is given (HF's convention: `labels` are aligned with `input_ids` and shifted
+    inside the loss, unless pre-shifted `shift_labels` are passed too).
+    """
+
+    def __init__(self, loss_function: Any, vocab_size: int) -> None:
+        self.loss_function = loss_function
+        self.vocab_size = vocab_size
+
+    def stage_inputs(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        rest = {k: v for k, v in kwargs.items() if k not in LOSS_KWARGS}
+        if "input_ids" in rest:
+            if args:
+                raise TypeError("input_ids was passed both positionally and as a keyword")
+            args = (rest.pop("input_ids"),)
+        if len(args) != 1 or rest:
+            raise ValueError(
+                f"a pipelined HF causal LM takes input_ids (and loss arguments {list(LOSS_KWARGS)}) "
+                f"only; got {len(args)} positional arguments and keywords {sorted(rest)}. Feed "
+                "fixed-length token ids (pad, and mark padding in labels with -100)."
+            )
+        return args, {}
+
+    def stage_output(self, output: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        logits = _logits_of(output)
+        loss = None
+        labels = kwargs.get("labels")
+        if labels is not None:
+            extra = {k: kwargs[k] for k in LOSS_KWARGS[1:] if kwargs.get(k) is not None}
+            loss = self.loss_function(
+                logits=logits, labels=labels, vocab_size=self.vocab_size, **extra
+            )
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def export_hf(path: str | Path, state_dict: dict[str, torch.Tensor], config: Any) -> Path:
+    """Collective: write `state_dict` (full, on global rank 0) and `config` as an HF directory.
+
+    Every rank calls it; rank 0 writes `config.json` and `model.safetensors` into a temporary
+    sibling directory and renames it to `path` (the previous export, if any, is replaced only when
+    the new one is complete). Other ranks' `state_dict` is ignored (pass what
+    `full_state_dict` returned there: an empty dict).
+    """
+    if getattr(config, "tie_word_embeddings", False):
+        # Checked on every rank before any collective: an HF loader would tie lm_head to the
+        # embedding and silently drop the trained lm_head.
+        raise ValueError(
+            "config.tie_word_embeddings is True, but the pipelined model trained lm_head and "
+            "embed_tokens separately; set config.tie_word_embeddings = False before exporting."
+        )
+    config = copy.deepcopy(config)
+    config.use_cache = True  # turned off for tracing only; generation wants it back
+
+    def write(tmp: Path) -> None:
+        from safetensors.torch import save_file
+
+        state = _hf_state(state_dict, config)
+        config.save_pretrained(tmp)
+        save_file(state, str(tmp / _WEIGHTS), metadata={"format": "pt"})
+
+    return save_consolidated(path, write)
+
+
+# ---------------------------------------------------------------------- helpers
+def _hf_state(state_dict: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+    """The tensors an HF model of `config` expects, checked: none missing, extras dropped."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        expected = list(AutoModelForCausalLM.from_config(config).state_dict())
+    missing = [k for k in expected if k not in state_dict]
+    if missing:
+        raise ValueError(
+            f"the state dict lacks {len(missing)} of the model's tensors (e.g. {missing[:3]}); "
+            "pass the full state dict from ZeroPPStrategy.full_state_dict() or "
+            "core.export.full_state_dict(), which is complete on global rank 0 only."
+        )
+    # Extras are constant buffers the traced stages registered (e.g. rotary frequencies), which
+    # HF recomputes from the config.
+    return {k: state_dict[k].contiguous() for k in expected}
+
+
+def _check_untied(config: Any, untie_embeddings: bool) -> None:
+    if getattr(config, "tie_word_embeddings", False) and not untie_embeddings:
+        raise ValueError(
+            "tie_word_embeddings=True: lm_head shares the input embedding's weight, and pipeline "
+            "stages cannot share a parameter. Pass untie_embeddings=True (lm_head gets its own "
+            "copy of the embedding; exports then say tie_word_embeddings=False), or build the "
+            "model with tie_word_embeddings=False."
+        )
+
+
+def _untie(model: Any) -> None:
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    if head.weight is emb.weight:
+        head.weight = nn.Parameter(emb.weight.detach().clone(), emb.weight.requires_grad)
+    model.config.tie_word_embeddings = False  # so that no later tie_weights() ties them again
+
+
+def _inline_grad_mode_decorators(model: nn.Module) -> None:
+    """Run parameter-free modules' `@torch.no_grad()` forwards without the decorator.
+
+    HF's rotary embeddings decorate `forward` with `@torch.no_grad()`. torch 2.13's export keeps that
+    grad-mode switch as a higher-order op whose body the pipeline splitter turns into a call of the
+    module with no arguments, and the first stage fails ("Expected positional argument for
+    parameter ..."). Without the decorator the same tensors come out: the rotary inputs (position
+    ids and a constant buffer) never require grad, so there is nothing for autograd to record.
+    Only parameter-free modules are touched, for that reason. The patch is per instance.
+    """
+    for module in model.modules():
+        if "forward" in module.__dict__ or any(True for _ in module.parameters()):
+            continue
+        forward = type(module).forward
+        inner = getattr(forward, "__wrapped__", None)
+        # torch's grad-mode decorators (no_grad, enable_grad, inference_mode) live in this file.
+        code = getattr(forward, "__code__", None)
+        if inner is not None and code is not None and code.co_filename.endswith("_contextlib.py"):
+            module.forward = types.MethodType(inner, module)
+
+
+def _logits_of(output: Any) -> torch.Tensor:
+    """The logits in a stage output: the traced last stage returns the tensor itself."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    raise TypeError(
+        f"cannot find logits in the last stage's output of type {type(output).__name__}; the "
+        "last stage must end at lm_head."
+    )
