@@ -2,6 +2,11 @@
 
 Written as any LightningModule is; nothing in it knows about pipelines. The only nod to the
 strategy is `example_input_array` (one micro-batch of inputs), which the tracing splitter uses.
+
+Validation also reports token-weighted perplexity and next-token accuracy (`val_perplexity`,
+`val_token_accuracy`, see `lightning_zeropp.metrics`): updated in `validation_step` (under
+ZeroPPStrategy that runs on the last pipeline stage, per micro-batch), summed over all ranks and
+logged in `on_validation_epoch_end`, which every rank runs.
 """
 
 from __future__ import annotations
@@ -13,15 +18,36 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 
+from lightning_zeropp.metrics import CausalLMMetrics
 from lightning_zeropp.models.gpt import GPT, GPTConfig
 
-__all__ = ["LitGPT"]
+__all__ = ["LitGPT", "warmup_cosine"]
+
+
+def warmup_cosine(step: int, warmup_steps: int, max_steps: int) -> float:
+    """LR factor at optimizer step `step`: linear warm-up, then cosine decay to 10%."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
 
 
 class LitGPT(pl.LightningModule):
+    """The bundled GPT as a LightningModule.
+
+    Args:
+        model: a `GPTConfig` (a fresh GPT is built from it), an already built `GPT`, or None
+            for the default config.
+        micro_batch_size: rows of one pipeline micro-batch (sets `example_input_array`).
+        optimizer: "adamw" or "sgd"; `lr`, `weight_decay` go with it.
+        warmup_steps, max_steps: linear warm-up then cosine decay to 10% (no schedule when
+            `max_steps` is 0).
+        ignore_index: target value left out of the loss and the metrics.
+    """
+
     def __init__(
         self,
-        model: GPTConfig | None = None,
+        model: GPTConfig | GPT | None = None,
         *,
         micro_batch_size: int = 1,
         optimizer: str = "adamw",
@@ -29,21 +55,36 @@ class LitGPT(pl.LightningModule):
         weight_decay: float = 0.1,
         warmup_steps: int = 0,
         max_steps: int = 0,
+        ignore_index: int = -100,
     ) -> None:
         super().__init__()
-        self.cfg = model or GPTConfig()
-        self.model = GPT(self.cfg)
+        if isinstance(model, GPT):
+            self.cfg, self.model = model.cfg, model
+        else:
+            self.cfg = model or GPTConfig()
+            self.model = GPT(self.cfg)
         self.example_input_array = torch.zeros(micro_batch_size, self.cfg.seq_len, dtype=torch.long)
         self.optimizer_name, self.lr, self.weight_decay = optimizer, lr, weight_decay
         self.warmup_steps, self.max_steps = warmup_steps, max_steps
+        self.ignore_index = ignore_index
+        # No parameters, so ZeroPPStrategy still finds `model` as the one network to pipeline.
+        self.val_metrics = CausalLMMetrics(
+            self.cfg.vocab_size, ignore_index=ignore_index, prefix="val_"
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self._loss_and_logits(batch)[0]
+
+    def _loss_and_logits(
+        self, batch: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = batch
         logits = self(x)  # (batch, time, vocab)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+        flat = logits.reshape(-1, logits.shape[-1]).float()
+        return F.cross_entropy(flat, y.reshape(-1), ignore_index=self.ignore_index), logits
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
@@ -51,9 +92,17 @@ class LitGPT(pl.LightningModule):
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
+        loss, logits = self._loss_and_logits(batch)
         self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        self.val_metrics.update(logits, batch[1])
         return loss
+
+    def on_validation_epoch_end(self) -> None:
+        # Every rank runs this hook: compute() sums the metric states over all ranks (those
+        # without the last stage hold zeros), so every rank logs the same values; sync_dist only
+        # keeps Lightning from warning about unsynced epoch-level values.
+        self.log_dict(self.val_metrics.compute(), sync_dist=True)
+        self.val_metrics.reset()
 
     def configure_optimizers(self) -> Any:
         if self.optimizer_name == "sgd":
@@ -69,7 +118,4 @@ class LitGPT(pl.LightningModule):
 
     def _lr_factor(self, step: int) -> float:
         """Linear warm-up, then cosine decay to 10%."""
-        if step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        progress = min(1.0, (step - self.warmup_steps) / max(1, self.max_steps - self.warmup_steps))
-        return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+        return warmup_cosine(step, self.warmup_steps, self.max_steps)
