@@ -29,7 +29,12 @@ from torch.distributed.pipelining.schedules import (
 
 from lightning_zeropp.core.zeropp_schedule import Task, gather_blocks
 
-__all__ = ["PipelineSchedule", "UnitScheduleRuntime", "on_scheduled_loss"]
+__all__ = [
+    "PipelineSchedule",
+    "UnitScheduleRuntime",
+    "on_scheduled_loss",
+    "unsharded_parameter_bytes",
+]
 
 PipelineSchedule = _PipelineSchedule
 
@@ -195,3 +200,17 @@ def _reduce_grad(action: _Action, ctx: _PipelineContext) -> None:
     state._root_post_backward_final_callback()
     root.set_requires_gradient_sync(False)
     root.set_is_last_backward(False)
+
+
+def unsharded_parameter_bytes(module: nn.Module) -> int:
+    """Bytes of FSDP unsharded (gathered) parameters currently allocated under `module`."""
+    total = 0
+    for m in module.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        group = m._get_fsdp_state()._fsdp_param_group
+        for fsdp_param in group.fsdp_params if group else ():
+            param = getattr(fsdp_param, "_unsharded_param", None)
+            if param is not None:
+                total += param.untyped_storage().size()
+    return total

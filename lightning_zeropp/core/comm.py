@@ -37,9 +37,10 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -47,9 +48,28 @@ import torch.distributed.distributed_c10d as c10d
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["AxisNamer", "CommCounter", "mesh_axis_namer", "KINDS", "flatten_summary"]
+__all__ = [
+    "AxisNamer",
+    "CommCounter",
+    "CommEvent",
+    "mesh_axis_namer",
+    "KINDS",
+    "flatten_summary",
+]
 
 AxisNamer = Callable[[ProcessGroup | None], str]
+
+
+class CommEvent(NamedTuple):
+    """One counted call and when it ran (`time.perf_counter()` seconds). An asynchronous call
+    (`async_op=True`, isend/irecv) spans its launch only; its wait shows up where it is waited on."""
+
+    kind: str
+    axis: str
+    nbytes: int
+    start: float
+    end: float
+
 
 # function name -> (kind it is counted as, argument whose tensor bytes are counted)
 _SPECS: dict[str, tuple[str, str | None]] = {
@@ -105,8 +125,11 @@ class CommCounter:
     nested (both record) if they exit in reverse order of entry.
     """
 
-    def __init__(self, axis_of_group: AxisNamer | None = None) -> None:
+    def __init__(
+        self, axis_of_group: AxisNamer | None = None, events: list[CommEvent] | None = None
+    ) -> None:
         self._axis_of_group = axis_of_group or _default_axis
+        self._events = events  # when given, every counted call is appended with its wall-clock
         self._stats: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
         self._lock = threading.Lock()  # backward hooks may issue collectives on other threads
         self._local = threading.local()  # per-thread depth: count the outermost call only
@@ -150,12 +173,30 @@ class CommCounter:
             self._stats.clear()
 
     # ------------------------------------------------------------------ internals
-    def _record(self, kind: str, group: ProcessGroup | None, nbytes: int) -> None:
+    def _record(self, kind: str, group: ProcessGroup | None, nbytes: int) -> str:
         axis = self._axis_of_group(group)
         with self._lock:
             entry = self._stats[(kind, axis)]
             entry[0] += 1
             entry[1] += nbytes
+        return axis
+
+    def _timed(
+        self,
+        kind: str,
+        axis: str,
+        nbytes: int,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        if self._events is None:
+            return self._call(fn, args, kwargs)
+        start = time.perf_counter()
+        try:
+            return self._call(fn, args, kwargs)
+        finally:
+            self._events.append(CommEvent(kind, axis, nbytes, start, time.perf_counter()))
 
     def _outermost(self) -> bool:
         return self._active and getattr(self._local, "depth", 0) == 0
@@ -183,7 +224,8 @@ class CommCounter:
                         bound = None
                     if bound is not None:
                         nbytes = _nbytes(bound.get(arg)) if arg else 0
-                        self._record(kind, bound.get("group"), nbytes)
+                        axis = self._record(kind, bound.get("group"), nbytes)
+                        return self._timed(kind, axis, nbytes, fn, args, kwargs)
                 return self._call(fn, args, kwargs)
 
         wrapper._comm_original = fn  # type: ignore[attr-defined]
@@ -193,16 +235,20 @@ class CommCounter:
         @functools.wraps(fn)
         def wrapper(p2p_op_list: list[dist.P2POp]) -> Any:
             send = _root(c10d.isend)
-            if self._outermost():
+            outermost, total, axis = self._outermost(), 0, "other"
+            if outermost:
                 for op in p2p_op_list:
                     kind = "send" if _root(op.op) is send else "recv"
-                    self._record(kind, op.group, _nbytes(op.tensor))
+                    axis = self._record(kind, op.group, _nbytes(op.tensor))
+                    total += _nbytes(op.tensor)
             # torch tells sends from receives by `op.op is isend` (the patched module global):
             # hand it ops that use the current global, whichever function they were built with.
             ops = [
                 _with_op(op, c10d.isend if _root(op.op) is send else c10d.irecv)
                 for op in p2p_op_list
             ]
+            if outermost:
+                return self._timed("send_recv", axis, total, fn, (ops,), {})
             return self._call(fn, (ops,), {})
 
         return wrapper
