@@ -28,6 +28,8 @@ from typing import Any, Literal
 
 from torch import nn
 
+from lightning_zeropp.core.chain import chain_stages
+
 __all__ = ["BlockPlan", "SplitFn", "find_blocks", "plan_blocks", "split_model"]
 
 SplitFn = Callable[[nn.Module, int, int, list[range]], nn.Module]
@@ -140,7 +142,11 @@ def _trace_stages(
             f"container '{plan.container}' is probably not called in order by the forward. Use "
             "split='stack' or a split callable."
         )
-    return [pipe.get_stage_module(s) for s in stage_ids]
+    # Values read by a non-adjacent stage (e.g. HF's rotary cos/sin and causal mask) are relayed
+    # through the stages in between: PipelineStage only feeds a stage its predecessor's outputs.
+    stages = [pipe.get_stage_module(s) for s in range(pipe.num_stages)]
+    chain_stages(pipe.split_gm, stages)
+    return [stages[s] for s in stage_ids]
 
 
 def _stack_stage(model: nn.Module, plan: BlockPlan, stage: int) -> nn.Module:
