@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from lightning_zeropp.models import GPT, GPTConfig
 
@@ -64,13 +66,17 @@ def reference(
     accumulate: int = 1,
     lr_schedule: tuple[int, int] | None = None,
     global_batch: int = GLOBAL_BATCH,
+    model_fn: Callable[[], nn.Module] | None = None,
+    loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """Single-process fp32 training on the global batch: the numbers every layout must match.
 
     `lr_schedule=(warmup_steps, max_steps)` steps the bundled LitGPT's warm-up + cosine schedule
-    after every optimizer step, as Lightning does for `interval="step"`.
+    after every optimizer step, as Lightning does for `interval="step"`. `model_fn()` builds
+    another model (default: the bundled GPT) and `loss_fn(model, x, y)` computes its loss
+    (default: `lm_loss(model(x), y)`).
     """
-    model = make_model()
+    model = model_fn() if model_fn is not None else make_model()
     opt = make_optimizer(optimizer, model.parameters())
     sched = None
     if lr_schedule is not None:
@@ -81,7 +87,7 @@ def reference(
     losses, norms = [], []
     batches = batches if batches is not None else make_batches(steps, global_batch=global_batch)
     for i, (x, y) in enumerate(batches):
-        loss = lm_loss(model(x), y)
+        loss = loss_fn(model, x, y) if loss_fn is not None else lm_loss(model(x), y)
         (loss / accumulate).backward()
         losses.append(float(loss.detach()))
         if (i + 1) % accumulate:

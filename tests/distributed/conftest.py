@@ -43,9 +43,14 @@ def assert_matches_reference(
     prefix: str = "",
     batches: Any = None,
     accumulate: int = 1,
+    ref: dict[str, Any] | None = None,
 ) -> None:
-    """Loss at every step and every parameter after training within 1e-5 of one process."""
-    ref = reference(
+    """Loss at every step and every parameter after training within 1e-5 of one process.
+
+    `ref`: a reference run already computed (e.g. `reference(..., model_fn=..., loss_fn=...)` for
+    another model); by default the bundled GPT's is computed from `case`.
+    """
+    ref = ref or reference(
         case.get("optimizer", "sgd"),
         case.get("clip", False),
         case.get("steps", 3),
