@@ -179,3 +179,28 @@ def test_lit_causal_lm_validates_settings(kwargs, match):
     model = build_causal_lm("llama", **TINY)
     with pytest.raises(ValueError, match=match):
         LitCausalLM(model, **{"micro_batch_size": 2, "seq_len": 8, **kwargs})
+
+
+def test_tied_checkpoint_loads_only_when_untied_explicitly(tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama", tie_word_embeddings=True, **TINY)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"tie_word_embeddings=True"):
+        from_pretrained(tmp_path)
+    model = from_pretrained(tmp_path, untie_embeddings=True)
+    head, emb = model.lm_head.weight, model.model.embed_tokens.weight
+    assert head is not emb and model.config.tie_word_embeddings is False
+    torch.testing.assert_close(head, emb, rtol=0, atol=0)
+
+
+def test_lit_causal_lm_exports_without_a_strategy(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = build_causal_lm("qwen2", seed=0, **TINY)
+    LitCausalLM(model, micro_batch_size=2, seq_len=8).export_hf(tmp_path / "hf")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
+    x = _tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, model(x).logits, rtol=0, atol=0)
