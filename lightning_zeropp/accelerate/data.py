@@ -1,0 +1,143 @@
+"""Data under a pipeline: batches split over data-parallel ranks only, and the example micro-batch.
+
+All stages of one pipeline must see the same batch (the first feeds it to the model, the last
+computes the loss with its targets), so a loader is sharded over `dp_size` ranks with index
+`dp_rank`, not over all processes. Accelerate's own `prepare_data_loader` does the sharding, with
+the Accelerator's settings (`split_batches`, `even_batches`, seedable sampler, device placement).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.data_loader import prepare_data_loader
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_zeropp.core.mesh import ParallelDims
+
+__all__ = ["Unpack", "check_loader", "example_microbatch", "shard_loader", "unpack_batch"]
+
+# batch -> (model positional args, model keyword args, target)
+Unpack = Callable[[Any], tuple[tuple[Any, ...], dict[str, Any], torch.Tensor]]
+
+
+def unpack_batch(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any], torch.Tensor]:
+    """`(inputs, targets)` or `{"input_ids": ..., "labels": ..., **model_kwargs}`.
+
+    `inputs` may itself be a tuple of positional model inputs. Other keys of a dict batch (e.g.
+    `attention_mask`) are passed to the model as keyword arguments.
+    """
+    if isinstance(batch, Mapping):
+        if "input_ids" not in batch or "labels" not in batch:
+            raise ValueError(
+                f"a dict batch needs 'input_ids' and 'labels' keys; got {sorted(batch)}. Pass "
+                "prepare_pipeline(..., unpack=lambda b: ((model_args...), {model_kwargs}, target))."
+            )
+        kwargs = {k: v for k, v in batch.items() if k not in ("input_ids", "labels")}
+        return (batch["input_ids"],), kwargs, batch["labels"]
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        inputs, target = batch
+        args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        return args, {}, target
+    raise TypeError(
+        f"cannot read a batch of type {type(batch).__name__} (expected (inputs, targets) or a dict "
+        "with 'input_ids' and 'labels'); pass prepare_pipeline(..., unpack=fn) with fn(batch) -> "
+        "((model_args...), {model_kwargs}, target)."
+    )
+
+
+def rows_per_rank(loader: DataLoader, split_batches: bool, dp_size: int) -> int | None:
+    """Rows of one batch on one data-parallel rank, if the loader says its batch size."""
+    size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
+    if size is None:
+        return None
+    return size // dp_size if split_batches else size
+
+
+def check_loader(
+    loader: DataLoader, split_batches: bool, dp_size: int, num_microbatches: int
+) -> None:
+    """Batch-size checks every rank makes from its own loader, before any collective."""
+    size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
+    if size is None:
+        return  # a batch sampler without a batch size: the engine checks each batch instead
+    mode = "Accelerator(split_batches=True)" if split_batches else "split_batches=False"
+    if split_batches and size % dp_size:
+        raise ValueError(
+            f"batch_size={size} does not split over {dp_size} data-parallel ranks ({mode}); use "
+            f"a batch size that is a multiple of {dp_size}."
+        )
+    per_rank = size // dp_size if split_batches else size
+    if per_rank % num_microbatches:
+        raise ValueError(
+            f"each data-parallel rank gets {per_rank} rows per batch (batch_size={size}, "
+            f"dp_size={dp_size}, {mode}), which do not split into num_microbatches="
+            f"{num_microbatches} equal micro-batches; use a per-rank batch size that is a "
+            f"multiple of {num_microbatches}."
+        )
+    per_step = size if split_batches else size * dp_size
+    length = _length(loader.dataset)
+    if not loader.drop_last and length is not None and length % per_step:
+        raise ValueError(
+            f"the dataset's {length} rows leave a last batch smaller than {per_step} rows; "
+            "pipeline stages fix their shapes at the first step. Pass drop_last=True to the "
+            "DataLoader."
+        )
+
+
+def example_microbatch(
+    loader: DataLoader, rows: int, unpack: Unpack
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Model inputs of one micro-batch: the dataset's first `rows` samples, collated.
+
+    Read from the dataset, not by iterating the loader: a loader's iterator may draw from the
+    random generators that decide the shuffling order, which would change the training data.
+    """
+    dataset = loader.dataset
+    if isinstance(dataset, IterableDataset):
+        samples = list(itertools.islice(iter(dataset), rows))
+    else:
+        length = _length(dataset)
+        samples = [dataset[i] for i in range(min(rows, length if length is not None else rows))]
+    if len(samples) < rows:
+        raise ValueError(
+            f"the dataset has fewer than {rows} samples, one micro-batch; pass example_args."
+        )
+    args, kwargs, _ = unpack(loader.collate_fn(samples))
+    return args, kwargs
+
+
+def shard_loader(accelerator: Accelerator, loader: DataLoader, dims: ParallelDims) -> DataLoader:
+    """`loader` for this rank's data-parallel shard, with the Accelerator's data settings."""
+    if accelerator.dispatch_batches:
+        raise ValueError(
+            "Accelerator(dataloader_config=DataLoaderConfiguration(dispatch_batches=True)) sends "
+            "each process its own slice of rank 0's batch, but pipeline stages of one data-"
+            "parallel rank need the same batch. Leave dispatch_batches unset (or False)."
+        )
+    return prepare_data_loader(
+        loader,
+        accelerator.device,
+        num_processes=dims.dp_size,
+        process_index=dims.dp_rank,
+        split_batches=accelerator.split_batches,
+        put_on_device=accelerator.device_placement,
+        rng_types=list(accelerator.rng_types),
+        dispatch_batches=False,
+        even_batches=accelerator.even_batches,
+        use_seedable_sampler=accelerator.use_seedable_sampler,
+        data_seed=accelerator.dataloader_config.data_seed,
+        non_blocking=accelerator.non_blocking,
+        use_stateful_dataloader=accelerator.use_stateful_dataloader,
+    )
+
+
+def _length(dataset: Any) -> int | None:
+    try:
+        return len(dataset)
+    except TypeError:
+        return None

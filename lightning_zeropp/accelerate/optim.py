@@ -1,0 +1,235 @@
+"""Move a user's optimizer and LR scheduler from the whole model onto this rank's pipeline stages.
+
+The user builds the optimizer (and scheduler) on the unsplit model, as in any Accelerate script.
+The engine's stages hold new parameters (FSDP2 shards), so the optimizer is rebuilt: same class,
+same defaults, same param groups in the same order with the same hyperparameters, each group
+holding this rank's parameters of the original group, matched by name. Groups whose parameters
+all live on other stages stay, empty, so that every rank has the same groups: the scheduler's
+per-group state (`base_lrs`, ...) then means the same on every rank, and Accelerate's checkpoint of
+it (written by rank 0, read by all) fits everywhere.
+
+The scheduler is retargeted rather than rebuilt (its constructor arguments are not recoverable):
+a shallow copy whose references to the old optimizer, and those of the schedulers it holds
+(`SequentialLR`, `ChainedScheduler`), point to the new one. Its state (step count, `base_lrs`, the
+lambdas) carries over, and the group hyperparameters the scheduler set at construction
+(`initial_lr`, the warm-up's first `lr`) were copied with the groups.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import warnings
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from torch import nn
+from torch.optim import Optimizer
+
+__all__ = [
+    "OptimizerFactory",
+    "PipelineScheduler",
+    "SchedulerFactory",
+    "optimizer_param_names",
+    "rebuild_optimizer",
+    "retarget_scheduler",
+]
+
+OptimizerFactory = Callable[[nn.Module], Optimizer]
+SchedulerFactory = Callable[[Optimizer], Any]
+
+
+def optimizer_param_names(optimizer: Optimizer, model: nn.Module) -> list[list[str]]:
+    """Per param group, the model's names of its parameters; a tensor the model lacks is an error.
+
+    Runs before the engine is built (no collective), so every rank fails alike on a bad optimizer.
+    """
+    _check_fresh(optimizer)
+    names = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    groups = []
+    for i, group in enumerate(optimizer.param_groups):
+        missing = [tuple(p.shape) for p in group["params"] if id(p) not in names]
+        if missing:
+            raise ValueError(
+                f"{type(optimizer).__name__}.param_groups[{i}] holds {len(missing)} tensor(s) "
+                f"(shapes {missing[:3]}) that are not parameters of the model given to "
+                "prepare_pipeline; build the optimizer on that model's parameters."
+            )
+        groups.append([names[id(p)] for p in group["params"]])
+    return groups
+
+
+def rebuild_optimizer(
+    optimizer: Optimizer, group_names: list[list[str]], params: Mapping[str, nn.Parameter]
+) -> Optimizer:
+    """The same optimizer over `params` (this rank's parameters by original name).
+
+    Every group of `optimizer` becomes a group with the same hyperparameters holding those of its
+    parameters found in `params` (possibly none).
+    """
+    groups = []
+    for group, names in zip(optimizer.param_groups, group_names, strict=True):
+        hyper = {k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
+        groups.append({"params": [params[n] for n in names if n in params], **hyper})
+    cls = type(optimizer)
+    try:
+        new = cls(groups, **_constructor_kwargs(cls, optimizer.defaults))
+    except (TypeError, ValueError) as err:
+        raise TypeError(
+            f"cannot rebuild {cls.__name__} over the pipeline stages by calling "
+            f"{cls.__name__}(param_groups, **defaults): {err}. Pass a factory instead: "
+            f"prepare_pipeline(..., optimizer=lambda module: {cls.__name__}(module.parameters(), "
+            "...)), called with this rank's stages (original parameter names)."
+        ) from err
+    # Defaults the constructor does not take as arguments (AdamW's decoupled_weight_decay) too.
+    for key, value in optimizer.defaults.items():
+        new.defaults.setdefault(key, copy.deepcopy(value))
+    return new
+
+
+def retarget_scheduler(scheduler: Any, old: Optimizer | None, new: Optimizer) -> Any:
+    """`scheduler` (built on `old`) driving `new` instead, or `scheduler(new)` for a factory."""
+    if _is_scheduler(scheduler):
+        if old is None:
+            raise TypeError(
+                "with an optimizer factory there is no optimizer to retarget the scheduler from; "
+                f"pass scheduler=lambda opt: {type(scheduler).__name__}(opt, ...)."
+            )
+        if scheduler.optimizer is not old:
+            raise ValueError(
+                f"the {type(scheduler).__name__} passed to prepare_pipeline drives another "
+                "optimizer than the one passed with it; build it on that optimizer."
+            )
+        return _rebind(scheduler, old, new)
+    if callable(scheduler):  # a factory: lambda opt: Scheduler(opt, ...)
+        return scheduler(new)
+    raise TypeError(
+        f"scheduler={type(scheduler).__name__} is neither an LR scheduler (an object with an "
+        "`optimizer` attribute and `step`/`state_dict`) nor a factory `lambda optimizer: ...`."
+    )
+
+
+class PipelineScheduler:
+    """Steps the user's scheduler after each optimizer step, as Accelerate's own wrapper does.
+
+    Accelerate's convention: with `split_batches=False` each process loads a whole batch, the
+    data loader is `n` times shorter, so a scheduler written for one process steps `n` times per
+    optimizer step. Under a pipeline only the data-parallel ranks divide the data, so `n` is the
+    data-parallel size here, not the process count (`AcceleratedScheduler` would use the latter).
+    With `split_batches=True` it steps once. During gradient accumulation (inside
+    `accelerator.accumulate()`, between optimizer steps) it does not step.
+    """
+
+    def __init__(
+        self, scheduler: Any, accelerator: Any, optimizer: Any, steps_per_call: int
+    ) -> None:
+        self.scheduler = scheduler
+        self._accelerator = accelerator
+        self._optimizer = optimizer
+        self.steps_per_call = steps_per_call
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if self._accelerator.step_scheduler_with_optimizer:
+            if not self._accelerator.sync_gradients:
+                return  # accumulating: the optimizer did not step either
+            if getattr(self._optimizer, "step_was_skipped", False):
+                return
+        # ReduceLROnPlateau steps on a metric: once per call, whatever the data split.
+        calls = 1 if args or kwargs else self.steps_per_call
+        total = getattr(self.scheduler, "total_steps", None)  # OneCycleLR raises past its end
+        with warnings.catch_warnings():
+            # torch wraps an optimizer's `step` when a scheduler is built on it, to warn about
+            # misordered calls; the rebuilt optimizer never had a scheduler built on it, so torch
+            # would warn that its step "has been overridden". It has not: silence that one.
+            warnings.filterwarnings("ignore", message=r"Seems like `optimizer.step\(\)` has been")
+            for _ in range(calls):
+                if total is not None and self.scheduler.last_epoch >= total:
+                    break
+                self.scheduler.step(*args, **kwargs)
+
+    def get_last_lr(self) -> list[float]:
+        return self.scheduler.get_last_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state_dict)
+
+    def __getattr__(self, name: str) -> Any:  # last_epoch, base_lrs, ... of the real scheduler
+        if name == "scheduler":
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)
+
+
+# ------------------------------------------------------------------------------------ helpers
+def _check_fresh(optimizer: Optimizer) -> None:
+    wrapped = getattr(optimizer, "optimizer", None)
+    if isinstance(wrapped, Optimizer):  # Accelerate's AcceleratedOptimizer, or a similar wrapper
+        raise TypeError(
+            f"the optimizer is a {type(optimizer).__name__} wrapping a {type(wrapped).__name__}; "
+            "pass your own optimizer to prepare_pipeline, not one from accelerator.prepare "
+            "(prepare_pipeline wraps it itself)."
+        )
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(
+            f"optimizer={type(optimizer).__name__} is not a torch.optim.Optimizer; pass one built "
+            "on the model, or a factory `lambda module: Optimizer(module.parameters(), ...)`."
+        )
+    if optimizer.state:
+        raise ValueError(
+            f"the {type(optimizer).__name__} already has state (it has stepped); its state cannot "
+            "move onto the sharded stages. Call prepare_pipeline before training, and resume "
+            "with accelerator.load_state(...)."
+        )
+
+
+def _constructor_kwargs(cls: type, defaults: dict[str, Any]) -> dict[str, Any]:
+    params = inspect.signature(cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return copy.deepcopy(defaults)
+    return {k: copy.deepcopy(v) for k, v in defaults.items() if k in params}
+
+
+def _is_scheduler(obj: Any) -> bool:
+    return isinstance(getattr(obj, "optimizer", None), Optimizer) and hasattr(obj, "step")
+
+
+def _rebind(scheduler: Any, old: Optimizer, new: Optimizer) -> Any:
+    """A shallow copy of `scheduler` (and of any scheduler it holds) pointing at `new`."""
+    clone = copy.copy(scheduler)
+    for key, value in vars(clone).items():
+        if value is old:
+            setattr(clone, key, new)
+        elif _is_scheduler(value) and value.optimizer is old:
+            setattr(clone, key, _rebind(value, old, new))
+        elif isinstance(value, (list, tuple)):
+            items = [
+                _rebind(v, old, new) if _is_scheduler(v) and v.optimizer is old else v
+                for v in value
+            ]
+            setattr(clone, key, type(value)(items) if isinstance(value, tuple) else items)
+    for key, value in _references(clone):
+        if value is old:
+            raise TypeError(
+                f"cannot retarget {type(scheduler).__name__}: its attribute {key!r} still refers "
+                "to the original optimizer. Pass a factory instead: prepare_pipeline(..., "
+                f"scheduler=lambda opt: {type(scheduler).__name__}(opt, ...))."
+            )
+    return clone
+
+
+def _references(obj: Any) -> Iterator[tuple[str, Any]]:
+    """Everything `obj` refers to one level down (through lists, tuples, dicts and weakrefs)."""
+    for key, value in vars(obj).items():
+        if isinstance(value, dict):
+            items = list(value.values())
+        elif isinstance(value, (list, tuple)):
+            items = list(value)
+        else:
+            items = [value]
+        for v in items:
+            yield key, (v() if isinstance(v, weakref.ref) else v)

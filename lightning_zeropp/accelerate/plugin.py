@@ -1,0 +1,417 @@
+"""The Accelerate front: `prepare_pipeline` turns an Accelerate script's objects into a pipeline.
+
+Accelerate 1.15 has no pipeline training, and passing a pipeline stage through
+`Accelerator.prepare` wraps it in DDP, which fails. So the front builds the mesh and the stages
+itself (through the core's `ZeroPPEngine`) and keeps to what Accelerate does well: the process
+group (torchrun / `accelerate launch`), the device, data loading (sharded over data-parallel ranks
+only), gradient accumulation bookkeeping, trackers, and `save_state` / `load_state`, into which
+the sharded model and optimizer checkpoint plugs through Accelerate's save/load pre-hooks.
+
+The order of `prepare_pipeline` is the order of failure: everything a user can get wrong is
+checked on every rank from its own arguments and environment before the first collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator, DistributedType
+from accelerate.optimizer import AcceleratedOptimizer
+from torch import nn
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader
+
+from lightning_zeropp.accelerate import env
+from lightning_zeropp.accelerate.data import (
+    Unpack,
+    check_loader,
+    example_microbatch,
+    rows_per_rank,
+    shard_loader,
+    unpack_batch,
+)
+from lightning_zeropp.accelerate.optim import (
+    OptimizerFactory,
+    PipelineScheduler,
+    SchedulerFactory,
+    optimizer_param_names,
+    rebuild_optimizer,
+    retarget_scheduler,
+)
+from lightning_zeropp.core import checkpoint as ckpt
+from lightning_zeropp.core.config import ZeroPPConfig
+from lightning_zeropp.core.engine import LossFn, ZeroPPEngine
+from lightning_zeropp.core.grads import GradStash
+from lightning_zeropp.core.mesh import ParallelDims
+from lightning_zeropp.core.split import SplitMethod
+
+__all__ = ["CHECKPOINT_DIR", "ZeroPPAccelerateEngine", "prepare_pipeline"]
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_DIR = "zeropp"  # the sharded model + optimizer checkpoint inside save_state's folder
+_SUPPORTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+
+
+class ZeroPPAccelerateEngine:
+    """This rank's pipeline stages, driven from an Accelerate loop.
+
+    `step(batch)` runs forward and backward of the whole batch through the pipeline schedule and
+    returns the global-batch mean loss on every rank (so `accelerator.log` on rank 0 shows it).
+    Gradients are added to `.grad` as `accelerator.backward(loss)` would, including its division
+    by `gradient_accumulation_steps`. `module` is this rank's stages under the model's own
+    parameter names; `core` is the underlying `ZeroPPEngine`.
+    """
+
+    def __init__(
+        self, accelerator: Accelerator, core: ZeroPPEngine, optimizer: Optimizer, unpack: Unpack
+    ) -> None:
+        self.accelerator = accelerator
+        self.core = core
+        self.optimizer = optimizer  # the rebuilt optimizer (unwrapped), for checkpoints
+        self._unpack = unpack
+        self._hooks: list[Any] = []
+
+    # ---------------------------------------------------------------- views
+    @property
+    def module(self) -> nn.Module:
+        return self.core.module
+
+    @property
+    def dims(self) -> ParallelDims:
+        return self.core.dims
+
+    @property
+    def config(self) -> ZeroPPConfig:
+        return self.core.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.core.device
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.core.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters()
+
+    def train(self, mode: bool = True) -> ZeroPPAccelerateEngine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> ZeroPPAccelerateEngine:
+        return self.train(False)
+
+    # ---------------------------------------------------------------- steps
+    def step(self, batch: Any) -> torch.Tensor:
+        """Forward and backward of `batch` (this data-parallel rank's); the global mean loss."""
+        args, kwargs, target = self._unpack(batch)
+        k = self.accelerator.gradient_accumulation_steps
+        if k == 1:
+            return self.core.train_step(*args, target=target, **kwargs)
+        # Scale only this batch's gradients by 1/k, as accelerator.backward scales the loss.
+        earlier = GradStash()
+        earlier.hold(self.parameters())
+        loss = self.core.train_step(*args, target=target, **kwargs)
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.div_(k)
+        earlier.release()
+        return loss
+
+    def eval_step(self, batch: Any) -> torch.Tensor:
+        """Forward only through the pipeline; the global mean loss on every rank."""
+        args, kwargs, target = self._unpack(batch)
+        loss = self.core.eval_step(*args, target=target, **kwargs)
+        assert loss is not None  # a target was given
+        return loss
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the norm over all stages and shards (`accelerator.clip_grad_norm_` would see
+        this rank's stages only); returns the norm before clipping."""
+        return self.core.clip_grad_norm_(max_norm, norm_type)
+
+    def prepare_data_loader(self, loader: DataLoader) -> DataLoader:
+        """Another loader (e.g. validation) sharded like the training data: over dp ranks only."""
+        check_loader(
+            loader, self.accelerator.split_batches, self.dims.dp_size, self.config.num_microbatches
+        )
+        return shard_loader(self.accelerator, loader, self.dims)
+
+    # ---------------------------------------------------------------- checkpoints
+    def save(self, output_dir: str | os.PathLike[str]) -> Path:
+        """Collective: write the sharded model and optimizer state to `output_dir/zeropp`."""
+        meta = {"zeropp_config": _plain(self.config), "world_size": dist.get_world_size()}
+        with _nonempty_groups(self.optimizer):
+            return ckpt.save_checkpoint(
+                Path(output_dir) / CHECKPOINT_DIR, self.module, [self.optimizer], meta
+            )
+
+    def load(self, input_dir: str | os.PathLike[str]) -> dict[str, Any]:
+        """Collective: read what `save` wrote (under any layout: names are the model's own)."""
+        path = Path(input_dir) / CHECKPOINT_DIR
+        if not ckpt.is_checkpoint(path):
+            raise FileNotFoundError(
+                f"{input_dir} holds no ZeroPP checkpoint ({path} is missing); save it with "
+                "accelerator.save_state after prepare_pipeline."
+            )
+        with _nonempty_groups(self.optimizer):
+            meta = ckpt.load_checkpoint(path, self.module, [self.optimizer])
+        _fill_empty_groups(self.optimizer)
+        return meta
+
+    def _register_hooks(self) -> None:
+        acc = self.accelerator
+        self._hooks = [
+            acc.register_save_state_pre_hook(lambda models, weights, out: self.save(out)),
+            acc.register_load_state_pre_hook(lambda models, inp: self.load(inp)),
+        ]
+
+
+def prepare_pipeline(
+    accelerator: Accelerator,
+    model: nn.Module,
+    optimizer: Optimizer | OptimizerFactory,
+    train_dl: DataLoader | None,
+    scheduler: Any | SchedulerFactory | None = None,
+    *,
+    loss_fn: LossFn,
+    config: ZeroPPConfig | None = None,
+    split: SplitMethod | None = None,
+    example_args: tuple[Any, ...] | None = None,
+    example_kwargs: dict[str, Any] | None = None,
+    unpack: Unpack | None = None,
+) -> tuple[ZeroPPAccelerateEngine, Optimizer, DataLoader | None, PipelineScheduler | None]:
+    """Split, shard and schedule `model`; move the optimizer, scheduler and data onto it.
+
+    Args:
+        accelerator: an `Accelerator` whose process group spans the world (torchrun or
+            `accelerate launch`; on CPU with `cpu=True` or `ACCELERATE_USE_CPU=1`).
+        model: the whole model, unmodified. Drop your own reference afterwards (`del model`):
+            the stages train new, sharded parameters, and the model would keep its full,
+            no longer updated weights in memory.
+        optimizer: built on `model`'s parameters (rebuilt over this rank's stages, same class,
+            hyperparameters and param groups), or a factory `fn(engine_module) -> Optimizer`.
+        train_dl: the single-process training loader (re-sharded over data-parallel ranks only)
+            or None.
+        scheduler: built on `optimizer` (retargeted to the rebuilt optimizer), a factory
+            `fn(optimizer) -> scheduler`, or None.
+        loss_fn: `loss_fn(output, target) -> scalar`, the mean over one micro-batch.
+        config: the layout; None reads the `ZEROPP_*` environment variables, then defaults.
+        split: "trace" / "stack" / a callable (see `lightning_zeropp.core.split`); None reads
+            `ZEROPP_SPLIT`, then "trace".
+        example_args / example_kwargs: one micro-batch of model inputs for split="trace";
+            default: the first samples of `train_dl`'s dataset, collated, cut to one micro-batch.
+        unpack: `fn(batch) -> (model_args, model_kwargs, target)`; default: `(inputs, targets)`
+            or `{"input_ids", "labels", **model_kwargs}`.
+
+    Returns:
+        `(engine, optimizer, train_dl, scheduler)`: the optimizer is an `AcceleratedOptimizer`
+        (skips steps while accumulating), the scheduler a `PipelineScheduler`, registered for
+        `accelerator.save_state`.
+    """
+    # 1. Everything a user can get wrong, on every rank, before any collective.
+    _check_accelerator(accelerator)
+    config = _resolved_config(config, accelerator.num_processes)
+    split = split or env.split_from_env() or "trace"
+    is_factory = callable(optimizer) and not isinstance(optimizer, Optimizer)
+    group_names = None if is_factory else optimizer_param_names(optimizer, model)
+    unpack = unpack or unpack_batch
+    dp_size = config.dp_size
+    if train_dl is not None:
+        check_loader(train_dl, accelerator.split_batches, dp_size, config.num_microbatches)
+    if (
+        split == "trace"
+        and example_args is None
+        and example_kwargs is None
+        and config.num_stages > 1
+    ):
+        example_args, example_kwargs = _default_example(accelerator, train_dl, config, unpack)
+
+    # 2. The mesh and this rank's stages (collectives from here on).
+    _ensure_process_group(accelerator)
+    core = ZeroPPEngine(
+        model,
+        config,
+        loss_fn=loss_fn,
+        split=split,
+        example_args=example_args,
+        example_kwargs=example_kwargs,
+        device=_device(accelerator),
+    )
+    params = dict(core.module.named_parameters())
+    if group_names is not None:
+        _check_all_placed(group_names, params)
+        new_opt = rebuild_optimizer(optimizer, group_names, params)
+    else:
+        new_opt = optimizer(core.module)
+    engine = ZeroPPAccelerateEngine(accelerator, core, new_opt, unpack)
+
+    # 3. Accelerate's side. The optimizer is wrapped as `prepare` would wrap it, but not
+    # registered: save_state would write rank 0's shard of it and load_state would load that shard
+    # into every rank. The sharded optimizer state goes through the checkpoint hooks instead.
+    wrapped = AcceleratedOptimizer(new_opt, device_placement=False, scaler=None)
+    sched = None
+    if scheduler is not None:
+        steps = 1 if accelerator.split_batches else dp_size
+        target = optimizer if isinstance(optimizer, Optimizer) else None
+        inner = retarget_scheduler(scheduler, target, new_opt)
+        sched = PipelineScheduler(inner, accelerator, wrapped, steps)
+        accelerator.register_for_checkpointing(sched)
+    loader = shard_loader(accelerator, train_dl, core.dims) if train_dl is not None else None
+    engine._register_hooks()
+    return engine, wrapped, loader, sched
+
+
+# ------------------------------------------------------------------------------------ checks
+def _check_accelerator(accelerator: Accelerator) -> None:
+    kind = accelerator.distributed_type
+    if kind not in _SUPPORTED:
+        raise ValueError(
+            f"Accelerator distributed_type={kind.value}: ZeroPP shards and pipelines the model "
+            "itself. Launch without --use_fsdp / --use_deepspeed / --use_megatron_lm (plain "
+            "torchrun or `accelerate launch --multi_gpu`) and set the layout with ZEROPP_* "
+            "variables."
+        )
+    if accelerator.mixed_precision != "no":
+        raise ValueError(
+            f"Accelerator(mixed_precision={accelerator.mixed_precision!r}) autocasts prepared "
+            "models only, and the pipeline stages are not prepared. Keep mixed_precision='no' and "
+            "set ZEROPP_PARAM_DTYPE=bf16 (FSDP2 mixed precision, gradients reduced in fp32)."
+        )
+    if accelerator.parallelism_config is not None:
+        raise ValueError(
+            "Accelerator(parallelism_config=...) builds Accelerate's own mesh; ZeroPP builds a "
+            "pp x dp_replicate x dp_shard mesh. Drop it and set ZEROPP_PP_SIZE, "
+            "ZEROPP_DP_SHARD_SIZE, ZEROPP_DP_REPLICATE_SIZE."
+        )
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if accelerator.num_processes == 1 and world > 1:
+        raise ValueError(
+            f"WORLD_SIZE={world} but the Accelerator runs a single process: on CPU, Accelerate "
+            "sets up multi-process training only with Accelerator(cpu=True) or "
+            "ACCELERATE_USE_CPU=1."
+        )
+
+
+def _resolved_config(config: ZeroPPConfig | None, world_size: int) -> ZeroPPConfig:
+    """The config given, or one from the ZEROPP_* variables, resolved for the world.
+
+    Unknown ZEROPP_* names fail either way (a typo would otherwise be ignored); variables a given
+    config overrides are reported. A bad value read from the environment is reported with the
+    variables that set it, since the user never wrote `pp_size=...` themselves.
+    """
+    found = env.zeropp_env()
+    from_env = config is None
+    if config is None:
+        config = env.config_from_env()
+    elif set(found) & set(env.CONFIG_VARS) and int(os.environ.get("RANK", "0")) == 0:
+        ignored = sorted(set(found) & set(env.CONFIG_VARS))
+        log.warning("prepare_pipeline got config=...; ignoring %s", ", ".join(ignored))
+    try:
+        return config.resolve(world_size)
+    except ValueError as err:
+        if not from_env:
+            raise
+        raise ValueError(f"{err} (settings from the environment: {env.describe_env()})") from err
+
+
+def _default_example(
+    accelerator: Accelerator, train_dl: DataLoader | None, config: ZeroPPConfig, unpack: Unpack
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    rows = None
+    if train_dl is not None:
+        rows = rows_per_rank(train_dl, accelerator.split_batches, config.dp_size)
+    if rows is None:
+        raise ValueError(
+            "split='trace' needs one example micro-batch of model inputs, and there is no "
+            "training loader with a batch size to take it from: pass example_args=(...) (one "
+            "micro-batch, per-rank rows / num_microbatches), or split='stack'."
+        )
+    assert config.num_microbatches is not None
+    return example_microbatch(train_dl, rows // config.num_microbatches, unpack)
+
+
+def _check_all_placed(group_names: list[list[str]], params: dict[str, nn.Parameter]) -> None:
+    """Every optimized parameter must be on some stage; checked with every rank's names."""
+    everywhere: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everywhere, sorted(params))
+    placed = set().union(*everywhere)
+    lost = sorted({n for names in group_names for n in names} - placed)
+    if lost:
+        raise ValueError(
+            f"the optimizer's parameters {lost[:5]} are on no pipeline stage: the split dropped "
+            "them (parameters the forward never uses). Leave them out of the optimizer, or use "
+            "split='stack'."
+        )
+
+
+def _ensure_process_group(accelerator: Accelerator) -> None:
+    """A one-rank group when Accelerate runs a single process (debugging without a launcher)."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if accelerator.device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend,
+        store=dist.HashStore(),
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(minutes=10),
+    )
+
+
+def _device(accelerator: Accelerator) -> torch.device:
+    device = accelerator.device
+    # Accelerate says "cpu:0" on multi-CPU runs; the mesh and stages want the plain CPU device.
+    return torch.device("cpu") if device.type == "cpu" else device
+
+
+@contextlib.contextmanager
+def _nonempty_groups(optimizer: Optimizer) -> Iterator[None]:
+    """Hide param groups that are empty on this rank from the distributed checkpoint.
+
+    Groups stay aligned across ranks, so a group may hold no parameter of this rank's stages;
+    torch's flattened optimizer state dict cannot load such a group (it reads the group's
+    hyperparameters from its first parameter). Loading replaces the group dicts it sees, so the
+    full list is rebuilt from the loaded ones afterwards.
+    """
+    groups = optimizer.param_groups
+    optimizer.param_groups = [g for g in groups if g["params"]]
+    try:
+        yield
+    finally:
+        loaded = iter(optimizer.param_groups)
+        optimizer.param_groups = [next(loaded) if g["params"] else g for g in groups]
+
+
+def _fill_empty_groups(optimizer: Optimizer) -> None:
+    """Give groups that are empty here the hyperparameters another rank loaded for them.
+
+    The checkpoint keeps a group's hyperparameters (its learning rate, ...) with its parameters,
+    so a rank holding none of them has nothing to load. Schedulers that update the learning rate
+    from its current value (cosine annealing's recursive form) would then drift on that rank.
+    """
+    mine = [
+        {k: v for k, v in g.items() if k != "params"} if g["params"] else None
+        for g in optimizer.param_groups
+    ]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for i, group in enumerate(optimizer.param_groups):
+        if not group["params"]:
+            loaded = next((r[i] for r in everyone if r[i] is not None), None)
+            if loaded is not None:
+                group.update(loaded)
+
+
+def _plain(config: ZeroPPConfig) -> dict[str, Any]:
+    """The config as plain values (dtypes as strings) for the checkpoint's metadata."""
+    return {k: str(v) if isinstance(v, torch.dtype) else v for k, v in vars(config).items()}
