@@ -14,9 +14,14 @@ The adapter between `transformers` and the library; the core never imports trans
   from `ZeroPPStrategy.full_state_dict()` or `core.export.full_state_dict(...)`.
 
 Splitting: `split="trace"` (the default) with one micro-batch of `input_ids` as the example. The
-stages keep HF's names (`model.layers.3.mlp.up_proj.weight`, `lm_head.weight`). `split="stack"`
-does not apply: HF's decoder forward calls `embed_tokens`, `norm` and `lm_head` unconditionally
-and takes token ids, not hidden states, so a pruned copy cannot run a middle stage.
+stages keep HF's names (`model.layers.3.mlp.up_proj.weight`, `lm_head.weight`); the rotary cos/sin
+and causal mask the first stage computes travel with the hidden states (relayed by `core.chain`
+past two stages). `split="stack"` does not apply: HF's decoder forward calls `embed_tokens`,
+`norm` and `lm_head` unconditionally and takes token ids, not hidden states, so a pruned copy
+cannot run a middle stage. Not supported yet: `pp_size * num_chunks == 1` (the single stage is the
+untraced model, whose `CausalLMOutputWithPast` output a pipeline stage cannot send), and
+`attention_mask` / `position_ids` inputs (rows are fixed-length token ids; mark padding in
+`labels` with -100, and note that the loss is then a mean of per-micro-batch means).
 """
 
 from __future__ import annotations
