@@ -37,6 +37,7 @@ __all__ = [
     "parallel_settings",
     "plan_summary",
     "rank_zero_overrides",
+    "run_dir_note",
 ]
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -67,6 +68,21 @@ def rank_zero_overrides(argv: Sequence[str], env: Mapping[str, str] = os.environ
     wanted = {"hydra.output_subdir": "null", "hydra/job_logging": "stdout"}
     given = {arg.split("=", 1)[0].lstrip("+~") for arg in argv}
     return [f"{key}={value}" for key, value in wanted.items() if key not in given]
+
+
+def run_dir_note(env: Mapping[str, str] = os.environ) -> str | None:
+    """A warning when the run directory's id is shared across runs, not only across ranks.
+
+    torchrun's static rendezvous (multi-node `--node-rank`/`--master-addr`, or `--master-port`)
+    reports the run id "none", so every such run would write into outputs/none.
+    """
+    if env.get("TORCHELASTIC_RUN_ID") == "none":
+        return (
+            "torchrun gave no rendezvous id (static rendezvous): this run writes into "
+            "outputs/none like every other such run. Pass --rdzv-id <unique id> (e.g. the "
+            "scheduler's job id) or hydra.run.dir=<dir>."
+        )
+    return None
 
 
 @dataclass(frozen=True)

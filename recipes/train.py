@@ -37,6 +37,7 @@ from recipe_config import (
     fill_model_facts,
     plan_summary,
     rank_zero_overrides,
+    run_dir_note,
 )
 from torch import nn
 from torch.utils.data import DataLoader
@@ -77,6 +78,8 @@ def main(cfg: DictConfig) -> None:
     )
     if trainer.is_global_zero:
         print(plan_summary(cfg, plan, sum(p.numel() for p in net.parameters())))
+        if note := run_dir_note():
+            print(f"warning: {note}")
         if cfg.data.name == "markov":
             floor = MarkovLanguage(vocab_size=cfg.model.vocab_size).entropy()
             print(f"loss floor (the Markov language's entropy) {floor:.3f}")

@@ -41,6 +41,7 @@ from recipe_config import (
     fill_model_facts,
     plan_summary,
     rank_zero_overrides,
+    run_dir_note,
 )
 from torch import nn
 from torch.utils.data import DataLoader
@@ -88,6 +89,8 @@ def main(cfg: DictConfig) -> None:
     train, val = build_datasets(cfg)
     if accelerator.is_main_process:
         print(plan_summary(cfg, plan, sum(p.numel() for p in net.parameters())), flush=True)
+        if note := run_dir_note():
+            print(f"warning: {note}", flush=True)
         if cfg.data.name == "markov":
             floor = MarkovLanguage(vocab_size=cfg.model.vocab_size).entropy()
             print(f"loss floor (the Markov language's entropy) {floor:.3f}", flush=True)

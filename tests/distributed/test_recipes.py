@@ -35,7 +35,7 @@ QUICK = [
 ]
 
 
-def run(cmd: list[str], cwd: Path, timeout: float = 150.0) -> subprocess.CompletedProcess[str]:
+def run(cmd: list[str], cwd: Path, timeout: float = 300.0) -> subprocess.CompletedProcess[str]:
     """Run a launcher command in its own process group; kill the whole group on timeout."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_PORT"):
@@ -99,8 +99,9 @@ def test_lightning_recipe_runs_with_overrides(tmp_path: Path):
     assert 1.0 < summary["val_perplexity"] < 300 and 0 <= summary["val_token_accuracy"] <= 1
 
 
-def test_accelerate_recipe_runs_under_torchrun(tmp_path: Path):
-    overrides = ["parallel=zeropp", "parallel.num_microbatches=4", *QUICK]
+def test_accelerate_recipe_runs_a_tiny_llama_under_torchrun(tmp_path: Path):
+    """The HF path end to end: a tiny Llama (models.hf.build_causal_lm) on the zeropp schedule."""
+    overrides = ["model=llama_tiny", "parallel=zeropp", "parallel.num_microbatches=4", *QUICK]
     script = str(ROOT / "recipes" / "train_accelerate.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4"]
     result = run([*cmd, script, *overrides], tmp_path)
@@ -108,6 +109,7 @@ def test_accelerate_recipe_runs_under_torchrun(tmp_path: Path):
     run_dir = the_run_dir(tmp_path)
     # keyed on torchrun's rendezvous id (a uuid under --standalone), not on the time
     assert len(run_dir.name) == 36 and run_dir.name.count("-") == 4, run_dir.name
+    assert "model llama_tiny" in result.stdout and "schedule zeropp" in result.stdout
     assert sorted(p.name for p in run_dir.glob("*.log")) == ["train_accelerate.log"]
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [x["train_loss"] for x in lines if "train_loss" in x]
@@ -121,7 +123,7 @@ def test_accelerate_recipe_runs_under_torchrun(tmp_path: Path):
 
 def test_bad_override_fails_before_launch_naming_the_key(tmp_path: Path):
     cmd = [sys.executable, str(ROOT / "recipes" / "train.py"), "parallel.pp_size=3"]
-    result = run(cmd, tmp_path, timeout=90)
+    result = run(cmd, tmp_path, timeout=120)
     assert result.returncode != 0
     assert "pp_size (3) x dp_replicate_size (1) x dp_shard_size (1) = 3" in result.stdout
     assert "cluster=cpu4" in result.stdout

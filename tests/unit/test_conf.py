@@ -33,6 +33,7 @@ from recipes.recipe_config import (
     is_rank_zero,
     plan_summary,
     rank_zero_overrides,
+    run_dir_note,
 )
 
 GROUPS = ("model", "cluster", "parallel", "trainer", "data")
@@ -68,7 +69,7 @@ def with_required(overrides: list[str]) -> list[str]:
 # ------------------------------------------------------------------------------ every config
 def test_groups_are_all_there():
     assert {p.name for p in CONF_DIR.iterdir() if p.is_dir()} == set(GROUPS)
-    assert set(LLAMA_SIZES) | {"gpt_tiny", "hf_local"} == set(options("model"))
+    assert set(LLAMA_SIZES) | {"gpt_tiny", "llama_tiny", "hf_local"} == set(options("model"))
     assert {"cpu4", "cpu8", "h100_1x8", "h100_4x8", "h100_16x8"} == set(options("cluster"))
     assert {"zeropp", "zeropp_plus", "pp_1f1b", "fsdp", "ddp"} == set(options("parallel"))
     assert {"markov", "text_file", "hf_disk"} == set(options("data"))
@@ -221,6 +222,12 @@ def test_run_dir_is_keyed_on_an_id_every_rank_shares(monkeypatch):
     assert run_dir() == "outputs/4242"
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "3f2c")  # torchrun inside SLURM: torchrun's id wins
     assert run_dir() == "outputs/3f2c"
+
+
+def test_static_rendezvous_run_id_is_flagged():
+    assert run_dir_note({"TORCHELASTIC_RUN_ID": "none"}) is not None  # torchrun's static default
+    assert run_dir_note({"TORCHELASTIC_RUN_ID": "5f0e"}) is None
+    assert run_dir_note({}) is None
 
 
 def run_dir() -> str:
