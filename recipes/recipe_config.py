@@ -117,8 +117,8 @@ def check_config(cfg: DictConfig) -> Plan:
     _check_trainer(cfg.trainer)
     parallel = parallel_settings(cfg.parallel, world)
     zeropp = _resolve(parallel, world, cfg)
-    _check_data(cfg.data, cfg.model)
-    check_model_facts(cfg.model, zeropp)
+    _positive_int("data.seq_len", cfg.data.seq_len)
+    check_model_facts(cfg, zeropp)
     micro = cfg.trainer.micro_batch_size
     rank_batch = micro * zeropp.num_microbatches
     return Plan(
@@ -164,9 +164,16 @@ def parallel_settings(parallel: DictConfig, world_size: int) -> dict[str, Any]:
     return settings
 
 
-def check_model_facts(model: DictConfig, zeropp: ZeroPPConfig) -> None:
-    """Checks that need the model's vocabulary size and depth (once known)."""
+def check_model_facts(cfg: DictConfig, zeropp: ZeroPPConfig) -> None:
+    """Checks that need the model's vocabulary size, depth and positional range (once known)."""
+    model = cfg.model
     vocab, layers = model.get("vocab_size"), model.get("num_layers")
+    limit = model.get("max_seq_len")
+    if limit is not None and cfg.data.seq_len > limit:
+        raise ValueError(
+            f"data.seq_len={cfg.data.seq_len} is longer than model.max_seq_len={limit} (its "
+            "positional range); use a shorter data.seq_len."
+        )
     if vocab is not None:
         _positive_int("model.vocab_size", vocab)
     if layers is not None:
@@ -286,16 +293,6 @@ def _resolve(parallel: dict[str, Any], world: int, cfg: DictConfig) -> ZeroPPCon
             f"cluster.devices {cfg.cluster.devices} x cluster.num_nodes "
             f"{cfg.cluster.num_nodes}): {err}"
         ) from None
-
-
-def _check_data(data: DictConfig, model: DictConfig) -> None:
-    _positive_int("data.seq_len", data.seq_len)
-    limit = model.get("max_seq_len")
-    if limit is not None and data.seq_len > limit:
-        raise ValueError(
-            f"data.seq_len={data.seq_len} is longer than model.max_seq_len={limit} (its "
-            "positional range); use a shorter data.seq_len."
-        )
 
 
 def _int(key: str, value: Any) -> None:

@@ -54,7 +54,7 @@ def main(cfg: DictConfig) -> None:
     pl.seed_everything(cfg.trainer.seed)  # one seed everywhere: every rank builds the same weights
     net = instantiate(cfg.model.net)
     fill_model_facts(cfg.model, net)  # hf_local: vocabulary and depth come from the checkpoint
-    check_model_facts(cfg.model, plan.zeropp)
+    check_model_facts(cfg, plan.zeropp)
     train, val = build_datasets(cfg)
     trainer = pl.Trainer(
         accelerator=cfg.cluster.accelerator,

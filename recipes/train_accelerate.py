@@ -85,7 +85,7 @@ def main(cfg: DictConfig) -> None:
     torch.manual_seed(cfg.trainer.seed)  # one seed everywhere: every rank builds the same weights
     net = instantiate(cfg.model.net)
     fill_model_facts(cfg.model, net)
-    check_model_facts(cfg.model, plan.zeropp)
+    check_model_facts(cfg, plan.zeropp)
     train, val = build_datasets(cfg)
     if accelerator.is_main_process:
         print(plan_summary(cfg, plan, sum(p.numel() for p in net.parameters())), flush=True)

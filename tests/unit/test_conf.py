@@ -12,6 +12,7 @@ import dataclasses
 import inspect
 import re
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -30,6 +31,8 @@ from lightning_zeropp import ZeroPPConfig
 from recipes.recipe_config import (
     CONF_DIR,
     check_config,
+    check_model_facts,
+    fill_model_facts,
     is_rank_zero,
     plan_summary,
     rank_zero_overrides,
@@ -173,6 +176,19 @@ def test_llama_param_formula_matches_a_real_model():
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     assert sum(p.numel() for p in model.parameters()) == llama_params(net)
+
+
+def test_hf_local_facts_are_checked_once_the_model_is_built():
+    """hf_local's vocabulary, depth and positional range come from the loaded checkpoint."""
+    cfg = compose_config(["model=hf_local", "model.net.path=/m", "parallel=zeropp"])
+    plan = check_config(cfg)  # nothing known yet: nothing to refuse
+    loaded = SimpleNamespace(
+        config=SimpleNamespace(vocab_size=320, num_hidden_layers=3, max_position_embeddings=512)
+    )
+    fill_model_facts(cfg.model, loaded)
+    assert (cfg.model.vocab_size, cfg.model.num_layers, cfg.model.max_seq_len) == (320, 3, 512)
+    with pytest.raises(ValueError, match=r"4 pipeline stages, but model\.num_layers=3"):
+        check_model_facts(cfg, plan.zeropp)  # pp 2 x 2 chunks
 
 
 def test_bundled_gpt_config_builds():
