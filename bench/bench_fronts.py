@@ -1,0 +1,425 @@
+"""The Lightning front vs the Accelerate front on 4 CPU gloo ranks: step time and peak memory.
+
+    python bench/bench_fronts.py [--steps 6] [--warmup 2] [--rows lightning,accelerate]
+
+Both rows train the same GPT, from the same initial weights, on the same global batch, in the same
+layout (1F1B over FSDP2, pp 2 x dp_shard 2, 4 micro-batches), with AdamW and clipping at 1.0: the
+only difference is the front (`Trainer(strategy=ZeroPPStrategy(...))` against `prepare_pipeline`
+in a plain Accelerate loop). Each row runs in its own 4 fresh processes, launched by this script.
+Results are written to bench/results/fronts.md and bench/results/fronts.json (both overwritten).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import faulthandler
+import json
+import os
+import platform
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = Path(os.environ.get("BENCH_RESULTS", ROOT / "bench" / "results"))
+WORLD = 4
+MODEL = {"vocab_size": 256, "seq_len": 128, "dim": 256, "num_heads": 4, "num_layers": 8}
+GLOBAL_BATCH = 32
+LAYOUT = {"pp_size": 2, "dp_shard_size": 2, "schedule": "1f1b", "num_microbatches": 4}
+DP = WORLD // LAYOUT["pp_size"]
+LR, CLIP = 1e-3, 1.0
+ROWS = {
+    "lightning": "Lightning: Trainer(strategy=ZeroPPStrategy(...))",
+    "accelerate": "Accelerate: prepare_pipeline(...) in a plain loop",
+}
+PG_TIMEOUT = datetime.timedelta(seconds=120)
+MIB = 2**20
+
+
+def row_timeout_s(steps: int, warmup: int) -> float:
+    """Start-up plus a generous 20 s a step (a step takes about 2 s on 2 cores)."""
+    return 150.0 + 20.0 * (warmup + steps)
+
+
+# ---------------------------------------------------------------------------------------- rank
+def run_rank(row: str, steps: int, warmup: int, out: Path) -> None:
+    """One rank of one row: train warm-up + timed steps and write this rank's JSON."""
+    import torch
+
+    faulthandler.dump_traceback_later(row_timeout_s(steps, warmup) - 15, exit=False)
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    # The global batch, the same at every step (as in bench_layouts.py).
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(
+        0, MODEL["vocab_size"], (GLOBAL_BATCH, MODEL["seq_len"] + 1), generator=gen
+    )
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    # Before the front's imports, its process group and the model: growth from here is the row's.
+    rss_start_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    clock = _Clock(warmup, steps)
+    (_lightning if row == "lightning" else _accelerate)(x, y, clock)
+    import torch.distributed as dist
+
+    times = torch.tensor(clock.times, dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
+    rss_end_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    result = {
+        "rank": rank,
+        "step_times_s": times.tolist(),
+        "losses": clock.losses,
+        "timed_cpu_s": clock.cpu_s,
+        "timed_wall_s": clock.wall_s,
+        "peak_rss_bytes": rss_end_kib * 1024,
+        "peak_rss_growth_bytes": (rss_end_kib - rss_start_kib) * 1024,
+    }
+    partial = out / f"rank{rank}.json.partial"  # the driver watches for the complete file
+    partial.write_text(json.dumps(result))
+    partial.rename(out / f"rank{rank}.json")
+    faulthandler.dump_traceback_later(10, exit=False)  # tell where teardown hangs, if it does
+    dist.barrier()  # tear down together: no rank destroys its group while a peer still uses it
+    dist.destroy_process_group()
+
+
+class _Clock:
+    """Per-step wall times of the timed steps (each started together after a barrier), their
+    CPU time, and every step's loss."""
+
+    def __init__(self, warmup: int, steps: int) -> None:
+        self.warmup, self.steps = warmup, steps
+        self.step = 0
+        self.times: list[float] = []
+        self.losses: list[float] = []
+        self.cpu_s = self.wall_s = 0.0
+        self._start = self._cpu0 = self._wall0 = 0.0
+
+    def start(self) -> None:
+        import torch.distributed as dist
+
+        if self.step == self.warmup:
+            self._cpu0, self._wall0 = time.process_time(), time.perf_counter()
+        dist.barrier()  # start every step together: the time is the step's, not the skew's
+        self._start = time.perf_counter()
+
+    def stop(self, loss: float) -> None:
+        elapsed = time.perf_counter() - self._start
+        self.losses.append(loss)
+        if self.step >= self.warmup:
+            self.times.append(elapsed)
+        if self.step == self.warmup + self.steps - 1:
+            self.cpu_s = time.process_time() - self._cpu0
+            self.wall_s = time.perf_counter() - self._wall0
+        self.step += 1
+
+
+def _lightning(x: Any, y: Any, clock: _Clock) -> None:
+    """The row through Trainer(strategy=ZeroPPStrategy), timed by a callback."""
+    import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_zeropp import ZeroPPStrategy
+    from lightning_zeropp.models import GPTConfig
+    from lightning_zeropp.models.lit_gpt import LitGPT
+
+    class Timer(pl.Callback):
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, i: int) -> None:
+            clock.start()
+
+        def on_train_batch_end(
+            self, trainer: Any, module: Any, outputs: Any, batch: Any, i: int
+        ) -> None:
+            clock.stop(float(outputs["loss"]))
+
+    total = clock.warmup + clock.steps
+    # Each rank loads its data-parallel slice itself (the sampler Lightning would inject
+    # shuffles): rows [dp_rank * B/dp, ...) of the same global batch at every step, as the
+    # Accelerate row's loader gives it. Ranks are pp-major, so dp_rank = rank % dp.
+    dp_rank = int(os.environ["RANK"]) % DP
+    rows = slice(dp_rank * GLOBAL_BATCH // DP, (dp_rank + 1) * GLOBAL_BATCH // DP)
+    data = TensorDataset(x[rows].repeat(total, 1), y[rows].repeat(total, 1))
+    loader = DataLoader(data, batch_size=GLOBAL_BATCH // DP, shuffle=False, drop_last=True)
+    micro = GLOBAL_BATCH // DP // LAYOUT["num_microbatches"]
+    torch.manual_seed(0)  # the same initial weights in both rows
+    module = LitGPT(GPTConfig(**MODEL), micro_batch_size=micro, optimizer="adamw", lr=LR)
+    strategy = ZeroPPStrategy(split="stack", timeout=PG_TIMEOUT, **LAYOUT)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=WORLD,
+        strategy=strategy,
+        max_steps=total,
+        gradient_clip_val=CLIP,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[Timer()],
+    )
+    trainer.fit(module, loader)
+
+
+def _accelerate(x: Any, y: Any, clock: _Clock) -> None:
+    """The row through prepare_pipeline in a plain Accelerate loop."""
+    import torch
+    import torch.nn.functional as F
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_zeropp.accelerate import prepare_pipeline
+    from lightning_zeropp.core import ZeroPPConfig
+    from lightning_zeropp.models import GPT, GPTConfig
+
+    accelerator = Accelerator(
+        cpu=True,
+        dataloader_config=DataLoaderConfiguration(split_batches=True),
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=PG_TIMEOUT)],
+    )
+    total = clock.warmup + clock.steps
+    torch.manual_seed(0)  # the same initial weights in both rows
+    model = GPT(GPTConfig(**MODEL))
+    # The Lightning row's optimizer: LitGPT's AdamW (eps 1e-6, weight decay 0.1).
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-6, weight_decay=0.1)
+    data = TensorDataset(x.repeat(total, 1), y.repeat(total, 1))
+    train_dl = DataLoader(data, batch_size=GLOBAL_BATCH, shuffle=False, drop_last=True)
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+    engine, optimizer, train_dl, _ = prepare_pipeline(
+        accelerator,
+        model,
+        optimizer,
+        train_dl,
+        loss_fn=loss_fn,
+        config=ZeroPPConfig(**LAYOUT),
+        split="stack",
+    )
+    del model
+    for batch in train_dl:
+        clock.start()
+        loss = engine.step(batch)
+        engine.clip_grad_norm_(CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+        clock.stop(float(loss))
+
+
+# ---------------------------------------------------------------------------------------- driver
+def launch_row(row: str, steps: int, warmup: int) -> list[dict[str, Any]]:
+    """Run one row on WORLD fresh processes; fail loudly (with log tails) on error or timeout."""
+    with tempfile.TemporaryDirectory(prefix=f"bench_{row}_") as tmp:
+        out = Path(tmp)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs, logs = [], []
+        for rank in range(WORLD):
+            env = {
+                **os.environ,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(WORLD),
+                "LOCAL_WORLD_SIZE": str(WORLD),
+                "NODE_RANK": "0",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": str(ROOT),
+            }
+            cmd = [sys.executable, __file__, "--worker", row, "--out", tmp]
+            cmd += ["--steps", str(steps), "--warmup", str(warmup)]
+            log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
+            logs.append(log)
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log))
+        deadline = time.monotonic() + row_timeout_s(steps, warmup)
+        results = [out / f"rank{r}.json" for r in range(WORLD)]
+        done_at: float | None = None
+        try:
+            while any(p.poll() is None for p in procs):
+                failed = any(p.poll() not in (None, 0) for p in procs)
+                if failed or time.monotonic() > deadline:
+                    time.sleep(1.0 if failed else 0.0)  # let the others print their error
+                    break
+                # Every rank has written its figures: a rank that then hangs in process-group
+                # teardown (seen with gloo) must not fail the row; it is killed below.
+                if done_at is None and all(f.exists() for f in results):
+                    done_at = time.monotonic()
+                if done_at is not None and time.monotonic() > done_at + 20.0:
+                    stuck = [r for r, p in enumerate(procs) if p.poll() is None]
+                    print(f"{row}: ranks {stuck} still running 20 s after their results; killed.")
+                    break
+                time.sleep(0.2)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+            for log in logs:
+                log.close()
+        if done_at is None or any(p.returncode not in (0, -9) for p in procs):
+            tails = "\n".join(
+                f"--- rank {r} ---\n" + "\n".join(read_tail(out / f"rank{r}.log"))
+                for r in range(WORLD)
+            )
+            raise RuntimeError(
+                f"row {row!r} failed: exit codes {[p.returncode for p in procs]}\n{tails}"
+            )
+        return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def read_tail(path: Path, lines: int = 20) -> list[str]:
+    return path.read_text(errors="replace").splitlines()[-lines:]
+
+
+def machine() -> dict[str, Any]:
+    import accelerate
+    import lightning
+    import torch
+
+    cpu = platform.processor() or "unknown"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "load_average_1m_at_start": os.getloadavg()[0],
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "accelerate": accelerate.__version__,
+        "python": platform.python_version(),
+        "commit": commit + (" (uncommitted changes)" if dirty else ""),
+    }
+
+
+def summarize(row: str, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    step_times = ranks[0]["step_times_s"]  # already the max over ranks, step by step
+    # The ranks' CPU time over the timed steps per core-second of wall time: near 1 when they had
+    # the cores to themselves, lower when other work on the machine took a share.
+    cpu_share = sum(r["timed_cpu_s"] for r in ranks) / (
+        max(r["timed_wall_s"] for r in ranks) * (os.cpu_count() or 1)
+    )
+    return {
+        "row": row,
+        "title": ROWS[row],
+        "cpu_share": cpu_share,
+        "median_step_s": statistics.median(step_times),
+        "step_times_s": step_times,
+        "final_loss": ranks[0]["losses"][-1],
+        "peak_rss_bytes_per_rank": [r["peak_rss_bytes"] for r in ranks],
+        "peak_rss_growth_bytes_per_rank": [r["peak_rss_growth_bytes"] for r in ranks],
+        "ranks": ranks,
+    }
+
+
+def write_markdown(meta: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> None:
+    m = meta["machine"]
+    lines = [
+        "# Fronts: Lightning vs Accelerate, same pipeline",
+        "",
+        f"- Machine: {m['cpu']}, {m['cores']} cores (1-minute load average "
+        f"{m['load_average_1m_at_start']:.1f} at the start: the machine is shared); {WORLD} gloo "
+        "ranks, OMP_NUM_THREADS=1 each",
+        f"- Date: {m['date']}; torch {m['torch']}, lightning {m['lightning']}, accelerate "
+        f"{m['accelerate']}; Python {m['python']}; commit {m['commit']}",
+        f"- Model: GPT {meta['model']}, fp32; global batch {GLOBAL_BATCH} sequences (the same "
+        f"every step); layout {meta['layout']} (split='stack'); AdamW lr {LR}, clipping at "
+        f"{CLIP} by the global norm",
+        f"- {meta['warmup']} warm-up steps, then {meta['steps']} timed steps (each: the pipeline's "
+        "forward and backward, clipping, the AdamW step; data loading excluded)",
+        "",
+        "Step time: median (and range) over the timed steps of the slowest rank's time (ranks "
+        "start each step together after a barrier). CPU share: the ranks' CPU time over the timed "
+        "steps per core-second of wall time (near 1: the ranks had the cores to themselves; "
+        "lower: other work took a share, and the times are not comparable). Peak RSS: "
+        "`ru_maxrss` of each rank process (resource.getrusage) at the end, and its growth from "
+        "just after `import torch` (so it counts the front's imports, its process group, the "
+        "model and training), per rank 0..3.",
+        "",
+        "| Front | Median step (s) | Min-max (s) | CPU share | Peak RSS per rank (MiB) | "
+        "Peak RSS growth per rank (MiB) | Final loss |",
+        "|---|---:|---:|---:|---|---|---:|",
+    ]
+    for r in rows:
+        t = r["step_times_s"]
+        peak = " / ".join(f"{b / MIB:.0f}" for b in r["peak_rss_bytes_per_rank"])
+        growth = " / ".join(f"{b / MIB:.0f}" for b in r["peak_rss_growth_bytes_per_rank"])
+        lines.append(
+            f"| {r['title']} | {r['median_step_s']:.2f} | {min(t):.2f}-{max(t):.2f} | "
+            f"{r['cpu_share']:.2f} | {peak} | {growth} | {r['final_loss']:.4f} |"
+        )
+    lines += [
+        "",
+        "The final losses agree when both rows train the same thing. Peak RSS includes each "
+        "front's imports and, for Accelerate, the whole model built on every rank before it is "
+        "split (Lightning builds it too, inside the LightningModule); it is a high-water mark, "
+        "not what a rank holds in steady state.",
+    ]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per row")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
+    parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset of rows")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        run_rank(args.worker, args.steps, args.warmup, Path(args.out))
+        return
+    if args.steps < 1 or args.warmup < 0:
+        parser.error("--steps must be at least 1 and --warmup at least 0")
+    names = [r for r in args.rows.split(",") if r]
+    unknown = set(names) - set(ROWS)
+    if unknown:
+        parser.error(f"unknown rows {sorted(unknown)}; choose from {list(ROWS)}")
+    meta_machine = machine()
+    start = time.monotonic()
+    rows = []
+    for name in names:
+        t0 = time.monotonic()
+        rows.append(summarize(name, launch_row(name, args.steps, args.warmup)))
+        print(
+            f"{name}: median step {rows[-1]['median_step_s']:.2f}s, CPU share "
+            f"{rows[-1]['cpu_share']:.2f} ({time.monotonic() - t0:.0f}s)"
+        )
+    meta = {
+        "machine": meta_machine,
+        "model": MODEL,
+        "layout": LAYOUT,
+        "global_batch": GLOBAL_BATCH,
+        "world_size": WORLD,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "wall_s": round(time.monotonic() - start, 1),
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    write_markdown(meta, rows, RESULTS / "fronts.md")
+    (RESULTS / "fronts.json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+    print((RESULTS / "fronts.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
