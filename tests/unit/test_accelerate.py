@@ -27,7 +27,11 @@ from lightning_zeropp.accelerate.optim import (
     rebuild_optimizer,
     retarget_scheduler,
 )
-from lightning_zeropp.accelerate.plugin import _check_accelerator, _nonempty_groups
+from lightning_zeropp.accelerate.plugin import (
+    _check_accelerator,
+    _nonempty_groups,
+    _resolved_config,
+)
 from lightning_zeropp.core.config import ZeroPPConfig
 
 
@@ -102,6 +106,17 @@ def test_split_from_env():
         env.split_from_env({"ZEROPP_SPLIT": "pipe"})
     described = env.describe_env({"ZEROPP_PP_SIZE": "3", "ZEROPP_SPLIT": "trace"})
     assert described == "ZEROPP_PP_SIZE=3 (pp_size), ZEROPP_SPLIT=trace (split)"
+
+
+def test_a_bad_value_from_the_environment_names_the_variables(monkeypatch):
+    monkeypatch.setenv("ZEROPP_PP_SIZE", "3")
+    with pytest.raises(ValueError, match=r"world has 4 processes.*ZEROPP_PP_SIZE=3 \(pp_size\)"):
+        _resolved_config(None, 4)
+    # A config in code wins over the environment (which is only reported), but a typo still fails.
+    assert _resolved_config(ZeroPPConfig(pp_size=2), 4).pp_size == 2
+    monkeypatch.setenv("ZEROPP_SCHEDUEL", "gpipe")
+    with pytest.raises(ValueError, match=r"did you mean ZEROPP_SCHEDULE"):
+        _resolved_config(ZeroPPConfig(pp_size=2), 4)
 
 
 # ------------------------------------------------------------------------------ optimizer
