@@ -92,17 +92,24 @@ class LitGPT(pl.LightningModule):
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss, logits = self._loss_and_logits(batch)
+        if type(self)._loss is not LitGPT._loss:
+            # A subclass with its own `_loss` keeps it for validation too (as before metrics
+            # existed); its logits are not at hand, so the metrics stay empty.
+            loss = self._loss(batch)
+        else:
+            loss, logits = self._loss_and_logits(batch)
+            self.val_metrics.update(logits, batch[1])
         self.log("val_loss", loss, prog_bar=True, sync_dist=True)
-        self.val_metrics.update(logits, batch[1])
         return loss
 
     def on_validation_epoch_end(self) -> None:
         # Every rank runs this hook: compute() sums the metric states over all ranks (those
         # without the last stage hold zeros), so every rank logs the same values; sync_dist only
         # keeps Lightning from warning about unsynced epoch-level values.
-        self.log_dict(self.val_metrics.compute(), sync_dist=True)
+        values = self.val_metrics.compute()
         self.val_metrics.reset()
+        if not math.isnan(values["val_perplexity"]):  # nothing updated anywhere: nothing to log
+            self.log_dict(values, sync_dist=True)
 
     def configure_optimizers(self) -> Any:
         if self.optimizer_name == "sgd":
