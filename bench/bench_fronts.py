@@ -1,11 +1,13 @@
 """The Lightning front vs the Accelerate front on 4 CPU gloo ranks: step time and peak memory.
 
-    python bench/bench_fronts.py [--steps 6] [--warmup 2] [--rows lightning,accelerate]
+    python bench/bench_fronts.py [--steps 6] [--warmup 2] [--repeats 3] [--rows lightning,accelerate,core]
 
-Both rows train the same GPT, from the same initial weights, on the same global batch, in the same
+The fronts train the same GPT, from the same initial weights, on the same global batch, in the same
 layout (1F1B over FSDP2, pp 2 x dp_shard 2, 4 micro-batches), with AdamW and clipping at 1.0: the
 only difference is the front (`Trainer(strategy=ZeroPPStrategy(...))` against `prepare_pipeline`
-in a plain Accelerate loop). Each row runs in its own 4 fresh processes, launched by this script.
+in a plain Accelerate loop); a third row runs the core engine with no front, the baseline both
+add their overhead to. Each row runs in its own 4 fresh processes, launched by this script,
+`--repeats` times, alternating the order (the machine is shared: a slow minute then hits all).
 Results are written to bench/results/fronts.md and bench/results/fronts.json (both overwritten).
 """
 
@@ -38,6 +40,7 @@ LR, CLIP = 1e-3, 1.0
 ROWS = {
     "lightning": "Lightning: Trainer(strategy=ZeroPPStrategy(...))",
     "accelerate": "Accelerate: prepare_pipeline(...) in a plain loop",
+    "core": "No front: ZeroPPEngine in a plain torch loop (the baseline)",
 }
 PG_TIMEOUT = datetime.timedelta(seconds=120)
 MIB = 2**20
@@ -65,7 +68,7 @@ def run_rank(row: str, steps: int, warmup: int, out: Path) -> None:
     # Before the front's imports, its process group and the model: growth from here is the row's.
     rss_start_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     clock = _Clock(warmup, steps)
-    (_lightning if row == "lightning" else _accelerate)(x, y, clock)
+    {"lightning": _lightning, "accelerate": _accelerate, "core": _core}[row](x, y, clock)
     import torch.distributed as dist
 
     times = torch.tensor(clock.times, dtype=torch.float64)
@@ -76,6 +79,7 @@ def run_rank(row: str, steps: int, warmup: int, out: Path) -> None:
         "step_times_s": times.tolist(),
         "losses": clock.losses,
         "timed_cpu_s": clock.cpu_s,
+        "timed_proc_stat": clock.proc_stat,
         "timed_wall_s": clock.wall_s,
         "peak_rss_bytes": rss_end_kib * 1024,
         "peak_rss_growth_bytes": (rss_end_kib - rss_start_kib) * 1024,
@@ -98,13 +102,16 @@ class _Clock:
         self.times: list[float] = []
         self.losses: list[float] = []
         self.cpu_s = self.wall_s = 0.0
+        self.proc_stat: dict[str, int] = {}
         self._start = self._cpu0 = self._wall0 = 0.0
+        self._stat0: dict[str, int] = {}
 
     def start(self) -> None:
         import torch.distributed as dist
 
         if self.step == self.warmup:
             self._cpu0, self._wall0 = time.process_time(), time.perf_counter()
+            self._stat0 = _proc_stat()
         dist.barrier()  # start every step together: the time is the step's, not the skew's
         self._start = time.perf_counter()
 
@@ -116,7 +123,23 @@ class _Clock:
         if self.step == self.warmup + self.steps - 1:
             self.cpu_s = time.process_time() - self._cpu0
             self.wall_s = time.perf_counter() - self._wall0
+            end = _proc_stat()
+            self.proc_stat = {k: end[k] - self._stat0.get(k, 0) for k in end}
         self.step += 1
+
+
+def _proc_stat() -> dict[str, int]:
+    """The machine's CPU time by kind (jiffies, all cores), from /proc/stat's first line.
+
+    `steal` is time the hypervisor gave this machine's virtual CPUs to other guests: process CPU
+    time does not see it, so a run can show a CPU share near 1 and still be slowed by it.
+    """
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except OSError:
+        return {}
+    names = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+    return {n: int(v) for n, v in zip(names, fields, strict=False)}
 
 
 def _lightning(x: Any, y: Any, clock: _Clock) -> None:
@@ -208,6 +231,37 @@ def _accelerate(x: Any, y: Any, clock: _Clock) -> None:
     for batch in train_dl:
         clock.start()
         loss = engine.step(batch)
+        engine.clip_grad_norm_(CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+        clock.stop(float(loss))
+
+
+def _core(x: Any, y: Any, clock: _Clock) -> None:
+    """The same training with the core engine alone: what both fronts add their overhead to."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
+    from lightning_zeropp.models import GPT, GPTConfig
+
+    dist.init_process_group("gloo", timeout=PG_TIMEOUT)
+    torch.manual_seed(0)  # the same initial weights in every row
+    model = GPT(GPTConfig(**MODEL))
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+    engine = ZeroPPEngine(model, ZeroPPConfig(**LAYOUT), loss_fn=loss_fn, split="stack")
+    del model
+    optimizer = torch.optim.AdamW(engine.parameters(), lr=LR, eps=1e-6, weight_decay=0.1)
+    rows = slice(
+        engine.dims.dp_rank * GLOBAL_BATCH // DP, (engine.dims.dp_rank + 1) * GLOBAL_BATCH // DP
+    )
+    for _ in range(clock.warmup + clock.steps):
+        clock.start()
+        loss = engine.train_step(x[rows], target=y[rows])
         engine.clip_grad_norm_(CLIP)
         optimizer.step()
         optimizer.zero_grad()
@@ -310,17 +364,27 @@ def machine() -> dict[str, Any]:
     }
 
 
-def summarize(row: str, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(row: str, run: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     step_times = ranks[0]["step_times_s"]  # already the max over ranks, step by step
     # The ranks' CPU time over the timed steps per core-second of wall time: near 1 when they had
     # the cores to themselves, lower when other work on the machine took a share.
     cpu_share = sum(r["timed_cpu_s"] for r in ranks) / (
         max(r["timed_wall_s"] for r in ranks) * (os.cpu_count() or 1)
     )
+    stat = ranks[0]["timed_proc_stat"]  # machine-wide: any rank's view will do
+    total = sum(stat.values())
+    # CPU time of other processes on this machine (other users' work shares its kernel) over the
+    # timed steps, per core-second: the machine's busy time minus this row's ranks' own.
+    busy_s = (total - stat.get("idle", 0) - stat.get("iowait", 0)) / os.sysconf("SC_CLK_TCK")
+    wall = max(r["timed_wall_s"] for r in ranks) * (os.cpu_count() or 1)
+    others = max(0.0, busy_s - sum(r["timed_cpu_s"] for r in ranks)) / wall
     return {
         "row": row,
+        "run": run,
         "title": ROWS[row],
         "cpu_share": cpu_share,
+        "steal_share": stat.get("steal", 0) / total if total else float("nan"),
+        "others_share": others,
         "median_step_s": statistics.median(step_times),
         "step_times_s": step_times,
         "final_loss": ranks[0]["losses"][-1],
@@ -330,48 +394,69 @@ def summarize(row: str, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def write_markdown(meta: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> None:
+def write_markdown(meta: dict[str, Any], runs: list[dict[str, Any]], path: Path) -> None:
     m = meta["machine"]
+    fronts = list(dict.fromkeys(r["row"] for r in runs))
     lines = [
-        "# Fronts: Lightning vs Accelerate, same pipeline",
+        "# Fronts: Lightning vs Accelerate (and no front), same pipeline",
         "",
-        f"- Machine: {m['cpu']}, {m['cores']} cores (1-minute load average "
-        f"{m['load_average_1m_at_start']:.1f} at the start: the machine is shared); {WORLD} gloo "
-        "ranks, OMP_NUM_THREADS=1 each",
+        f"- Machine: {m['cpu']}, {m['cores']} cores, shared with other work (1-minute load "
+        f"average {m['load_average_1m_at_start']:.1f} at the start); {WORLD} gloo ranks, "
+        "OMP_NUM_THREADS=1 each",
         f"- Date: {m['date']}; torch {m['torch']}, lightning {m['lightning']}, accelerate "
         f"{m['accelerate']}; Python {m['python']}; commit {m['commit']}",
         f"- Model: GPT {meta['model']}, fp32; global batch {GLOBAL_BATCH} sequences (the same "
         f"every step); layout {meta['layout']} (split='stack'); AdamW lr {LR}, clipping at "
         f"{CLIP} by the global norm",
         f"- {meta['warmup']} warm-up steps, then {meta['steps']} timed steps (each: the pipeline's "
-        "forward and backward, clipping, the AdamW step; data loading excluded)",
+        "forward and backward, clipping, the AdamW step; data loading excluded); each front run "
+        f"{meta['repeats']} times, alternating",
         "",
-        "Step time: median (and range) over the timed steps of the slowest rank's time (ranks "
-        "start each step together after a barrier). CPU share: the ranks' CPU time over the timed "
-        "steps per core-second of wall time (near 1: the ranks had the cores to themselves; "
-        "lower: other work took a share, and the times are not comparable). Peak RSS: "
-        "`ru_maxrss` of each rank process (resource.getrusage) at the end, and its growth from "
-        "just after `import torch` (so it counts the front's imports, its process group, the "
-        "model and training), per rank 0..3.",
-        "",
-        "| Front | Median step (s) | Min-max (s) | CPU share | Peak RSS per rank (MiB) | "
-        "Peak RSS growth per rank (MiB) | Final loss |",
-        "|---|---:|---:|---:|---|---|---:|",
+        "| Front | Median step (s), median over runs | Runs' medians (s) |",
+        "|---|---:|---|",
     ]
-    for r in rows:
+    for front in fronts:
+        medians = [r["median_step_s"] for r in runs if r["row"] == front]
+        lines.append(
+            f"| {ROWS[front]} | {statistics.median(medians):.2f} | "
+            + ", ".join(f"{t:.2f}" for t in medians)
+            + " |"
+        )
+    lines += [
+        "",
+        "Every run: step time is the median (and range) over the timed steps of the slowest "
+        "rank's time (ranks start each step together after a barrier). CPU share: the ranks' CPU "
+        "time over the timed steps per core-second of wall time (near 1: the ranks had the cores "
+        "to themselves). Others: CPU time of other processes on the machine over the same "
+        "window, per core-second (/proc/stat busy time minus the ranks' own). Steal: the share "
+        "of the machine's CPU time the hypervisor gave to other guests (/proc/stat). Runs with "
+        "CPU share well below 1, or others or steal well above 0, were slowed by other work. "
+        "Even so, the machine's speed drifts by tens of percent between runs with none of these "
+        "showing it, hence the alternating repeats. Peak RSS: `ru_maxrss` "
+        "of each rank process (resource.getrusage) at the end, and its growth from just after "
+        "`import torch` (so it counts the front's imports, its process group, the model and "
+        "training), ranks 0 / 1 / 2 / 3.",
+        "",
+        "| Run | Front | Median step (s) | Min-max (s) | CPU share | Others | Steal | "
+        "Peak RSS per rank (MiB) | Peak RSS growth per rank (MiB) | Final loss |",
+        "|---:|---|---:|---:|---:|---:|---:|---|---|---:|",
+    ]
+    for r in runs:
         t = r["step_times_s"]
         peak = " / ".join(f"{b / MIB:.0f}" for b in r["peak_rss_bytes_per_rank"])
         growth = " / ".join(f"{b / MIB:.0f}" for b in r["peak_rss_growth_bytes_per_rank"])
         lines.append(
-            f"| {r['title']} | {r['median_step_s']:.2f} | {min(t):.2f}-{max(t):.2f} | "
-            f"{r['cpu_share']:.2f} | {peak} | {growth} | {r['final_loss']:.4f} |"
+            f"| {r['run']} | {r['row']} | {r['median_step_s']:.2f} | {min(t):.2f}-{max(t):.2f} | "
+            f"{r['cpu_share']:.2f} | {r['others_share']:.2f} | {r['steal_share']:.2f} | "
+            f"{peak} | {growth} | "
+            f"{r['final_loss']:.4f} |"
         )
     lines += [
         "",
-        "The final losses agree when both rows train the same thing. Peak RSS includes each "
-        "front's imports and, for Accelerate, the whole model built on every rank before it is "
-        "split (Lightning builds it too, inside the LightningModule); it is a high-water mark, "
-        "not what a rank holds in steady state.",
+        "The final losses agree when both fronts train the same thing. Peak RSS includes each "
+        "front's imports (the Accelerate rank imports Lightning too: `lightning_zeropp` imports "
+        "its strategy) and the whole model, built on every rank before it is split; it is a "
+        "high-water mark, not what a rank holds in steady state.",
     ]
     path.write_text("\n".join(lines) + "\n")
 
@@ -383,28 +468,32 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="timed steps per row")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset of rows")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per front, alternating")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         run_rank(args.worker, args.steps, args.warmup, Path(args.out))
         return
-    if args.steps < 1 or args.warmup < 0:
-        parser.error("--steps must be at least 1 and --warmup at least 0")
+    if args.steps < 1 or args.warmup < 0 or args.repeats < 1:
+        parser.error("--steps and --repeats must be at least 1 and --warmup at least 0")
     names = [r for r in args.rows.split(",") if r]
     unknown = set(names) - set(ROWS)
     if unknown:
         parser.error(f"unknown rows {sorted(unknown)}; choose from {list(ROWS)}")
     meta_machine = machine()
     start = time.monotonic()
-    rows = []
-    for name in names:
-        t0 = time.monotonic()
-        rows.append(summarize(name, launch_row(name, args.steps, args.warmup)))
-        print(
-            f"{name}: median step {rows[-1]['median_step_s']:.2f}s, CPU share "
-            f"{rows[-1]['cpu_share']:.2f} ({time.monotonic() - t0:.0f}s)"
-        )
+    runs = []
+    for run in range(1, args.repeats + 1):
+        for name in names if run % 2 else names[::-1]:  # ABC CBA ...: no row always goes first
+            t0 = time.monotonic()
+            runs.append(summarize(name, run, launch_row(name, args.steps, args.warmup)))
+            print(
+                f"run {run} {name}: median step {runs[-1]['median_step_s']:.2f}s, CPU share "
+                f"{runs[-1]['cpu_share']:.2f}, others {runs[-1]['others_share']:.2f}, steal "
+                f"{runs[-1]['steal_share']:.2f} "
+                f"({time.monotonic() - t0:.0f}s)"
+            )
     meta = {
         "machine": meta_machine,
         "model": MODEL,
@@ -413,11 +502,12 @@ def main() -> None:
         "world_size": WORLD,
         "steps": args.steps,
         "warmup": args.warmup,
+        "repeats": args.repeats,
         "wall_s": round(time.monotonic() - start, 1),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    write_markdown(meta, rows, RESULTS / "fronts.md")
-    (RESULTS / "fronts.json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+    write_markdown(meta, runs, RESULTS / "fronts.md")
+    (RESULTS / "fronts.json").write_text(json.dumps({**meta, "runs": runs}, indent=1) + "\n")
     print((RESULTS / "fronts.md").read_text())
 
 
