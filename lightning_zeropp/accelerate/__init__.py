@@ -8,9 +8,10 @@ The layout comes from `ZEROPP_*` environment variables (or `config=ZeroPPConfig(
 `lightning_zeropp.accelerate.env`. Needs the `accelerate` extra.
 """
 
+from lightning_zeropp.accelerate.engine import ZeroPPAccelerateEngine
 from lightning_zeropp.accelerate.env import CONFIG_VARS, SPLIT_VAR, config_from_env
 from lightning_zeropp.accelerate.optim import PipelineScheduler
-from lightning_zeropp.accelerate.plugin import ZeroPPAccelerateEngine, prepare_pipeline
+from lightning_zeropp.accelerate.plugin import prepare_pipeline
 
 __all__ = [
     "CONFIG_VARS",

@@ -21,17 +21,14 @@ from lightning_zeropp.accelerate.data import (
     example_microbatch,
     unpack_batch,
 )
+from lightning_zeropp.accelerate.engine import _nonempty_groups
 from lightning_zeropp.accelerate.optim import (
     PipelineScheduler,
     optimizer_param_names,
     rebuild_optimizer,
     retarget_scheduler,
 )
-from lightning_zeropp.accelerate.plugin import (
-    _check_accelerator,
-    _nonempty_groups,
-    _resolved_config,
-)
+from lightning_zeropp.accelerate.plugin import _check_accelerator, _resolved_config
 from lightning_zeropp.core.config import ZeroPPConfig
 
 
