@@ -87,12 +87,15 @@ class ZeroPPStrategy(ModelParallelStrategy):
 
     Args mirror `ZeroPPConfig` (pp_size, dp_shard_size, dp_replicate_size, num_microbatches,
     schedule, num_chunks, param_dtype, reduce_dtype, activation_checkpointing,
-    reshard_after_forward, split_points, unit_size), plus:
+    reshard_after_forward, split_points, unit_size, split_backward, grad_reduce), plus:
         split: "trace" (default; needs `example_input_array` set to one micro-batch of model
             inputs), "stack", or a callable (see `lightning_zeropp.core.split`).
         module_name: the LightningModule attribute to pipeline (default: its only child module
             that holds parameters).
         timeout: for every process group.
+        log_comms: log every training step's collectives as metrics
+            `comm/{kind}/{axis}/count|bytes` (per rank, averaged over ranks; see
+            `ZeroPPEngine.comm_metrics`).
 
     `accumulate_grad_batches=k` means what it means in Lightning: the update uses the mean
     gradient over k consecutive (global) batches. The pipeline's micro-batches are a separate,
@@ -112,14 +115,17 @@ class ZeroPPStrategy(ModelParallelStrategy):
         num_chunks: int | None = None,
         param_dtype: str | torch.dtype | None = None,
         reduce_dtype: str | torch.dtype | None = None,
-        activation_checkpointing: bool = False,
+        activation_checkpointing: bool | str = False,
         reshard_after_forward: bool | None = None,
         split_points: list[int] | None = None,
         unit_size: int | None = None,
+        split_backward: bool | None = None,
+        grad_reduce: str = "step",
         split: SplitMethod = "trace",
         module_name: str | None = None,
         timeout: datetime.timedelta = datetime.timedelta(minutes=30),
         process_group_backend: str | None = None,
+        log_comms: bool = False,
     ) -> None:
         super().__init__(timeout=timeout, process_group_backend=process_group_backend)
         self.zeropp_config = ZeroPPConfig(
@@ -135,7 +141,10 @@ class ZeroPPStrategy(ModelParallelStrategy):
             reshard_after_forward=reshard_after_forward,
             split_points=split_points,
             unit_size=unit_size,
+            split_backward=split_backward,
+            grad_reduce=grad_reduce,
         )
+        self._log_comms = log_comms
         self._split = split
         self._module_name = module_name
         self._pipelined: str | None = None  # the LightningModule attribute that was pipelined
@@ -227,6 +236,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
             example_args=self._example_args(module),
             device=self.root_device,
             dims=self._dims,
+            count_comms=self._log_comms,
         )
         module._modules[name] = self._engine.module
         self._pipelined = name
@@ -269,6 +279,8 @@ class ZeroPPStrategy(ModelParallelStrategy):
         loss = self._run(self.lightning_module.training_step, args, train=True)
         self._stash.hold(params)
         previous.release()
+        if self._log_comms:
+            self.lightning_module.log_dict(self.engine.comm_metrics(), on_step=True, on_epoch=False)
         return loss.detach().requires_grad_(True)
 
     @override

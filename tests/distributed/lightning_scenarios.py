@@ -24,10 +24,13 @@ class Record(pl.Callback):
     def __init__(self) -> None:
         self.logged: list[float] = []
         self.returned: list[float] = []
+        self.comms: dict[str, float] = {}  # the last step's comm/* metrics
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.logged.append(float(trainer.callback_metrics["train_loss"]))
         self.returned.append(float(outputs["loss"]))
+        metrics = trainer.callback_metrics.items()
+        self.comms = {k: float(v) for k, v in metrics if k.startswith("comm/")}
 
 
 class DirectLitGPT(LitGPT):
@@ -100,6 +103,8 @@ def fit(
     val = trainer.validate(module, _loader(steps, dp), verbose=False) if validate else None
     params = {n: _full(p) for n, p in module.model.named_parameters()}
     out = {"logged": record.logged, "returned": record.returned, "params": params}
+    if layout.get("log_comms"):
+        out |= {"comms_logged": record.comms, "last_comms": strategy.engine.last_comms}
     return out | ({"val_loss": val[0]["val_loss"]} if val else {})
 
 

@@ -39,6 +39,20 @@ CASES = [
         "validate": True,
     },
     {
+        "id": "pp2-dps2-zeropp-unit-comms",
+        "layout": {
+            "pp_size": 2,
+            "dp_shard_size": 2,
+            "schedule": "zeropp",
+            "num_microbatches": 4,
+            "unit_size": 2,
+            "grad_reduce": "unit",
+            "log_comms": True,
+        },
+        "optimizer": "adamw",
+        "clip": True,
+    },
+    {
         "id": "dps4-adamw",
         "layout": {"dp_shard_size": 4, "num_microbatches": 2},
         "optimizer": "adamw",
@@ -68,6 +82,23 @@ def test_fit_matches_single_process(results, case):
         torch.testing.assert_close(
             got, torch.tensor(rank_result[case["id"]]["logged"]), rtol=0, atol=1e-6
         )
+
+
+def test_comm_metrics_are_logged_as_the_mean_over_ranks(results):
+    """`log_comms=True` logs the engine's per-step counts, averaged over ranks, on every rank."""
+    case_id = "pp2-dps2-zeropp-unit-comms"
+    per_rank = [r[case_id]["last_comms"] for r in results]
+    want: dict[str, float] = {}
+    for summary in per_rank:
+        for kind, axes in summary.items():
+            for axis, stats in axes.items():
+                for field in ("count", "bytes"):
+                    key = f"comm/{kind}/{axis}/{field}"
+                    want[key] = want.get(key, 0.0) + stats[field] / len(per_rank)
+    for r in results:
+        assert r[case_id]["comms_logged"] == pytest.approx(want)
+    for key in ("all_gather/dp_shard", "reduce_scatter/dp_shard", "send/pp", "recv/pp"):
+        assert want[f"comm/{key}/bytes"] > 0, key
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.get("validate")], ids=lambda c: c["id"])
