@@ -162,8 +162,15 @@ class StepRecorder:
             and isinstance(tensor._base, torch.nn.Parameter)
         ):
             return tensor
-        storage = tensor.untyped_storage()
-        key, nbytes = storage.data_ptr(), storage.nbytes()
+        local = tensor
+        if isinstance(tensor, DTensor):  # tensor parallelism saves DTensors: count their shard
+            with torch.no_grad():
+                local = tensor.to_local()
+        try:
+            storage = local.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+        except RuntimeError:  # other wrapper subclasses have no storage of their own
+            return tensor
         if key and key not in self._live:
             self._live[key] = nbytes
             self._live_bytes += nbytes
