@@ -308,7 +308,12 @@ class ZeroPPStrategy(ModelParallelStrategy):
         # the model inputs the engine checks (the engine checks divisibility on `rows` everywhere).
         self._shapes.check("train" if train else "eval", batch)
         self._step = (step_fn, batch, rest)
-        inputs, kw = self._capture_inputs() if self.engine.holds_first else ((), {})
+        # Every rank runs the step up to its model call (cheap: it holds the whole batch), so a
+        # step that never calls the model fails on every rank, not only on the first stage's
+        # while the others wait in the pipeline's first receive.
+        inputs, kw = self._capture_inputs()
+        if not self.engine.holds_first:
+            inputs, kw = (), {}
         with self._recorder.recording(self.lightning_module):
             run = self.engine.train_step if train else self.engine.eval_step
             loss = run(*inputs, target=rows, **kw)

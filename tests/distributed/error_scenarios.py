@@ -7,6 +7,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zeropp import ZeroPPConfig, ZeroPPEngine, ZeroPPStrategy
 from lightning_zeropp.models.lit_gpt import LitGPT
@@ -46,6 +47,26 @@ def _lightning_bad_layout() -> None:
     trainer.fit(LitGPT(MODEL), [])
 
 
+class _StepWithoutModel(LitGPT):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return batch[0].float().mean()  # never calls self.model: nothing to feed the pipeline
+
+
+def _lightning_step_without_model() -> None:
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=4,
+        strategy=ZeroPPStrategy(pp_size=2),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    x = torch.zeros(8, MODEL.seq_len, dtype=torch.long)
+    trainer.fit(_StepWithoutModel(MODEL), DataLoader(TensorDataset(x, x), batch_size=2))
+
+
 ATTEMPTS = {
     "world_mismatch": lambda: _engine(pp_size=3),
     "too_few_microbatches": lambda: _engine(pp_size=4, num_microbatches=2),
@@ -57,6 +78,7 @@ ATTEMPTS = {
     "unknown_schedule": lambda: _engine(pp_size=2, schedule="pipedream"),
     "unsplittable_model": lambda: _engine(nn.Linear(4, 4), pp_size=2),
     "lightning_bad_layout": _lightning_bad_layout,
+    "lightning_step_without_model": _lightning_step_without_model,
 }
 
 
