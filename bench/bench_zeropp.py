@@ -161,7 +161,6 @@ def run_rank(row: str, world: int, steps: int, warmup: int, out: Path) -> None:
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "held_bytes": held,
         "comm": comm,
-        "fsdp_units": job["fsdp_units"],
         "timeline": timeline.to_dict(),
     }
     partial = out / f"rank{rank}.json.partial"
@@ -198,17 +197,9 @@ def _engine_job(layout: dict[str, Any], world: int) -> dict[str, Any]:
         "dp_rank": engine.dims.dp_rank,
         "pp_rank": engine.dims.pp_rank,
         "namer": mesh_axis_namer(engine.dims.mesh),
-        "fsdp_units": _fsdp_units([stage.submod for stage in engine.stages]),
         "step": lambda x, y: engine.train_step(x, target=y),
         "recorder": lambda: StepRecorder(engine),
     }
-
-
-def _fsdp_units(roots: list[Any]) -> int:
-    """How many modules of this rank gather their weights as one (FSDP parameter groups)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return sum(isinstance(m, FSDPModule) for root in roots for m in root.modules())
 
 
 def _tp_job(sizes: dict[str, int]) -> dict[str, Any]:
@@ -301,7 +292,6 @@ def _tp_job(sizes: dict[str, int]) -> dict[str, Any]:
         "dp_rank": mesh["dp_shard"].get_local_rank(),
         "pp_rank": pp_rank,
         "namer": mesh_axis_namer(mesh),
-        "fsdp_units": _fsdp_units([model]),
         "step": step,
         "recorder": lambda: StepRecorder(_Job()),
     }
@@ -345,7 +335,13 @@ def summarize(world: int, row: str, ranks: list[dict[str, Any]]) -> dict[str, An
         "final_loss": ranks[0]["losses"][-1],
         "comm_bytes_mean": comm,
         "all_gather_count_mean": gathers / len(ranks),
-        "fsdp_units_mean": statistics.mean(r["fsdp_units"] for r in ranks),
+        # How many times per step a rank gathered all of its weights: its all-gathered bytes over
+        # its own parameter shard (all-gather bytes count the input shard), mean over ranks.
+        "weights_gathered_per_step": statistics.mean(
+            sum(s["bytes"] for s in (r["comm"] or {}).get("all_gather", {}).values())
+            / r["held_bytes"]["parameters"]
+            for r in ranks
+        ),
         "all_gather_bytes_mean": sum(v for k, v in comm.items() if k.startswith("all_gather")),
         "peak_bytes_max": mem,
         "peak_rss_bytes_max": max(r["peak_rss_bytes"] for r in ranks),
@@ -371,27 +367,28 @@ def expectations(rows: list[dict[str, Any]]) -> list[str]:
             if z is None:
                 continue
             pp, v, u = z["layout"]["pp_size"], 2, z["layout"]["unit_size"]
+            # The formula's baseline gathers every weight twice per micro-batch (forward and
+            # backward): 2M times per step. The schedule also merges the last block of a unit with
+            # the first of the next (both on chunk 0): one chunk gather fewer per unit boundary.
+            want = (2 * v - 1) / (2 * v * u)
+            n_units = -(-MICROBATCHES // u)
+            merged = (n_units * (2 * v - 1) - (n_units - 1)) / (2 * v * MICROBATCHES)
+            got = z["weights_gathered_per_step"] / (2 * MICROBATCHES)
+            line = (
+                f"world {world} {name}: gathered its weights {z['weights_gathered_per_step']:.2f} "
+                f"times per step; / (2M = {2 * MICROBATCHES}) = {got:.3f}, against (2v-1)/(2vU) = "
+                f"{want:.3f}, or {merged:.3f} counting the gathers shared across unit boundaries"
+            )
             if regather:
-                want = (2 * v - 1) / (2 * v * u)
-                # The schedule merges the last block of a unit with the first of the next (both on
-                # chunk 0), so it gathers one chunk fewer per unit boundary than the formula says.
-                n_units = -(-MICROBATCHES // u)
-                merged = (n_units * (2 * v - 1) - (n_units - 1)) / (2 * v * MICROBATCHES)
-                got = z["all_gather_bytes_mean"] / regather["all_gather_bytes_mean"]
-                # The formula assumes the baseline gathers every block twice per micro-batch
-                # (forward and backward). Torch's PipelineStage reshards after backward only on
-                # the last micro-batch, so consecutive B, F on one stage share a gather: measure
-                # how many gathers per FSDP unit and micro-batch the baseline really made.
-                per_mb = regather["all_gather_count_mean"] / (
-                    regather["fsdp_units_mean"] * MICROBATCHES
+                # Torch's PipelineStage reshards after backward only on the last micro-batch, so
+                # the 1F1B re-gather row shares one gather between a backward and the next forward.
+                line += (
+                    f". The 1F1B re-gather row, as torch runs it, gathered "
+                    f"{regather['weights_gathered_per_step']:.2f} times per step; all-gather "
+                    f"bytes against it: "
+                    f"{z['all_gather_bytes_mean'] / regather['all_gather_bytes_mean']:.3f}"
                 )
-                lines.append(
-                    f"world {world} {name}: all-gather bytes / per-micro-batch re-gather = "
-                    f"{got:.3f}. The baseline, as torch's PipelineStage runs it, gathered "
-                    f"{per_mb:.2f} times per FSDP unit and micro-batch, not 2; scaled to 2: "
-                    f"{got * per_mb / 2:.3f}, against (2v-1)/(2vU) = {want:.3f}, or "
-                    f"{merged:.3f} counting the gathers shared across unit boundaries"
-                )
+            lines.append(line)
             if keep:
                 got = z["peak_bytes_max"]["gathered_weights"] / max(
                     keep["peak_bytes_max"]["gathered_weights"], 1
