@@ -18,16 +18,16 @@ import datetime
 import faulthandler
 import json
 import os
-import platform
 import resource
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import launch_ranks  # noqa: E402
+from common import machine as common_machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(os.environ.get("BENCH_RESULTS", ROOT / "bench" / "results"))
@@ -271,96 +271,18 @@ def _core(x: Any, y: Any, clock: _Clock) -> None:
 # ---------------------------------------------------------------------------------------- driver
 def launch_row(row: str, steps: int, warmup: int) -> list[dict[str, Any]]:
     """Run one row on WORLD fresh processes; fail loudly (with log tails) on error or timeout."""
-    with tempfile.TemporaryDirectory(prefix=f"bench_{row}_") as tmp:
-        out = Path(tmp)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        procs, logs = [], []
-        for rank in range(WORLD):
-            env = {
-                **os.environ,
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "WORLD_SIZE": str(WORLD),
-                "LOCAL_WORLD_SIZE": str(WORLD),
-                "NODE_RANK": "0",
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "OMP_NUM_THREADS": "1",
-                "PYTHONPATH": str(ROOT),
-            }
-            cmd = [sys.executable, __file__, "--worker", row, "--out", tmp]
-            cmd += ["--steps", str(steps), "--warmup", str(warmup)]
-            log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
-            logs.append(log)
-            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log))
-        deadline = time.monotonic() + row_timeout_s(steps, warmup)
-        results = [out / f"rank{r}.json" for r in range(WORLD)]
-        done_at: float | None = None
-        try:
-            while any(p.poll() is None for p in procs):
-                failed = any(p.poll() not in (None, 0) for p in procs)
-                if failed or time.monotonic() > deadline:
-                    time.sleep(1.0 if failed else 0.0)  # let the others print their error
-                    break
-                # Every rank has written its figures: a rank that then hangs in process-group
-                # teardown (seen with gloo) must not fail the row; it is killed below.
-                if done_at is None and all(f.exists() for f in results):
-                    done_at = time.monotonic()
-                if done_at is not None and time.monotonic() > done_at + 20.0:
-                    stuck = [r for r, p in enumerate(procs) if p.poll() is None]
-                    print(f"{row}: ranks {stuck} still running 20 s after their results; killed.")
-                    break
-                time.sleep(0.2)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                p.wait()
-            for log in logs:
-                log.close()
-        if done_at is None or any(p.returncode not in (0, -9) for p in procs):
-            tails = "\n".join(
-                f"--- rank {r} ---\n" + "\n".join(read_tail(out / f"rank{r}.log"))
-                for r in range(WORLD)
-            )
-            raise RuntimeError(
-                f"row {row!r} failed: exit codes {[p.returncode for p in procs]}\n{tails}"
-            )
-        return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
-
-
-def read_tail(path: Path, lines: int = 20) -> list[str]:
-    return path.read_text(errors="replace").splitlines()[-lines:]
+    args = ["--steps", str(steps), "--warmup", str(warmup)]
+    return launch_ranks(__file__, row, WORLD, args, row_timeout_s(steps, warmup))
 
 
 def machine() -> dict[str, Any]:
     import accelerate
     import lightning
-    import torch
 
-    cpu = platform.processor() or "unknown"
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
     return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "load_average_1m_at_start": os.getloadavg()[0],
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "torch": torch.__version__,
+        **common_machine(),
         "lightning": lightning.__version__,
         "accelerate": accelerate.__version__,
-        "python": platform.python_version(),
-        "commit": commit + (" (uncommitted changes)" if dirty else ""),
     }
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import launch_row, machine  # noqa: E402
+from common import launch_ranks, machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(os.environ.get("BENCH_RESULTS", ROOT / "bench" / "results"))
@@ -178,7 +178,7 @@ def run_rank(row: str, steps: int, warmup: int, out: Path) -> None:
 # ---------------------------------------------------------------------------------------- driver
 def launch(row: str, steps: int, warmup: int) -> list[dict[str, Any]]:
     args = ["--steps", str(steps), "--warmup", str(warmup)]
-    return launch_row(__file__, row, WORLD, args, row_timeout_s(steps, warmup))
+    return launch_ranks(__file__, row, WORLD, args, row_timeout_s(steps, warmup))
 
 
 def summarize(row: str, ranks: list[dict[str, Any]]) -> dict[str, Any]:

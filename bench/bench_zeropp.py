@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import launch_row, machine  # noqa: E402
+from common import launch_ranks, machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(os.environ.get("BENCH_RESULTS", ROOT / "bench" / "results"))
@@ -475,7 +475,7 @@ def main() -> None:
             worker_args = ["--world", str(world), "--steps", str(args.steps)]
             worker_args += ["--warmup", str(args.warmup)]
             timeout = row_timeout_s(world, args.steps, args.warmup)
-            ranks = launch_row(__file__, name, world, worker_args, timeout)
+            ranks = launch_ranks(__file__, name, world, worker_args, timeout)
             rows.append(summarize(world, name, ranks))
             print(
                 f"world {world} {name}: median step {rows[-1]['median_step_s']:.3f}s "

@@ -23,7 +23,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def launch_row(
+def launch_ranks(
     script: str, row: str, world: int, args: list[str], timeout_s: float
 ) -> list[dict[str, Any]]:
     """Run `script --worker ROW --out DIR ARGS` on `world` fresh ranks; each writes rank{r}.json."""
@@ -39,6 +39,8 @@ def launch_row(
                 "RANK": str(rank),
                 "LOCAL_RANK": str(rank),
                 "WORLD_SIZE": str(world),
+                "LOCAL_WORLD_SIZE": str(world),
+                "NODE_RANK": "0",
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port),
                 "OMP_NUM_THREADS": "1",
@@ -105,6 +107,7 @@ def machine() -> dict[str, Any]:
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
+        "load_average_1m_at_start": os.getloadavg()[0],
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "torch": torch.__version__,
         "python": platform.python_version(),
