@@ -414,6 +414,24 @@ def expectations(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+CAVEATS = [
+    "- 4 or 8 ranks share 2 cores: a rank waiting for a core counts as busy and one waiting for "
+    "a message as idle, so the measured bubbles say little about the schedules (the simulator's "
+    "planned bubble stands beside them), and gloo's all-gathers are memory copies: the step times "
+    "compare CPU work and scheduling overhead, not what the layouts do on GPUs.",
+    "- 'gathered weights' is the most FSDP-unsharded parameter memory alive at once; "
+    "'activations' the most bytes saved for backward alive at once. ZeroPP trades the second for "
+    "the first: a unit runs all its micro-batches through a chunk before the next, and held-back "
+    "weight-gradient tasks keep their activations until the end of the unit.",
+    "- The 1F1B re-gather row is torch's PipelineStage with reshard_after_forward=True: it "
+    "reshards after backward only on the last micro-batch, so it gathers about M+1 times per "
+    "step, not the 2M the issue's formula assumes; both comparisons are listed.",
+    "- The TP row's tensor-parallel collectives go through functional collectives, which "
+    "CommCounter does not see: its bytes miss the TP traffic. Its attention has separate q/k/v "
+    "projections (same sizes) so heads stay whole per TP rank: a slightly different loss.",
+]
+
+
 def mib(n: float) -> str:
     return f"{n / MIB:.2f}"
 
@@ -447,6 +465,7 @@ def write_markdown(meta: dict[str, Any], rows: list[dict[str, Any]], path: Path)
             f"{r['final_loss']:.4f} | {r['cpu_share']:.2f} |"
         )
     out += ["", "## Against the expectations", ""] + [f"- {line}" for line in meta["expect"]]
+    out += ["", "## Reading it", "", *CAVEATS]
     out += ["", "## Traffic per kind and axis (MiB per rank and step, mean over ranks)", ""]
     for r in rows:
         parts = ", ".join(f"{k} {mib(v)}" for k, v in sorted(r["comm_bytes_mean"].items()))
