@@ -34,17 +34,21 @@ def _shape_change() -> None:
         engine.train_step(x, target=x)
 
 
-def _lightning_bad_layout() -> None:
-    trainer = pl.Trainer(
+def _trainer(strategy: ZeroPPStrategy) -> pl.Trainer:
+    return pl.Trainer(
         accelerator="cpu",
         devices=4,
-        strategy=ZeroPPStrategy(pp_size=3),
+        strategy=strategy,
         max_steps=1,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
+        enable_model_summary=False,
     )
-    trainer.fit(LitGPT(MODEL), [])
+
+
+def _lightning_bad_layout() -> None:
+    _trainer(ZeroPPStrategy(pp_size=3)).fit(LitGPT(MODEL), [])
 
 
 class _StepWithoutModel(LitGPT):
@@ -53,18 +57,9 @@ class _StepWithoutModel(LitGPT):
 
 
 def _lightning_step_without_model() -> None:
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=4,
-        strategy=ZeroPPStrategy(pp_size=2),
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
     x = torch.zeros(8, MODEL.seq_len, dtype=torch.long)
-    trainer.fit(_StepWithoutModel(MODEL), DataLoader(TensorDataset(x, x), batch_size=2))
+    loader = DataLoader(TensorDataset(x, x), batch_size=2)
+    _trainer(ZeroPPStrategy(pp_size=2)).fit(_StepWithoutModel(MODEL), loader)
 
 
 ATTEMPTS = {
