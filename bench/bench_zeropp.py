@@ -303,9 +303,6 @@ def summarize(world: int, row: str, ranks: list[dict[str, Any]]) -> dict[str, An
 
     spec = rows_for(world)[row]
     comm: dict[str, float] = {}
-    gathers = 0.0
-    for r in ranks:
-        gathers += sum(s["count"] for s in (r["comm"] or {}).get("all_gather", {}).values())
     for r in ranks:
         for kind, axes in (r["comm"] or {}).items():
             for axis, stats in axes.items():
@@ -334,20 +331,22 @@ def summarize(world: int, row: str, ranks: list[dict[str, Any]]) -> dict[str, An
         "step_times_s": ranks[0]["step_times_s"],
         "final_loss": ranks[0]["losses"][-1],
         "comm_bytes_mean": comm,
-        "all_gather_count_mean": gathers / len(ranks),
         # How many times per step a rank gathered all of its weights: its all-gathered bytes over
         # its own parameter shard (all-gather bytes count the input shard), mean over ranks.
         "weights_gathered_per_step": statistics.mean(
-            sum(s["bytes"] for s in (r["comm"] or {}).get("all_gather", {}).values())
-            / r["held_bytes"]["parameters"]
-            for r in ranks
+            _gathered_bytes(r) / r["held_bytes"]["parameters"] for r in ranks
         ),
-        "all_gather_bytes_mean": sum(v for k, v in comm.items() if k.startswith("all_gather")),
+        "all_gather_bytes_mean": statistics.mean(_gathered_bytes(r) for r in ranks),
         "peak_bytes_max": mem,
         "peak_rss_bytes_max": max(r["peak_rss_bytes"] for r in ranks),
         "bubble_measured": bubble_fraction(pipelines.values()) if len(pipelines) > 1 else None,
         "cpu_share": cpu_share,
     }
+
+
+def _gathered_bytes(rank: dict[str, Any]) -> int:
+    """All-gathered bytes of one rank's counted step, over every mesh axis."""
+    return sum(s["bytes"] for s in (rank["comm"] or {}).get("all_gather", {}).values())
 
 
 def expectations(rows: list[dict[str, Any]]) -> list[str]:
