@@ -79,8 +79,14 @@ class UnitScheduleRuntime(_PipelineScheduleRuntime):
         loss_fn: Callable[..., Any] | None,
         orders: Mapping[int, Sequence[Task]],
         reduce_at: Mapping[int, Sequence[int]] | None = None,
+        stage_to_rank: Mapping[int, int] | None = None,
+        forward_only: bool = False,
     ) -> None:
         super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
+        if stage_to_rank is not None:  # e.g. the V placement; the runtime assumes looped
+            self.stage_index_to_group_rank = dict(stage_to_rank)
+            for stage in self._stages:
+                stage.stage_index_to_group_rank = self.stage_index_to_group_rank
         kinds = {"F": FORWARD, "B": FULL_BACKWARD, "I": BACKWARD_INPUT, "W": BACKWARD_WEIGHT}
         self.pipeline_order = {
             rank: [_Action(t.stage, kinds[t.kind], t.microbatch) for t in order]
@@ -88,11 +94,11 @@ class UnitScheduleRuntime(_PipelineScheduleRuntime):
         }
         reduce_at = reduce_at or {}
         lowered = {
-            rank: _add_reduce_grad(
-                _lower(orders[rank], actions, set(reduce_at.get(rank, ()))), n_microbatches
-            )
+            rank: _lower(orders[rank], actions, set(reduce_at.get(rank, ())))
             for rank, actions in self.pipeline_order.items()
         }
+        if not forward_only:  # a forward-only order has no gradients to reduce
+            lowered = {r: _add_reduce_grad(a, n_microbatches) for r, a in lowered.items()}
         mapping = self.stage_index_to_group_rank
         self.pipeline_order_with_comms = _add_send_recv(
             lowered, stage_to_rank=lambda s: mapping[s], num_stages=self._num_stages

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["ShapeGuard", "batch_size", "take_rows", "check_divisible"]
+__all__ = ["ShapeGuard", "batch_size", "take_rows", "check_divisible", "shape_key"]
 
 
 def batch_size(batch: Any) -> int:
@@ -35,6 +35,12 @@ def check_divisible(size: int, num_microbatches: int) -> None:
         )
 
 
+def shape_key(batch: Any) -> tuple[Any, ...]:
+    """The shapes and dtypes of a nested batch's tensors (what pipeline stages fix at first run)."""
+    leaves, _ = tree_flatten(batch)
+    return tuple((tuple(t.shape), t.dtype) for t in leaves if isinstance(t, torch.Tensor))
+
+
 def _is_batched(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.dim() > 0
 
@@ -53,7 +59,7 @@ class ShapeGuard:
         first = self._first.setdefault(mode, shapes)
         if shapes != first:
             raise ValueError(
-                f"a {mode} batch changed shape from {first} to {shapes}; pipeline stages fix their "
-                "shapes at the first step. Keep batch size and sequence length constant "
-                "(drop_last=True, fixed-length padding)."
+                f"a {mode} batch changed shape from {first} to {shapes}; stages traced with "
+                "split='trace' are fixed to the example's shapes. Use split='call' (the default), "
+                "or keep batch size and sequence length constant (drop_last=True, fixed padding)."
             )

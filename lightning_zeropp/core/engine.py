@@ -19,14 +19,17 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from lightning_zeropp.core._torch_private import on_scheduled_loss
-from lightning_zeropp.core.batch import ShapeGuard, batch_size, check_divisible
+from lightning_zeropp.core.batch import ShapeGuard, batch_size, check_divisible, shape_key
+from lightning_zeropp.core.call_split import CallInputs
 from lightning_zeropp.core.comm import CommCounter, flatten_summary, mesh_axis_namer
 from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.grads import GradStash, clip_grad_norm_
 from lightning_zeropp.core.mesh import ParallelDims, build_mesh
 from lightning_zeropp.core.modules import merge_stage_modules
 from lightning_zeropp.core.schedule import (
+    build_eval_schedule,
     build_schedule,
+    eval_microbatches,
     rank_of_stage,
     schedule_style,
     stage_ids_for_rank,
@@ -38,12 +41,17 @@ from lightning_zeropp.core.split import (
     check_no_tied_parameters,
     find_blocks,
     plan_blocks,
+    resolve_split,
     split_model,
 )
 
 __all__ = ["ZeroPPEngine", "LossFn"]
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+# Schedules kept per (mode, micro-batches, input shapes): each fixes its stages' buffer shapes when
+# first run, so a batch of new shapes gets its own (and the least recently used one goes).
+_MAX_SCHEDULES = 8
 
 
 class ZeroPPEngine:
@@ -53,8 +61,10 @@ class ZeroPPEngine:
         model: the whole model, unmodified (on CPU or meta-free device memory).
         config: layout and schedule; resolved against the world size here.
         loss_fn: `loss_fn(output, target_microbatch) -> scalar`, the mean over the micro-batch.
-        split: "trace" (default), "stack", or a callable; see `core.split`.
-        example_args / example_kwargs: one micro-batch of model inputs, for split="trace".
+        split: "auto" (default: "call" unless the model names another), "call", "trace",
+            "stack", or a callable; see `core.split`.
+        example_args / example_kwargs: one micro-batch of model inputs, for split="call" (its
+            check runs on the meta device: only shapes and dtypes matter) and "trace".
         probe_loss_fn: used instead of `loss_fn` for the runtime's shape-inference call, which is
             not a training micro-batch (defaults to `loss_fn`); give one without side effects.
         device: where the stages run (default: CPU).
@@ -68,7 +78,7 @@ class ZeroPPEngine:
         config: ZeroPPConfig,
         *,
         loss_fn: LossFn,
-        split: SplitMethod = "trace",
+        split: SplitMethod = "auto",
         example_args: tuple[Any, ...] | None = None,
         example_kwargs: dict[str, Any] | None = None,
         probe_loss_fn: LossFn | None = None,
@@ -88,19 +98,30 @@ class ZeroPPEngine:
         if self.num_stages > 1:
             check_no_tied_parameters(model)
         self.plan = _plan(model, self.num_stages, cfg.split_points)
-        modules = split_model(model, self.plan, self.stage_ids, split, example_args, example_kwargs)
+        self.split = resolve_split(model, split)
+        # split="call" stages take the model inputs on every rank (see core.call_split).
+        self._call_inputs = CallInputs() if self.split == "call" and self.num_stages > 1 else None
+        modules = split_model(
+            model,
+            self.plan,
+            self.stage_ids,
+            self.split,
+            example_args,
+            example_kwargs,
+            call_inputs=self._call_inputs,
+            device=self.device,
+        )
         for stage_id, module in zip(self.stage_ids, modules, strict=True):
             self._prepare_stage(module, stage_id)
         self.module: nn.Module = merge_stage_modules(modules)
-        self.stages = [
-            PipelineStage(m, s, self.num_stages, self.device, group=self.dims.pp_group)
-            for s, m in zip(self.stage_ids, modules, strict=True)
-        ]
+        self._stage_modules = modules
         self._loss_fn = loss_fn
         self._probe_loss_fn = probe_loss_fn or loss_fn
         self._in_scheduled_loss = False
-        self._schedule = build_schedule(cfg, self.stages, self._loss)
-        on_scheduled_loss(self._schedule, self._scheduled_loss)
+        self._schedules: dict[tuple[Any, ...], tuple[Any, list[PipelineStage]]] = {}
+        # The PipelineStages of the last training schedule run (those the next step of the same
+        # shapes runs: timelines wrap them).
+        self.stages: list[PipelineStage] = []
         self.holds_first = 0 in self.stage_ids
         self.last_pp_rank = rank_of_stage(self.style, self.num_stages - 1, cfg.pp_size)
         self._shapes = ShapeGuard()
@@ -127,14 +148,17 @@ class ZeroPPEngine:
         `loss.backward()` would. Returns the loss of the global batch (the mean over every
         micro-batch of every data-parallel rank) on every rank.
         """
-        self._check_batch("train", args, kwargs, target)
+        rows = self._check_batch("train", args, kwargs, target)
+        assert self.config.num_microbatches is not None
+        check_divisible(rows, self.config.num_microbatches)
+        schedule = self._schedule_for("train", self.config.num_microbatches, args, kwargs, target)
         stash = GradStash()
         stash.hold(self.parameters())
         losses: list[torch.Tensor] = []
-        inputs, kw = (args, kwargs) if self.holds_first else ((), {})
+        inputs, kw = self._stage_inputs(args, kwargs)
         counter = CommCounter(self._axis_namer) if self.count_comms else None
         with counter or contextlib.nullcontext():
-            self._schedule.step(*inputs, target=target, losses=losses, return_outputs=False, **kw)
+            schedule.step(*inputs, target=target, losses=losses, return_outputs=False, **kw)
             loss = self._broadcast_loss(losses)
         stash.release()
         if counter is not None:
@@ -145,11 +169,18 @@ class ZeroPPEngine:
     def eval_step(
         self, *args: Any, target: torch.Tensor | None = None, **kwargs: Any
     ) -> torch.Tensor | None:
-        """Forward only; returns the mean loss on every rank when `target` is given."""
-        self._check_batch("eval", args, kwargs, target)
+        """Forward only; returns the mean loss on every rank when `target` is given.
+
+        Any number of rows: the batch runs in as many equal micro-batches as divide it (at most
+        `num_microbatches`), so the mean of micro-batch means is the batch mean.
+        """
+        rows = self._check_batch("eval", args, kwargs, target)
+        assert self.config.num_microbatches is not None
+        m = eval_microbatches(rows, self.config.num_microbatches)
+        schedule = self._schedule_for("eval", m, args, kwargs, target)
         losses: list[torch.Tensor] = []
-        inputs, kw = (args, kwargs) if self.holds_first else ((), {})
-        self._schedule.eval(*inputs, target=target, losses=losses, **kw)
+        inputs, kw = self._stage_inputs(args, kwargs)
+        schedule.eval(*inputs, target=target, losses=losses, **kw)
         return self._broadcast_loss(losses) if target is not None else None
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -177,6 +208,40 @@ class ZeroPPEngine:
         return self.module.parameters()
 
     # ------------------------------------------------------------------ internals
+    def _stage_inputs(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """What the schedule feeds the stages: call stages take the model inputs on every rank
+        (as keywords); others take them on the first stage only."""
+        if self._call_inputs is not None:
+            return (), self._call_inputs.flatten(args, kwargs)
+        return (args, kwargs) if self.holds_first else ((), {})
+
+    def _schedule_for(
+        self, mode: str, microbatches: int, args: Any, kwargs: Any, target: Any
+    ) -> Any:
+        """The schedule for this batch's shapes (every rank of a pipeline sees the same batch,
+        so all pick the same one). Built on first use; the least recently used one goes."""
+        key = (mode, microbatches, shape_key((args, kwargs, target)))
+        entry = self._schedules.pop(key, None)
+        if entry is None:
+            if len(self._schedules) >= _MAX_SCHEDULES:
+                self._schedules.pop(next(iter(self._schedules)))
+            stages = [
+                PipelineStage(m, s, self.num_stages, self.device, group=self.dims.pp_group)
+                for s, m in zip(self.stage_ids, self._stage_modules, strict=True)
+            ]
+            if mode == "train":
+                schedule = build_schedule(self.config, stages, self._loss)
+            else:
+                schedule = build_eval_schedule(self.config, stages, self._loss, microbatches)
+            on_scheduled_loss(schedule, self._scheduled_loss)
+            entry = (schedule, stages)
+        self._schedules[key] = entry  # most recently used last
+        if mode == "train":
+            self.stages = entry[1]
+        return entry[0]
+
     def _loss(self, output: Any, target: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         fn = self._loss_fn if self._in_scheduled_loss else self._probe_loss_fn
         return fn(output, target, **kwargs)
@@ -192,12 +257,19 @@ class ZeroPPEngine:
 
     def _check_batch(
         self, mode: str, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any
-    ) -> None:
-        """Checks every rank makes from its own arguments, before any communication."""
+    ) -> int:
+        """Checks every rank makes from its own arguments, before any communication; returns
+        the batch's rows."""
         present = [x for x in (args or None, kwargs or None, target) if x is not None]
-        if present:
-            check_divisible(batch_size(present), self.config.num_microbatches)
+        if not present:
+            raise ValueError(
+                "train_step / eval_step got no batch: every rank passes the same batch (the "
+                "model inputs, and target=)."
+            )
+        if self.split == "trace" and self.num_stages > 1:
+            # Traced stages are specialised to the example's shapes.
             self._shapes.check(mode, present)
+        return batch_size(present)
 
     def _broadcast_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         if losses:

@@ -25,6 +25,8 @@ __all__ = [
     "stage_ids_for_rank",
     "rank_of_stage",
     "build_schedule",
+    "build_eval_schedule",
+    "eval_microbatches",
     "zeropp_orders",
 ]
 
@@ -112,4 +114,40 @@ def _build_zeropp(
         reduce_at={
             r: reduce_points(o, config.unit_size, config.grad_reduce) for r, o in orders.items()
         },
+    )
+
+
+def eval_microbatches(rows: int, num_microbatches: int) -> int:
+    """Micro-batches for a forward-only batch of `rows`: the most, up to the configured number,
+    that split it into equal parts (a short last validation batch of 7 rows runs as one)."""
+    return max(d for d in range(1, min(rows, num_microbatches) + 1) if rows % d == 0)
+
+
+def build_eval_schedule(
+    config: ZeroPPConfig,
+    stages: list[pipelining.PipelineStage],
+    loss_fn: Callable | None,
+    num_microbatches: int,
+) -> pipelining.schedules._PipelineSchedule:
+    """A forward-only schedule for any schedule's placement and any number of micro-batches.
+
+    Each rank runs its stages in order, every micro-batch through one stage before the next
+    (breadth first, as GPipe does): no backward to interleave, so no minimum micro-batch count,
+    and each stage's weights are gathered once.
+    """
+    from lightning_zeropp.core._torch_private import UnitScheduleRuntime
+
+    assert config.pp_size is not None and config.num_chunks is not None, "resolve() first"
+    style = schedule_style(config.schedule)
+    orders = {
+        r: [
+            Task(s, "F", m)
+            for s in sorted(stage_ids_for_rank(style, r, config.pp_size, config.num_chunks))
+            for m in range(num_microbatches)
+        ]
+        for r in range(config.pp_size)
+    }
+    mapping = {s: rank_of_stage(style, s, config.pp_size) for s in range(config.num_stages)}
+    return UnitScheduleRuntime(
+        stages, num_microbatches, loss_fn, orders, stage_to_rank=mapping, forward_only=True
     )

@@ -1,7 +1,11 @@
 """Cut a model into pipeline stages, keeping parameter names and the user's forward.
 
-Three ways, one result (a list of stage modules whose parameters carry their original names, so
+Four ways, one result (a list of stage modules whose parameters carry their original names, so
 checkpoints do not depend on the layout):
+
+- `"call"` (what `"auto"` picks unless the model names another): the model's own forward, cut at
+  its block calls, with no graph capture; any batch shape (see `core.call_split`). Checked once on
+  the meta device with one example micro-batch; a model it cannot split exactly is refused.
 
 - `"trace"` (default): torch's tracing front end (`torch.distributed.pipelining.pipeline`) with split
   points at block boundaries. The user's forward is kept exactly as written. Needs one example
@@ -33,7 +37,22 @@ from lightning_zeropp.core.chain import chain_stages
 __all__ = ["BlockPlan", "SplitFn", "find_blocks", "plan_blocks", "split_model"]
 
 SplitFn = Callable[[nn.Module, int, int, list[range]], nn.Module]
-SplitMethod = Literal["trace", "stack"] | SplitFn
+SplitMethod = Literal["auto", "call", "trace", "stack"] | SplitFn
+
+# A model may name the split that suits it (e.g. HF decoders prepared by `models.hf`: "trace").
+SPLIT_ATTR = "zeropp_split"
+
+
+def resolve_split(model: nn.Module, method: SplitMethod) -> SplitMethod:
+    """ "auto" is the model's own preference (`SPLIT_ATTR`), else "call"."""
+    if method == "auto":
+        return getattr(model, SPLIT_ATTR, "call")
+    if not callable(method) and method not in ("call", "trace", "stack"):
+        raise ValueError(
+            f"split={method!r} is unknown; use 'auto', 'call', 'trace', 'stack' or a callable."
+        )
+    return method
+
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
@@ -103,11 +122,22 @@ def split_model(
     method: SplitMethod = "trace",
     example_args: tuple[Any, ...] | None = None,
     example_kwargs: dict[str, Any] | None = None,
+    call_inputs: Any = None,
+    device: Any = None,
 ) -> list[nn.Module]:
-    """Build the stage modules `stage_ids` of `model` according to `plan`."""
+    """Build the stage modules `stage_ids` of `model` according to `plan`.
+
+    `call_inputs` (a `CallInputs`) and `device` are for split="call" only.
+    """
     num_stages = len(plan.ranges)
     if num_stages == 1:
         return [model]
+    if method == "call":
+        from lightning_zeropp.core.call_split import plan_calls
+        from lightning_zeropp.core.call_stages import build_call_stages
+
+        calls = plan_calls(model, plan, example_args, example_kwargs)
+        return build_call_stages(model, calls, stage_ids, call_inputs, device)
     if callable(method):
         return [method(model, s, num_stages, plan.ranges) for s in stage_ids]
     if method == "stack":

@@ -1,0 +1,314 @@
+"""`split="call"`: pipeline stages that run the model's own forward, cut at its block calls.
+
+No graph capture (so no torch.export limits, and any batch shape): each stage module is a copy of
+the model holding only its own blocks plus, on the first and last stage, the modules the forward
+calls before and after the blocks. Its forward is the model's own, run on the real model inputs
+(the engine gives every stage the micro-batch's inputs: all ranks of a pipeline hold the batch):
+- blocks of other stages are not in the container, so the forward's loop skips them;
+- modules of other stages are stubs returning zeros shaped like their real output (computed on a
+  meta-device copy), so the code around them runs; what that code computes is discarded;
+- on stage k > 0 the first block's arguments are replaced by those stage k-1 sent;
+- on stage k < last the forward runs on (the rest is stubs) and the stage returns its last
+  block's output and the other block arguments instead of the model's output.
+
+That is exact for models whose blocks form a chain: each block is called once, in order, with the
+previous block's output and otherwise the same arguments, and nothing computed before or between
+the blocks is read after them except through that chain. `plan_calls` checks it once, on a
+meta-device copy with one example micro-batch, by tagging every value with where it came from, and
+refuses a model that breaks it, naming the module or value at fault.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
+
+from lightning_zeropp.core.split import BlockPlan
+
+__all__ = ["CallPlan", "CallInputs", "plan_calls", "meta_copy", "outer_units"]
+
+_FIX = "use split='trace' (with an example micro-batch) or a split callable"
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    """Where each module runs and how a block's arguments cross a stage boundary."""
+
+    blocks: BlockPlan
+    first_units: tuple[str, ...]  # outer modules with parameters, called before the blocks
+    last_units: tuple[str, ...]  # ... called after them
+    spec: TreeSpec  # of a block call's (args, kwargs)
+    consts: tuple[Any, ...]  # its leaves; tensor leaves are None here (sent between stages)
+    slots: tuple[int, ...]  # the tensor leaves: the hidden state first, then the others in order
+    out_index: int | None  # where that output sits in a block's return value (None: it is it)
+
+
+class CallInputs:
+    """The model inputs of the current step, shared by the engine and its call stages: the engine
+    passes their leaves as keyword arguments `zeropp_in_<i>` (split into micro-batches by the
+    schedule, given to every stage) and `spec` rebuilds the model call from them."""
+
+    PREFIX = "zeropp_in_"
+
+    def __init__(self) -> None:
+        self.spec: TreeSpec | None = None
+
+    def flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        leaves, self.spec = tree_flatten((tuple(args), dict(kwargs)))
+        return {f"{self.PREFIX}{i}": leaf for i, leaf in enumerate(leaves)}
+
+    def unflatten(self, flat: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        assert self.spec is not None, "the engine sets the input spec before every step"
+        leaves = [flat[f"{self.PREFIX}{i}"] for i in range(len(flat))]
+        return tree_unflatten(leaves, self.spec)
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose parameters and buffers live on the meta device (no memory)."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+def outer_units(model: nn.Module, container: str) -> list[str]:
+    """Modules with parameters beside the path to the block container (embeddings, norms, heads)."""
+    units, parent, prefix = [], model, ""
+    for part in container.split(".") if container else []:
+        for name, child in parent.named_children():
+            if name != part and any(True for _ in child.parameters()):
+                units.append(prefix + name)
+        if parent._parameters:
+            raise ValueError(
+                f"{type(parent).__name__} holds parameters outside any submodule "
+                f"({sorted(parent._parameters)}); split='call' places whole modules on stages. "
+                f"Move them into a submodule, or {_FIX}."
+            )
+        parent, prefix = parent._modules[part], f"{prefix}{part}."
+    return units
+
+
+def _to_meta(x: Any) -> Any:
+    return torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x
+
+
+# ------------------------------------------------------------------------------ the dry run
+class _Tagger(TorchFunctionMode):
+    """Tags every tensor with the sources it was computed from; flags reads the split breaks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: dict[int, tuple[torch.Tensor, frozenset[Any]]] = {}
+        self.inside: int | None = None  # the block whose forward is running
+        self.after: int | None = None  # the last block, once it has returned
+        self.units: list[str] = []  # outer modules whose forward is running
+        self.leak: str | None = None
+
+    def tag(self, x: Any, tags: frozenset[Any]) -> None:
+        for t in tree_flatten(x)[0]:
+            if isinstance(t, torch.Tensor):
+                self.tags[id(t)] = (t, tags)
+
+    def of(self, x: Any) -> frozenset[Any]:
+        found: set[Any] = set()
+        for t in tree_flatten(x)[0]:
+            if isinstance(t, torch.Tensor) and id(t) in self.tags and self.tags[id(t)][0] is t:
+                found |= self.tags[id(t)][1]
+        return frozenset(found)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        tags = self.of((args, kwargs))
+        what = getattr(func, "__name__", str(func))
+        params = {t for t in tags if t[0] == "param"}
+        for _, name in params:  # an outer module's weights read outside its own call
+            if name not in self.units and self.leak is None:
+                self.leak = (
+                    f"its forward reads the parameters of '{name}' outside '{name}' ({what})"
+                )
+        tags = tags - params
+        if tags:
+            self.check(tags, what)
+            self.tag(out, tags)
+        return out
+
+    def check(self, tags: frozenset[Any], what: str) -> None:
+        allowed = frozenset() if self.inside is not None else None
+        if self.after is not None:
+            allowed = frozenset({("block", self.after)})
+        if allowed is not None and not tags <= allowed and self.leak is None:
+            where = f"block {self.inside}" if self.inside is not None else "after the last block"
+            sources = ", ".join(sorted(_source_name(t) for t in tags - allowed))
+            self.leak = (
+                f"{where} reads a value computed from {sources} other than through the blocks' "
+                f"arguments (in {what})"
+            )
+
+
+def _source_name(tag: Any) -> str:
+    kind, name = tag
+    return f"block {name}'s output" if kind == "block" else f"the output of '{name}'"
+
+
+def plan_calls(
+    model: nn.Module,
+    blocks: BlockPlan,
+    example_args: tuple[Any, ...] | None,
+    example_kwargs: dict[str, Any] | None,
+    run: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], Any] | None = None,
+) -> CallPlan:
+    """Check on the meta device that `model` pipelines exactly under split='call'; plan it.
+
+    `run(skeleton, args, kwargs)` calls the skeleton (default: `skeleton(*args, **kwargs)`).
+    """
+    if example_args is None and not example_kwargs:
+        raise ValueError(
+            "split='call' needs one example micro-batch of model inputs to check the model's calls "
+            "(the Lightning front takes it from the first batch)."
+        )
+    skeleton = meta_copy(model)
+    args, kwargs = tree_map(_to_meta, (tuple(example_args or ()), dict(example_kwargs or {})))
+    container = skeleton.get_submodule(blocks.container) if blocks.container else skeleton
+    block_list = [container._modules[n] for n in blocks.names]
+    units = outer_units(skeleton, blocks.container)
+    tagger, calls, events = _Tagger(), [], []
+    handles = []
+
+    def block_pre(i: int) -> Callable[..., Any]:
+        def hook(module: nn.Module, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+            calls.append([i, a, kw, None])
+            events.append(("block", i))
+            tagger.after = None
+            clean = tree_map(lambda t: t.view_as(t) if isinstance(t, torch.Tensor) else t, (a, kw))
+            for t in tree_flatten(clean)[0]:
+                tagger.tags.pop(id(t), None)
+            tagger.inside = i
+            return clean
+
+        return hook
+
+    def block_post(i: int) -> Callable[..., Any]:
+        def hook(module: nn.Module, a: Any, kw: Any, out: Any) -> None:
+            calls[-1][3] = out
+            tagger.inside = None
+            tagger.tag(out, frozenset({("block", i)}))
+            tagger.after = i if i == len(block_list) - 1 else None
+
+        return hook
+
+    def unit_pre(name: str) -> Callable[..., Any]:
+        def hook(module: nn.Module, a: Any) -> None:
+            tagger.units.append(name)
+
+        return hook
+
+    def unit_post(name: str) -> Callable[..., Any]:
+        def hook(module: nn.Module, a: Any, out: Any) -> None:
+            tagger.units.remove(name)
+            events.append(("unit", name))
+            if tagger.after is None and not any(e[0] == "block" for e in events):
+                tagger.tag(out, frozenset({("unit", name)}))
+
+        return hook
+
+    for i, b in enumerate(block_list):
+        handles.append(b.register_forward_pre_hook(block_pre(i), with_kwargs=True))
+        handles.append(b.register_forward_hook(block_post(i), with_kwargs=True))
+    for name in units:
+        unit = skeleton.get_submodule(name)
+        handles.append(unit.register_forward_pre_hook(unit_pre(name)))
+        handles.append(unit.register_forward_hook(unit_post(name)))
+        for p in unit.parameters():
+            tagger.tag(p, frozenset({("param", name)}))
+    try:
+        with tagger:
+            out = run(skeleton, args, kwargs) if run else skeleton(*args, **kwargs)
+            tagger.inside, tagger.after = None, len(block_list) - 1
+            final = tagger.of(out)
+    except Exception as err:
+        raise ValueError(
+            f"could not check how {type(model).__name__} calls its blocks (a dry run on the meta "
+            f"device failed: {type(err).__name__}: {err}); {_FIX}."
+        ) from err
+    finally:
+        for h in handles:
+            h.remove()
+    if tagger.leak is None and not final <= {("block", len(block_list) - 1)}:
+        tagger.leak = "the model's output depends on values other than its last block's output"
+    return _plan(blocks, units, calls, events, tagger.leak, type(model).__name__)
+
+
+def _plan(
+    blocks: BlockPlan,
+    units: list[str],
+    calls: list[list[Any]],
+    events: list[tuple[str, Any]],
+    leak: str | None,
+    model_name: str,
+) -> CallPlan:
+    def refuse(why: str) -> ValueError:
+        return ValueError(f"split='call' cannot pipeline {model_name}: {why}; {_FIX}.")
+
+    if [c[0] for c in calls] != list(range(len(blocks.names))):
+        raise refuse(
+            f"its forward must call each block of '{blocks.container}' once, in order (it called "
+            f"{[blocks.names[c[0]] for c in calls]})"
+        )
+    if leak is not None:
+        raise refuse(leak)
+    first_block = events.index(("block", 0))
+    last_block = events.index(("block", len(blocks.names) - 1))
+    first, last = [], []
+    for name in units:
+        where = {i for i, e in enumerate(events) if e == ("unit", name)}
+        if where and max(where) < first_block:
+            first.append(name)
+        elif where and min(where) > last_block:
+            last.append(name)
+        elif where:
+            raise refuse(f"module '{name}' is called between or both before and after the blocks")
+        else:
+            first.append(name)  # never called: it holds parameters, keep them somewhere
+    leaves, spec = tree_flatten((calls[0][1], calls[0][2]))
+    hidden, out_index = _chain(calls, leaves, spec, refuse)
+    consts = tuple(None if isinstance(x, torch.Tensor) else x for x in leaves)
+    others = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and i != hidden]
+    return CallPlan(blocks, tuple(first), tuple(last), spec, consts, (hidden, *others), out_index)
+
+
+def _chain(calls: list[list[Any]], leaves: list[Any], spec: TreeSpec, refuse: Callable) -> Any:
+    """Which leaf carries the previous block's output, and where that output sits in a return."""
+    found: tuple[int, int | None] | None = None
+    for (_, a0, k0, out), (_, a1, k1, _) in zip(calls, calls[1:], strict=False):
+        prev, spec0 = tree_flatten((a0, k0))
+        now, spec1 = tree_flatten((a1, k1))
+        outs = [out] if isinstance(out, torch.Tensor) else list(out)
+        picks = [
+            (p, None if isinstance(out, torch.Tensor) else j)
+            for p, x in enumerate(now)
+            for j, o in enumerate(outs)
+            if x is o
+        ]
+        if spec1 != spec0 or len(picks) != 1 or (found is not None and picks[0] != found):
+            raise refuse("each block must take the previous block's output as one argument")
+        found = picks[0]
+        for p, (x, y) in enumerate(zip(prev, now, strict=True)):
+            same = x is y if isinstance(x, torch.Tensor) else x == y
+            if p != found[0] and not same:
+                raise refuse("the blocks' other arguments must be the same for every block")
+    if found is None:  # one block: its first tensor argument is the hidden state
+        found = (next(p for p, x in enumerate(leaves) if isinstance(x, torch.Tensor)), None)
+        out = calls[0][3]
+        if not isinstance(out, torch.Tensor):
+            found = (found[0], 0)
+    return found

@@ -1,0 +1,149 @@
+"""The stage modules of `split="call"`: copies of the model cut at block calls (see `call_split`).
+
+A stage is a copy of the model without the other stages' blocks (names kept), whose outer modules
+held by other stages are `_Stub`s, and whose `forward` runs the model's own forward on the model
+inputs of the micro-batch (keyword arguments `zeropp_in_<i>`, see `CallInputs`) after the
+activations received from the previous stage (positional). Hooks on its first and last block swap
+in what was received and keep what is to be sent.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from lightning_zeropp.core.call_split import CallInputs, CallPlan, meta_copy
+
+__all__ = ["build_call_stages"]
+
+
+class _Stub(nn.Module):
+    """Stands in for an outer module held by another stage: zeros shaped like its real output,
+    worked out on a meta-device copy. The code around it runs on them; what it computes is
+    replaced at the stage's first block (the dry run checked nothing else reads it)."""
+
+    def __init__(self, meta: nn.Module, name: str, device: torch.device) -> None:
+        super().__init__()
+        # Plain attributes, not submodules: a stub holds no parameters and no state.
+        object.__setattr__(self, "_meta", meta)
+        object.__setattr__(self, "_unit", name)
+        object.__setattr__(self, "_device", device)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        meta_args, meta_kwargs = tree_map(_to_meta, (args, kwargs))
+        out = self._meta(*meta_args, **meta_kwargs)
+        return tree_map(self._zeros, out)
+
+    def _zeros(self, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        return torch.zeros(x.shape, dtype=x.dtype, device=self._device)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            raise AttributeError(
+                f"'{self._unit}' is held by another pipeline stage; its attribute {name!r} is not "
+                "here. A forward that reads it outside the module's own call cannot be split "
+                "with split='call'; use split='trace' or a split callable."
+            ) from None
+
+
+def _to_meta(x: Any) -> Any:
+    return torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x
+
+
+class _StageState:
+    """What one call stage keeps between its hooks during a forward."""
+
+    def __init__(self, plan: CallPlan, stage: int, inputs: CallInputs) -> None:
+        self.plan, self.stage, self.inputs = plan, stage, inputs
+        self.is_last = stage == len(plan.blocks.ranges) - 1
+        self.received: tuple[torch.Tensor, ...] | None = None
+        self.sent: tuple[torch.Tensor, ...] | None = None
+        self.forward: Callable[..., Any] | None = None
+
+    def entry(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        """The first block's arguments, rebuilt from what the previous stage sent."""
+        assert self.received is not None, "a call stage's first block ran outside its forward"
+        leaves = list(self.plan.consts)
+        for slot, value in zip(self.plan.slots, self.received, strict=True):
+            leaves[slot] = value
+        return tree_unflatten(leaves, self.plan.spec)
+
+    def exit(self, module: nn.Module, args: Any, kwargs: Any, out: Any) -> None:
+        """Keep what the next stage needs: this block's output and the other block arguments."""
+        leaves, _ = tree_flatten((args, kwargs))
+        hidden = out if self.plan.out_index is None else out[self.plan.out_index]
+        self.sent = (hidden, *(leaves[slot] for slot in self.plan.slots[1:]))
+
+    def run(self, *received: torch.Tensor, **flat_inputs: Any) -> Any:
+        args, kwargs = self.inputs.unflatten(flat_inputs)
+        self.received, self.sent = (received if self.stage > 0 else None), None
+        try:
+            assert self.forward is not None
+            out = self.forward(*args, **kwargs)
+        finally:
+            self.received = None
+        if self.is_last:
+            return out
+        sent, self.sent = self.sent, None
+        if sent is None:
+            raise RuntimeError(
+                f"pipeline stage {self.stage}'s last block was not called by the model's forward "
+                "for this batch; split='call' needs every block called for every batch."
+            )
+        return sent
+
+
+def build_call_stages(
+    model: nn.Module,
+    plan: CallPlan,
+    stage_ids: Sequence[int],
+    inputs: CallInputs,
+    device: torch.device,
+) -> list[nn.Module]:
+    """This rank's stage modules of `model` under `plan`."""
+    units = (*plan.first_units, *plan.last_units)
+    metas = {name: meta_copy(model.get_submodule(name)) for name in units}
+    return [_call_stage(model, plan, s, inputs, device, metas) for s in stage_ids]
+
+
+def _call_stage(
+    model: nn.Module,
+    plan: CallPlan,
+    stage: int,
+    inputs: CallInputs,
+    device: torch.device,
+    metas: dict[str, nn.Module],
+) -> nn.Module:
+    blocks = plan.blocks
+    first, last = stage == 0, stage == len(blocks.ranges) - 1
+    keep = {blocks.names[i] for i in blocks.ranges[stage]}
+    container = model.get_submodule(blocks.container) if blocks.container else model
+    # Copy everything but the other stages' blocks (never materialized twice) and the outer
+    # modules of other stages (replaced by stubs).
+    memo: dict[int, Any] = {id(b): None for n, b in container._modules.items() if n not in keep}
+    away = [*(() if first else plan.first_units), *(() if last else plan.last_units)]
+    for name in away:
+        memo[id(model.get_submodule(name))] = _Stub(metas[name], name, device)
+    stage_model = copy.deepcopy(model, memo)
+    new_container = stage_model.get_submodule(blocks.container) if blocks.container else stage_model
+    new_container._modules = {n: m for n, m in new_container._modules.items() if n in keep}
+    state = _StageState(plan, stage, inputs)
+    mine = [stage_model.get_submodule(blocks.fqn(i)) for i in blocks.ranges[stage]]
+    if not first:
+        mine[0].register_forward_pre_hook(state.entry, with_kwargs=True)
+    if not last:
+        mine[-1].register_forward_hook(state.exit, with_kwargs=True)
+    state.forward = functools.partial(type(model).forward, stage_model)
+    object.__setattr__(stage_model, "_zeropp_call_stage", state)
+    stage_model.forward = state.run
+    return stage_model
