@@ -4,9 +4,10 @@ No graph capture (so no torch.export limits, and any batch shape): each stage mo
 the model holding only its own blocks plus, on the first and last stage, the modules the forward
 calls before and after the blocks. Its forward is the model's own, run on the real model inputs
 (the engine gives every stage the micro-batch's inputs: all ranks of a pipeline hold the batch):
-- blocks of other stages are not in the container, so the forward's loop skips them;
-- modules of other stages are stubs returning zeros shaped like their real output (computed on a
-  meta-device copy), so the code around them runs; what that code computes is discarded;
+- blocks of other stages are stubs that return their input hidden state (cheap pass-through);
+- outer modules of other stages are stubs returning zeros shaped like their real output (computed
+  on a meta-device copy), so the code around them runs; what that code computes is discarded;
+- a stub answers attribute reads from its meta-device copy (`self.layers[0].self_attn.batch_first`);
 - on stage k > 0 the first block's arguments are replaced by those stage k-1 sent;
 - on stage k < last the forward runs on (the rest is stubs) and the stage returns its last
   block's output and the other block arguments instead of the model's output.
@@ -48,6 +49,7 @@ class CallPlan:
     consts: tuple[Any, ...]  # its leaves; tensor leaves are None here (sent between stages)
     slots: tuple[int, ...]  # the tensor leaves: the hidden state first, then the others in order
     out_index: int | None  # where that output sits in a block's return value (None: it is it)
+    out_len: int  # the length of a block's return value when it is a tuple
 
 
 class CallInputs:
@@ -283,7 +285,10 @@ def _plan(
     hidden, out_index = _chain(calls, leaves, spec, refuse)
     consts = tuple(None if isinstance(x, torch.Tensor) else x for x in leaves)
     others = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and i != hidden]
-    return CallPlan(blocks, tuple(first), tuple(last), spec, consts, (hidden, *others), out_index)
+    out = calls[0][3]
+    out_len = 1 if isinstance(out, torch.Tensor) else len(out)
+    slots = (hidden, *others)
+    return CallPlan(blocks, tuple(first), tuple(last), spec, consts, slots, out_index, out_len)
 
 
 def _chain(calls: list[list[Any]], leaves: list[Any], spec: TreeSpec, refuse: Callable) -> Any:

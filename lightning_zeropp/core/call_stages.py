@@ -1,7 +1,7 @@
 """The stage modules of `split="call"`: copies of the model cut at block calls (see `call_split`).
 
-A stage is a copy of the model without the other stages' blocks (names kept), whose outer modules
-held by other stages are `_Stub`s, and whose `forward` runs the model's own forward on the model
+A stage is a copy of the model whose blocks and outer modules held by other stages are `_Stub`s
+(so parameter names, indexing and attribute reads are as in the model), and whose `forward` runs the model's own forward on the model
 inputs of the micro-batch (keyword arguments `zeropp_in_<i>`, see `CallInputs`) after the
 activations received from the previous stage (positional). Hooks on its first and last block swap
 in what was received and keep what is to be sent.
@@ -24,18 +24,28 @@ __all__ = ["build_call_stages"]
 
 
 class _Stub(nn.Module):
-    """Stands in for an outer module held by another stage: zeros shaped like its real output,
-    worked out on a meta-device copy. The code around it runs on them; what it computes is
-    replaced at the stage's first block (the dry run checked nothing else reads it)."""
+    """Stands in for a module held by another stage. An outer module's stub returns zeros shaped
+    like its real output, worked out on a meta-device copy; a block's stub returns its input
+    hidden state. The code around them runs on that; what it computes is replaced at the stage's
+    first block or discarded (the dry run checked nothing else reads it)."""
 
-    def __init__(self, meta: nn.Module, name: str, device: torch.device) -> None:
+    def __init__(
+        self, meta: nn.Module, name: str, device: torch.device, block: CallPlan | None = None
+    ) -> None:
         super().__init__()
         # Plain attributes, not submodules: a stub holds no parameters and no state.
         object.__setattr__(self, "_meta", meta)
         object.__setattr__(self, "_unit", name)
         object.__setattr__(self, "_device", device)
+        object.__setattr__(self, "_block", block)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        plan = self._block
+        if plan is not None:  # pass the hidden state through, shaped like a block's return
+            hidden = tree_flatten((args, kwargs))[0][plan.slots[0]]
+            if plan.out_index is None:
+                return hidden
+            return tuple(hidden if i == plan.out_index else None for i in range(plan.out_len))
         meta_args, meta_kwargs = tree_map(_to_meta, (args, kwargs))
         out = self._meta(*meta_args, **meta_kwargs)
         return tree_map(self._zeros, out)
@@ -46,14 +56,9 @@ class _Stub(nn.Module):
         return torch.zeros(x.shape, dtype=x.dtype, device=self._device)
 
     def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            raise AttributeError(
-                f"'{self._unit}' is held by another pipeline stage; its attribute {name!r} is not "
-                "here. A forward that reads it outside the module's own call cannot be split "
-                "with split='call'; use split='trace' or a split callable."
-            ) from None
+        # Attributes (flags, sub-configs, submodules) read from the meta-device copy; tensors
+        # read that way are on the meta device, so using one in real compute fails loudly.
+        return getattr(self.__dict__["_meta"], name)
 
 
 def _to_meta(x: Any) -> Any:
@@ -111,9 +116,7 @@ def build_call_stages(
     device: torch.device,
 ) -> list[nn.Module]:
     """This rank's stage modules of `model` under `plan`."""
-    units = (*plan.first_units, *plan.last_units)
-    metas = {name: meta_copy(model.get_submodule(name)) for name in units}
-    return [_call_stage(model, plan, s, inputs, device, metas) for s in stage_ids]
+    return [_call_stage(model, plan, s, inputs, device) for s in stage_ids]
 
 
 def _call_stage(
@@ -122,21 +125,20 @@ def _call_stage(
     stage: int,
     inputs: CallInputs,
     device: torch.device,
-    metas: dict[str, nn.Module],
 ) -> nn.Module:
     blocks = plan.blocks
     first, last = stage == 0, stage == len(blocks.ranges) - 1
-    keep = {blocks.names[i] for i in blocks.ranges[stage]}
-    container = model.get_submodule(blocks.container) if blocks.container else model
-    # Copy everything but the other stages' blocks (never materialized twice) and the outer
-    # modules of other stages (replaced by stubs).
-    memo: dict[int, Any] = {id(b): None for n, b in container._modules.items() if n not in keep}
+    # Copy everything but the modules of other stages (never materialized twice): stubs instead.
+    memo: dict[int, Any] = {}
+    for i, _ in enumerate(blocks.names):
+        if i not in blocks.ranges[stage]:
+            block = model.get_submodule(blocks.fqn(i))
+            memo[id(block)] = _Stub(meta_copy(block), blocks.fqn(i), device, block=plan)
     away = [*(() if first else plan.first_units), *(() if last else plan.last_units)]
     for name in away:
-        memo[id(model.get_submodule(name))] = _Stub(metas[name], name, device)
+        unit = model.get_submodule(name)
+        memo[id(unit)] = _Stub(meta_copy(unit), name, device)
     stage_model = copy.deepcopy(model, memo)
-    new_container = stage_model.get_submodule(blocks.container) if blocks.container else stage_model
-    new_container._modules = {n: m for n, m in new_container._modules.items() if n in keep}
     state = _StageState(plan, stage, inputs)
     mine = [stage_model.get_submodule(blocks.fqn(i)) for i in blocks.ranges[stage]]
     if not first:
