@@ -220,3 +220,13 @@ def unsharded_parameter_bytes(module: nn.Module) -> int:
             if param is not None:
                 total += param.untyped_storage().size()
     return total
+
+
+def default_store() -> Any:
+    """The c10d store the default process group rendezvoused on (shared by every rank)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+__all__ += ["default_store"]

@@ -178,8 +178,34 @@ def plan_calls(
             "split='call' needs one example micro-batch of model inputs to check the model's calls "
             "(the Lightning front takes it from the first batch)."
         )
-    skeleton = meta_copy(model)
-    args, kwargs = tree_map(_to_meta, (tuple(example_args or ()), dict(example_kwargs or {})))
+    example = (tuple(example_args or ()), dict(example_kwargs or {}))
+    try:  # on the meta device first: no memory, no compute
+        return _dry_run(meta_copy(model), blocks, tree_map(_to_meta, example), run, model)
+    except _DryRunFailed as meta_err:
+        real = all(not t.is_meta for t in tree_flatten(example)[0] if isinstance(t, torch.Tensor))
+        if not real or any(p.is_meta for p in model.parameters()):
+            raise ValueError(str(meta_err)) from meta_err.__cause__
+    # Some forwards read values (`.item()`, `torch.equal`) that meta tensors do not have: check on
+    # the real model and example once, without gradients.
+    with torch.no_grad():
+        try:
+            return _dry_run(model, blocks, example, run, model)
+        except _DryRunFailed as err:
+            raise ValueError(str(err)) from err.__cause__
+
+
+class _DryRunFailed(Exception):
+    """The model's forward raised during the dry run."""
+
+
+def _dry_run(
+    skeleton: nn.Module,
+    blocks: BlockPlan,
+    example: tuple[tuple[Any, ...], dict[str, Any]],
+    run: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], Any] | None,
+    model: nn.Module,
+) -> CallPlan:
+    args, kwargs = example
     container = skeleton.get_submodule(blocks.container) if blocks.container else skeleton
     block_list = [container._modules[n] for n in blocks.names]
     units = outer_units(skeleton, blocks.container)
@@ -238,9 +264,10 @@ def plan_calls(
             tagger.inside, tagger.after = None, len(block_list) - 1
             final = tagger.of(out)
     except Exception as err:
-        raise ValueError(
-            f"could not check how {type(model).__name__} calls its blocks (a dry run on the meta "
-            f"device failed: {type(err).__name__}: {err}); {_FIX}."
+        device = "meta" if any(p.is_meta for p in skeleton.parameters()) else "real"
+        raise _DryRunFailed(
+            f"could not check how {type(model).__name__} calls its blocks (a dry run on the "
+            f"{device} model failed: {type(err).__name__}: {err}); {_FIX}."
         ) from err
     finally:
         for h in handles:

@@ -105,7 +105,9 @@ class _StageState:
                 f"pipeline stage {self.stage}'s last block was not called by the model's forward "
                 "for this batch; split='call' needs every block called for every batch."
             )
-        return sent
+        # Sent tensors must be dense: the receiver's buffers copy their layout, and gloo's
+        # point-to-point ops take contiguous tensors only (e.g. a rotary table sliced per batch).
+        return tuple(t.contiguous() for t in sent)
 
 
 def build_call_stages(

@@ -15,7 +15,7 @@ import torch
 
 from lightning_zeropp.core.schedule import SCHEDULES, schedule_style
 
-__all__ = ["ZeroPPConfig", "parse_dtype", "RECOMPUTE", "GRAD_REDUCE"]
+__all__ = ["ZeroPPConfig", "parse_dtype", "schedule_name", "RECOMPUTE", "GRAD_REDUCE"]
 
 RECOMPUTE = ("none", "all", "except_last")
 GRAD_REDUCE = ("step", "unit", "microbatch")
@@ -50,7 +50,9 @@ class ZeroPPConfig:
     sharded (ZeRO-3, FSDP2) over `dp_shard` (consecutive ranks, i.e. inside a node) and replicated
     over `dp_replicate` (HSDP when > 1). Each pipeline rank holds `num_chunks` model chunks.
 
-    Defaults: `pp_size` 1; `dp_shard_size` fills the rest of the world; `num_chunks` 1 for
+    Defaults: `pp_size` from the other sizes when they are given, else 2 when the world splits
+    into two pipeline stages (an even number of data-parallel groups) and 1 otherwise (a planner
+    will choose later); `dp_shard_size` fills the rest of the world; `num_chunks` 1 for
     single-stage schedules and 2 for interleaved / V schedules; `num_microbatches` equals the number
     of pipeline ranks (the least 1F1B accepts); no resharding after forward when `pp_size > 1`
     (torchtitan's default: one gather per stage and step instead of one per micro-batch).
@@ -84,13 +86,10 @@ class ZeroPPConfig:
     def resolve(self, world_size: int) -> ZeroPPConfig:
         """Return a copy with every default filled in and every setting checked."""
         cfg = dataclasses.replace(self)
-        cfg.schedule = str(cfg.schedule).lower()
-        if cfg.schedule not in SCHEDULES:
-            raise ValueError(
-                f"schedule={self.schedule!r} is unknown; choose one of {sorted(SCHEDULES)}."
-            )
+        cfg.schedule = schedule_name(cfg.schedule)
         _check_positive("dp_replicate_size", cfg.dp_replicate_size)
-        cfg.pp_size = 1 if cfg.pp_size is None else cfg.pp_size
+        if cfg.pp_size is None:
+            cfg.pp_size = _default_pp(world_size, cfg.dp_replicate_size, cfg.dp_shard_size)
         _check_positive("pp_size", cfg.pp_size)
         if cfg.dp_shard_size is None:
             cfg.dp_shard_size = max(world_size // (cfg.pp_size * cfg.dp_replicate_size), 1)
@@ -145,6 +144,40 @@ class ZeroPPConfig:
         """Data-parallel degree: replicas x shards."""
         assert self.dp_shard_size is not None, "resolve() first"
         return self.dp_replicate_size * self.dp_shard_size
+
+
+# torch's schedule class names (as torchtitan configs spell them), matched the way torch's
+# get_schedule_class matches: case-insensitively, without the "Schedule" prefix.
+_ALIASES = {
+    "gpipe": "gpipe",
+    "1f1b": "1f1b",
+    "interleaved1f1b": "interleaved_1f1b",
+    "loopedbfs": "looped_bfs",
+    "interleavedzb": "interleaved_zb",
+    "interleavedzerobubble": "interleaved_zb",
+    "zbv": "zbv",
+    "zbvzerobubble": "zbv",
+    "dualpipev": "dualpipev",
+    "zeropp": "zeropp",
+}
+
+
+def schedule_name(name: object) -> str:
+    """The library's name of a schedule given by ours or by torch's class name, any case."""
+    key = str(name).lower().replace("_", "").replace("-", "").removeprefix("schedule")
+    if key not in _ALIASES:
+        raise ValueError(
+            f"schedule={name!r} is unknown; choose one of {sorted(SCHEDULES)} (torch's class "
+            "names such as 'Interleaved1F1B' or 'ZBVZeroBubble' are accepted too)."
+        )
+    return _ALIASES[key]
+
+
+def _default_pp(world_size: int, dp_replicate: int, dp_shard: int | None) -> int:
+    """pp_size when not given: what the other sizes leave, else 2 stages when the world splits."""
+    if dp_shard is not None:
+        return max(world_size // (dp_replicate * dp_shard), 1)
+    return 2 if world_size % (2 * dp_replicate) == 0 else 1
 
 
 def _check_positive(name: str, value: object) -> None:

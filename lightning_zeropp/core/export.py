@@ -1,9 +1,10 @@
-"""Consolidated export: the whole trained model as one plain state dict, written by rank 0.
+"""Consolidated export: the whole trained model (and optimizer) as plain state, written by rank 0.
 
 Distributed checkpoints (`core.checkpoint`) stay sharded, for resuming. An export is for the world
 outside: every stage's every shard gathered to global rank 0 as plain CPU tensors keyed by the
 model's original parameter names, then handed to a writer (the HF adapter writes `config.json` +
-`model.safetensors`). Everything here is collective: every rank calls it, with the same arguments.
+`model.safetensors`; the Lightning front writes one ordinary checkpoint file). Everything here is
+collective: every rank calls it, with the same arguments.
 
 Gathering streams one tensor at a time: within a pipeline stage, the data-parallel ranks all-gather
 each sharded tensor and only the stage's first data-parallel rank keeps a CPU copy, so no device
@@ -17,6 +18,7 @@ import shutil
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,45 +29,80 @@ from torch.distributed.tensor import DTensor
 from lightning_zeropp.core.checkpoint import _swap_into_place
 from lightning_zeropp.core.mesh import ParallelDims
 
-__all__ = ["full_state_dict", "save_consolidated"]
+__all__ = ["full_optimizer_state_dict", "full_state_dict", "save_consolidated", "save_file"]
 
 
 def full_state_dict(module: nn.Module, dims: ParallelDims) -> dict[str, torch.Tensor]:
     """Collective: the whole model's state on global rank 0 (an empty dict on other ranks).
 
-    `module` is this rank's stages (the engine's `module`, or what a front put in the model's
-    place); `dims` the mesh it was sharded over. Values are contiguous CPU tensors that share no
-    storage, keyed by the names the unsplit model had.
+    `module` is this rank's stages (the engine's `module`, or a module holding them, such as the
+    LightningModule whose network they replaced: its keys then carry the attribute prefix, and
+    its other, unsplit state is taken from rank 0); `dims` the mesh it was sharded over. Values
+    are contiguous CPU tensors that share no storage, keyed and ordered as the unsplit model's
+    `state_dict()`.
     """
     # Sharded view (DTensors, original names): FSDP2-aware, as in core.checkpoint.
     sharded = get_model_state_dict(module, options=StateDictOptions(full_state_dict=False))
-    leader = all(dims.mesh.get_local_rank(axis) == 0 for axis in ("dp_replicate", "dp_shard"))
-    local: dict[str, torch.Tensor] = {}
-    for name, value in sharded.items():
-        # Every data-parallel rank of the stage walks the same names in the same order, so the
-        # all-gathers inside full_tensor() line up.
-        full = value.full_tensor() if isinstance(value, DTensor) else value
-        if leader:
-            local[name] = full.detach().to("cpu", copy=True).contiguous()
-        del full
-    if not leader:
-        return {}
-    if dims.config.pp_size == 1:
-        return local  # the only leader is global rank 0
-    # Only the stage leaders (one pipeline group, which holds global rank 0) take part.
-    gathered: list[dict[str, torch.Tensor]] | None = (
-        [{} for _ in range(dims.config.pp_size)] if dist.get_rank() == 0 else None
-    )
-    dist.gather_object(local, gathered, group=dims.pp_group, group_dst=0)
-    if gathered is None:
+    leader = _is_leader(dims)
+    # Every data-parallel rank of the stage walks the same names in the same order, so the
+    # all-gathers inside full_tensor() line up.
+    local = {name: _full_cpu(value, leader) for name, value in sharded.items()}
+    parts = _gather_to_rank0(local, dims)
+    if parts is None:
         return {}
     merged: dict[str, torch.Tensor] = {}
-    for part in gathered:
+    for part in parts:
         for name, tensor in part.items():
             # Constant buffers may be copied on several stages; parameters never are (tied
             # weights are refused at split time), so the first copy is the copy.
             merged.setdefault(name, tensor)
-    return merged
+    return {name: merged[name] for name in _tree_order([list(part) for part in parts])}
+
+
+def full_optimizer_state_dict(
+    module: nn.Module, optimizer: torch.optim.Optimizer, dims: ParallelDims
+) -> dict[str, Any]:
+    """Collective: `optimizer`'s state as the one-process `optimizer.state_dict()`, on rank 0.
+
+    Every rank's optimizer holds its own stages' (sharded) parameters, in the same param groups
+    (every rank ran the same `configure_optimizers`). The result numbers the parameters of each
+    group in the unsplit model's order, group after group, as an optimizer built over the unsplit
+    `module.parameters()` would; each group also lists its `param_names` (torch's format for
+    named parameters), so a loader need not rely on that numbering. An empty dict elsewhere.
+    """
+    names = {param: name for name, param in module.named_parameters()}
+    leader = _is_leader(dims)
+    groups = []
+    for group in optimizer.param_groups:
+        state = {}
+        for param in group["params"]:
+            # Same walk on every data-parallel rank of the stage: the all-gathers line up.
+            values = optimizer.state.get(param, {})
+            state[names[param]] = {
+                k: _full_cpu(v, leader) if torch.is_tensor(v) else v for k, v in values.items()
+            }
+        hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        groups.append({"hyper": hyper, "state": state})
+    parts = _gather_to_rank0({"groups": groups, "order": list(names.values())}, dims)
+    if parts is None:
+        return {}
+    rank = {name: i for i, name in enumerate(_tree_order([part["order"] for part in parts]))}
+    assert len({len(part["groups"]) for part in parts}) == 1, "param groups differ across ranks"
+    out: dict[str, Any] = {"state": {}, "param_groups": []}
+    for index in range(len(parts[0]["groups"])):
+        members = [part["groups"][index] for part in parts]
+        state = {name: s for member in members for name, s in member["state"].items()}
+        # A stage whose parameters all sit in other groups still has this group: take the
+        # hyperparameters from a stage that has parameters in it.
+        hyper = next((m["hyper"] for m in members if m["state"]), members[0]["hyper"])
+        ordered = sorted(state, key=rank.__getitem__)
+        first = sum(len(g["params"]) for g in out["param_groups"])
+        ids = list(range(first, first + len(ordered)))
+        out["state"].update(
+            {i: state[name] for i, name in zip(ids, ordered, strict=True) if state[name]}
+        )
+        out["param_groups"].append({**hyper, "params": ids, "param_names": ordered})
+    return out
 
 
 def save_consolidated(path: str | Path, write: Callable[[Path], None]) -> Path:
@@ -76,17 +113,39 @@ def save_consolidated(path: str | Path, write: Callable[[Path], None]) -> Path:
     (one process) it just writes.
     """
     path = Path(path)
+
+    def run(tmp: Path) -> None:
+        tmp.mkdir(parents=True)
+        write(tmp)
+
+    return _on_rank0(path, run)
+
+
+def save_file(path: str | Path, obj: Any) -> Path:
+    """Collective: global rank 0 `torch.save`s `obj` to `path`, atomically (temp file + rename).
+
+    As `save_consolidated`: `path` is never half written, and a failure raises on every rank.
+    """
+    return _on_rank0(Path(path), lambda tmp: torch.save(obj, tmp))
+
+
+def _on_rank0(path: Path, write: Callable[[Path], None]) -> Path:
+    """Rank 0 writes to a temporary sibling of `path` and renames it into place; every rank
+    returns after that, or raises rank 0's error."""
     distributed = dist.is_available() and dist.is_initialized()
     error: str | None = None
     original: BaseException | None = None
     if not distributed or dist.get_rank() == 0:
         tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
         try:
-            tmp.mkdir(parents=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
             write(tmp)
             _swap_into_place(tmp, path)
         except Exception as err:  # reported to every rank below, then re-raised here
-            shutil.rmtree(tmp, ignore_errors=True)
+            if tmp.is_dir():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.unlink(missing_ok=True)
             error, original = f"{type(err).__name__}: {err}", err
     # Doubles as the barrier: nobody returns before rank 0 has renamed the export into place.
     box = [error]
@@ -95,3 +154,72 @@ def save_consolidated(path: str | Path, write: Callable[[Path], None]) -> Path:
     if box[0] is not None:
         raise RuntimeError(f"exporting to {path} failed on rank 0: {box[0]}") from original
     return path
+
+
+def _is_leader(dims: ParallelDims) -> bool:
+    """The first data-parallel rank of its stage (the one that keeps gathered copies)."""
+    return all(dims.mesh.get_local_rank(axis) == 0 for axis in ("dp_replicate", "dp_shard"))
+
+
+def _full_cpu(value: torch.Tensor, keep: bool) -> torch.Tensor | None:
+    """The whole tensor (all-gathered if sharded) as a CPU copy where `keep`, else None."""
+    full = value.full_tensor() if isinstance(value, DTensor) else value
+    return full.detach().to("cpu", copy=True).contiguous() if keep else None
+
+
+def _gather_to_rank0(local: Any, dims: ParallelDims) -> list[Any] | None:
+    """Every stage leader's `local`, in pipeline-rank order, on global rank 0; None elsewhere."""
+    if not _is_leader(dims):
+        return None
+    if dims.config.pp_size == 1:
+        return [local]  # the only leader is global rank 0
+    # Only the stage leaders (one pipeline group, which holds global rank 0) take part.
+    gathered: list[Any] | None = [None] * dims.config.pp_size if dist.get_rank() == 0 else None
+    dist.gather_object(local, gathered, group=dims.pp_group, group_dst=0)
+    return gathered
+
+
+def _tree_order(name_lists: list[list[str]]) -> list[str]:
+    """One order for dotted names listed per rank, as the unsplit model lists them.
+
+    Each list is in its module's order (a rank holds parts of the tree; with several stages per
+    rank, not contiguous ones). Siblings keep the order the lists give them (merged where lists
+    overlap); numbered siblings (a `ModuleList`'s blocks) go in numeric order.
+    """
+    names = {name for names in name_lists for name in names}
+    children: dict[str, list[str]] = {}
+    for names_of_rank in name_lists:
+        seen: dict[str, list[str]] = {}
+        for name in names_of_rank:
+            parts = name.split(".")
+            for depth in range(len(parts)):
+                siblings = seen.setdefault(".".join(parts[:depth]), [])
+                if parts[depth] not in siblings:
+                    siblings.append(parts[depth])
+        for parent, siblings in seen.items():
+            _merge_sequence(children.setdefault(parent, []), siblings)
+    out: list[str] = []
+
+    def walk(parent: str) -> None:
+        kids = children.get(parent, [])
+        if kids and all(k.isdigit() for k in kids):
+            kids = sorted(kids, key=int)
+        for kid in kids:
+            path = f"{parent}.{kid}" if parent else kid
+            if path in names:
+                out.append(path)
+            walk(path)
+
+    walk("")
+    return out
+
+
+def _merge_sequence(merged: list[str], sequence: list[str]) -> None:
+    """Insert `sequence`'s new items into `merged` right after their predecessor in `sequence`."""
+    at = 0
+    for item in sequence:
+        if item in merged:
+            at = merged.index(item) + 1
+        else:
+            merged.insert(at, item)
+            at += 1

@@ -33,35 +33,18 @@ from typing_extensions import override
 
 from lightning_zeropp.core import checkpoint as ckpt
 from lightning_zeropp.core import export
-from lightning_zeropp.core.batch import ShapeGuard, batch_size, take_rows
+from lightning_zeropp.core.batch import batch_size, take_rows
 from lightning_zeropp.core.call_adapter import get_call_adapter
 from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.engine import ZeroPPEngine
 from lightning_zeropp.core.grads import GradStash
 from lightning_zeropp.core.mesh import ParallelDims, build_mesh
 from lightning_zeropp.core.split import SplitMethod
+from lightning_zeropp.lightning import checkpointing
 from lightning_zeropp.lightning.logging import LogRecorder
+from lightning_zeropp.lightning.redirect import Captured, StandIn, first_batch
 
 __all__ = ["ZeroPPStrategy"]
-
-
-class _Captured(Exception):
-    """Raised by the redirected forward on the first stage to hand back the model inputs."""
-
-    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        super().__init__()
-        self.args, self.kwargs = args, kwargs
-
-
-class _Redirect(nn.Module):
-    """Stands in for the pipelined module while a user step runs: calls `fn`, no FSDP hooks."""
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(*args, **kwargs)
 
 
 class ZeroPPPrecision(Precision):
@@ -88,14 +71,21 @@ class ZeroPPStrategy(ModelParallelStrategy):
     Args mirror `ZeroPPConfig` (pp_size, dp_shard_size, dp_replicate_size, num_microbatches,
     schedule, num_chunks, param_dtype, reduce_dtype, activation_checkpointing,
     reshard_after_forward, split_points, unit_size, split_backward, grad_reduce), plus:
-        split: "trace" (default; needs `example_input_array` set to one micro-batch of model
-            inputs), "stack", or a callable (see `lightning_zeropp.core.split`).
+        split: "auto" (default: "call" unless the model names another), "call" (the network's
+            own forward cut at its block calls; input shapes are read from the first batch, or
+            from `example_input_array` if set), "trace" (torch.export; one micro-batch of fixed
+            shape), "stack", or a callable (see `lightning_zeropp.core.split`).
         module_name: the LightningModule attribute to pipeline (default: its only child module
             that holds parameters).
         timeout: for every process group.
         log_comms: log every training step's collectives as metrics
             `comm/{kind}/{axis}/count|bytes` (per rank, averaged over ranks; see
             `ZeroPPEngine.comm_metrics`).
+        state_dict_type: what `trainer.save_checkpoint` / `ModelCheckpoint` write: "sharded"
+            (default; a distributed checkpoint directory, every rank writes its shards) or
+            "full" (one ordinary Lightning checkpoint file, gathered to and written by global
+            rank 0, that `MyModule.load_from_checkpoint` reads in one process). `ckpt_path=`
+            takes either (see `lightning_zeropp.lightning.checkpointing`).
 
     `accumulate_grad_batches=k` means what it means in Lightning: the update uses the mean
     gradient over k consecutive (global) batches. The pipeline's micro-batches are a separate,
@@ -121,13 +111,19 @@ class ZeroPPStrategy(ModelParallelStrategy):
         unit_size: int | None = None,
         split_backward: bool | None = None,
         grad_reduce: str = "step",
-        split: SplitMethod = "trace",
+        split: SplitMethod = "auto",
         module_name: str | None = None,
         timeout: datetime.timedelta = datetime.timedelta(minutes=30),
         process_group_backend: str | None = None,
         log_comms: bool = False,
+        state_dict_type: str = "sharded",
     ) -> None:
-        super().__init__(timeout=timeout, process_group_backend=process_group_backend)
+        self._state_dict_type = checkpointing.check_state_dict_type(state_dict_type)
+        super().__init__(
+            save_distributed_checkpoint=state_dict_type == "sharded",
+            timeout=timeout,
+            process_group_backend=process_group_backend,
+        )
         self.zeropp_config = ZeroPPConfig(
             pp_size=pp_size,
             dp_shard_size=dp_shard_size,
@@ -152,7 +148,6 @@ class ZeroPPStrategy(ModelParallelStrategy):
         self._engine: ZeroPPEngine | None = None
         self._stash = GradStash()
         self._recorder = LogRecorder()
-        self._shapes = ShapeGuard()
         self._step: tuple[Callable[..., Any], Any, tuple[Any, ...]] | None = None
 
     # ---------------------------------------------------------------- properties
@@ -215,32 +210,34 @@ class ZeroPPStrategy(ModelParallelStrategy):
             )
         name = self._pipelined_name(module)
         if self._engine is None or module._modules[name] is not self._engine.module:
-            self._build_engine(module, name)
+            self._build_engine(module, name, trainer)
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
 
-    def _build_engine(self, module: pl.LightningModule, name: str) -> None:
+    def _build_engine(self, module: pl.LightningModule, name: str, trainer: pl.Trainer) -> None:
         """Split, shard and schedule the module's network; put this rank's stages in its place."""
         # How the user's calls of the network map to stage inputs and outputs (e.g. HF's `labels=`
         # and `.logits`); read now, since the stages that replace the network do not carry it.
         self._call_adapter = get_call_adapter(getattr(module, name))
+        self._pipelined = name
+        example_args, example_kwargs = self._example(module, trainer)
         self._engine = ZeroPPEngine(
             getattr(module, name),
             self.zeropp_config,
             loss_fn=self._scheduled_loss,
             probe_loss_fn=self._probe_loss,
             split=self._split,
-            example_args=self._example_args(module),
+            example_args=example_args,
+            example_kwargs=example_kwargs,
             device=self.root_device,
             dims=self._dims,
             count_comms=self._log_comms,
         )
         module._modules[name] = self._engine.module
-        self._pipelined = name
-        # The example served the tracer. Lightning's model summary would feed it to this rank's
+        # The example served the split. Lightning's model summary would feed it to this rank's
         # stages as if they were the whole model, so it goes.
         module.example_input_array = None
 
@@ -259,11 +256,31 @@ class ZeroPPStrategy(ModelParallelStrategy):
             )
         return holders[0]
 
-    def _example_args(self, module: pl.LightningModule) -> tuple[Any, ...] | None:
+    def _example(
+        self, module: pl.LightningModule, trainer: pl.Trainer
+    ) -> tuple[tuple[Any, ...] | None, dict[str, Any] | None]:
+        """One micro-batch of the network's inputs, for splits that need one: what the module's
+        forward passes to the network for `example_input_array` (taken as one micro-batch), or
+        else what the step passes to it for the first batch (cut to one micro-batch)."""
+        cfg = self.zeropp_config
+        if callable(self._split) or self._split == "stack" or cfg.num_stages == 1:
+            return None, None
         example = module.example_input_array
-        if example is None:
-            return None
-        return tuple(example) if isinstance(example, (tuple, list)) else (example,)
+        if example is not None:
+            args = tuple(example) if isinstance(example, (tuple, list)) else (example,)
+            kw = example if isinstance(example, dict) else {}
+            return self._capture(lambda: module(*([] if kw else args), **kw))
+        step = {
+            TrainerFn.FITTING: module.training_step,
+            TrainerFn.VALIDATING: module.validation_step,
+            TrainerFn.TESTING: module.test_step,
+            TrainerFn.PREDICTING: module.predict_step,
+        }[trainer.state.fn]
+        batch = self.batch_to_device(first_batch(trainer))
+        inputs, kw = self._capture(lambda: step(batch, 0))
+        assert cfg.num_microbatches is not None
+        rows = torch.arange(max(1, batch_size((inputs, kw)) // cfg.num_microbatches))
+        return take_rows(inputs, rows), take_rows(kw, rows)
 
     # ---------------------------------------------------------------- steps
     @override
@@ -304,16 +321,12 @@ class ZeroPPStrategy(ModelParallelStrategy):
     def _run(self, step_fn: Callable[..., Any], args: tuple[Any, ...], train: bool) -> torch.Tensor:
         batch, rest = args[0], args[1:]
         rows = torch.arange(batch_size(batch), device=self.root_device)
-        # Every rank holds the whole batch: check its shapes here, since only the first stage sees
-        # the model inputs the engine checks (the engine checks divisibility on `rows` everywhere).
-        self._shapes.check("train" if train else "eval", batch)
         self._step = (step_fn, batch, rest)
         # Every rank runs the step up to its model call (cheap: it holds the whole batch), so a
         # step that never calls the model fails on every rank, not only on the first stage's
-        # while the others wait in the pipeline's first receive.
-        inputs, kw = self._capture_inputs()
-        if not self.engine.holds_first:
-            inputs, kw = (), {}
+        # while the others wait in the pipeline's first receive. Every rank passes the inputs:
+        # the engine gives them to the stages that need them.
+        inputs, kw = self._capture(lambda: step_fn(batch, *rest))
         with self._recorder.recording(self.lightning_module):
             run = self.engine.train_step if train else self.engine.eval_step
             loss = run(*inputs, target=rows, **kw)
@@ -321,21 +334,20 @@ class ZeroPPStrategy(ModelParallelStrategy):
         self._step = None
         return loss
 
-    def _capture_inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """Run the user's step until it calls the model; return what it passed (whole batch)."""
+    def _capture(self, run: Callable[[], Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Run the user's code until it calls the network; return what it passed to it."""
 
         def capture(*args: Any, **kwargs: Any) -> Any:
-            raise _Captured(args, kwargs)
+            raise Captured(args, kwargs)
 
-        step_fn, batch, rest = self._step
         with self._redirected(capture), self._recorder.muted(self.lightning_module):
             try:
-                step_fn(batch, *rest)
-            except _Captured as got:
+                run()
+            except Captured as got:
                 return self._call_adapter.stage_inputs(got.args, got.kwargs)
         raise RuntimeError(
-            f"{step_fn.__name__} never called the model (self(...) or self.{self._pipelined}(...)); "
-            "ZeroPPStrategy feeds the pipeline with what the step passes to it."
+            f"the step never called the network (self.{self._pipelined}(...), directly or through "
+            "self(...)); ZeroPPStrategy feeds the pipeline with what the step passes to it."
         )
 
     def _scheduled_loss(self, output: Any, rows: torch.Tensor) -> torch.Tensor:
@@ -357,25 +369,30 @@ class ZeroPPStrategy(ModelParallelStrategy):
 
     @contextlib.contextmanager
     def _redirected(self, fn: Callable[..., Any]) -> Iterator[None]:
+        # Only the network is stood in for: the module's own forward runs as written around it.
         module = self.lightning_module
-        assert module is not None
+        assert module is not None and self._pipelined is not None
         real = module._modules[self._pipelined]
-        module._modules[self._pipelined] = _Redirect(fn)
-        module.forward = fn  # instance attribute: `self(x)` goes to `fn` too
+        module._modules[self._pipelined] = StandIn(fn, self._pipelined)
         try:
             yield
         finally:
             module._modules[self._pipelined] = real
-            del module.forward
 
     # ---------------------------------------------------------------- checkpoints
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return {}  # model state is written by save_checkpoint through DCP, sharded
+        if self._state_dict_type == "sharded":
+            return {}  # model state is written by save_checkpoint through DCP, sharded
+        # Collective: the LightningModule's whole state_dict (its own names) on global rank 0.
+        return export.full_state_dict(self.lightning_module, self.engine.dims)
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return {}  # likewise
+        if self._state_dict_type == "sharded":
+            return {}  # likewise
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
+        return export.full_optimizer_state_dict(self.lightning_module, optimizer, self.engine.dims)
 
     @override
     def save_checkpoint(
@@ -383,10 +400,13 @@ class ZeroPPStrategy(ModelParallelStrategy):
     ) -> None:
         if storage_options is not None:
             raise TypeError("ZeroPPStrategy.save_checkpoint does not take storage_options")
+        path = Path(self.broadcast(str(filepath)))
+        if self._state_dict_type == "full":
+            export.save_file(path, checkpoint)  # complete on rank 0; tmp file + rename
+            return
         checkpoint = {
             k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")
         }
-        path = Path(self.broadcast(str(filepath)))
         assert self.lightning_module is not None
         ckpt.save_checkpoint(path, self.lightning_module, self._raw_optimizers(), checkpoint)
 
@@ -396,6 +416,11 @@ class ZeroPPStrategy(ModelParallelStrategy):
     ) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.lightning_module is not None
+        if path.is_file():  # a full checkpoint (state_dict_type="full", or consolidated)
+            module = self.lightning_module
+            return checkpointing.load_full_file(
+                path, module, self._raw_optimizers(), weights_only, module.strict_loading
+            )
         return ckpt.load_checkpoint(path, self.lightning_module, self._raw_optimizers())
 
     @override

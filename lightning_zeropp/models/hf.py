@@ -36,7 +36,7 @@ from torch import nn
 
 from lightning_zeropp.core.call_adapter import CallAdapter, set_call_adapter
 from lightning_zeropp.core.export import save_consolidated
-from lightning_zeropp.core.split import find_blocks
+from lightning_zeropp.core.split import SPLIT_ATTR, find_blocks
 
 __all__ = [
     "FAMILIES",
@@ -139,6 +139,8 @@ def prepare_causal_lm(model: nn.Module, *, untie_embeddings: bool = False) -> nn
     # `loss_function` is a property returning a plain function: the adapter keeps no reference to
     # the whole model (which would pin every stage's weights after the split).
     set_call_adapter(model, CausalLMCallAdapter(model.loss_function, vocab_size))
+    # The traced split relays HF's rotary tables and mask and maps its output object; ask for it.
+    object.__setattr__(model, SPLIT_ATTR, "trace")
     return model
 
 

@@ -11,13 +11,40 @@ def test_defaults_fill_from_world_size():
     assert (cfg.pp_size, cfg.dp_replicate_size, cfg.dp_shard_size) == (2, 1, 4)
     assert cfg.num_microbatches == 2 and cfg.num_chunks == 1
     assert cfg.reshard_after_forward is False  # one gather per stage and step under PP
-    assert ZeroPPConfig().resolve(4).reshard_after_forward is True  # plain FSDP
+    assert ZeroPPConfig(dp_shard_size=4).resolve(4).reshard_after_forward is True  # plain FSDP
     assert ZeroPPConfig(schedule="interleaved_1f1b", pp_size=2).resolve(2).num_chunks == 2
     assert ZeroPPConfig(param_dtype="bf16").resolve(1).param_dtype == torch.bfloat16
     zeropp = ZeroPPConfig(schedule="zeropp", pp_size=2, num_microbatches=7).resolve(2)
     assert (zeropp.num_chunks, zeropp.unit_size) == (2, 2)  # any M: the last unit may be smaller
     assert (zeropp.split_backward, zeropp.grad_reduce) == (True, "step")
     assert ZeroPPConfig(pp_size=2).resolve(2).split_backward is False
+
+
+def test_default_layout_rule():
+    """No sizes: two pipeline stages when the world splits evenly, the rest sharded."""
+    sizes = {
+        w: (c.pp_size, c.dp_shard_size) for w in (1, 2, 3, 4, 8) if (c := ZeroPPConfig().resolve(w))
+    }
+    assert sizes == {1: (1, 1), 2: (2, 1), 3: (1, 3), 4: (2, 2), 8: (2, 4)}
+    assert ZeroPPConfig(dp_shard_size=2).resolve(8).pp_size == 4  # what the others leave
+    assert ZeroPPConfig(dp_replicate_size=2).resolve(2).pp_size == 1
+
+
+@pytest.mark.parametrize(
+    ("alias", "name"),
+    [
+        ("Interleaved1F1B", "interleaved_1f1b"),
+        ("ZBVZeroBubble", "zbv"),
+        ("ScheduleGPipe", "gpipe"),
+        ("LoopedBFS", "looped_bfs"),
+        ("InterleavedZeroBubble", "interleaved_zb"),
+        ("DualPipeV", "dualpipev"),
+        ("1F1B", "1f1b"),
+        ("ZeroPP", "zeropp"),
+    ],
+)
+def test_torch_schedule_names_are_aliases(alias, name):
+    assert ZeroPPConfig(pp_size=2, schedule=alias, num_microbatches=4).resolve(2).schedule == name
 
 
 def test_recompute_policy():

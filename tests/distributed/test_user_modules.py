@@ -1,0 +1,129 @@
+"""Unmodified LightningModules (no `example_input_array`) match one process through the strategy.
+
+Each case trains through `Trainer(strategy=...)` on 4 gloo ranks and is compared with the same
+module trained in one process on the same global batches (fp32, no clipping, so a wrong gradient
+scale shows): logged loss per step and every parameter within 1e-5.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.distributed.common import MODEL, make_batches, make_model, reference, sampler_batches
+from tests.distributed.conftest import assert_matches_reference
+from tests.distributed.launch import launch
+
+pytestmark = pytest.mark.distributed
+
+PP2 = {"pp_size": 2, "dp_shard_size": 2, "num_microbatches": 4}
+CASES = [
+    {"id": "post-1f1b-val", "module": "post", "strategy": PP2, "val_batch": 5},
+    {"id": "post-string-acc2", "module": "post", "strategy": "zeropp", "accumulate": 2},
+    {
+        "id": "post-crop-zeropp",
+        "module": "post",
+        "strategy": {**PP2, "schedule": "zeropp"},
+        "crop": [16, 8, 12],
+    },
+    {"id": "litgpt-1f1b", "module": "litgpt", "strategy": PP2},
+    {"id": "litgpt-zeropp", "module": "litgpt", "strategy": {**PP2, "schedule": "ZeroPP"}},
+]
+# Lightning's demo LightningTransformer (nn.Transformer, encoder + decoder) passes the split's
+# check but fails in torch's point-to-point receive ("input tensor has to be contiguous") in its
+# backward; not yet supported, see the README. The "demo" module and reference stay for it.
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    params = {"cases": [dict(c) for c in CASES], "init_process_group": False}
+    out = tmp_path_factory.mktemp("user")
+    return launch(4, "user_module_scenarios.fit_cases", params, out, timeout=600)
+
+
+def _post_loss(crop: list[int] | None):
+    calls = {"n": 0}
+
+    def loss(model, x, y):
+        if crop:
+            n = crop[calls["n"] % len(crop)]
+            x, y = x[:, :n], y[:, :n]
+        calls["n"] += 1
+        return F.nll_loss(F.log_softmax(model(x), -1).flatten(0, 1), y.flatten())
+
+    return loss
+
+
+def _reference(case):
+    acc, steps = case.get("accumulate", 1), 3
+    batches = sampler_batches(steps * acc)
+    if case["module"] == "post":
+        model_fn, loss_fn = make_model, _post_loss(case.get("crop"))
+    elif case["module"] == "litgpt":
+        from litgpt.config import Config
+        from litgpt.model import GPT
+
+        from tests.distributed.user_module_scenarios import litgpt_config
+
+        def model_fn():
+            torch.manual_seed(0)
+            return GPT(litgpt_config(Config))
+
+        def loss_fn(model, x, y):
+            return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    else:
+        from lightning.pytorch.demos import Transformer
+
+        def model_fn():
+            torch.manual_seed(0)
+            model = Transformer(vocab_size=MODEL.vocab_size)
+            for m in model.modules():
+                if isinstance(m, torch.nn.Dropout):
+                    m.p = 0.0
+            return model
+
+        def loss_fn(model, x, y):
+            return F.nll_loss(model(x, y), y.view(-1))
+
+    ref = reference("sgd", False, steps * acc, batches, acc, model_fn=model_fn, loss_fn=loss_fn)
+    if case["module"] == "demo":  # the demo's SGD has lr 0.1, ours 0.5: rerun with its own
+        ref = _sgd_reference(model_fn, loss_fn, batches, lr=0.1)
+    return ref, model_fn
+
+
+def _sgd_reference(model_fn, loss_fn, batches, lr):
+    model = model_fn()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for x, y in batches:
+        loss = loss_fn(model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return {
+        "losses": losses,
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+    }
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
+def test_unmodified_module_matches_one_process(results, case):
+    ref, _ = _reference(case)
+    assert_matches_reference(results, case, "logged", "", ref=ref)
+
+
+def test_validation_with_another_batch_size_and_a_short_last_batch(results):
+    """Validation batches of 5 rows (the last of 4) where training used 8: same metric."""
+    case = CASES[0]
+    ref, model_fn = _reference(case)
+    model = model_fn()
+    model.load_state_dict(ref["params"])
+    batches = make_batches(3)
+    x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+    with torch.no_grad():
+        want = F.nll_loss(F.log_softmax(model(x), -1).flatten(0, 1), y.flatten())
+    for rank_result in results:
+        got = torch.tensor(rank_result[case["id"]]["val_loss"])
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

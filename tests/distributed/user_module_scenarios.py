@@ -1,0 +1,174 @@
+"""LightningModules written as users write them, trained through the strategy on gloo ranks.
+
+None of them sets `example_input_array` or knows about pipelines: a forward that post-processes the
+network's output, LitGPT's own `GPT`, Lightning's demo Transformer, a step that crops sequences to
+a length that changes per batch, and validation loaders of another batch size with a short last
+batch.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_zeropp import ZeroPPStrategy
+from lightning_zeropp.models import GPT
+from tests.distributed.common import GLOBAL_BATCH, MODEL, make_batches, make_model
+
+_WORLD = int(os.environ.get("WORLD_SIZE", "1"))  # read once: Lightning deletes it at teardown
+LR = 0.5
+
+
+class PostProcessed(pl.LightningModule):
+    """`forward` turns the network's logits into log-probabilities; the step uses nll_loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = GPT(MODEL)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.log_softmax(self.model(x), dim=-1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        crop = getattr(self, "crop", None)
+        if crop:  # a length that changes per batch: 16, 8, 12, ...
+            n = crop[batch_idx % len(crop)]
+            x, y = x[:, :n], y[:, :n]
+        loss = F.nll_loss(self(x).flatten(0, 1), y.flatten())
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.nll_loss(self(x).flatten(0, 1), y.flatten()), sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+class LitGPTModule(pl.LightningModule):
+    """litgpt's own GPT, as a user would wrap it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from litgpt.config import Config
+        from litgpt.model import GPT as LitGPTModel
+
+        torch.manual_seed(0)
+        self.model = LitGPTModel(litgpt_config(Config))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self.model(x)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+def litgpt_config(config_cls: Any) -> Any:
+    return config_cls(
+        block_size=MODEL.seq_len,
+        n_layer=4,
+        n_embd=32,
+        n_head=2,
+        vocab_size=MODEL.vocab_size,
+        padded_vocab_size=MODEL.vocab_size,
+    )
+
+
+class Record(pl.Callback):
+    def __init__(self) -> None:
+        self.logged: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.logged.append(float(trainer.callback_metrics["train_loss"]))
+
+
+def fit_cases(cases: list[dict[str, Any]]) -> dict[str, Any]:
+    return {case.pop("id"): _fit(**case) for case in cases}
+
+
+def _fit(
+    module: str,
+    strategy: Any,
+    steps: int = 3,
+    accumulate: int = 1,
+    crop: list[int] | None = None,
+    val_batch: int | None = None,
+) -> dict[str, Any]:
+    strategy = strategy if isinstance(strategy, str) else ZeroPPStrategy(**strategy)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=_WORLD,
+        strategy=strategy,
+        max_steps=steps,
+        accumulate_grad_batches=accumulate,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0 if val_batch is None else None,
+        deterministic=True,
+    )
+    lit = _module(module)
+    if crop:
+        lit.crop = crop
+    record = Record()
+    trainer.callbacks.append(record)
+    dp = _dp(trainer)
+    trainer.fit(lit, _loader(steps * accumulate, GLOBAL_BATCH // dp))
+    out: dict[str, Any] = {"logged": record.logged}
+    if val_batch is not None:  # 3 global batches of rows, another batch size, a short last one
+        val = trainer.validate(lit, _loader(3, val_batch, drop_last=False), verbose=False)
+        out["val_loss"] = val[0]["val_loss"]
+    out["params"] = {n: _full(p) for n, p in lit.model.named_parameters()}
+    return out
+
+
+def _module(name: str) -> pl.LightningModule:
+    if name == "post":
+        lit = PostProcessed()
+        lit.model.load_state_dict(make_model(0).state_dict())
+        return lit
+    if name == "litgpt":
+        return LitGPTModule()
+    if name == "demo":
+        from lightning.pytorch.demos import LightningTransformer
+
+        torch.manual_seed(0)
+        lit = LightningTransformer(vocab_size=MODEL.vocab_size)
+        lit.prepare_data = lambda: None  # it downloads WikiText-2; the data here is our own
+        for m in lit.modules():  # dropout draws differ between layouts: off for exact numbers
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.0
+        return lit
+    raise ValueError(name)
+
+
+def _dp(trainer: pl.Trainer) -> int:
+    strategy = trainer.strategy
+    if isinstance(strategy, ZeroPPStrategy):
+        cfg = strategy.zeropp_config.resolve(_WORLD)
+        return cfg.dp_size
+    return _WORLD
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    return (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+
+
+def _loader(steps: int, batch: int, drop_last: bool = True) -> DataLoader:
+    batches = make_batches(steps)
+    x = torch.cat([b[0] for b in batches])
+    y = torch.cat([b[1] for b in batches])
+    return DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=False, drop_last=drop_last)
