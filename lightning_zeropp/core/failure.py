@@ -56,7 +56,8 @@ class FailureBoard:
     """Makes a failure on one rank raise, on every rank, an error naming that rank.
 
     Build one on every rank after the process groups exist and wrap each region that
-    communicates in `guard()`.
+    communicates in `guard()`. The record sits under a fixed key of `store`: one failure per
+    store, which is no loss, since the process groups are unusable after it.
 
     Args:
         description: this rank's name in messages, e.g. `describe_rank(mesh, stage_ids)`
