@@ -14,10 +14,14 @@ from lightning_zeropp.models.lit_gpt import LitGPT
 from tests.distributed.common import MODEL, lm_loss, make_model
 
 
-def _engine(model: nn.Module | None = None, **layout: Any) -> ZeroPPEngine:
+def _engine(model: nn.Module | None = None, split: str = "auto", **layout: Any) -> ZeroPPEngine:
     example = (torch.zeros(2, MODEL.seq_len, dtype=torch.long),)
     return ZeroPPEngine(
-        model or make_model(), ZeroPPConfig(**layout), loss_fn=lm_loss, example_args=example
+        model or make_model(),
+        ZeroPPConfig(**layout),
+        loss_fn=lm_loss,
+        example_args=example,
+        split=split,
     )
 
 
@@ -28,7 +32,8 @@ def _indivisible_batch() -> None:
 
 
 def _shape_change() -> None:
-    engine = _engine(pp_size=2, dp_shard_size=2, num_microbatches=2)
+    # Traced stages are fixed to the example's shapes (the call split takes any shape).
+    engine = _engine(pp_size=2, dp_shard_size=2, num_microbatches=2, split="trace")
     for seq in (MODEL.seq_len, MODEL.seq_len // 2):
         x = torch.zeros(4, seq, dtype=torch.long)
         engine.train_step(x, target=x)

@@ -17,7 +17,7 @@ EXPECTED = {
     "unknown_schedule": "schedule='pipedream' is unknown",
     "unsplittable_model": "no ModuleList, ModuleDict or nn.Sequential",
     "lightning_bad_layout": "pp_size (3) x dp_replicate_size (1) x dp_shard_size (1) = 3, but the world has 4",
-    "lightning_step_without_model": "training_step never called the model",
+    "lightning_step_without_model": "the step never called the network",
 }
 ERROR_TYPE = {"lightning_step_without_model": "RuntimeError"}
 
