@@ -65,6 +65,25 @@ def _to_meta(x: Any) -> Any:
     return torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x
 
 
+class _DenseGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous. Pipeline receive buffers copy the
+    layout of the gradient the next stage computed during shape inference, and gloo receives
+    into contiguous tensors only: attention that transposes its input (nn.MultiheadAttention
+    with batch_first) yields a transposed input gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _dense_grad(x: torch.Tensor) -> torch.Tensor:
+    return _DenseGrad.apply(x) if x.requires_grad else x
+
+
 class _StageState:
     """What one call stage keeps between its hooks during a forward."""
 
@@ -91,6 +110,7 @@ class _StageState:
 
     def run(self, *received: torch.Tensor, **flat_inputs: Any) -> Any:
         args, kwargs = self.inputs.unflatten(flat_inputs)
+        received = tuple(_dense_grad(t) for t in received)
         self.received, self.sent = (received if self.stage > 0 else None), None
         try:
             assert self.forward is not None
