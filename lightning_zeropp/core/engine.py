@@ -23,6 +23,7 @@ from lightning_zeropp.core.batch import ShapeGuard, batch_size, check_divisible,
 from lightning_zeropp.core.call_split import CallInputs
 from lightning_zeropp.core.comm import CommCounter, flatten_summary, mesh_axis_namer
 from lightning_zeropp.core.config import ZeroPPConfig
+from lightning_zeropp.core.failure import FailureBoard, describe_rank
 from lightning_zeropp.core.grads import GradStash, clip_grad_norm_
 from lightning_zeropp.core.mesh import ParallelDims, build_mesh
 from lightning_zeropp.core.modules import merge_stage_modules
@@ -125,6 +126,9 @@ class ZeroPPEngine:
         self.holds_first = 0 in self.stage_ids
         self.last_pp_rank = rank_of_stage(self.style, self.num_stages - 1, cfg.pp_size)
         self._shapes = ShapeGuard()
+        # A failure inside a step (say the loss raising on the last stage) becomes, on every
+        # rank, an error naming the failing rank and its error, instead of transport errors.
+        self.failures = FailureBoard(describe_rank(self.dims.mesh, self.stage_ids))
         self.count_comms = count_comms
         self._axis_namer = mesh_axis_namer(self.dims.mesh)
         # {kind: {axis: {"count", "bytes"}}} of the last train_step, when count_comms is on
@@ -157,7 +161,7 @@ class ZeroPPEngine:
         losses: list[torch.Tensor] = []
         inputs, kw = self._stage_inputs(args, kwargs)
         counter = CommCounter(self._axis_namer) if self.count_comms else None
-        with counter or contextlib.nullcontext():
+        with self.failures.guard(), counter or contextlib.nullcontext():
             schedule.step(*inputs, target=target, losses=losses, return_outputs=False, **kw)
             loss = self._broadcast_loss(losses)
         stash.release()
@@ -180,12 +184,14 @@ class ZeroPPEngine:
         schedule = self._schedule_for("eval", m, args, kwargs, target)
         losses: list[torch.Tensor] = []
         inputs, kw = self._stage_inputs(args, kwargs)
-        schedule.eval(*inputs, target=target, losses=losses, **kw)
-        return self._broadcast_loss(losses) if target is not None else None
+        with self.failures.guard():
+            schedule.eval(*inputs, target=target, losses=losses, **kw)
+            return self._broadcast_loss(losses) if target is not None else None
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the norm over every stage and shard of the model; returns that norm."""
-        return clip_grad_norm_(self.parameters(), max_norm, self.dims.pp_group, norm_type)
+        with self.failures.guard():
+            return clip_grad_norm_(self.parameters(), max_norm, self.dims.pp_group, norm_type)
 
     def comm_metrics(self, prefix: str = "comm") -> dict[str, float]:
         """The last training step's collectives as flat metrics, averaged over every rank.

@@ -2,20 +2,29 @@
 
 The user's step runs once per micro-batch, and only on the last stage, while Lightning's loggers
 write from global rank 0. The recorder catches `self.log` calls made per micro-batch, averages each
-metric over the micro-batches, sends the result from the last stage to every stage of the pipeline,
-and replays it through the real `self.log` on every rank. So rank 0 shows the real values and
-`sync_dist=True` averages over data-parallel ranks without the loss-less ranks diluting it.
+value over the micro-batches (they are equal-sized), sends the result from the last stage to every
+stage of the pipeline, and replays it through the real `self.log` on every rank. So rank 0 shows
+the real values and `sync_dist=True` averages over data-parallel ranks without the loss-less ranks
+diluting it.
+
+torchmetrics `Metric` objects are logged as objects on every rank. During a step each of the
+module's metrics starts from an empty state on the last stage, so its value after the step is the
+step's value (what one process shows for the batch); its earlier state is merged back after. At
+epoch end Lightning calls `compute()` on every rank, which sums the states over all ranks: the
+ranks without the last stage hold empty states, so the result is the global one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from torchmetrics import Metric
 
 from lightning_zeropp.core.engine import ZeroPPEngine
 
@@ -27,13 +36,15 @@ class LogRecorder:
 
     def __init__(self) -> None:
         self._records: dict[str, tuple[list[float], tuple[Any, ...], dict[str, Any]]] = {}
+        self._metrics: dict[str, tuple[str, tuple[Any, ...], dict[str, Any]]] = {}
+        self._saved: dict[str, Metric] = {}  # the metrics' states before the step
         self._mute = 0
         self._patched = 0
         self._in_microbatch = False
 
     @contextlib.contextmanager
-    def recording(self, module: pl.LightningModule) -> Iterator[None]:
-        with self._patch(module):
+    def recording(self, module: pl.LightningModule, engine: ZeroPPEngine) -> Iterator[None]:
+        with self._patch(module), self._fresh_metrics(module, engine):
             yield
 
     @contextlib.contextmanager
@@ -47,7 +58,7 @@ class LogRecorder:
                 self._mute -= 1
 
     @contextlib.contextmanager
-    def microbatch(self, rows: int) -> Iterator[None]:
+    def microbatch(self) -> Iterator[None]:
         """Log calls inside belong to one real micro-batch (all micro-batches are equal-sized)."""
         self._in_microbatch = True
         try:
@@ -55,13 +66,26 @@ class LogRecorder:
         finally:
             self._in_microbatch = False
 
-    def replay(self, module: pl.LightningModule, engine: ZeroPPEngine) -> None:
-        """Average, send from the last stage to all stages, and log for real on every rank."""
+    def replay(
+        self, module: pl.LightningModule, engine: ZeroPPEngine, extra: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Average, send from the last stage to all stages, and log for real on every rank.
+
+        `extra` (what the last stage learnt about the step) travels along; returned everywhere.
+        """
         payload = {
-            name: (sum(values) / len(values), args, kwargs)
-            for name, (values, args, kwargs) in self._records.items()
+            "values": {
+                name: (sum(values) / len(values), args, kwargs)
+                for name, (values, args, kwargs) in self._records.items()
+            },
+            "metrics": {
+                name: (path, self._step_value(module, path), args, kwargs)
+                for name, (path, args, kwargs) in self._metrics.items()
+            },
+            "extra": extra,
         }
         self._records.clear()
+        self._metrics.clear()
         if engine.config.pp_size > 1:
             box = [payload]
             dist.broadcast_object_list(
@@ -69,13 +93,59 @@ class LogRecorder:
             )
             payload = box[0]
         device = engine.device
-        for name, (value, args, kwargs) in payload.items():
+        for name, (value, args, kwargs) in payload["values"].items():
             module.log(name, torch.tensor(value, device=device), *args, **kwargs)
+        for name, (path, value, args, kwargs) in payload["metrics"].items():
+            metric = module.get_submodule(path)
+            if value is not None:  # what Lightning shows as the step's value
+                metric._forward_cache = torch.tensor(value, device=device)
+            module.log(name, metric, *args, **kwargs)
+        return payload["extra"]
+
+    @contextlib.contextmanager
+    def _fresh_metrics(self, module: pl.LightningModule, engine: ZeroPPEngine) -> Iterator[None]:
+        """On the last stage, each mergeable metric starts the step empty and unsynced."""
+        last = engine.dims.pp_rank == engine.last_pp_rank
+        metrics = (
+            [(p, m) for p, m in module.named_modules() if isinstance(m, Metric)] if last else []
+        )
+        syncs = {}
+        for path, metric in metrics:
+            # A compute() inside the step runs on the last stage only: it must not sync.
+            # (torchmetrics reads `_to_sync`, set from `sync_on_compute` at construction.)
+            syncs[path], metric._to_sync = metric._to_sync, False
+            if _mergeable(metric):
+                self._saved[path] = copy.deepcopy(metric)
+                metric.reset()
+        try:
+            yield
+        finally:
+            for path, metric in metrics:
+                metric._to_sync = syncs[path]
+
+    def _step_value(self, module: pl.LightningModule, path: str) -> float | None:
+        """The metric's value over this step's updates (last stage), then its state merged back."""
+        metric = module.get_submodule(path)
+        if path not in self._saved or not metric._update_count:
+            return None
+        probe = copy.deepcopy(metric)  # compute() caches on the metric: not on the real one
+        probe._to_sync = False  # this step's value on this rank's data, like one process's
+        result = probe.compute()
+        return float(result) if torch.is_tensor(result) and result.numel() == 1 else None
+
+    def finish(self, module: pl.LightningModule) -> None:
+        """Merge the states the metrics had before the step back into them (last stage)."""
+        for path, saved in self._saved.items():
+            metric = module.get_submodule(path)
+            metric.merge_state(saved)
+            metric._update_count += saved._update_count
+        self._saved.clear()
 
     @contextlib.contextmanager
     def _patch(self, module: pl.LightningModule) -> Iterator[None]:
         if self._patched == 0:
             module.log = self._log  # instance attribute; log_dict goes through it too
+            self._module = module
         self._patched += 1
         try:
             yield
@@ -87,14 +157,34 @@ class LogRecorder:
     def _log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if self._mute or not self._in_microbatch:
             return
+        if isinstance(value, Metric):
+            path = next((p for p, m in self._module.named_modules() if m is value), None)
+            if path is None:
+                raise ValueError(
+                    f"self.log({name!r}, metric): ZeroPPStrategy logs Metric objects that are "
+                    "attributes of the LightningModule (so every rank holds one); assign it to "
+                    "self in __init__."
+                )
+            if not _mergeable(value) and kwargs.get("on_step") is not False:
+                raise ValueError(
+                    f"self.log({name!r}, {type(value).__name__}): this metric's states cannot be "
+                    "merged (full_state_update), so its per-step value is not available under "
+                    "ZeroPPStrategy; log it with on_step=False, on_epoch=True."
+                )
+            self._metrics[name] = (path, args, kwargs)
+            return
         if torch.is_tensor(value) and value.numel() == 1:
             number = float(value.detach().float())
         elif isinstance(value, (int, float)):
             number = float(value)
         else:
             raise ValueError(
-                f"ZeroPPStrategy can log scalars only (got {name!r}={type(value).__name__}); "
-                "log metric values (metric.compute()) rather than metric objects for now."
+                f"ZeroPPStrategy logs scalars and torchmetrics Metric objects (got {name!r}="
+                f"{type(value).__name__}); log a scalar tensor or number."
             )
         values, _, _ = self._records.setdefault(name, ([], args, kwargs))
         values.append(number)
+
+
+def _mergeable(metric: Metric) -> bool:
+    return metric.full_state_update is False and not metric.dist_sync_on_step

@@ -15,19 +15,19 @@ How an unmodified LightningModule trains under a pipeline:
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import shutil
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
@@ -35,14 +35,16 @@ from lightning_zeropp.core import checkpoint as ckpt
 from lightning_zeropp.core import export
 from lightning_zeropp.core.batch import batch_size, take_rows
 from lightning_zeropp.core.call_adapter import get_call_adapter
+from lightning_zeropp.core.call_split import meta_copy
 from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.engine import ZeroPPEngine
 from lightning_zeropp.core.grads import GradStash
+from lightning_zeropp.core.layout import describe_layout
 from lightning_zeropp.core.mesh import ParallelDims, build_mesh
 from lightning_zeropp.core.split import SplitMethod
 from lightning_zeropp.lightning import checkpointing
-from lightning_zeropp.lightning.logging import LogRecorder
-from lightning_zeropp.lightning.redirect import Captured, StandIn, first_batch
+from lightning_zeropp.lightning.redirect import first_batch
+from lightning_zeropp.lightning.steps import StepRunner
 
 __all__ = ["ZeroPPStrategy"]
 
@@ -147,8 +149,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
         self._dims: ParallelDims | None = None
         self._engine: ZeroPPEngine | None = None
         self._stash = GradStash()
-        self._recorder = LogRecorder()
-        self._step: tuple[Callable[..., Any], Any, tuple[Any, ...]] | None = None
+        self._runner = StepRunner()
 
     # ---------------------------------------------------------------- properties
     @property
@@ -221,14 +222,18 @@ class ZeroPPStrategy(ModelParallelStrategy):
         """Split, shard and schedule the module's network; put this rank's stages in its place."""
         # How the user's calls of the network map to stage inputs and outputs (e.g. HF's `labels=`
         # and `.logits`); read now, since the stages that replace the network do not carry it.
-        self._call_adapter = get_call_adapter(getattr(module, name))
+        runner = self._runner
+        runner.module, runner.attr = module, name
+        runner.adapter = get_call_adapter(getattr(module, name))
         self._pipelined = name
         example_args, example_kwargs = self._example(module, trainer)
+        network = getattr(module, name)
+        whole = meta_copy(network)  # before sharding: a single stage is sharded in place
         self._engine = ZeroPPEngine(
-            getattr(module, name),
+            network,
             self.zeropp_config,
-            loss_fn=self._scheduled_loss,
-            probe_loss_fn=self._probe_loss,
+            loss_fn=runner.scheduled_loss,
+            probe_loss_fn=runner.probe_loss,
             split=self._split,
             example_args=example_args,
             example_kwargs=example_kwargs,
@@ -237,9 +242,33 @@ class ZeroPPStrategy(ModelParallelStrategy):
             count_comms=self._log_comms,
         )
         module._modules[name] = self._engine.module
+        runner.engine = self._engine
+        rank_zero_info(describe_layout(self._engine))  # collective: every rank builds the text
+        self._summarize_whole_model(trainer, module, name, whole)
         # The example served the split. Lightning's model summary would feed it to this rank's
         # stages as if they were the whole model, so it goes.
         module.example_input_array = None
+
+    def _summarize_whole_model(
+        self, trainer: pl.Trainer, module: pl.LightningModule, name: str, whole: nn.Module
+    ) -> None:
+        """Lightning's model summary would count this rank's stages; show it the whole network
+        (a meta-device copy: parameter counts, no memory) while it summarizes."""
+        for callback in trainer.callbacks:
+            if not isinstance(callback, ModelSummary):
+                continue
+            summarize = getattr(callback, "_zeropp_summarize", callback.on_fit_start)
+
+            def on_fit_start(trainer: pl.Trainer, pl_module: pl.LightningModule, f=summarize):
+                stages = pl_module._modules[name]
+                pl_module._modules[name] = whole
+                try:
+                    f(trainer, pl_module)
+                finally:
+                    pl_module._modules[name] = stages
+
+            callback._zeropp_summarize = summarize
+            callback.on_fit_start = on_fit_start
 
     def _pipelined_name(self, module: pl.LightningModule) -> str:
         if self._module_name is not None:
@@ -269,7 +298,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
         if example is not None:
             args = tuple(example) if isinstance(example, (tuple, list)) else (example,)
             kw = example if isinstance(example, dict) else {}
-            return self._capture(lambda: module(*([] if kw else args), **kw))
+            return self._runner.capture(lambda: module(*([] if kw else args), **kw))
         step = {
             TrainerFn.FITTING: module.training_step,
             TrainerFn.VALIDATING: module.validation_step,
@@ -277,7 +306,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
             TrainerFn.PREDICTING: module.predict_step,
         }[trainer.state.fn]
         batch = self.batch_to_device(first_batch(trainer))
-        inputs, kw = self._capture(lambda: step(batch, 0))
+        inputs, kw = self._runner.capture(lambda: step(batch, 0))
         assert cfg.num_microbatches is not None
         rows = torch.arange(max(1, batch_size((inputs, kw)) // cfg.num_microbatches))
         return take_rows(inputs, rows), take_rows(kw, rows)
@@ -293,91 +322,37 @@ class ZeroPPStrategy(ModelParallelStrategy):
         params = list(self.engine.parameters())
         previous = GradStash()
         previous.hold(params)
-        loss = self._run(self.lightning_module.training_step, args, train=True)
-        self._stash.hold(params)
+        outcome = self._runner.run(self.lightning_module.training_step, args, "train")
+        if outcome.skipped:  # the step returned None: no gradient from this batch, anywhere
+            for p in params:
+                p.grad = None
+        else:
+            self._stash.hold(params)
         previous.release()
         if self._log_comms:
             self.lightning_module.log_dict(self.engine.comm_metrics(), on_step=True, on_epoch=False)
-        return loss.detach().requires_grad_(True)
+        return outcome.loss.detach().requires_grad_(True)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self.lightning_module is not None
-        return self._run(self.lightning_module.validation_step, args, train=False)
+        return self._runner.run(self.lightning_module.validation_step, args, "eval").loss
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self.lightning_module is not None
-        return self._run(self.lightning_module.test_step, args, train=False)
+        return self._runner.run(self.lightning_module.test_step, args, "eval").loss
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("ZeroPPStrategy does not support predict yet; use validate/test.")
+        """The user's predict_step per micro-batch on the last stage; the batch's predictions
+        (tensors concatenated along rows) on every rank of the pipeline."""
+        assert self.lightning_module is not None
+        return self._runner.run(self.lightning_module.predict_step, args, "predict").predictions
 
     def _release_gradients(self) -> None:
         assert self.lightning_module is not None
         self._stash.release(scale=1.0 / self.lightning_module.trainer.accumulate_grad_batches)
-
-    def _run(self, step_fn: Callable[..., Any], args: tuple[Any, ...], train: bool) -> torch.Tensor:
-        batch, rest = args[0], args[1:]
-        rows = torch.arange(batch_size(batch), device=self.root_device)
-        self._step = (step_fn, batch, rest)
-        # Every rank runs the step up to its model call (cheap: it holds the whole batch), so a
-        # step that never calls the model fails on every rank, not only on the first stage's
-        # while the others wait in the pipeline's first receive. Every rank passes the inputs:
-        # the engine gives them to the stages that need them.
-        inputs, kw = self._capture(lambda: step_fn(batch, *rest))
-        with self._recorder.recording(self.lightning_module):
-            run = self.engine.train_step if train else self.engine.eval_step
-            loss = run(*inputs, target=rows, **kw)
-        self._recorder.replay(self.lightning_module, self.engine)
-        self._step = None
-        return loss
-
-    def _capture(self, run: Callable[[], Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """Run the user's code until it calls the network; return what it passed to it."""
-
-        def capture(*args: Any, **kwargs: Any) -> Any:
-            raise Captured(args, kwargs)
-
-        with self._redirected(capture), self._recorder.muted(self.lightning_module):
-            try:
-                run()
-            except Captured as got:
-                return self._call_adapter.stage_inputs(got.args, got.kwargs)
-        raise RuntimeError(
-            f"the step never called the network (self.{self._pipelined}(...), directly or through "
-            "self(...)); ZeroPPStrategy feeds the pipeline with what the step passes to it."
-        )
-
-    def _scheduled_loss(self, output: Any, rows: torch.Tensor) -> torch.Tensor:
-        """The user's step on one micro-batch, with the model's output already computed."""
-        step_fn, batch, rest = self._step
-        adapter = self._call_adapter
-
-        def returned(*args: Any, **kwargs: Any) -> Any:
-            return adapter.stage_output(output, args, kwargs)
-
-        with self._redirected(returned), self._recorder.microbatch(len(rows)):
-            result = step_fn(take_rows(batch, rows), *rest)
-        return _loss_of(result, output)
-
-    def _probe_loss(self, output: Any, rows: torch.Tensor) -> torch.Tensor:
-        """The runtime's shape-inference call: same computation, nothing logged."""
-        with self._recorder.muted(self.lightning_module):
-            return self._scheduled_loss(output, rows)
-
-    @contextlib.contextmanager
-    def _redirected(self, fn: Callable[..., Any]) -> Iterator[None]:
-        # Only the network is stood in for: the module's own forward runs as written around it.
-        module = self.lightning_module
-        assert module is not None and self._pipelined is not None
-        real = module._modules[self._pipelined]
-        module._modules[self._pipelined] = StandIn(fn, self._pipelined)
-        try:
-            yield
-        finally:
-            module._modules[self._pipelined] = real
 
     # ---------------------------------------------------------------- checkpoints
     @override
@@ -448,20 +423,6 @@ class ZeroPPStrategy(ModelParallelStrategy):
         (no LightningModule attribute prefix), on global rank 0; an empty dict elsewhere. Feed it
         to an exporter such as `lightning_zeropp.models.hf.export_hf`."""
         return export.full_state_dict(self.engine.module, self.engine.dims)
-
-
-def _loss_of(result: Any, output: Any) -> torch.Tensor:
-    """The loss a user step returned (tensor or {'loss': ...}); eval steps may return nothing."""
-    if isinstance(result, dict):
-        result = result.get("loss")
-    if result is None:
-        # Validation steps often return nothing; the runtime still wants a scalar.
-        return torch.zeros((), device=_device_of(output))
-    return result
-
-
-def _device_of(output: Any) -> torch.device:
-    return output.device if torch.is_tensor(output) else torch.device("cpu")
 
 
 if "zeropp" not in StrategyRegistry:

@@ -1,0 +1,48 @@
+"""The layout of a run in words: what every run prints once at setup.
+
+World and mesh sizes, schedule, micro-batches, chunks and unit size, the split, and each stage's
+blocks, pipeline rank and parameter count (of the whole model, not this rank's shard).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from lightning_zeropp.core.schedule import rank_of_stage
+
+__all__ = ["describe_layout"]
+
+
+def describe_layout(engine: Any) -> str:
+    """Collective over the pipeline group (every rank calls it; every rank gets the text)."""
+    cfg, dims = engine.config, engine.dims
+    # DTensor parameters report their full shape: these are whole-stage counts.
+    mine = {
+        s: sum(p.numel() for p in m.parameters())
+        for s, m in zip(engine.stage_ids, engine._stage_modules, strict=True)
+    }
+    parts: list[dict[int, int]] = [{} for _ in range(cfg.pp_size)]
+    dist.all_gather_object(parts, mine, group=dims.pp_group)
+    counts = {s: n for part in parts for s, n in part.items()}
+    head = (
+        f"ZeroPP layout: world {dist.get_world_size()} = pp {cfg.pp_size} x dp_replicate "
+        f"{cfg.dp_replicate_size} x dp_shard {cfg.dp_shard_size}; schedule {cfg.schedule!r}, "
+        f"{cfg.num_microbatches} micro-batches, {cfg.num_chunks} stage(s) per pipeline rank"
+    )
+    if cfg.unit_size is not None:
+        head += f", unit size {cfg.unit_size}"
+    lines = [head + f"; split {engine.split!r}"]
+    plan = engine.plan
+    for stage in range(engine.num_stages):
+        where = f"'{plan.container or '<root>'}'" if plan is not None else None
+        blocks = (
+            f"blocks {plan.ranges[stage].start}-{plan.ranges[stage].stop - 1} of {where}"
+            if plan is not None
+            else "the whole model"
+        )
+        rank = rank_of_stage(engine.style, stage, cfg.pp_size)
+        lines.append(f"  stage {stage} (pp rank {rank}): {blocks}, {counts[stage]:,} parameters")
+    lines.append(f"  total: {sum(counts.values()):,} parameters")
+    return "\n".join(lines)
