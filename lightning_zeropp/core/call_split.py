@@ -142,7 +142,21 @@ class _Tagger(TorchFunctionMode):
         if tags:
             self.check(tags, what)
             self.tag(out, tags)
+            if (
+                self.leak is None
+                and what not in _METADATA
+                and not _tensors_only(out)
+                and not tags <= self.allowed_after
+            ):
+                # A Python number or flag read from a value another stage computes: on this
+                # stage it would come from a stub (zeros), and tags cannot follow it.
+                sources = ", ".join(sorted(_source_name(t) for t in tags))
+                self.leak = f"its forward reads {sources} as a Python value ({what})"
         return out
+
+    @property
+    def allowed_after(self) -> frozenset[Any]:
+        return frozenset({("block", self.after)}) if self.after is not None else frozenset()
 
     def check(self, tags: frozenset[Any], what: str) -> None:
         allowed = frozenset() if self.inside is not None else None
@@ -155,6 +169,19 @@ class _Tagger(TorchFunctionMode):
                 f"{where} reads a value computed from {sources} other than through the blocks' "
                 f"arguments (in {what})"
             )
+
+
+# Tensor queries that read no values: a stub's output has the real shape, dtype and device.
+_METADATA = {
+    "size", "dim", "ndimension", "numel", "nelement", "__len__", "__get__", "stride",
+    "element_size", "is_floating_point", "is_complex", "is_contiguous", "get_device",
+    "storage_offset", "data_ptr", "__format__", "__repr__",
+}  # fmt: skip
+
+
+def _tensors_only(x: Any) -> bool:
+    leaves = tree_flatten(x)[0]
+    return all(isinstance(t, torch.Tensor) or t is None for t in leaves)
 
 
 def _source_name(tag: Any) -> str:

@@ -95,12 +95,29 @@ class _StageState:
         self.forward: Callable[..., Any] | None = None
 
     def entry(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
-        """The first block's arguments, rebuilt from what the previous stage sent."""
-        assert self.received is not None, "a call stage's first block ran outside its forward"
-        leaves = list(self.plan.consts)
-        for slot, value in zip(self.plan.slots, self.received, strict=True):
+        """The first block's arguments: its tensors are what the previous stage sent."""
+        return self._swap(args, kwargs, self.plan.slots, self.received)
+
+    def inner(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        """A later block's arguments: the hidden state is its own; the other tensors (masks,
+        rotary tables, an encoder's memory) are what the previous stage sent, since this
+        stage's forward computed them from stubs."""
+        assert self.received is not None
+        return self._swap(args, kwargs, self.plan.slots[1:], self.received[1:])
+
+    def _swap(self, args: Any, kwargs: Any, slots: Any, values: Any) -> Any:
+        assert values is not None, "a call stage's block ran outside its forward"
+        # Non-tensor arguments (a sequence length, a flag) are the call's own: this stage's
+        # forward computed them from the real inputs of this batch.
+        leaves, spec = tree_flatten((args, kwargs))
+        if spec != self.plan.spec:
+            raise RuntimeError(
+                f"pipeline stage {self.stage}: a block was called with arguments of another "
+                "structure than when the split was checked; split='call' needs the same call."
+            )
+        for slot, value in zip(slots, values, strict=True):
             leaves[slot] = value
-        return tree_unflatten(leaves, self.plan.spec)
+        return tree_unflatten(leaves, spec)
 
     def exit(self, module: nn.Module, args: Any, kwargs: Any, out: Any) -> None:
         """Keep what the next stage needs: this block's output and the other block arguments."""
@@ -165,6 +182,8 @@ def _call_stage(
     mine = [stage_model.get_submodule(blocks.fqn(i)) for i in blocks.ranges[stage]]
     if not first:
         mine[0].register_forward_pre_hook(state.entry, with_kwargs=True)
+        for block in mine[1:]:
+            block.register_forward_pre_hook(state.inner, with_kwargs=True)
     if not last:
         mine[-1].register_forward_hook(state.exit, with_kwargs=True)
     state.forward = functools.partial(type(model).forward, stage_model)

@@ -49,13 +49,20 @@ class LogRecorder:
 
     @contextlib.contextmanager
     def muted(self, module: pl.LightningModule) -> Iterator[None]:
-        """Drop every log call (input capture, shape inference)."""
+        """Drop every log call and undo every metric update (input capture, shape inference:
+        the runtime's shape-inference pass runs the step on a micro-batch of dummy inputs)."""
+        metrics = [m for m in module.modules() if isinstance(m, Metric)]
+        states = [(m, copy.deepcopy(m.metric_state), m._update_count) for m in metrics]
         with self._patch(module):
             self._mute += 1
             try:
                 yield
             finally:
                 self._mute -= 1
+                for metric, state, count in states:
+                    for name, value in state.items():
+                        setattr(metric, name, value)
+                    metric._update_count = count
 
     @contextlib.contextmanager
     def microbatch(self) -> Iterator[None]:

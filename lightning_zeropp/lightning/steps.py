@@ -138,9 +138,14 @@ class StepRunner:
                 )
             loss = result["loss"]
         if not torch.is_tensor(loss) or loss.numel() != 1 or not loss.requires_grad:
-            what = f"a tensor of shape {tuple(loss.shape)}" if torch.is_tensor(loss) else loss
+            if not torch.is_tensor(loss):
+                what = f"{loss!r} ({type(loss).__name__})"
+            elif loss.numel() != 1:
+                what = f"a tensor of shape {tuple(loss.shape)}"
+            else:
+                what = "a tensor that does not require grad"
             raise ValueError(
-                f"training_step returned {what!r} as its loss; return a scalar tensor computed "
+                f"training_step returned {what} as its loss; return a scalar tensor computed "
                 "from the model's output (e.g. loss.mean())."
             )
         return _scalar(loss)

@@ -128,3 +128,58 @@ def test_validation_with_another_batch_size_and_a_short_last_batch(results):
     for rank_result in results:
         got = torch.tensor(rank_result[case["id"]]["val_loss"])
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_metric_objects_predict_skip_summary_and_layout(tmp_path):
+    """torchmetrics objects logged per step and per epoch, trainer.predict, a training_step that
+    returns None at batch 1, the model summary and the printed layout, against one process."""
+    params = {"layout": PP2, "skip": 1, "init_process_group": False}
+    out = launch(4, "user_module_scenarios.metrics_case", params, tmp_path, timeout=600)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses, accs = [], []
+    for i, (x, y) in enumerate(sampler_batches(3)):
+        logp = F.log_softmax(model(x), -1)
+        loss = F.nll_loss(logp.flatten(0, 1), y.flatten())
+        losses.append(float(loss))
+        # a Metric's step value is the rank's own (dp shard 0: every other row), as under DDP
+        accs.append(float((logp[0::2].argmax(-1) == y[0::2]).float().mean()))
+        if i != 1:  # returned None: no update from this batch
+            loss.backward()
+            opt.step()
+        opt.zero_grad()
+    rank0 = out[0]
+    torch.testing.assert_close(
+        torch.tensor(rank0["logged"]), torch.tensor(losses), atol=1e-5, rtol=0
+    )
+    torch.testing.assert_close(torch.tensor(rank0["acc"]), torch.tensor(accs), atol=1e-6, rtol=0)
+    params = {}
+    for r in out:
+        params |= r["params"]
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(params[name], p.detach(), atol=1e-5, rtol=0, msg=name)
+    batches = make_batches(3)
+    x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+    with torch.no_grad():
+        val_acc = (model(x).argmax(-1) == y).float().mean()
+        pred_x = make_batches(1)[0][0]
+        for rank, r in enumerate(out):  # dp rank = rank % 2; its rows, in batches of 6 then 2
+            mine = pred_x[rank % 2 :: 2]
+            want = [model(mine[:6]).argmax(-1), model(mine[6:]).argmax(-1)]
+            assert len(r["preds"]) == 2
+            for got, w in zip(r["preds"], want, strict=True):
+                assert torch.equal(got, w)
+    for r in out:
+        torch.testing.assert_close(torch.tensor(r["val_acc"]), val_acc, atol=1e-6, rtol=0)
+    assert rank0["summary_total"] == sum(p.numel() for p in model.parameters())
+    assert len(rank0["layout"]) == 1 and "pp 2 x dp_replicate 1 x dp_shard 2" in rank0["layout"][0]
+
+
+def test_a_loss_error_on_the_last_stage_reaches_every_rank(tmp_path):
+    out = launch(4, "user_module_scenarios.bad_loss", {"layout": PP2}, tmp_path, timeout=300)
+    for rank, r in enumerate(out):
+        assert "training_step returned a tensor of shape" in r["message"], (rank, r)
+        if rank < 2:  # the first stage: told which last-stage rank failed, and why
+            assert r["type"] == "PeerFailedError" and "pipeline stage 1" in r["message"], r
+        else:
+            assert r["type"] == "ValueError", r

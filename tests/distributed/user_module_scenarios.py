@@ -176,3 +176,119 @@ def _loader(steps: int, batch: int, drop_last: bool = True) -> DataLoader:
     x = torch.cat([b[0] for b in batches])
     y = torch.cat([b[1] for b in batches])
     return DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=False, drop_last=drop_last)
+
+
+class WithMetrics(PostProcessed):
+    """Token accuracy as torchmetrics objects, logged as objects; predictions; a skipped batch."""
+
+    def __init__(self, skip: int | None = None) -> None:
+        super().__init__()
+        from torchmetrics.classification import MulticlassAccuracy
+
+        self.skip = skip
+        self.train_acc = MulticlassAccuracy(num_classes=MODEL.vocab_size, average="micro")
+        self.val_acc = MulticlassAccuracy(num_classes=MODEL.vocab_size, average="micro")
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+        x, y = batch
+        logp = self(x)
+        loss = F.nll_loss(logp.flatten(0, 1), y.flatten())
+        self.train_acc(logp.argmax(-1).flatten(), y.flatten())
+        self.log("train_acc", self.train_acc)
+        self.log("train_loss", loss, sync_dist=True)
+        return None if batch_idx == self.skip else loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.val_acc.update(self(x).argmax(-1).flatten(), y.flatten())
+        self.log("val_acc", self.val_acc)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0]).argmax(-1)
+
+
+class Capture(pl.Callback):
+    def __init__(self) -> None:
+        self.acc: list[float] = []
+        self.logged: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.acc.append(float(trainer.callback_metrics["train_acc"]))
+        self.logged.append(float(trainer.callback_metrics["train_loss"]))
+
+
+def metrics_case(layout: dict[str, Any], skip: int | None) -> dict[str, Any]:
+    """Metric objects logged per step and per epoch, predict, a skipped batch, the summary and
+    the printed layout."""
+    import logging
+
+    from lightning.pytorch.callbacks import ModelSummary
+
+    class Summary(ModelSummary):
+        total = 0
+
+        def _summary(self, trainer, pl_module):  # what the printed table counts
+            summary = super()._summary(trainer, pl_module)
+            Summary.total = summary.total_parameters
+            return summary
+
+    lines: list[str] = []
+
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logging.getLogger("lightning.pytorch").addHandler(Lines())
+    capture = Capture()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=_WORLD,
+        strategy=ZeroPPStrategy(**layout),
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        callbacks=[capture, Summary()],
+        num_sanity_val_steps=0,
+        deterministic=True,
+    )
+    lit = WithMetrics(skip)
+    lit.model.load_state_dict(make_model(0).state_dict())
+    dp = _dp(trainer)
+    trainer.fit(lit, _loader(3, GLOBAL_BATCH // dp))
+    val = trainer.validate(lit, _loader(3, 5, drop_last=False), verbose=False)
+    preds = trainer.predict(lit, _loader(1, 6, drop_last=False))
+    return {
+        "acc": capture.acc,
+        "logged": capture.logged,
+        "val_acc": val[0]["val_acc"],
+        "preds": [p.clone() for p in preds],
+        "params": {n: _full(p) for n, p in lit.model.named_parameters()},
+        "summary_total": Summary.total,
+        "layout": [line for line in lines if "ZeroPP layout" in line],
+    }
+
+
+class BadLoss(PostProcessed):
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        return F.nll_loss(self(x).flatten(0, 1), y.flatten(), reduction="none")
+
+
+def bad_loss(layout: dict[str, Any]) -> dict[str, Any]:
+    """A non-scalar loss, seen on the last stage only: what each rank raises."""
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=_WORLD,
+        strategy=ZeroPPStrategy(**layout),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    try:
+        trainer.fit(BadLoss(), _loader(1, GLOBAL_BATCH // _dp(trainer)))
+    except Exception as err:  # noqa: BLE001 - the test reads what each rank raised
+        return {"type": type(err).__name__, "message": str(err)}
+    return {"type": None, "message": ""}
