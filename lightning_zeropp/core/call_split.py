@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 
+from lightning_zeropp.core.call_tags import Tagger
 from lightning_zeropp.core.split import BlockPlan
 
 __all__ = ["CallPlan", "CallInputs", "plan_calls", "meta_copy", "outer_units"]
@@ -46,7 +46,6 @@ class CallPlan:
     first_units: tuple[str, ...]  # outer modules with parameters, called before the blocks
     last_units: tuple[str, ...]  # ... called after them
     spec: TreeSpec  # of a block call's (args, kwargs)
-    consts: tuple[Any, ...]  # its leaves; tensor leaves are None here (sent between stages)
     slots: tuple[int, ...]  # the tensor leaves: the hidden state first, then the others in order
     out_index: int | None  # where that output sits in a block's return value (None: it is it)
     out_len: int  # the length of a block's return value when it is a tuple
@@ -104,102 +103,13 @@ def _to_meta(x: Any) -> Any:
 
 
 # ------------------------------------------------------------------------------ the dry run
-class _Tagger(TorchFunctionMode):
-    """Tags every tensor with the sources it was computed from; flags reads the split breaks."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.tags: dict[int, tuple[torch.Tensor, frozenset[Any]]] = {}
-        self.inside: int | None = None  # the block whose forward is running
-        self.after: int | None = None  # the last block, once it has returned
-        self.units: list[str] = []  # outer modules whose forward is running
-        self.leak: str | None = None
-
-    def tag(self, x: Any, tags: frozenset[Any]) -> None:
-        for t in tree_flatten(x)[0]:
-            if isinstance(t, torch.Tensor):
-                self.tags[id(t)] = (t, tags)
-
-    def of(self, x: Any) -> frozenset[Any]:
-        found: set[Any] = set()
-        for t in tree_flatten(x)[0]:
-            if isinstance(t, torch.Tensor) and id(t) in self.tags and self.tags[id(t)][0] is t:
-                found |= self.tags[id(t)][1]
-        return frozenset(found)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        tags = self.of((args, kwargs))
-        what = getattr(func, "__name__", str(func))
-        params = {t for t in tags if t[0] == "param"}
-        for _, name in params:  # an outer module's weights read outside its own call
-            if name not in self.units and self.leak is None:
-                self.leak = (
-                    f"its forward reads the parameters of '{name}' outside '{name}' ({what})"
-                )
-        tags = tags - params
-        if tags:
-            self.check(tags, what)
-            self.tag(out, tags)
-            if (
-                self.leak is None
-                and what not in _METADATA
-                and not _tensors_only(out)
-                and not tags <= self.allowed_after
-            ):
-                # A Python number or flag read from a value another stage computes: on this
-                # stage it would come from a stub (zeros), and tags cannot follow it.
-                sources = ", ".join(sorted(_source_name(t) for t in tags))
-                self.leak = f"its forward reads {sources} as a Python value ({what})"
-        return out
-
-    @property
-    def allowed_after(self) -> frozenset[Any]:
-        return frozenset({("block", self.after)}) if self.after is not None else frozenset()
-
-    def check(self, tags: frozenset[Any], what: str) -> None:
-        allowed = frozenset() if self.inside is not None else None
-        if self.after is not None:
-            allowed = frozenset({("block", self.after)})
-        if allowed is not None and not tags <= allowed and self.leak is None:
-            where = f"block {self.inside}" if self.inside is not None else "after the last block"
-            sources = ", ".join(sorted(_source_name(t) for t in tags - allowed))
-            self.leak = (
-                f"{where} reads a value computed from {sources} other than through the blocks' "
-                f"arguments (in {what})"
-            )
-
-
-# Tensor queries that read no values: a stub's output has the real shape, dtype and device.
-_METADATA = {
-    "size", "dim", "ndimension", "numel", "nelement", "__len__", "__get__", "stride",
-    "element_size", "is_floating_point", "is_complex", "is_contiguous", "get_device",
-    "storage_offset", "data_ptr", "__format__", "__repr__",
-}  # fmt: skip
-
-
-def _tensors_only(x: Any) -> bool:
-    leaves = tree_flatten(x)[0]
-    return all(isinstance(t, torch.Tensor) or t is None for t in leaves)
-
-
-def _source_name(tag: Any) -> str:
-    kind, name = tag
-    return f"block {name}'s output" if kind == "block" else f"the output of '{name}'"
-
-
 def plan_calls(
     model: nn.Module,
     blocks: BlockPlan,
     example_args: tuple[Any, ...] | None,
     example_kwargs: dict[str, Any] | None,
-    run: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], Any] | None = None,
 ) -> CallPlan:
-    """Check on the meta device that `model` pipelines exactly under split='call'; plan it.
-
-    `run(skeleton, args, kwargs)` calls the skeleton (default: `skeleton(*args, **kwargs)`).
-    """
+    """Check on the meta device that `model` pipelines exactly under split='call'; plan it."""
     if example_args is None and not example_kwargs:
         raise ValueError(
             "split='call' needs one example micro-batch of model inputs to check the model's calls "
@@ -207,7 +117,7 @@ def plan_calls(
         )
     example = (tuple(example_args or ()), dict(example_kwargs or {}))
     try:  # on the meta device first: no memory, no compute
-        return _dry_run(meta_copy(model), blocks, tree_map(_to_meta, example), run, model)
+        return _dry_run(meta_copy(model), blocks, tree_map(_to_meta, example), model)
     except _DryRunFailed as meta_err:
         real = all(not t.is_meta for t in tree_flatten(example)[0] if isinstance(t, torch.Tensor))
         if not real or any(p.is_meta for p in model.parameters()):
@@ -216,7 +126,7 @@ def plan_calls(
     # the real model and example once, without gradients.
     with torch.no_grad():
         try:
-            return _dry_run(model, blocks, example, run, model)
+            return _dry_run(model, blocks, example, model)
         except _DryRunFailed as err:
             raise ValueError(str(err)) from err.__cause__
 
@@ -229,14 +139,13 @@ def _dry_run(
     skeleton: nn.Module,
     blocks: BlockPlan,
     example: tuple[tuple[Any, ...], dict[str, Any]],
-    run: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], Any] | None,
     model: nn.Module,
 ) -> CallPlan:
     args, kwargs = example
     container = skeleton.get_submodule(blocks.container) if blocks.container else skeleton
     block_list = [container._modules[n] for n in blocks.names]
     units = outer_units(skeleton, blocks.container)
-    tagger, calls, events = _Tagger(), [], []
+    tagger, calls, events = Tagger(), [], []
     handles = []
 
     def block_pre(i: int) -> Callable[..., Any]:
@@ -287,7 +196,7 @@ def _dry_run(
             tagger.tag(p, frozenset({("param", name)}))
     try:
         with tagger:
-            out = run(skeleton, args, kwargs) if run else skeleton(*args, **kwargs)
+            out = skeleton(*args, **kwargs)
             tagger.inside, tagger.after = None, len(block_list) - 1
             final = tagger.of(out)
     except Exception as err:
@@ -337,12 +246,11 @@ def _plan(
             first.append(name)  # never called: it holds parameters, keep them somewhere
     leaves, spec = tree_flatten((calls[0][1], calls[0][2]))
     hidden, out_index = _chain(calls, leaves, spec, refuse)
-    consts = tuple(None if isinstance(x, torch.Tensor) else x for x in leaves)
     others = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and i != hidden]
     out = calls[0][3]
     out_len = 1 if isinstance(out, torch.Tensor) else len(out)
     slots = (hidden, *others)
-    return CallPlan(blocks, tuple(first), tuple(last), spec, consts, slots, out_index, out_len)
+    return CallPlan(blocks, tuple(first), tuple(last), spec, slots, out_index, out_len)
 
 
 def _chain(calls: list[list[Any]], leaves: list[Any], spec: TreeSpec, refuse: Callable) -> Any:

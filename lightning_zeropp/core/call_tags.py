@@ -1,0 +1,103 @@
+"""Where every value of a dry run came from: the check behind `split="call"` (see `call_split`).
+
+A torch-function mode tags each tensor with its sources (an outer module's output, a block's
+output, an outer module's parameters) and records the first read that the call split would get
+wrong on some stage: a block reading a value other than through its arguments, code after the
+last block reading anything but its output, an outer module's weights read outside its call, or
+such a value turned into a Python number.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["Tagger"]
+
+
+class Tagger(TorchFunctionMode):
+    """Tags every tensor with the sources it was computed from; flags reads the split breaks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: dict[int, tuple[torch.Tensor, frozenset[Any]]] = {}
+        self.inside: int | None = None  # the block whose forward is running
+        self.after: int | None = None  # the last block, once it has returned
+        self.units: list[str] = []  # outer modules whose forward is running
+        self.leak: str | None = None
+
+    def tag(self, x: Any, tags: frozenset[Any]) -> None:
+        for t in tree_flatten(x)[0]:
+            if isinstance(t, torch.Tensor):
+                self.tags[id(t)] = (t, tags)
+
+    def of(self, x: Any) -> frozenset[Any]:
+        found: set[Any] = set()
+        for t in tree_flatten(x)[0]:
+            if isinstance(t, torch.Tensor) and id(t) in self.tags and self.tags[id(t)][0] is t:
+                found |= self.tags[id(t)][1]
+        return frozenset(found)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        tags = self.of((args, kwargs))
+        what = getattr(func, "__name__", str(func))
+        params = {t for t in tags if t[0] == "param"}
+        for _, name in params:  # an outer module's weights read outside its own call
+            if name not in self.units and self.leak is None:
+                self.leak = (
+                    f"its forward reads the parameters of '{name}' outside '{name}' ({what})"
+                )
+        tags = tags - params
+        if tags:
+            self.check(tags, what)
+            self.tag(out, tags)
+            if (
+                self.leak is None
+                and what not in _METADATA
+                and not _tensors_only(out)
+                and not tags <= self.allowed_after
+            ):
+                # A Python number or flag read from a value another stage computes: on this
+                # stage it would come from a stub (zeros), and tags cannot follow it.
+                sources = ", ".join(sorted(_source_name(t) for t in tags))
+                self.leak = f"its forward reads {sources} as a Python value ({what})"
+        return out
+
+    @property
+    def allowed_after(self) -> frozenset[Any]:
+        return frozenset({("block", self.after)}) if self.after is not None else frozenset()
+
+    def check(self, tags: frozenset[Any], what: str) -> None:
+        allowed = frozenset() if self.inside is not None else None
+        if self.after is not None:
+            allowed = frozenset({("block", self.after)})
+        if allowed is not None and not tags <= allowed and self.leak is None:
+            where = f"block {self.inside}" if self.inside is not None else "after the last block"
+            sources = ", ".join(sorted(_source_name(t) for t in tags - allowed))
+            self.leak = (
+                f"{where} reads a value computed from {sources} other than through the blocks' "
+                f"arguments (in {what})"
+            )
+
+
+# Tensor queries that read no values: a stub's output has the real shape, dtype and device.
+_METADATA = {
+    "size", "dim", "ndimension", "numel", "nelement", "__len__", "__get__", "stride",
+    "element_size", "is_floating_point", "is_complex", "is_contiguous", "get_device",
+    "storage_offset", "data_ptr", "__format__", "__repr__",
+}  # fmt: skip
+
+
+def _tensors_only(x: Any) -> bool:
+    leaves = tree_flatten(x)[0]
+    return all(isinstance(t, torch.Tensor) or t is None for t in leaves)
+
+
+def _source_name(tag: Any) -> str:
+    kind, name = tag
+    return f"block {name}'s output" if kind == "block" else f"the output of '{name}'"
