@@ -28,6 +28,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import launch_ranks  # noqa: E402
 from common import machine as common_machine  # noqa: E402
+from common import proc_stat as _proc_stat  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(os.environ.get("BENCH_RESULTS", ROOT / "bench" / "results"))
@@ -126,20 +127,6 @@ class _Clock:
             end = _proc_stat()
             self.proc_stat = {k: end[k] - self._stat0.get(k, 0) for k in end}
         self.step += 1
-
-
-def _proc_stat() -> dict[str, int]:
-    """The machine's CPU time by kind (jiffies, all cores), from /proc/stat's first line.
-
-    `steal` is time the hypervisor gave this machine's virtual CPUs to other guests: process CPU
-    time does not see it, so a run can show a CPU share near 1 and still be slowed by it.
-    """
-    try:
-        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    except OSError:
-        return {}
-    names = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
-    return {n: int(v) for n, v in zip(names, fields, strict=False)}
 
 
 def _lightning(x: Any, y: Any, clock: _Clock) -> None:

@@ -113,3 +113,17 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "commit": commit + (" (uncommitted changes)" if dirty else ""),
     }
+
+
+def proc_stat() -> dict[str, int]:
+    """The machine's CPU time by kind (jiffies, all cores), from /proc/stat's first line.
+
+    `steal` is time the hypervisor gave this machine's virtual CPUs to other guests: process CPU
+    time does not see it, so a run can show a CPU share near 1 and still be slowed by it.
+    """
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except OSError:
+        return {}
+    names = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+    return {n: int(v) for n, v in zip(names, fields, strict=False)}
