@@ -1,23 +1,33 @@
 """The Accelerate front: ZeroPP pipelines in an Accelerate training loop.
 
-    engine, optimizer, train_dl, scheduler = prepare_pipeline(
-        accelerator, model, optimizer, train_dl, scheduler, loss_fn=loss_fn
+    accelerator = ZeroPPAccelerator(zeropp_plugin=ZeroPPPlugin(pp_size=2))
+    model, optimizer, train_dl, scheduler = accelerator.prepare(
+        model, optimizer, train_dl, scheduler
     )
 
-The layout comes from `ZEROPP_*` environment variables (or `config=ZeroPPConfig(...)`); see
-`lightning_zeropp.accelerate.env`. Needs the `accelerate` extra.
+and the loop stays as it is (see `ZeroPPAccelerator`). Settings left out of the plugin come from
+`ZEROPP_*` environment variables (`lightning_zeropp.accelerate.env`). `prepare_pipeline` is the
+lower-level entry (the loop calls `engine.step(batch)` with its own `loss_fn`). Needs the
+`accelerate` extra.
 """
 
+from lightning_zeropp.accelerate.accelerator import ZeroPPAccelerator
 from lightning_zeropp.accelerate.engine import ZeroPPAccelerateEngine
 from lightning_zeropp.accelerate.env import CONFIG_VARS, SPLIT_VAR, config_from_env
 from lightning_zeropp.accelerate.optim import PipelineScheduler
+from lightning_zeropp.accelerate.pipeline_model import PipelineModel, PipelineOutput
 from lightning_zeropp.accelerate.plugin import prepare_pipeline
+from lightning_zeropp.accelerate.zeropp_plugin import ZeroPPPlugin
 
 __all__ = [
     "CONFIG_VARS",
     "SPLIT_VAR",
+    "PipelineModel",
+    "PipelineOutput",
     "PipelineScheduler",
     "ZeroPPAccelerateEngine",
+    "ZeroPPAccelerator",
+    "ZeroPPPlugin",
     "config_from_env",
     "prepare_pipeline",
 ]

@@ -19,7 +19,14 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_zeropp.core.mesh import ParallelDims
 
-__all__ = ["Unpack", "check_loader", "example_microbatch", "shard_loader", "unpack_batch"]
+__all__ = [
+    "Unpack",
+    "check_loader",
+    "example_microbatch",
+    "shard_loader",
+    "unpack_batch",
+    "widen_loader",
+]
 
 # batch -> (model positional args, model keyword args, target)
 Unpack = Callable[[Any], tuple[tuple[Any, ...], dict[str, Any], torch.Tensor]]
@@ -59,9 +66,17 @@ def rows_per_rank(loader: DataLoader, split_batches: bool, dp_size: int) -> int 
 
 
 def check_loader(
-    loader: DataLoader, split_batches: bool, dp_size: int, num_microbatches: int
+    loader: DataLoader,
+    split_batches: bool,
+    dp_size: int,
+    num_microbatches: int,
+    fills_last: bool = False,
 ) -> None:
-    """Batch-size checks every rank makes from its own loader, before any collective."""
+    """Batch-size checks every rank makes from its own loader, before any collective.
+
+    `fills_last`: Accelerate completes a short last batch (`even_batches`) and the stages take
+    any shape (not traced), so a dataset length that is no multiple of the batch is fine.
+    """
     size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
     if size is None:
         return  # a batch sampler without a batch size: the engine checks each batch instead
@@ -81,7 +96,7 @@ def check_loader(
         )
     per_step = size if split_batches else size * dp_size
     length = _length(loader.dataset)
-    if not loader.drop_last and length is not None and length % per_step:
+    if not fills_last and not loader.drop_last and length is not None and length % per_step:
         raise ValueError(
             f"the dataset's {length} rows leave a last batch smaller than {per_step} rows; "
             "pipeline stages fix their shapes at the first step. Pass drop_last=True to the "
@@ -133,6 +148,42 @@ def shard_loader(accelerator: Accelerator, loader: DataLoader, dims: ParallelDim
         data_seed=accelerator.dataloader_config.data_seed,
         non_blocking=accelerator.non_blocking,
         use_stateful_dataloader=accelerator.use_stateful_dataloader,
+    )
+
+
+def widen_loader(loader: DataLoader, factor: int) -> DataLoader:
+    """The same loader reading `factor` batches' rows at once (same sampler, same order).
+
+    Under DDP each of a step's processes loads one batch; the ranks of one pipeline share a
+    batch, so a data-parallel rank loads the rows its `pp_size` processes would have loaded.
+    """
+    if factor == 1:
+        return loader
+    if loader.batch_size is None:
+        raise ValueError(
+            "the training loader has a custom batch_sampler; ZeroPPAccelerator sizes batches per "
+            "process (each data-parallel rank reads pp_size batches' rows). Use batch_size=..., "
+            "or prepare_pipeline, whose batches are per data-parallel rank."
+        )
+    extra: dict[str, Any] = {}
+    if loader.num_workers > 0:
+        extra = {
+            "prefetch_factor": loader.prefetch_factor,
+            "persistent_workers": loader.persistent_workers,
+        }
+    return DataLoader(
+        loader.dataset,
+        batch_size=loader.batch_size * factor,
+        sampler=loader.sampler,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        drop_last=loader.drop_last,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator,
+        **extra,
     )
 
 

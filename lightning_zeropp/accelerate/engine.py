@@ -20,7 +20,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from lightning_zeropp.accelerate.data import Unpack, check_loader, shard_loader
+from lightning_zeropp.accelerate.data import Unpack, check_loader, shard_loader, widen_loader
 from lightning_zeropp.core import checkpoint as ckpt
 from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.engine import ZeroPPEngine
@@ -50,6 +50,9 @@ class ZeroPPAccelerateEngine:
         self.optimizer = optimizer  # the rebuilt optimizer (unwrapped), for checkpoints
         self._unpack = unpack
         self._hooks: list[Any] = []
+        # Batches per data-parallel rank and step, in loader batches (see prepare_pipeline's
+        # per_process_batches): pp_size for ZeroPPAccelerator, 1 for prepare_pipeline.
+        self.batch_factor = 1
 
     # ---------------------------------------------------------------- views
     @property
@@ -110,11 +113,19 @@ class ZeroPPAccelerateEngine:
         this rank's stages only); returns the norm before clipping."""
         return self.core.clip_grad_norm_(max_norm, norm_type)
 
-    def prepare_data_loader(self, loader: DataLoader) -> DataLoader:
-        """Another loader (e.g. validation) sharded like the training data: over dp ranks only."""
-        check_loader(
-            loader, self.accelerator.split_batches, self.dims.dp_size, self.config.num_microbatches
-        )
+    def prepare_data_loader(self, loader: DataLoader, check: bool = True) -> DataLoader:
+        """Another loader (e.g. validation) sharded like the training data: over dp ranks only.
+
+        `check=False` for loaders that only evaluate: forward-only steps take any rows."""
+        if not self.accelerator.split_batches:
+            loader = widen_loader(loader, self.batch_factor)
+        if check:
+            check_loader(
+                loader,
+                self.accelerator.split_batches,
+                self.dims.dp_size,
+                self.config.num_microbatches,
+            )
         return shard_loader(self.accelerator, loader, self.dims)
 
     # ---------------------------------------------------------------- checkpoints

@@ -28,7 +28,7 @@ __all__ = [
 
 ENV_PREFIX = "ZEROPP_"
 SPLIT_VAR = "ZEROPP_SPLIT"
-_SPLITS = ("trace", "stack")
+_SPLITS = ("auto", "call", "trace", "stack")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -124,7 +124,7 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> ZeroPPConfig:
 
 
 def split_from_env(environ: Mapping[str, str] | None = None) -> str | None:
-    """`ZEROPP_SPLIT` ("trace" or "stack"), or None when unset."""
+    """`ZEROPP_SPLIT` ("auto", "call", "trace" or "stack"), or None when unset."""
     raw = zeropp_env(environ).get(SPLIT_VAR)
     if raw is None:
         return None

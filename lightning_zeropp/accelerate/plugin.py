@@ -34,6 +34,7 @@ from lightning_zeropp.accelerate.data import (
     rows_per_rank,
     shard_loader,
     unpack_batch,
+    widen_loader,
 )
 from lightning_zeropp.accelerate.engine import ZeroPPAccelerateEngine
 from lightning_zeropp.accelerate.optim import (
@@ -47,6 +48,7 @@ from lightning_zeropp.accelerate.optim import (
 from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.engine import LossFn, ZeroPPEngine
 from lightning_zeropp.core.split import SplitMethod
+from lightning_zeropp.models.hf_loss import disable_kv_cache
 
 __all__ = ["prepare_pipeline"]
 
@@ -68,6 +70,7 @@ def prepare_pipeline(
     example_args: tuple[Any, ...] | None = None,
     example_kwargs: dict[str, Any] | None = None,
     unpack: Unpack | None = None,
+    per_process_batches: bool = False,
 ) -> tuple[ZeroPPAccelerateEngine, Optimizer, DataLoader | None, PipelineScheduler | None]:
     """Split, shard and schedule `model`; move the optimizer, scheduler and data onto it.
 
@@ -85,12 +88,18 @@ def prepare_pipeline(
             `fn(optimizer) -> scheduler`, or None.
         loss_fn: `loss_fn(output, target) -> scalar`, the mean over one micro-batch.
         config: the layout; None reads the `ZEROPP_*` environment variables, then defaults.
-        split: "trace" / "stack" / a callable (see `lightning_zeropp.core.split`); None reads
-            `ZEROPP_SPLIT`, then "trace".
-        example_args / example_kwargs: one micro-batch of model inputs for split="trace";
+        split: "auto" / "call" / "trace" / "stack" / a callable (see `lightning_zeropp.core.split`);
+            None reads `ZEROPP_SPLIT`, then "auto".
+        example_args / example_kwargs: one micro-batch of model inputs for the split's check;
             default: the first samples of `train_dl`'s dataset, collated, cut to one micro-batch.
         unpack: `fn(batch) -> (model_args, model_kwargs, target)`; default: `(inputs, targets)`
             or `{"input_ids", "labels", **model_kwargs}`.
+        per_process_batches: the loader's batch size is per process, as under DDP (what
+            `ZeroPPAccelerator` uses): each data-parallel rank reads `pp_size` batches' rows at
+            once, so a step trains on `batch_size x num_processes` rows, the loader has DDP's
+            length and the scheduler steps `num_processes` times per update (Accelerate's
+            convention). Default: the batch size is per data-parallel rank, and the scheduler
+            steps `dp_size` times.
 
     Returns:
         `(engine, optimizer, train_dl, scheduler)`: the optimizer is an `AcceleratedOptimizer`
@@ -100,21 +109,25 @@ def prepare_pipeline(
     # 1. Everything a user can get wrong, on every rank, before any collective.
     _check_accelerator(accelerator)
     config = _resolved_config(config, accelerator.num_processes)
-    split = split or env.split_from_env() or "trace"
+    split = split or env.split_from_env() or "auto"
     is_factory = callable(optimizer) and not isinstance(optimizer, Optimizer)
     group_names = None if is_factory else optimizer_param_names(optimizer, model)
     unpack = unpack or unpack_batch
     dp_size = config.dp_size
     if train_dl is not None:
-        check_loader(train_dl, accelerator.split_batches, dp_size, config.num_microbatches)
+        if per_process_batches and not accelerator.split_batches:
+            train_dl = widen_loader(train_dl, config.pp_size)
+        fills = accelerator.even_batches and split != "trace"
+        check_loader(train_dl, accelerator.split_batches, dp_size, config.num_microbatches, fills)
     if (
-        split == "trace"
+        split != "stack"
         and example_args is None
         and example_kwargs is None
         and config.num_stages > 1
     ):
         example_args, example_kwargs = _default_example(accelerator, train_dl, config, unpack)
 
+    disable_kv_cache(model)  # HF models: a pipeline stage returns tensors only
     # 2. The mesh and this rank's stages (collectives from here on).
     _ensure_process_group(accelerator)
     core = ZeroPPEngine(
@@ -133,6 +146,7 @@ def prepare_pipeline(
     else:
         new_opt = optimizer(core.module)
     engine = ZeroPPAccelerateEngine(accelerator, core, new_opt, unpack)
+    engine.batch_factor = config.pp_size if per_process_batches else 1
 
     # 3. Accelerate's side. The optimizer is wrapped as `prepare` would wrap it, but not
     # registered: save_state would write rank 0's shard of it and load_state would load that shard
@@ -140,7 +154,10 @@ def prepare_pipeline(
     wrapped = AcceleratedOptimizer(new_opt, device_placement=False, scaler=None)
     sched = None
     if scheduler is not None:
-        steps = 1 if accelerator.split_batches else dp_size
+        # Accelerate's convention (AcceleratedScheduler): a scheduler written for one process
+        # steps once per loaded batch, num_processes times per optimizer step under DDP.
+        loads = accelerator.num_processes if per_process_batches else dp_size
+        steps = 1 if accelerator.split_batches else loads
         target = optimizer if isinstance(optimizer, Optimizer) else None
         inner = retarget_scheduler(scheduler, target, new_opt)
         sched = PipelineScheduler(inner, accelerator, wrapped, steps)
@@ -164,7 +181,8 @@ def _check_accelerator(accelerator: Accelerator) -> None:
         raise ValueError(
             f"Accelerator(mixed_precision={accelerator.mixed_precision!r}) autocasts prepared "
             "models only, and the pipeline stages are not prepared. Keep mixed_precision='no' and "
-            "set ZEROPP_PARAM_DTYPE=bf16 (FSDP2 mixed precision, gradients reduced in fp32)."
+            "set ZeroPPPlugin(param_dtype='bf16') or ZEROPP_PARAM_DTYPE=bf16 (FSDP2 mixed "
+            "precision, gradients reduced in fp32)."
         )
     if accelerator.parallelism_config is not None:
         raise ValueError(
@@ -198,9 +216,20 @@ def _resolved_config(config: ZeroPPConfig | None, world_size: int) -> ZeroPPConf
     try:
         return config.resolve(world_size)
     except ValueError as err:
-        if not from_env:
+        hint = ""
+        if world_size == 1:
+            # The usual cause: a launch that started one process (`accelerate launch --cpu`
+            # without --num_processes, or python script.py).
+            hint = (
+                " Only one process was started: launch several with `accelerate launch "
+                "--num_processes N` (on CPU add --cpu; --multi_gpu on GPUs) or `torchrun "
+                "--nproc_per_node N`."
+            )
+        if from_env:
+            hint = f" (settings from the environment: {env.describe_env()}){hint}"
+        if not hint:
             raise
-        raise ValueError(f"{err} (settings from the environment: {env.describe_env()})") from err
+        raise ValueError(f"{err}{hint}") from err
 
 
 def _default_example(
@@ -211,7 +240,7 @@ def _default_example(
         rows = rows_per_rank(train_dl, accelerator.split_batches, config.dp_size)
     if rows is None:
         raise ValueError(
-            "split='trace' needs one example micro-batch of model inputs, and there is no "
+            "the split needs one example micro-batch of model inputs, and there is no "
             "training loader with a batch size to take it from: pass example_args=(...) (one "
             "micro-batch, per-rank rows / num_microbatches), or split='stack'."
         )

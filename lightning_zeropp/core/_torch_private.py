@@ -106,6 +106,18 @@ class UnitScheduleRuntime(_PipelineScheduleRuntime):
         self.register_custom_function(BACKWARD_WEIGHT, _backward_weight)
         self.register_custom_function(REDUCE_GRAD, _reduce_grad)
 
+    def evaluate(
+        self, *args: Any, target: Any = None, losses: list | None = None, **kw: Any
+    ) -> None:
+        """Forward only, keeping no outputs: `eval()` would merge the last stage's outputs
+        across micro-batches, which fails on a scalar among them (an HF output's loss)."""
+        saved = self._has_backward
+        self._has_backward = False
+        try:
+            self.step(*args, target=target, losses=losses, return_outputs=False, **kw)
+        finally:
+            self._has_backward = saved
+
 
 def _lower(order: Sequence[Task], actions: list[_Action], reduce_at: set[int]) -> list[_Action]:
     starts = {start: stage for stage, start, _ in gather_blocks(order)}

@@ -26,6 +26,10 @@ _ATTR = "zeropp_call_adapter"
 class CallAdapter:
     """The identity adapter; subclass it to change either direction."""
 
+    # How many micro-batches the call being adapted is split into (the front sets it before
+    # each call): a loss normalised over the whole batch needs it.
+    microbatches: int = 1
+
     def stage_inputs(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -188,12 +188,18 @@ def _dry_run(
     for i, b in enumerate(block_list):
         handles.append(b.register_forward_pre_hook(block_pre(i), with_kwargs=True))
         handles.append(b.register_forward_hook(block_post(i), with_kwargs=True))
+    # A tied weight belongs to every unit using it (an HF tied head: the embedding and lm_head),
+    # each of which gets its own copy on its own stage (see core.tied).
+    owners: dict[int, tuple[str, ...]] = {}
+    for name in units:
+        for p in skeleton.get_submodule(name).parameters():
+            owners[id(p)] = (*owners.get(id(p), ()), name)
     for name in units:
         unit = skeleton.get_submodule(name)
         handles.append(unit.register_forward_pre_hook(unit_pre(name)))
         handles.append(unit.register_forward_hook(unit_post(name)))
         for p in unit.parameters():
-            tagger.tag(p, frozenset({("param", name)}))
+            tagger.tag(p, frozenset({("param", owners[id(p)])}))
     try:
         with tagger:
             out = skeleton(*args, **kwargs)

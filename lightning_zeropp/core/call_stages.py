@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 
 from lightning_zeropp.core.call_split import CallInputs, CallPlan, meta_copy
 
-__all__ = ["build_call_stages"]
+__all__ = ["build_call_stages", "flatten_outputs", "restore_output"]
 
 
 class _Stub(nn.Module):
@@ -93,6 +93,7 @@ class _StageState:
         self.received: tuple[torch.Tensor, ...] | None = None
         self.sent: tuple[torch.Tensor, ...] | None = None
         self.forward: Callable[..., Any] | None = None
+        self.outputs = _Outputs()
 
     def entry(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
         """The first block's arguments: its tensors are what the previous stage sent."""
@@ -135,7 +136,7 @@ class _StageState:
         finally:
             self.received = None
         if self.is_last:
-            return out
+            return self.outputs.flat(out)
         sent, self.sent = self.sent, None
         if sent is None:
             raise RuntimeError(
@@ -145,6 +146,60 @@ class _StageState:
         # Sent tensors must be dense: the receiver's buffers copy their layout, and gloo's
         # point-to-point ops take contiguous tensors only (e.g. a rotary table sliced per batch).
         return tuple(t.contiguous() for t in sent)
+
+
+class _Outputs:
+    """A last stage's output structure when it is not tensors (an HF `ModelOutput`, a dict):
+    the pipeline runtime takes tensors only, so the leaves travel and the loss gets the
+    structure back (`restore_output`)."""
+
+    def __init__(self) -> None:
+        self.spec: TreeSpec | None = None
+
+    def flat(self, out: Any) -> Any:
+        if isinstance(out, torch.Tensor) or (
+            isinstance(out, (tuple, list)) and all(isinstance(x, torch.Tensor) for x in out)
+        ):
+            self.spec = None
+            return out
+        leaves, self.spec = tree_flatten(out)
+        odd = [type(x).__name__ for x in leaves if not isinstance(x, torch.Tensor)]
+        if odd:
+            raise TypeError(
+                f"the model's output holds {odd} besides tensors; a pipeline's last stage can "
+                "return tensors only (in a tuple, dict or output object). Return tensors, or turn "
+                "off what adds the others (for HF models: config.use_cache = False)."
+            )
+        return tuple(leaves)
+
+    def restore(self, output: Any) -> Any:
+        if self.spec is None:
+            return output
+        leaves = list(output) if isinstance(output, (tuple, list)) else [output]
+        return tree_unflatten(leaves, self.spec)
+
+
+_OUTPUTS_ATTR = "_zeropp_outputs"
+
+
+def flatten_outputs(module: nn.Module) -> None:
+    """Make a whole-model stage (a single-stage pipeline) return tensors, as call stages do:
+    its forward is wrapped on the instance, and `restore_output` undoes the flattening."""
+    if hasattr(module, _OUTPUTS_ATTR):
+        return
+    outputs, forward = _Outputs(), module.forward
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return outputs.flat(forward(*args, **kwargs))
+
+    object.__setattr__(module, _OUTPUTS_ATTR, outputs)
+    module.forward = run
+
+
+def restore_output(stage: nn.Module, output: Any) -> Any:
+    """A last stage's output as the model returned it (the runtime saw its tensor leaves)."""
+    outputs = getattr(stage, _OUTPUTS_ATTR, None)
+    return output if outputs is None else outputs.restore(output)
 
 
 def build_call_stages(
@@ -188,5 +243,6 @@ def _call_stage(
         mine[-1].register_forward_hook(state.exit, with_kwargs=True)
     state.forward = functools.partial(type(model).forward, stage_model)
     object.__setattr__(stage_model, "_zeropp_call_stage", state)
+    object.__setattr__(stage_model, _OUTPUTS_ATTR, state.outputs)
     stage_model.forward = state.run
     return stage_model

@@ -47,8 +47,10 @@ class Tagger(TorchFunctionMode):
         tags = self.of((args, kwargs))
         what = getattr(func, "__name__", str(func))
         params = {t for t in tags if t[0] == "param"}
-        for _, name in params:  # an outer module's weights read outside its own call
-            if name not in self.units and self.leak is None:
+        for _, owners in params:  # an outer module's weights read outside its own call
+            if not set(owners) & set(self.units) and self.leak is None:
+                # A tied weight is each owner's own copy: a read inside any of them is safe.
+                name = "' / '".join(owners)
                 self.leak = (
                     f"its forward reads the parameters of '{name}' outside '{name}' ({what})"
                 )

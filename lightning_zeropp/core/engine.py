@@ -21,6 +21,7 @@ from torch.distributed.pipelining import PipelineStage
 from lightning_zeropp.core._torch_private import on_scheduled_loss
 from lightning_zeropp.core.batch import ShapeGuard, batch_size, check_divisible, shape_key
 from lightning_zeropp.core.call_split import CallInputs
+from lightning_zeropp.core.call_stages import flatten_outputs, restore_output
 from lightning_zeropp.core.comm import CommCounter, flatten_summary, mesh_axis_namer
 from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.failure import FailureBoard, describe_rank
@@ -45,6 +46,7 @@ from lightning_zeropp.core.split import (
     resolve_split,
     split_model,
 )
+from lightning_zeropp.core.tied import TiedWeights, tied_groups
 
 __all__ = ["ZeroPPEngine", "LossFn"]
 
@@ -96,10 +98,12 @@ class ZeroPPEngine:
             self.style, self.dims.pp_rank, cfg.pp_size, cfg.num_chunks
         )
         self.num_stages = cfg.num_stages
-        if self.num_stages > 1:
-            check_no_tied_parameters(model)
         self.plan = _plan(model, self.num_stages, cfg.split_points)
         self.split = resolve_split(model, split)
+        # Tied weights get a copy per stage under split="call" / "stack" (see core.tied).
+        tied = tied_groups(model) if self.num_stages > 1 else []
+        if self.num_stages > 1 and self.split not in ("call", "stack"):
+            check_no_tied_parameters(model)
         # split="call" stages take the model inputs on every rank (see core.call_split).
         self._call_inputs = CallInputs() if self.split == "call" and self.num_stages > 1 else None
         modules = split_model(
@@ -112,8 +116,11 @@ class ZeroPPEngine:
             call_inputs=self._call_inputs,
             device=self.device,
         )
+        if self.num_stages == 1:
+            flatten_outputs(modules[0])  # call stages flatten their own outputs
         for stage_id, module in zip(self.stage_ids, modules, strict=True):
             self._prepare_stage(module, stage_id)
+        self._tied = TiedWeights(tied, list(zip(self.stage_ids, modules, strict=True)), self.dims)
         self.module: nn.Module = merge_stage_modules(modules)
         self._stage_modules = modules
         self._loss_fn = loss_fn
@@ -163,6 +170,8 @@ class ZeroPPEngine:
         counter = CommCounter(self._axis_namer) if self.count_comms else None
         with self.failures.guard(), counter or contextlib.nullcontext():
             schedule.step(*inputs, target=target, losses=losses, return_outputs=False, **kw)
+            # This step's gradients only: the stash holds earlier accumulation steps' ones.
+            self._tied.sum_grads()
             loss = self._broadcast_loss(losses)
         stash.release()
         if counter is not None:
@@ -185,13 +194,15 @@ class ZeroPPEngine:
         losses: list[torch.Tensor] = []
         inputs, kw = self._stage_inputs(args, kwargs)
         with self.failures.guard():
-            schedule.eval(*inputs, target=target, losses=losses, **kw)
+            schedule.evaluate(*inputs, target=target, losses=losses, **kw)
             return self._broadcast_loss(losses) if target is not None else None
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the norm over every stage and shard of the model; returns that norm."""
         with self.failures.guard():
-            return clip_grad_norm_(self.parameters(), max_norm, self.dims.pp_group, norm_type)
+            params = self.parameters()
+            counted = self._tied.counted(self.parameters())  # tied copies count once
+            return clip_grad_norm_(params, max_norm, self.dims.pp_group, norm_type, counted)
 
     def comm_metrics(self, prefix: str = "comm") -> dict[str, float]:
         """The last training step's collectives as flat metrics, averaged over every rank.
@@ -226,10 +237,24 @@ class ZeroPPEngine:
     def _schedule_for(
         self, mode: str, microbatches: int, args: Any, kwargs: Any, target: Any
     ) -> Any:
-        """The schedule for this batch's shapes (every rank of a pipeline sees the same batch,
-        so all pick the same one). Built on first use; the least recently used one goes."""
+        """The schedule for this batch's shapes. Built on first use; the least recently used
+        one goes.
+
+        A new schedule infers its stages' shapes with a forward that gathers the FSDP-sharded
+        weights over the data-parallel ranks, so every rank must build one when any does:
+        data-parallel ranks read different batches (padded to different lengths), and a rank
+        that found its shapes cached would skip the gathers the others wait on. One small
+        all-reduce per step decides it.
+        """
         key = (mode, microbatches, shape_key((args, kwargs, target)))
         entry = self._schedules.pop(key, None)
+        if self.config.dp_size > 1 and self.split != "trace":
+            cached = torch.tensor(
+                [0 if entry is None else 1], dtype=torch.int32, device=self.device
+            )
+            dist.all_reduce(cached, op=dist.ReduceOp.MIN)
+            if not int(cached):
+                entry = None
         if entry is None:
             if len(self._schedules) >= _MAX_SCHEDULES:
                 self._schedules.pop(next(iter(self._schedules)))
@@ -250,7 +275,15 @@ class ZeroPPEngine:
 
     def _loss(self, output: Any, target: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         fn = self._loss_fn if self._in_scheduled_loss else self._probe_loss_fn
-        return fn(output, target, **kwargs)
+        return fn(self.restore_output(output), target, **kwargs)
+
+    def restore_output(self, output: Any) -> Any:
+        """The last stage's output as the model returns it (an HF `ModelOutput`, a dict), from
+        the tensors the pipeline runtime passes around."""
+        if self.num_stages - 1 not in self.stage_ids:
+            return output
+        last = self._stage_modules[self.stage_ids.index(self.num_stages - 1)]
+        return restore_output(last, output)
 
     def _scheduled_loss(
         self, compute: Callable[..., Any], output: Any, target: Any, loss_kwargs: Any

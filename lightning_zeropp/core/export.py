@@ -53,8 +53,8 @@ def full_state_dict(module: nn.Module, dims: ParallelDims) -> dict[str, torch.Te
     merged: dict[str, torch.Tensor] = {}
     for part in parts:
         for name, tensor in part.items():
-            # Constant buffers may be copied on several stages; parameters never are (tied
-            # weights are refused at split time), so the first copy is the copy.
+            # Constant buffers may be copied on several stages: the first copy is the copy.
+            # A tied weight's per-stage copies keep their own names (equal values, core.tied).
             merged.setdefault(name, tensor)
     return {name: merged[name] for name in _tree_order([list(part) for part in parts])}
 

@@ -39,10 +39,15 @@ def clip_grad_norm_(
     max_norm: float,
     pp_group: dist.ProcessGroup | None,
     norm_type: float = 2.0,
+    counted: Iterable[nn.Parameter] | None = None,
 ) -> torch.Tensor:
-    """Scale gradients so their global norm is at most `max_norm`; return the norm before."""
+    """Scale gradients so their global norm is at most `max_norm`; return the norm before.
+
+    `counted`: the parameters the norm sums over, when not all of `params` (copies of a tied
+    weight hold one gradient, counted once).
+    """
     params = list(params)
-    norm = total_grad_norm(params, pp_group, norm_type)
+    norm = total_grad_norm(params if counted is None else counted, pp_group, norm_type)
     with_grad = [p for p in params if p.grad is not None]
     if with_grad:
         device = with_grad[0].grad.device

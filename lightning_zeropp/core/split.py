@@ -266,13 +266,16 @@ def stage_param_names(stages: Sequence[nn.Module]) -> list[str]:
 
 
 def check_no_tied_parameters(model: nn.Module) -> None:
-    """Tied weights cannot live on two stages; say so before splitting."""
+    """Tied weights are kept in sync by split="call" and "stack" only (see `core.tied`): a traced
+    graph or a user's stage may share the one tensor between stages. Say so before splitting."""
     seen: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in seen and seen[id(p)] != name:
             raise ValueError(
                 f"parameters '{seen[id(p)]}' and '{name}' are the same tensor (tied weights); "
-                "pipeline stages cannot share a parameter. Untie them (e.g. "
-                "tie_word_embeddings=False) before training with pp_size > 1."
+                "split='trace' and split callables cannot share a parameter between pipeline "
+                "stages. Use split='call' (the default for models that name no split) or "
+                "'stack', which give each stage its own copy and keep the copies equal; or "
+                "untie them (e.g. tie_word_embeddings=False)."
             )
         seen[id(p)] = name

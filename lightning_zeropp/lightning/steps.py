@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten
 from lightning_zeropp.core.batch import batch_size, take_rows
 from lightning_zeropp.core.call_adapter import CallAdapter
 from lightning_zeropp.core.engine import ZeroPPEngine
+from lightning_zeropp.core.schedule import eval_microbatches
 from lightning_zeropp.lightning.logging import LogRecorder
 from lightning_zeropp.lightning.redirect import Captured, StandIn
 
@@ -63,6 +64,11 @@ class StepRunner:
         batch, rest = args[0], args[1:]
         rows = torch.arange(batch_size(batch))  # row indices stay on the host
         self._step = _Step(fn, batch, rest, mode)
+        micro = self.engine.config.num_microbatches
+        assert micro is not None
+        self.adapter.microbatches = (
+            micro if mode == "train" else eval_microbatches(len(rows), micro)
+        )
         # Every rank passes the inputs: the engine gives them to the stages that need them.
         inputs, kw = self.capture(lambda: fn(batch, *rest))
         with self.recorder.recording(self.module, self.engine):

@@ -34,7 +34,7 @@ from typing_extensions import override
 from lightning_zeropp.core import checkpoint as ckpt
 from lightning_zeropp.core import export
 from lightning_zeropp.core.batch import batch_size, take_rows
-from lightning_zeropp.core.call_adapter import get_call_adapter
+from lightning_zeropp.core.call_adapter import CallAdapter, get_call_adapter
 from lightning_zeropp.core.call_split import meta_copy
 from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.engine import ZeroPPEngine
@@ -45,6 +45,12 @@ from lightning_zeropp.core.split import SplitMethod
 from lightning_zeropp.lightning import checkpointing
 from lightning_zeropp.lightning.redirect import first_batch
 from lightning_zeropp.lightning.steps import StepRunner
+from lightning_zeropp.models.hf_loss import (
+    TokenCountAdapter,
+    accepts_num_items,
+    disable_kv_cache,
+    is_causal_lm,
+)
 
 __all__ = ["ZeroPPStrategy"]
 
@@ -224,10 +230,14 @@ class ZeroPPStrategy(ModelParallelStrategy):
         # and `.logits`); read now, since the stages that replace the network do not carry it.
         runner = self._runner
         runner.module, runner.attr = module, name
-        runner.adapter = get_call_adapter(getattr(module, name))
-        self._pipelined = name
-        example_args, example_kwargs = self._example(module, trainer)
         network = getattr(module, name)
+        runner.adapter = get_call_adapter(network)
+        if type(runner.adapter) is CallAdapter and accepts_num_items(network):
+            # A plain HF model: padded batches' losses are token means, as in one process.
+            runner.adapter = TokenCountAdapter(shift=is_causal_lm(network))
+        self._pipelined = name
+        disable_kv_cache(network)  # plain HF models: a stage returns tensors only
+        example_args, example_kwargs = self._example(module, trainer)
         whole = meta_copy(network)  # before sharding: a single stage is sharded in place
         self._engine = ZeroPPEngine(
             network,
@@ -294,6 +304,8 @@ class ZeroPPStrategy(ModelParallelStrategy):
         cfg = self.zeropp_config
         if callable(self._split) or self._split == "stack" or cfg.num_stages == 1:
             return None, None
+        assert cfg.num_microbatches is not None
+        self._runner.adapter.microbatches = cfg.num_microbatches
         example = module.example_input_array
         if example is not None:
             args = tuple(example) if isinstance(example, (tuple, list)) else (example,)

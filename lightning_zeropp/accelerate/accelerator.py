@@ -1,0 +1,268 @@
+"""`ZeroPPAccelerator`: an `Accelerator` whose `prepare` pipelines the model over FSDP2.
+
+The standard loop keeps its lines; only the import, the plugin and the construction change:
+
+    accelerator = ZeroPPAccelerator(zeropp_plugin=ZeroPPPlugin(pp_size=2), cpu=True)
+    model, optimizer, train_dl, eval_dl, lr_scheduler = accelerator.prepare(
+        model, optimizer, train_dl, eval_dl, lr_scheduler
+    )
+    for batch in train_dl:
+        with accelerator.accumulate(model):
+            outputs = model(**batch)          # the whole pipeline step, forward and backward
+            accelerator.backward(outputs.loss)  # adds the step's gradients (see PipelineModel)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)  # the global norm
+            optimizer.step(); lr_scheduler.step(); optimizer.zero_grad()
+
+What differs from the base class, and why:
+- `prepare` builds the pipeline (`prepare_pipeline`) and shards every loader over the
+  data-parallel ranks only (all stages of a pipeline read the same batch).
+- `clip_grad_norm_` clips by the norm over every stage and shard: torch's clipping sees this
+  rank's stages only.
+- `gather` / `gather_for_metrics` gather over data-parallel ranks: the other ranks of a pipeline
+  hold the same samples, which a gather over all processes would repeat `pp_size` times.
+- `save_state(dir)` commits atomically (a temporary sibling renamed when complete); the sharded
+  model and optimizer go through `prepare_pipeline`'s checkpoint hooks.
+- `get_state_dict` / `save_model` / `unwrap_model` give the whole model (collective calls, like
+  Accelerate's FSDP full state dict: every rank calls them; the weights land on the main process).
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.utils import recursively_apply
+from torch import nn
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader
+
+from lightning_zeropp.accelerate.pipeline_model import NUM_ITEMS, PipelineModel, accepts_num_items
+from lightning_zeropp.accelerate.plugin import prepare_pipeline
+from lightning_zeropp.accelerate.zeropp_plugin import ZeroPPPlugin
+from lightning_zeropp.core.export import full_state_dict
+from lightning_zeropp.core.grads import clip_grad_norm_
+from lightning_zeropp.models.hf_loss import disable_kv_cache
+
+__all__ = ["ZeroPPAccelerator"]
+
+
+class ZeroPPAccelerator(Accelerator):
+    """`Accelerator(**kwargs)` with ZeroPP pipelines; `zeropp_plugin` holds the layout (default:
+    the `ZEROPP_*` variables `accelerate launch` carries, then the library's defaults)."""
+
+    def __init__(self, *args: Any, zeropp_plugin: ZeroPPPlugin | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.zeropp_plugin = zeropp_plugin or ZeroPPPlugin()
+        self.pipeline: PipelineModel | None = None
+        self._skeleton: nn.Module | None = None
+        self._dp_order: list[int] = []
+
+    # ------------------------------------------------------------------------- prepare
+    def prepare(self, *args: Any, device_placement: Any = None) -> Any:
+        models = [a for a in args if isinstance(a, nn.Module) and not isinstance(a, PipelineModel)]
+        optimizers = [a for a in args if isinstance(a, Optimizer)]
+        loaders = [a for a in args if isinstance(a, DataLoader)]
+        schedulers = [a for a in args if _is_scheduler(a)]
+        if len(models) > 1 or len(optimizers) > 1 or len(schedulers) > 1:
+            raise ValueError(
+                "ZeroPPAccelerator.prepare takes one model, one optimizer and one scheduler "
+                f"(got {len(models)}, {len(optimizers)}, {len(schedulers)}): one pipeline per run."
+            )
+        prepared: dict[int, Any] = {}
+        if models:
+            if self.pipeline is not None:
+                raise ValueError("ZeroPPAccelerator already prepared a model; prepare one per run.")
+            if not optimizers:
+                raise ValueError(
+                    "prepare the model together with its optimizer (accelerator.prepare(model, "
+                    "optimizer, train_dataloader, ...)): the optimizer is rebuilt over the "
+                    "pipeline stages."
+                )
+            prepared.update(self._build(models[0], optimizers[0], loaders, schedulers))
+        elif self.pipeline is None and loaders:
+            raise ValueError(
+                "prepare the model (with its optimizer and training loader) before other data "
+                "loaders: loaders are sharded over the pipeline's data-parallel ranks."
+            )
+        for loader in loaders:
+            if id(loader) not in prepared:
+                assert self.pipeline is not None
+                # Loaders after the first evaluate (run_clm's eval loader): any rows will do.
+                engine = self.pipeline.engine
+                prepared[id(loader)] = self._track(engine.prepare_data_loader(loader, check=False))
+        out = tuple(prepared.get(id(a), a) for a in args)
+        return out[0] if len(out) == 1 else out
+
+    def _build(
+        self, model: nn.Module, optimizer: Optimizer, loaders: list[DataLoader], schedulers: list
+    ) -> dict[int, Any]:
+        disable_kv_cache(model)
+        plugin = self.zeropp_plugin
+        config, _ = plugin.resolved_config()
+        holder: list[PipelineModel] = []
+        skeleton = _skeleton(model)  # the whole model's structure, for unwrap_model
+        engine, opt, loader, sched = prepare_pipeline(
+            self,
+            model,
+            optimizer,
+            loaders[0] if loaders else None,
+            schedulers[0] if schedulers else None,
+            loss_fn=lambda output, target: holder[0].loss_fn(output, target),
+            config=config,
+            split=plugin.resolved_split(),
+            unpack=_unpack_call(accepts_num_items(model)),
+            per_process_batches=True,
+        )
+        pipeline = PipelineModel(engine, skeleton)
+        pipeline.eval_logits = plugin.eval_logits
+        holder.append(pipeline)
+        self.pipeline, self._skeleton = pipeline, skeleton
+        self._dp_order = _dp_order(engine.dims.pp_rank, engine.dims.dp_rank)
+        prepared: dict[int, Any] = {id(model): pipeline, id(optimizer): opt}
+        if loaders:
+            prepared[id(loaders[0])] = self._track(loader)
+        if schedulers:
+            prepared[id(schedulers[0])] = sched
+        return prepared
+
+    def _track(self, loader: DataLoader) -> DataLoader:
+        self._dataloaders.append(loader)  # as Accelerator.prepare_data_loader records them
+        return loader
+
+    # ------------------------------------------------------------------------- gradients
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> Any:
+        if self.pipeline is None:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        mine = {id(p) for p in self.pipeline.parameters()}
+        if any(id(p) not in mine for p in params):
+            raise ValueError(
+                "clip_grad_norm_ got tensors that are not the pipelined model's parameters; pass "
+                "model.parameters() of the model accelerator.prepare returned."
+            )
+        core = self.pipeline.engine.core
+        with core.failures.guard():
+            return clip_grad_norm_(params, max_norm, core.dims.pp_group, norm_type)
+
+    # ------------------------------------------------------------------------- gathering
+    def gather(self, tensor: Any) -> Any:
+        """Concatenate over data-parallel ranks (each pipeline's samples once)."""
+        full = super().gather(tensor)
+        if self.pipeline is None:
+            return full
+        world = self.num_processes
+        return recursively_apply(lambda t: _pick(t, world, self._dp_order), full)
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        if self.pipeline is None:
+            return super().gather_for_metrics(input_data, use_gather_object)
+        try:
+            recursively_apply(lambda x: x, input_data, error_on_other_type=True)
+            tensors = True
+        except TypeError:
+            tensors = False
+        if tensors and not use_gather_object:
+            return super().gather_for_metrics(input_data)
+        everyone: list[Any] = [None] * self.num_processes
+        dist.all_gather_object(everyone, input_data)
+        data = [x for r in self._dp_order for x in everyone[r]]
+        state = self.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            data = data[: state.remainder]
+        return data
+
+    # ------------------------------------------------------------------------- state
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kw: Any):
+        """`Accelerator.save_state`, committed atomically when `output_dir` is given."""
+        if output_dir is None or self.pipeline is None:
+            return super().save_state(output_dir, safe_serialization, **kw)
+        final = Path(output_dir)
+        tmp = final.with_name(final.name + ".zeropp-tmp")
+        if self.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.wait_for_everyone()
+        super().save_state(str(tmp), safe_serialization, **kw)
+        self.wait_for_everyone()
+        if self.is_main_process:
+            old = final.with_name(final.name + ".zeropp-old")
+            if final.exists():
+                final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        self.wait_for_everyone()
+        return str(final)
+
+    def get_state_dict(self, model: Any, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        """Collective: the whole model's state dict on the main process ({} elsewhere)."""
+        if not isinstance(model, PipelineModel):
+            return super().get_state_dict(model, unwrap)
+        engine = model.engine
+        with engine.core.failures.guard():
+            return full_state_dict(engine.module, engine.dims)
+
+    def unwrap_model(self, model: Any, *args: Any, **kwargs: Any) -> Any:
+        """Collective for the pipelined model: the whole model, with the trained weights on the
+        main process; on other ranks its weights stay on the meta device (any use fails
+        loudly rather than computing with stale weights)."""
+        if not isinstance(model, PipelineModel):
+            return super().unwrap_model(model, *args, **kwargs)
+        state = self.get_state_dict(model)
+        whole = model.original
+        if state:
+            whole.load_state_dict(state, strict=False, assign=True)
+        return whole
+
+
+# ---------------------------------------------------------------------------------- helpers
+def _unpack_call(token_weighted: bool) -> Any:
+    """The example batch as the pipeline will call the model: `model(**batch)`, plus the
+    `num_items_in_batch` it adds (HF passes it down to every block: the split's check must see
+    the same block call)."""
+
+    def unpack(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+        if not isinstance(batch, dict):
+            raise TypeError(
+                f"ZeroPPAccelerator's training loader yields {type(batch).__name__}; it expects "
+                "dict batches called as model(**batch) (HF collators). For other batches use "
+                "prepare_pipeline(..., unpack=...)."
+            )
+        kwargs = dict(batch)
+        if token_weighted:
+            kwargs.setdefault(NUM_ITEMS, 1.0)
+        return (), kwargs, batch.get("labels")
+
+    return unpack
+
+
+def _skeleton(model: nn.Module) -> nn.Module:
+    """A copy of `model` with its parameters on the meta device (no memory) and its buffers
+    real: non-persistent buffers (rotary tables) are in no state dict, so unwrap_model could
+    not fill them in later."""
+    memo: dict[int, Any] = {
+        id(p): nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+        for p in model.parameters()
+    }
+    return copy.deepcopy(model, memo)
+
+
+def _is_scheduler(obj: Any) -> bool:
+    return isinstance(getattr(obj, "optimizer", None), Optimizer) and hasattr(obj, "step")
+
+
+def _dp_order(pp_rank: int, dp_rank: int) -> list[int]:
+    """Global ranks of pipeline rank 0, ordered by data-parallel rank: one copy of each sample."""
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (pp_rank, dp_rank))
+    firsts = [(dp, rank) for rank, (pp, dp) in enumerate(everyone) if pp == 0]
+    return [rank for _, rank in sorted(firsts)]
+
+
+def _pick(t: torch.Tensor, world: int, order: list[int]) -> torch.Tensor:
+    rows = t.shape[0] // world
+    return torch.cat([t[r * rows : (r + 1) * rows] for r in order])

@@ -1,0 +1,77 @@
+"""`ZeroPPPlugin`: the ZeroPP settings of a `ZeroPPAccelerator`, as Accelerate's plugins hold theirs.
+
+Like `FullyShardedDataParallelPlugin`, whose unset fields come from `FSDP_*` variables that
+`accelerate launch` exports, every setting left unset here comes from its `ZEROPP_*` variable
+(see `lightning_zeropp.accelerate.env`), then from `ZeroPPConfig`'s defaults. Settings are
+`ZeroPPConfig`'s fields (`pp_size=2`, `schedule="interleaved_1f1b"`, ...); a misspelt one fails
+at construction, with the closest name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any
+
+from lightning_zeropp.accelerate import env
+from lightning_zeropp.core.config import ZeroPPConfig
+from lightning_zeropp.core.split import SplitMethod
+
+__all__ = ["ZeroPPPlugin"]
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(ZeroPPConfig))
+
+
+class ZeroPPPlugin:
+    """ZeroPP settings for `ZeroPPAccelerator(zeropp_plugin=ZeroPPPlugin(pp_size=2, ...))`.
+
+    Args:
+        config: a whole `ZeroPPConfig` (then no other setting may be given).
+        split: how the model is cut into stages ("auto", "call", "trace", "stack" or a
+            callable; default `ZEROPP_SPLIT`, then "auto").
+        eval_logits: in eval mode, return the logits on every rank (a broadcast from the last
+            stage); turn off when the loop reads the loss only.
+        **settings: `ZeroPPConfig` fields; those left out come from `ZEROPP_*` variables.
+    """
+
+    def __init__(
+        self,
+        config: ZeroPPConfig | None = None,
+        *,
+        split: SplitMethod | None = None,
+        eval_logits: bool = True,
+        **settings: Any,
+    ) -> None:
+        unknown = sorted(set(settings) - set(_FIELDS))
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], _FIELDS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise TypeError(
+                f"ZeroPPPlugin got unknown setting {unknown[0]!r}{hint}; settings are "
+                f"ZeroPPConfig's fields: {', '.join(_FIELDS)}."
+            )
+        if config is not None and settings:
+            raise TypeError(
+                f"ZeroPPPlugin got config=... and {sorted(settings)}; set them on the config."
+            )
+        self.config = config
+        self.settings = settings
+        self.split = split
+        self.eval_logits = eval_logits
+
+    def resolved_config(self) -> tuple[ZeroPPConfig, bool]:
+        """The unresolved config and whether any of it came from the environment."""
+        if self.config is not None:
+            return self.config, False
+        from_env = env.config_from_env()
+        found = set(env.zeropp_env()) & set(env.CONFIG_VARS)
+        overridden = {env.CONFIG_VARS[v] for v in found} - set(self.settings)
+        return dataclasses.replace(from_env, **self.settings), bool(overridden)
+
+    def resolved_split(self) -> SplitMethod:
+        return self.split or env.split_from_env() or "auto"
+
+    def __repr__(self) -> str:
+        shown = {"config": self.config} if self.config is not None else self.settings
+        inner = ", ".join(f"{k}={v!r}" for k, v in shown.items())
+        return f"ZeroPPPlugin({inner})"

@@ -1,0 +1,188 @@
+"""A causal-LM training loop in the shape of transformers' `run_clm_no_trainer.py`, written here.
+
+It is what an HF user already has: a model from a config, decay / no-decay parameter groups,
+`get_scheduler` sized with Accelerate's `num_processes` arithmetic, right-padded batches with an
+attention mask, `accelerate`'s accumulate / backward / clip / gather_for_metrics idioms and
+`save_state`. The accelerator is passed in, so the same loop runs under plain `Accelerator` (one
+process, or DDP) and under `ZeroPPAccelerator`: the only lines that differ are its construction.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+from transformers import AutoConfig, AutoModelForCausalLM, get_scheduler
+
+VOCAB = 64
+TINY = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "pad_token_id": 0,
+}
+EXTRA = {"gemma": {"head_dim": 8}}
+
+
+@dataclass
+class Args:
+    family: str = "llama"
+    tie_word_embeddings: bool = False
+    per_device_train_batch_size: int = 2
+    per_device_eval_batch_size: int = 2
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 3e-3
+    weight_decay: float = 0.1
+    num_warmup_steps: int = 1
+    num_train_epochs: int = 1
+    max_grad_norm: float | None = 0.5
+    train_rows: int = 32
+    eval_rows: int = 8
+    seed: int = 0  # data order
+    init_seed: int = 0  # the model's initial weights
+    export_to: str | None = None  # run_clm's closing save_pretrained
+    stop_after: int | None = None  # updates, then save_state(save_to) and stop
+    resume_from: str | None = None  # load_state, then skip the batches already trained on
+    resumed_updates: int = 0  # how many updates the saved run made (run_clm reads the dir name)
+
+
+class Texts(Dataset):
+    """Token rows of varied length (3..12 tokens), as a tokenized corpus without grouping."""
+
+    def __init__(self, rows: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(3, 13, (rows,), generator=g)
+        self.rows = [torch.randint(1, VOCAB, (int(n),), generator=g) for n in lengths]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows[i]}
+
+
+def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Right padding to the longest row, padding masked out of the loss (-100), as HF's
+    `DataCollatorForLanguageModeling(mlm=False)` pads."""
+    longest = max(len(s["input_ids"]) for s in samples)
+    ids = torch.zeros(len(samples), longest, dtype=torch.long)
+    mask = torch.zeros(len(samples), longest, dtype=torch.long)
+    for row, s in enumerate(samples):
+        n = len(s["input_ids"])
+        ids[row, :n], mask[row, :n] = s["input_ids"], 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def build_model(args: Args) -> torch.nn.Module:
+    config = AutoConfig.for_model(
+        args.family,
+        **TINY,
+        **EXTRA.get(args.family, {}),
+        tie_word_embeddings=args.tie_word_embeddings,
+    )
+    torch.manual_seed(args.init_seed)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def train(accelerator: Any, args: Args, save_to: str | None = None) -> dict[str, Any]:
+    """The loop. Returns per-update losses, learning rates, clip norms, eval results, weights."""
+    model = build_model(args)
+    no_decay = ["bias", "norm.weight", "layernorm.weight"]
+    groups = [
+        {
+            "params": [p for n, p in model.named_parameters() if not any(k in n for k in no_decay)],
+            "weight_decay": args.weight_decay,
+        },
+        {
+            "params": [p for n, p in model.named_parameters() if any(k in n for k in no_decay)],
+            "weight_decay": 0.0,
+        },
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=args.learning_rate)
+    g = torch.Generator().manual_seed(args.seed)
+    train_dataloader = DataLoader(
+        Texts(args.train_rows, 1),
+        shuffle=True,
+        collate_fn=collate,
+        batch_size=args.per_device_train_batch_size,
+        generator=g,
+    )
+    eval_dataloader = DataLoader(
+        Texts(args.eval_rows, 2), collate_fn=collate, batch_size=args.per_device_eval_batch_size
+    )
+    # run_clm sizes the scheduler from the unprepared loader, in per-process steps.
+    num_update_steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
+    max_train_steps = args.num_train_epochs * num_update_steps_per_epoch
+    lr_scheduler = get_scheduler(
+        name="cosine",
+        optimizer=optimizer,
+        num_warmup_steps=args.num_warmup_steps * accelerator.num_processes,
+        num_training_steps=max_train_steps,
+    )
+    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
+        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
+    )
+    out: dict[str, Any] = {"loss": [], "lr": [], "norm": [], "batches": len(train_dataloader)}
+    completed = 0
+    active = train_dataloader
+    if args.resume_from is not None:
+        accelerator.load_state(args.resume_from)
+        completed = args.resumed_updates
+        active = accelerator.skip_first_batches(
+            train_dataloader, completed * args.gradient_accumulation_steps
+        )
+    for _epoch in range(args.num_train_epochs):
+        model.train()
+        running = 0.0
+        for batch in active:
+            with accelerator.accumulate(model):
+                outputs = model(**batch)
+                loss = outputs.loss
+                running += loss.detach().float().item() / args.gradient_accumulation_steps
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and args.max_grad_norm is not None:
+                    norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    out["norm"].append(float(norm))
+                optimizer.step()
+                lr_scheduler.step()
+                optimizer.zero_grad()
+            if accelerator.sync_gradients:
+                out["loss"].append(running)
+                out["lr"].append(lr_scheduler.get_last_lr()[0])
+                running = 0.0
+                completed += 1
+                if completed == args.stop_after:
+                    accelerator.save_state(save_to)
+                    return out
+    model.eval()
+    losses = []
+    for batch in eval_dataloader:
+        with torch.no_grad():
+            outputs = model(**batch)
+        rows = batch["input_ids"].shape[0]
+        losses.append(accelerator.gather_for_metrics(outputs.loss.reshape(1).repeat(rows)))
+        out.setdefault("eval_ids", []).append(
+            accelerator.gather_for_metrics(batch["input_ids"][:, 0])
+        )
+    out["eval_loss"] = torch.cat(losses).mean().item()
+    out["eval_ids"] = torch.cat(out["eval_ids"]).tolist()
+    if save_to is not None:
+        accelerator.save_state(save_to)
+    state = accelerator.get_state_dict(model)
+    out["params"] = {k: v.detach().clone() for k, v in state.items()}
+    if args.export_to is not None:
+        accelerator.wait_for_everyone()
+        unwrapped_model = accelerator.unwrap_model(model)
+        unwrapped_model.save_pretrained(
+            args.export_to,
+            is_main_process=accelerator.is_main_process,
+            save_function=accelerator.save,
+        )
+        accelerator.wait_for_everyone()
+    return out

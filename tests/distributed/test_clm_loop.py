@@ -1,0 +1,143 @@
+"""A run_clm-shaped HF loop (tests/distributed/clm_loop.py) under `ZeroPPAccelerator` matches one
+process: loss per update, learning rate, clip norm (clipping active), eval loss and every
+parameter, with padded batches and an attention mask; the same loop under DDP gives the same
+learning rates. The loop is unchanged between runs but for the accelerator's construction.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.launch import launch
+
+pytestmark = pytest.mark.distributed
+
+PP = {"pp_size": 2, "num_microbatches": 2}
+# one process reads the 4 processes' per-device batches (2 rows each) at once: 8 rows
+ONE = {"per_device_train_batch_size": 8, "per_device_eval_batch_size": 8}
+CASES = [
+    {"id": "llama-1f1b", "plugin": PP},
+    {"id": "llama-acc2", "plugin": PP, "args": {"gradient_accumulation_steps": 2}},
+    {"id": "llama-zeropp", "plugin": {**PP, "schedule": "ZeroPP"}},
+    {"id": "qwen2", "plugin": PP, "args": {"family": "qwen2"}},
+    {"id": "mistral", "plugin": PP, "args": {"family": "mistral"}},
+    {"id": "gemma", "plugin": PP, "args": {"family": "gemma"}},
+    {"id": "phi3", "plugin": PP, "args": {"family": "phi3"}},
+    {"id": "pp4", "plugin": {"pp_size": 4, "num_microbatches": 4}},
+]
+
+
+def _reference_cases() -> list[dict]:
+    seen, cases = set(), []
+    for case in CASES:
+        args = {**case.get("args", {}), **ONE}
+        key = tuple(sorted(args.items()))
+        if key not in seen:
+            seen.add(key)
+            cases.append({"id": str(key), "args": args})
+    return cases
+
+
+def _ref_id(case: dict) -> str:
+    return str(tuple(sorted({**case.get("args", {}), **ONE}.items())))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("clm")
+    cases = [{k: v for k, v in c.items()} for c in CASES]
+    pipe = launch(
+        4,
+        "clm_scenarios.run",
+        {"cases": cases, "init_process_group": False},
+        out / "pp",
+        timeout=600,
+    )
+    one = launch(
+        1,
+        "clm_scenarios.run",
+        {"cases": _reference_cases(), "init_process_group": False},
+        out / "one",
+        timeout=600,
+    )
+    ddp = launch(
+        4, "clm_scenarios.run", {"cases": [{"id": "ddp"}], "init_process_group": False}, out / "ddp"
+    )
+    return pipe, one[0], ddp
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
+def test_matches_one_process(runs, case):
+    pipe, one, _ = runs
+    ref = one[_ref_id(case)]
+    for rank_result in pipe:  # every rank reports the same values
+        got = rank_result[case["id"]]
+        assert got["batches"] == ref["batches"]
+        torch.testing.assert_close(got["loss"], ref["loss"], rtol=0, atol=1e-5)
+        torch.testing.assert_close(got["lr"], ref["lr"], rtol=0, atol=1e-9)
+        torch.testing.assert_close(got["norm"], ref["norm"], rtol=1e-5, atol=1e-5)
+        assert min(ref["norm"]) > 0.5, "the loop's clipping must be active to guard the scale"
+        torch.testing.assert_close(got["eval_loss"], ref["eval_loss"], rtol=0, atol=1e-5)
+        assert sorted(got["eval_ids"]) == sorted(ref["eval_ids"])
+    params = pipe[0][case["id"]]["params"]  # the whole model lands on the main process
+    assert params.keys() == ref["params"].keys()
+    for name, value in ref["params"].items():
+        torch.testing.assert_close(params[name], value, rtol=0, atol=1e-5, msg=name)
+
+
+def test_learning_rate_as_under_ddp(runs):
+    pipe, one, ddp = runs
+    assert ddp[0]["ddp"]["lr"] == pipe[0]["llama-1f1b"]["lr"]
+    assert ddp[0]["ddp"]["lr"][-1] == 0.0  # cosine reaches 0 at the last update
+
+
+def test_padded_batches_really_padded(runs):
+    """The data must exercise token weighting: micro-batches with different token counts."""
+    from tests.distributed.clm_loop import Texts, collate
+
+    batch = collate([Texts(32, 1)[i] for i in range(8)])
+    counts = (batch["labels"][:, 1:] != -100).sum(dim=1).reshape(4, 2).sum(dim=1)
+    assert len(set(counts.tolist())) > 1
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    out = tmp_path_factory.mktemp("clm_resume")
+    params = {
+        "plugin": PP,
+        "save_to": str(out / "state"),
+        "export_to": str(out / "export"),
+        "init_process_group": False,
+    }
+    return launch(4, "clm_scenarios.resume", params, out / "logs", timeout=600), out
+
+
+def test_save_state_resumes_exactly(resumed):
+    results, _ = resumed
+    for r in results:
+        full, first, again = r["full"], r["first"], r["resumed"]
+        torch.testing.assert_close(first["loss"] + again["loss"], full["loss"], rtol=0, atol=1e-6)
+        assert first["lr"] + again["lr"] == full["lr"]
+    full, again = results[0]["full"]["params"], results[0]["resumed"]["params"]
+    for name, value in full.items():
+        torch.testing.assert_close(again[name], value, rtol=0, atol=1e-6, msg=name)
+
+
+def test_gather_for_metrics_returns_each_sample_once(resumed):
+    """10 eval rows over 2 data-parallel ranks of 4-row batches: the last batch is completed
+    with repeated rows, which gather_for_metrics drops; pipeline ranks add no copies."""
+    from tests.distributed.clm_loop import Texts
+
+    firsts = sorted(int(row[0]) for row in Texts(10, 2).rows)
+    for r in resumed[0]:
+        assert sorted(r["full"]["eval_ids"]) == firsts
+
+
+def test_unwrap_model_exports_the_trained_weights(resumed):
+    from transformers import AutoModelForCausalLM
+
+    results, out = resumed
+    loaded = AutoModelForCausalLM.from_pretrained(out / "export").state_dict()
+    for name, value in results[0]["full"]["params"].items():
+        torch.testing.assert_close(loaded[name], value, rtol=0, atol=0, msg=name)

@@ -1,0 +1,82 @@
+"""`ZeroPPPlugin` settings and `ZeroPPAccelerator.prepare`'s refusals, in one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_zeropp.accelerate import ZeroPPAccelerator, ZeroPPPlugin
+from lightning_zeropp.accelerate.pipeline_model import PipelineOutput, accepts_num_items, loss_of
+from lightning_zeropp.core.config import ZeroPPConfig
+
+
+def test_unset_settings_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("ZEROPP_PP_SIZE", "4")
+    monkeypatch.setenv("ZEROPP_SCHEDULE", "gpipe")
+    config, from_env = ZeroPPPlugin(schedule="1f1b").resolved_config()
+    assert (config.pp_size, config.schedule, from_env) == (4, "1f1b", True)
+    config, from_env = ZeroPPPlugin(pp_size=2, schedule="1f1b").resolved_config()
+    assert (config.pp_size, from_env) == (2, False)
+
+
+def test_a_misspelt_setting_names_the_closest_field():
+    with pytest.raises(TypeError, match="did you mean 'pp_size'"):
+        ZeroPPPlugin(pp_szie=2)
+    with pytest.raises(TypeError, match="set them on the config"):
+        ZeroPPPlugin(ZeroPPConfig(pp_size=2), num_microbatches=4)
+
+
+def test_split_defaults_to_auto(monkeypatch):
+    monkeypatch.delenv("ZEROPP_SPLIT", raising=False)
+    assert ZeroPPPlugin().resolved_split() == "auto"
+    monkeypatch.setenv("ZEROPP_SPLIT", "stack")
+    assert ZeroPPPlugin().resolved_split() == "stack"
+
+
+def test_outputs_read_like_hf_outputs():
+    out = PipelineOutput(loss=torch.tensor(1.0), logits=torch.zeros(2, 3))
+    assert out.loss is out["loss"] is out[0] and out.to_tuple()[1] is out.logits
+    assert loss_of(out) is out.loss and loss_of({"loss": out.loss}) is out.loss
+    assert loss_of(torch.zeros(2)) is None
+
+
+def test_hf_causal_lms_take_the_token_count():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    assert accepts_num_items(AutoModelForCausalLM.from_config(config))
+    assert not accepts_num_items(nn.Linear(2, 2))
+
+
+def _objects():
+    model = nn.Sequential(nn.Linear(4, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader([{"input_ids": torch.zeros(4), "labels": torch.zeros(4)}] * 8, batch_size=2)
+    return model, opt, loader
+
+
+def test_a_layout_larger_than_the_launch_says_how_to_start_processes(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    accelerator = ZeroPPAccelerator(zeropp_plugin=ZeroPPPlugin(pp_size=2), cpu=True)
+    with pytest.raises(ValueError, match=r"pp_size \(2\).*--num_processes N"):
+        accelerator.prepare(*_objects())
+
+
+def test_prepare_needs_the_optimizer_and_the_model_first(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    accelerator = ZeroPPAccelerator(zeropp_plugin=ZeroPPPlugin(pp_size=1), cpu=True)
+    model, opt, loader = _objects()
+    with pytest.raises(ValueError, match="together with its optimizer"):
+        accelerator.prepare(model, loader)
+    with pytest.raises(ValueError, match="before other data loaders"):
+        accelerator.prepare(loader)
