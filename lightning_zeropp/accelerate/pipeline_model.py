@@ -93,7 +93,6 @@ class PipelineModel(nn.Module):
         # Causal LMs predict token t+1 at t: the first label of a row is never a target.
         self.shifts = is_causal_lm(original)
         self.eval_logits = True
-        self._pending: list[tuple[nn.Parameter, torch.Tensor]] = []
         self._captured: list[Any] | None = None
 
     # ---------------------------------------------------------------- calls
@@ -122,9 +121,8 @@ class PipelineModel(nn.Module):
             step = [p.grad for p in params]
             for p, g in zip(params, earlier, strict=True):
                 p.grad = g
-        self._pending = [(p, g) for p, g in zip(params, step, strict=True) if g is not None]
+        pending = [(p, g) for p, g in zip(params, step, strict=True) if g is not None]
         leaf = loss.detach().clone().requires_grad_()
-        pending = self._pending
         leaf.register_hook(lambda grad: self._apply(pending, grad))
         return PipelineOutput(loss=leaf)
 

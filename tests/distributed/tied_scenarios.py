@@ -207,12 +207,7 @@ def lightning_fit(family: str, layout: dict[str, Any], steps: int = 3) -> dict[s
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return make_optimizer("sgd", self.parameters())
 
-    class Record(pl.Callback):
-        def __init__(self) -> None:
-            self.logged: list[float] = []
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            self.logged.append(float(trainer.callback_metrics["train_loss"]))
+    from tests.distributed.lightning_scenarios import Record
 
     world = int(os.environ["WORLD_SIZE"])
     record = Record()
