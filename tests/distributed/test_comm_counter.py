@@ -44,7 +44,9 @@ def test_fsdp_step_traffic_is_on_dp_shard(tmp_path: Path) -> None:
         assert summary["all_gather"] == {
             "dp_shard": {"count": 2 * len(units), "bytes": 2 * shard_bytes}
         }
-        assert summary["all_reduce"] == {"dp_shard": {"count": 1, "bytes": FP32}}  # the loss
+        # The loss, and the int32 flag by which data-parallel ranks agree whether to rebuild the
+        # step's schedule (a rebuild gathers weights, so all rebuild when any must).
+        assert summary["all_reduce"] == {"dp_shard": {"count": 2, "bytes": FP32 + 4}}
         assert set(summary) == {"all_gather", "reduce_scatter", "all_reduce"}
 
 
