@@ -13,15 +13,16 @@ The adapter between `transformers` and the library; the core never imports trans
   `model.safetensors`) that `AutoModelForCausalLM.from_pretrained(path)` loads; the state dict comes
   from `ZeroPPStrategy.full_state_dict()` or `core.export.full_state_dict(...)`.
 
-Splitting: `split="trace"` (the default) with one micro-batch of `input_ids` as the example. The
-stages keep HF's names (`model.layers.3.mlp.up_proj.weight`, `lm_head.weight`); the rotary cos/sin
-and causal mask the first stage computes travel with the hidden states (relayed by `core.chain`
-past two stages). `split="stack"` does not apply: HF's decoder forward calls `embed_tokens`,
-`norm` and `lm_head` unconditionally and takes token ids, not hidden states, so a pruned copy
-cannot run a middle stage. Not supported yet: `pp_size * num_chunks == 1` (the single stage is the
-untraced model, whose `CausalLMOutputWithPast` output a pipeline stage cannot send), and
-`attention_mask` / `position_ids` inputs (rows are fixed-length token ids; mark padding in
-`labels` with -100, and note that the loss is then a mean of per-micro-batch means).
+Two ways in. A plain `AutoModelForCausalLM` (no preparation) is cut by the call split: it takes
+`attention_mask` and `position_ids`, keeps tied embeddings tied (`core.tied`), and its loss is
+HF's own, token-weighted through `models.hf_loss`. A model passed through `prepare_causal_lm` is
+cut by `split="trace"` with one micro-batch of `input_ids` as the example: the stages keep HF's
+names (`model.layers.3.mlp.up_proj.weight`, `lm_head.weight`); the rotary cos/sin and causal mask
+the first stage computes travel with the hidden states (relayed by `core.chain` past two stages).
+A traced graph takes fixed-length `input_ids` only (mark padding in `labels` with -100) and
+cannot keep a tied weight's copies apart, so tied models must be untied there. `split="stack"`
+does not apply: HF's decoder forward calls `embed_tokens`, `norm` and `lm_head` unconditionally
+and takes token ids, not hidden states, so a pruned copy cannot run a middle stage.
 """
 
 from __future__ import annotations
@@ -195,14 +196,11 @@ def export_hf(path: str | Path, state_dict: dict[str, torch.Tensor], config: Any
     sibling directory and renames it to `path` (the previous export, if any, is replaced only when
     the new one is complete). Other ranks' `state_dict` is ignored (pass what
     `full_state_dict` returned there: an empty dict).
+
+    A tied model (`config.tie_word_embeddings`) is written as `save_pretrained` writes it: the
+    first name of each tied weight only, after checking its pipelined copies (embedding on the
+    first stage, head on the last, `core.tied`) are equal.
     """
-    if getattr(config, "tie_word_embeddings", False):
-        # Checked on every rank before any collective: an HF loader would tie lm_head to the
-        # embedding and silently drop the trained lm_head.
-        raise ValueError(
-            "config.tie_word_embeddings is True, but the pipelined model trained lm_head and "
-            "embed_tokens separately; set config.tie_word_embeddings = False before exporting."
-        )
     config = copy.deepcopy(config)
     config.use_cache = True  # turned off for tracing only; generation wants it back
 
@@ -222,7 +220,8 @@ def _hf_state(state_dict: dict[str, torch.Tensor], config: Any) -> dict[str, tor
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        expected = list(AutoModelForCausalLM.from_config(config).state_dict())
+        model = AutoModelForCausalLM.from_config(config)
+    expected = list(model.state_dict())
     missing = [k for k in expected if k not in state_dict]
     if missing:
         raise ValueError(
@@ -230,9 +229,26 @@ def _hf_state(state_dict: dict[str, torch.Tensor], config: Any) -> dict[str, tor
             "pass the full state dict from ZeroPPStrategy.full_state_dict() or "
             "core.export.full_state_dict(), which is complete on global rank 0 only."
         )
+    for first, *others in _tied_groups(model):
+        for other in others:
+            if not torch.equal(state_dict[first], state_dict[other]):
+                raise ValueError(
+                    f"config.tie_word_embeddings is True but '{first}' and '{other}' differ: "
+                    "the model was trained untied. Set config.tie_word_embeddings = False "
+                    "before exporting."
+                )
+            expected.remove(other)  # HF's loader ties it back to `first`
     # Extras are constant buffers the traced stages registered (e.g. rotary frequencies), which
     # HF recomputes from the config.
     return {k: state_dict[k].contiguous() for k in expected}
+
+
+def _tied_groups(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter `model` holds under more than one name, in model order."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
 
 
 def _check_untied(config: Any, untie_embeddings: bool) -> None:
@@ -240,8 +256,9 @@ def _check_untied(config: Any, untie_embeddings: bool) -> None:
         raise ValueError(
             "tie_word_embeddings=True: lm_head shares the input embedding's weight, and pipeline "
             "stages cannot share a parameter. Pass untie_embeddings=True (lm_head gets its own "
-            "copy of the embedding; exports then say tie_word_embeddings=False), or build the "
-            "model with tie_word_embeddings=False."
+            "copy of the embedding; exports then say tie_word_embeddings=False), build the "
+            "model with tie_word_embeddings=False, or pass the plain model without "
+            "prepare_causal_lm: its default call split keeps the tie across stages."
         )
 
 

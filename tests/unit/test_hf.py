@@ -147,9 +147,34 @@ def test_export_refuses_partial_state_and_tied_config(tmp_path):
     with pytest.raises(RuntimeError, match=r"lacks 1 of the model's tensors.*lm_head.weight"):
         export_hf(tmp_path / "a", partial, model.config)
     assert list(tmp_path.iterdir()) == []
-    model.config.tie_word_embeddings = True
-    with pytest.raises(ValueError, match="config.tie_word_embeddings is True"):
+    model.config.tie_word_embeddings = True  # but embed_tokens and lm_head hold other values
+    with pytest.raises(
+        RuntimeError, match="'model.embed_tokens.weight' and 'lm_head.weight' differ"
+    ):
         export_hf(tmp_path / "b", model.state_dict(), model.config)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_tied_export_writes_one_copy_and_loads_tied(tmp_path):
+    """The pipelined copies of a tied weight (equal values, two names) export as HF saves a
+    tied model: one tensor, and the loaded model ties the head back to it."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("llama", tie_word_embeddings=True, **TINY)
+    model = AutoModelForCausalLM.from_config(config)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}  # separate copies
+    assert state["lm_head.weight"].data_ptr() != state["model.embed_tokens.weight"].data_ptr()
+    export_hf(tmp_path / "hf", state, model.config)
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    x = _tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, model(x).logits, rtol=0, atol=0)
 
 
 def test_from_pretrained_needs_a_local_directory(tmp_path):
