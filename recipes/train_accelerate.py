@@ -49,7 +49,7 @@ from torch.utils.data import DataLoader
 from lightning_zeropp.accelerate import prepare_pipeline
 from lightning_zeropp.metrics import CausalLMMetrics
 from lightning_zeropp.models import MarkovLanguage
-from lightning_zeropp.models.lit_gpt import warmup_cosine
+from lightning_zeropp.models.lr import warmup_cosine
 
 IGNORE_INDEX = -100
 

@@ -20,16 +20,9 @@ import torch.nn.functional as F
 
 from lightning_zeropp.metrics import CausalLMMetrics
 from lightning_zeropp.models.gpt import GPT, GPTConfig
+from lightning_zeropp.models.lr import warmup_cosine
 
 __all__ = ["LitGPT", "warmup_cosine"]
-
-
-def warmup_cosine(step: int, warmup_steps: int, max_steps: int) -> float:
-    """LR factor at optimizer step `step`: linear warm-up, then cosine decay to 10%."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
-    return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
 
 
 class LitGPT(pl.LightningModule):
