@@ -30,6 +30,7 @@ What differs from the base class, and why:
 from __future__ import annotations
 
 import copy
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,7 @@ from torch.utils.data import DataLoader
 from lightning_zeropp.accelerate.pipeline_model import NUM_ITEMS, PipelineModel, accepts_num_items
 from lightning_zeropp.accelerate.plugin import prepare_pipeline
 from lightning_zeropp.accelerate.zeropp_plugin import ZeroPPPlugin
+from lightning_zeropp.core import commit
 from lightning_zeropp.core.export import full_state_dict
 from lightning_zeropp.core.grads import clip_grad_norm_
 from lightning_zeropp.models.hf_loss import disable_kv_cache
@@ -179,22 +181,45 @@ class ZeroPPAccelerator(Accelerator):
 
     # ------------------------------------------------------------------------- state
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kw: Any):
-        """`Accelerator.save_state`, committed atomically when `output_dir` is given."""
-        if output_dir is None or self.pipeline is None:
+        """`Accelerator.save_state`, committed atomically (`core.commit`).
+
+        A named `output_dir` always holds a complete state (the previous one until the new one
+        is). Under `ProjectConfiguration(automatic_checkpoint_naming=True)` the state is written
+        outside `checkpoints/` and renamed in as `checkpoint_<iteration>`, so Accelerate's own
+        `load_state()` (the newest folder) never meets a half-written one; `total_limit` prunes
+        as Accelerate does.
+        """
+        if self.pipeline is None:
             return super().save_state(output_dir, safe_serialization, **kw)
-        final = Path(output_dir)
-        tmp = final.with_name(final.name + ".zeropp-tmp")
+        project = self.project_configuration
+        automatic = project.automatic_checkpoint_naming
+        if automatic:
+            final = Path(self.project_dir) / "checkpoints" / f"checkpoint_{self.save_iteration}"
+            if final.exists():
+                raise ValueError(
+                    f"Checkpoint directory {final} ({self.save_iteration}) already exists; set "
+                    "accelerator.project_configuration.iteration to the next free number."
+                )
+            tmp = commit.temporary(Path(self.project_dir) / final.name)
+        elif output_dir is None:
+            raise ValueError("save_state needs output_dir (or automatic_checkpoint_naming)")
+        else:
+            final = Path(output_dir)
+            tmp = commit.temporary(final)
         if self.is_main_process:
+            if automatic:
+                _prune(final.parent, project.total_limit)
             shutil.rmtree(tmp, ignore_errors=True)
         self.wait_for_everyone()
-        super().save_state(str(tmp), safe_serialization, **kw)
+        project.automatic_checkpoint_naming = False  # write where told: the temporary
+        try:
+            super().save_state(str(tmp), safe_serialization, **kw)
+        finally:
+            project.automatic_checkpoint_naming = automatic
         self.wait_for_everyone()
         if self.is_main_process:
-            old = final.with_name(final.name + ".zeropp-old")
-            if final.exists():
-                final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            commit.publish(tmp, final, link=not automatic)
         self.wait_for_everyone()
         return str(final)
 
@@ -220,6 +245,17 @@ class ZeroPPAccelerator(Accelerator):
 
 
 # ---------------------------------------------------------------------------------- helpers
+def _prune(folder: Path, total_limit: int | None) -> None:
+    """Make room for one more `checkpoint_<n>` under `total_limit`, oldest first (Accelerate's
+    rule, applied to the committed folders only)."""
+    if total_limit is None or not folder.is_dir():
+        return
+    saved = [p for p in folder.iterdir() if re.fullmatch(r"checkpoint_\d+", p.name)]
+    saved.sort(key=lambda p: int(p.name.split("_")[1]))
+    for old in saved[: max(0, len(saved) + 1 - total_limit)]:
+        commit.remove(old)
+
+
 def _unpack_call(token_weighted: bool) -> Any:
     """The example batch as the pipeline will call the model: `model(**batch)`, plus the
     `num_items_in_batch` it adds (HF passes it down to every block: the split's check must see

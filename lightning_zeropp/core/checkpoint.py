@@ -3,9 +3,9 @@
 Model and optimizer state go through torch's distributed checkpoint (DCP) with the model's original
 parameter names, so a checkpoint written under one layout loads under another. Optimizer state is
 saved flattened (keyed by parameter name): nested per-stage `param_groups` keys would collide across
-pipeline stages. The checkpoint is written to a temporary sibling directory and renamed into place
-only after every rank has finished, so a crash mid-write never leaves a half checkpoint under the
-real name.
+pipeline stages. The checkpoint is written to a temporary sibling directory and published under its
+name only after every rank has finished (`core.commit`): the name always holds a complete
+checkpoint, the previous one until the new one is.
 
 `load_full` is the other direction of `core.export`: every rank reads one whole, unsharded state
 (the model's `state_dict()`, an optimizer's one-process `state_dict()`) and keeps its own shards.
@@ -13,8 +13,6 @@ real name.
 
 from __future__ import annotations
 
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -30,6 +30,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from lightning_zeropp.core import commit
 
 __all__ = ["save_checkpoint", "load_checkpoint", "is_checkpoint", "load_full"]
 
@@ -49,13 +51,13 @@ def save_checkpoint(
 ) -> Path:
     """Collective: every rank calls it with the same `path` (on a filesystem all ranks share)."""
     path = Path(path)
-    tmp = _broadcast_str(str(path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")))
+    tmp = _broadcast_str(str(commit.temporary(path)))
     dcp.save(_state(model, optimizers), checkpoint_id=tmp)
     if dist.get_rank() == 0:
         torch.save(meta or {}, Path(tmp) / META_FILE)
     dist.barrier()
     if dist.get_rank() == 0:
-        _swap_into_place(Path(tmp), path)
+        commit.publish(Path(tmp), path)
     dist.barrier()
     return path
 
@@ -65,10 +67,20 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Load model (and optimizer) state in place; return the non-tensor metadata saved with it."""
     path = Path(path)
+    if _rank() == 0:
+        commit.recover(path)  # a save killed in its one non-atomic window left it aside
+    _raise_on_every_rank(None)  # doubles as the barrier: nobody looks before the recovery
     if not is_checkpoint(path):
         raise FileNotFoundError(f"{path} is not a ZeroPP checkpoint directory (no {META_FILE})")
     state = _state(model, optimizers)
-    dcp.load(state, checkpoint_id=str(path))
+    _raise_on_every_rank(_shape_problem(path, state["model"]))
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except CheckpointException as err:  # DCP's wraps every rank's traceback: name the cause
+        rank, (cause, _) = next(iter(err.failures.items()))
+        raise RuntimeError(
+            f"loading the checkpoint {path} failed on rank {rank}: {type(cause).__name__}: {cause}"
+        ) from err
     set_model_state_dict(model, state["model"], options=_OPTIONS)
     for i, opt in enumerate(optimizers):
         set_optimizer_state_dict(model, opt, state[f"optimizer_{i}"], options=_OPTIONS)
@@ -207,22 +219,45 @@ def _raise_on_every_rank(problem: str | None) -> None:
         raise ValueError(problems[0])
 
 
+def _shape_problem(path: Path, model_state: dict[str, Any]) -> str | None:
+    """What keeps this rank's part of the model from loading `path`, in one line, or None.
+
+    Read from the checkpoint's metadata before DCP starts, so a checkpoint of another model (or
+    another size) is named as such instead of failing inside DCP's planner.
+    """
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    missing, other = [], []
+    for name, value in model_state.items():
+        meta = saved.get(f"model.{name}")
+        if meta is None:
+            missing.append(name)
+        elif (
+            torch.is_tensor(value)
+            and isinstance(meta, TensorStorageMetadata)
+            and tuple(meta.size) != tuple(value.shape)
+        ):
+            other.append(f"`{name}` {list(meta.size)}, the model {list(value.shape)}")
+    if other:
+        more = f" (and {len(other) - 1} more)" if len(other) > 1 else ""
+        return f"the checkpoint {path} has {other[0]}{more}: it was saved from another model"
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        return (
+            f"the checkpoint {path} lacks {', '.join(missing[:3])}{more}: it was saved from "
+            "another model"
+        )
+    return None
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def _state(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
     state: dict[str, Any] = {"model": get_model_state_dict(model, options=_OPTIONS)}
     for i, opt in enumerate(optimizers):
         state[f"optimizer_{i}"] = get_optimizer_state_dict(model, opt, options=_OPTIONS)
     return state
-
-
-def _swap_into_place(tmp: Path, path: Path) -> None:
-    """Replace `path` by `tmp` so that `path` is always either the old or the new checkpoint."""
-    old = None
-    if path.exists():
-        old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
-        path.rename(old)
-    tmp.rename(path)
-    if old is not None:
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
 
 
 def _broadcast_str(value: str) -> str:

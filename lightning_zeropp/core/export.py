@@ -15,7 +15,6 @@ global rank 0 (the first stage's leader: ranks are laid out pp-major).
 from __future__ import annotations
 
 import shutil
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from lightning_zeropp.core.checkpoint import _swap_into_place
+from lightning_zeropp.core import commit
 from lightning_zeropp.core.mesh import ParallelDims
 
 __all__ = ["full_optimizer_state_dict", "full_state_dict", "save_consolidated", "save_file"]
@@ -136,11 +135,11 @@ def _on_rank0(path: Path, write: Callable[[Path], None]) -> Path:
     error: str | None = None
     original: BaseException | None = None
     if not distributed or dist.get_rank() == 0:
-        tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+        tmp = commit.temporary(path)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             write(tmp)
-            _swap_into_place(tmp, path)
+            commit.publish(tmp, path, link=False)  # an export stays a plain directory
         except Exception as err:  # reported to every rank below, then re-raised here
             if tmp.is_dir():
                 shutil.rmtree(tmp, ignore_errors=True)

@@ -16,7 +16,6 @@ How an unmodified LightningModule trains under a pipeline:
 from __future__ import annotations
 
 import datetime
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_zeropp.core import checkpoint as ckpt
-from lightning_zeropp.core import export
+from lightning_zeropp.core import commit, export
 from lightning_zeropp.core.batch import batch_size, take_rows
 from lightning_zeropp.core.call_adapter import CallAdapter, get_call_adapter
 from lightning_zeropp.core.call_split import meta_copy
@@ -413,11 +412,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         if self.is_global_zero:
-            path = Path(filepath)
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
+            commit.remove(filepath)  # a published directory is a link and its version
 
     def _raw_optimizers(self) -> list[torch.optim.Optimizer]:
         return [getattr(o, "_optimizer", o) for o in self.optimizers]

@@ -1,0 +1,180 @@
+"""Atomic commit (`core.commit`): a crash at any step of a save leaves a complete checkpoint
+under the name, or one the next load recovers; temporaries are cleaned; nothing else is touched.
+
+Crashes are simulated by making one filesystem step of `publish` raise, which leaves the
+directory exactly as a kill at that point would."""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_zeropp.core import commit
+from lightning_zeropp.core.checkpoint import load_checkpoint, save_checkpoint
+from tests.distributed.launch import free_port
+
+
+def _write(path: Path, text: str) -> Path:
+    """A 'checkpoint': a directory with one file saying which one it is."""
+    tmp = commit.temporary(path)
+    tmp.mkdir()
+    (tmp / "data").write_text(text)
+    return tmp
+
+
+def _save(path: Path, text: str) -> None:
+    commit.publish(_write(path, text), path)
+
+
+def _read(path: Path) -> str:
+    return (path / "data").read_text()
+
+
+def _entries(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+class Crash(RuntimeError):
+    pass
+
+
+def test_publish_replaces_through_a_link_and_cleans_up(tmp_path: Path) -> None:
+    path = tmp_path / "last.ckpt"
+    _save(path, "one")
+    _save(path, "two")
+    assert path.is_symlink() and _read(path) == "two"
+    assert len(_entries(tmp_path)) == 2  # the link and its one version, no old, no temporary
+    # Lightning's `ckpt_path="last"` globs `*last*.ckpt`: the link only, never a version.
+    assert glob.glob(str(tmp_path / "*last*.ckpt")) == [str(path)]
+
+
+def test_crash_while_writing_keeps_the_previous_and_the_next_save_cleans(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    _save(path, "one")
+    _write(path, "half")  # killed before publish: a temporary stays behind
+    assert _read(path) == "one"
+    _save(path, "two")
+    assert _read(path) == "two" and len(_entries(tmp_path)) == 2
+
+
+def test_crash_before_the_link_moves_keeps_the_previous(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "ckpt"
+    _save(path, "one")
+    with monkeypatch.context() as m:
+        m.setattr(commit.os, "replace", _raise)  # the new version is complete, not linked
+        with pytest.raises(Crash):
+            _save(path, "two")
+    assert _read(path) == "one"  # the name still holds a complete checkpoint
+    assert not commit.recover(path)  # nothing to recover: the name is fine
+    _save(path, "three")
+    assert _read(path) == "three" and len(_entries(tmp_path)) == 2
+
+
+def test_first_save_crashed_before_linking_is_recovered(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "ckpt"
+    with monkeypatch.context() as m:
+        m.setattr(commit.os, "replace", _raise)
+        with pytest.raises(Crash):
+            _save(path, "one")
+    assert not path.exists()
+    assert commit.recover(path)
+    assert _read(path) == "one" and len(_entries(tmp_path)) == 2
+
+
+def test_a_real_directory_is_migrated_and_its_window_recovered(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    (path / "data").write_text("legacy")
+    with monkeypatch.context() as m:  # killed after moving the directory aside
+        m.setattr(Path, "symlink_to", _raise)
+        with pytest.raises(Crash):
+            _save(path, "new")
+    assert not path.exists()
+    assert commit.recover(path)
+    assert _read(path) == "new"  # the newest complete version, not the legacy one
+    assert len(_entries(tmp_path)) == 2
+
+
+def test_non_link_publish_keeps_a_plain_directory(tmp_path: Path) -> None:
+    path = tmp_path / "export"
+    commit.publish(_write(path, "one"), path, link=False)
+    commit.publish(_write(path, "two"), path, link=False)
+    assert not path.is_symlink() and _read(path) == "two"
+    assert _entries(tmp_path) == ["export"]
+
+
+def test_files_are_replaced_in_one_step(tmp_path: Path) -> None:
+    path = tmp_path / "last.ckpt"
+    for text in ("one", "two"):
+        tmp = commit.temporary(path)
+        tmp.write_text(text)
+        commit.publish(tmp, path)
+    assert path.read_text() == "two" and _entries(tmp_path) == ["last.ckpt"]
+
+
+def test_remove_deletes_the_link_and_its_version_only(tmp_path: Path) -> None:
+    path = tmp_path / "epoch=0.ckpt"
+    _save(path, "one")
+    mine = [tmp_path / ".epoch=0.ckpt.mine", tmp_path / "epoch=0.ckpt.bak", tmp_path / "other"]
+    for p in mine:
+        p.write_text("not the library's")
+    other = tmp_path / "epoch=0.ckpt.v2"
+    _save(other, "a neighbour whose name extends this one's")
+    commit.remove(path)
+    assert not path.exists() and not path.is_symlink()
+    assert all(p.read_text() == "not the library's" for p in mine)
+    assert _read(other) == "a neighbour whose name extends this one's"
+    assert len(_entries(tmp_path)) == 5  # the three files, the neighbour's link and version
+
+
+def _raise(*args: object, **kwargs: object) -> None:
+    raise Crash("killed here")
+
+
+# ------------------------------------------------------------------ checkpoints of another model
+@pytest.fixture(scope="module")
+def group() -> Iterator[None]:
+    dist.init_process_group(
+        "gloo",
+        rank=0,
+        world_size=1,
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+        timeout=timedelta(seconds=60),
+    )
+    yield
+    dist.destroy_process_group()
+
+
+def test_checkpoint_errors_name_their_cause_in_one_line(tmp_path: Path, group: None) -> None:
+    path = tmp_path / "ckpt"
+    save_checkpoint(path, nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)), [])
+    other_size = nn.Sequential(nn.Linear(4, 16), nn.Linear(16, 2))
+    with pytest.raises(ValueError, match=r"has `0.weight` \[8, 4\], the model \[16, 4\] \(and 2"):
+        load_checkpoint(path, other_size, [])
+    other_model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2), nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"lacks 2.weight, 2.bias: it was saved from another"):
+        load_checkpoint(path, other_model, [])
+    shard = next(p for p in path.resolve().iterdir() if p.suffix == ".distcp")
+    os.remove(shard)
+    with pytest.raises(RuntimeError, match=r"failed on rank 0: FileNotFoundError: .*distcp"):
+        load_checkpoint(path, nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)), [])
+
+
+def test_a_checkpoint_left_aside_by_a_kill_loads(tmp_path: Path, group: None, monkeypatch) -> None:
+    model = nn.Linear(3, 3)
+    path = tmp_path / "ckpt"
+    with monkeypatch.context() as m:
+        m.setattr(commit.os, "replace", _raise)
+        with pytest.raises(Crash):
+            save_checkpoint(path, model, [])
+    fresh = nn.Linear(3, 3)
+    load_checkpoint(path, fresh, [])  # recovered first
+    torch.testing.assert_close(fresh.weight, model.weight, rtol=0, atol=0)
