@@ -26,7 +26,6 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from lightning_zeropp.accelerate import env
 from lightning_zeropp.accelerate.data import (
     Unpack,
     check_loader,
@@ -45,6 +44,7 @@ from lightning_zeropp.accelerate.optim import (
     rebuild_optimizer,
     retarget_scheduler,
 )
+from lightning_zeropp.core import env
 from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.engine import LossFn, ZeroPPEngine
 from lightning_zeropp.core.split import SplitMethod

@@ -18,6 +18,7 @@ from lightning_zeropp.core.schedule import SCHEDULES, schedule_style
 __all__ = ["ZeroPPConfig", "parse_dtype", "schedule_name", "RECOMPUTE", "GRAD_REDUCE"]
 
 RECOMPUTE = ("none", "all", "except_last")
+NONFINITE = ("raise", "skip")
 GRAD_REDUCE = ("step", "unit", "microbatch")
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -66,6 +67,9 @@ class ZeroPPConfig:
     `activation_checkpointing` (recomputation): False / "none", True / "all" (every block), or
     "except_last" (every block except those of the last stage, whose activations are consumed
     right after they are made: ZeroPP's policy). Recomputed stages run a full backward.
+
+    `nonfinite`: a NaN or inf training loss raises on every rank naming the step and the stage
+    ("raise", default) or drops that step's gradients on every rank ("skip"); `core.nonfinite`.
     """
 
     pp_size: int | None = None
@@ -82,6 +86,7 @@ class ZeroPPConfig:
     unit_size: int | None = None
     split_backward: bool | None = None
     grad_reduce: str = "step"
+    nonfinite: str = "raise"
 
     def resolve(self, world_size: int) -> ZeroPPConfig:
         """Return a copy with every default filled in and every setting checked."""
@@ -120,6 +125,12 @@ class ZeroPPConfig:
         if cfg.grad_reduce not in GRAD_REDUCE:
             raise ValueError(
                 f"grad_reduce={self.grad_reduce!r} is unknown; choose one of {list(GRAD_REDUCE)}."
+            )
+        cfg.nonfinite = str(cfg.nonfinite).lower()
+        if cfg.nonfinite not in NONFINITE:
+            raise ValueError(
+                f"nonfinite={self.nonfinite!r} is unknown; choose 'raise' (stop with the step and "
+                "stage named) or 'skip' (drop the step's gradients on every rank)."
             )
         if cfg.grad_reduce != "step" and cfg.schedule != "zeropp":
             raise ValueError(

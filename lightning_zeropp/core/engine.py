@@ -28,6 +28,7 @@ from lightning_zeropp.core.failure import FailureBoard, describe_rank
 from lightning_zeropp.core.grads import GradStash, clip_grad_norm_
 from lightning_zeropp.core.mesh import ParallelDims, build_mesh
 from lightning_zeropp.core.modules import merge_stage_modules
+from lightning_zeropp.core.nonfinite import NonFiniteWatch
 from lightning_zeropp.core.schedule import (
     build_eval_schedule,
     build_schedule,
@@ -136,6 +137,9 @@ class ZeroPPEngine:
         # A failure inside a step (say the loss raising on the last stage) becomes, on every
         # rank, an error naming the failing rank and its error, instead of transport errors.
         self.failures = FailureBoard(describe_rank(self.dims.mesh, self.stage_ids))
+        self.nonfinite = NonFiniteWatch(
+            modules, self.stage_ids, self.num_stages, self.device, cfg.nonfinite
+        )
         self.count_comms = count_comms
         self._axis_namer = mesh_axis_namer(self.dims.mesh)
         # {kind: {axis: {"count", "bytes"}}} of the last train_step, when count_comms is on
@@ -168,11 +172,15 @@ class ZeroPPEngine:
         losses: list[torch.Tensor] = []
         inputs, kw = self._stage_inputs(args, kwargs)
         counter = CommCounter(self._axis_namer) if self.count_comms else None
+        self.nonfinite.start()
         with self.failures.guard(), counter or contextlib.nullcontext():
             schedule.step(*inputs, target=target, losses=losses, return_outputs=False, **kw)
             # This step's gradients only: the stash holds earlier accumulation steps' ones.
             self._tied.sum_grads()
             loss = self._broadcast_loss(losses)
+        if self.nonfinite.check(loss):  # the same loss on every rank: all skip, or all raise
+            for p in self.parameters():
+                p.grad = None
         stash.release()
         if counter is not None:
             self.last_comms = counter.summary()

@@ -15,6 +15,7 @@ How an unmodified LightningModule trains under a pipeline:
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_zeropp.core import checkpoint as ckpt
-from lightning_zeropp.core import commit, export
+from lightning_zeropp.core import commit, env, export
 from lightning_zeropp.core.batch import batch_size, take_rows
 from lightning_zeropp.core.call_adapter import CallAdapter, get_call_adapter
 from lightning_zeropp.core.call_split import meta_copy
@@ -77,7 +78,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
 
     Args mirror `ZeroPPConfig` (pp_size, dp_shard_size, dp_replicate_size, num_microbatches,
     schedule, num_chunks, param_dtype, reduce_dtype, activation_checkpointing,
-    reshard_after_forward, split_points, unit_size, split_backward, grad_reduce), plus:
+    reshard_after_forward, split_points, unit_size, split_backward, grad_reduce, nonfinite), plus:
         split: "auto" (default: "call" unless the model names another), "call" (the network's
             own forward cut at its block calls; input shapes are read from the first batch, or
             from `example_input_array` if set), "trace" (torch.export; one micro-batch of fixed
@@ -118,6 +119,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
         unit_size: int | None = None,
         split_backward: bool | None = None,
         grad_reduce: str = "step",
+        nonfinite: str = "raise",
         split: SplitMethod = "auto",
         module_name: str | None = None,
         timeout: datetime.timedelta = datetime.timedelta(minutes=30),
@@ -131,7 +133,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
             timeout=timeout,
             process_group_backend=process_group_backend,
         )
-        self.zeropp_config = ZeroPPConfig(
+        self.zeropp_config = _with_env(
             pp_size=pp_size,
             dp_shard_size=dp_shard_size,
             dp_replicate_size=dp_replicate_size,
@@ -146,9 +148,10 @@ class ZeroPPStrategy(ModelParallelStrategy):
             unit_size=unit_size,
             split_backward=split_backward,
             grad_reduce=grad_reduce,
+            nonfinite=nonfinite,
         )
         self._log_comms = log_comms
-        self._split = split
+        self._split = (env.split_from_env() or "auto") if split == "auto" else split
         self._module_name = module_name
         self._pipelined: str | None = None  # the LightningModule attribute that was pipelined
         self._dims: ParallelDims | None = None
@@ -430,6 +433,17 @@ class ZeroPPStrategy(ModelParallelStrategy):
         (no LightningModule attribute prefix), on global rank 0; an empty dict elsewhere. Feed it
         to an exporter such as `lightning_zeropp.models.hf.export_hf`."""
         return export.full_state_dict(self.engine.module, self.engine.dims)
+
+
+def _with_env(**settings: Any) -> ZeroPPConfig:
+    """The config from the strategy's arguments over the `ZEROPP_*` variables (`core.env`).
+
+    An argument left at its default takes the variable's value when one is set; an unknown
+    `ZEROPP_*` name (a typo) is an error, as in the Accelerate front.
+    """
+    defaults = ZeroPPConfig()
+    given = {k: v for k, v in settings.items() if v != getattr(defaults, k)}
+    return dataclasses.replace(env.config_from_env(), **given)
 
 
 if "zeropp" not in StrategyRegistry:

@@ -15,7 +15,6 @@ from torch import nn
 from torch.optim import lr_scheduler as lrs
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_zeropp.accelerate import env
 from lightning_zeropp.accelerate.data import (
     check_loader,
     example_microbatch,
@@ -29,6 +28,7 @@ from lightning_zeropp.accelerate.optim import (
     retarget_scheduler,
 )
 from lightning_zeropp.accelerate.plugin import _check_accelerator, _resolved_config
+from lightning_zeropp.core import env
 from lightning_zeropp.core.config import ZeroPPConfig
 
 

@@ -79,6 +79,7 @@ def test_recompute_policy():
         (dict(grad_reduce="epoch"), 1, r"grad_reduce='epoch' is unknown"),
         (dict(grad_reduce="unit"), 1, r"grad_reduce='unit' applies to schedule='zeropp' only"),
         (dict(split_backward=True), 1, r"split_backward=True applies to schedule='zeropp' only"),
+        (dict(nonfinite="ignore"), 1, r"nonfinite='ignore' is unknown; choose 'raise'"),
         (dict(activation_checkpointing="some"), 1, r"activation_checkpointing='some' is unknown"),
     ],
 )

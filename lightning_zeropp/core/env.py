@@ -1,4 +1,4 @@
-"""ZeroPP settings from `ZEROPP_*` environment variables.
+"""ZeroPP settings from `ZEROPP_*` environment variables, read the same way by both fronts.
 
 `accelerate launch` rejects unknown keys in its YAML config, so pipeline settings reach a script
 the way Accelerate's own `FSDP_*` settings do: as environment variables, one per `ZeroPPConfig`
@@ -85,6 +85,7 @@ _PARSERS: dict[str, Callable[[str, str], Any]] = {
     "unit_size": _int,
     "split_backward": _bool,
     "grad_reduce": _str,
+    "nonfinite": _str,
 }
 
 # Environment variable -> ZeroPPConfig field.
