@@ -26,7 +26,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
@@ -413,6 +413,13 @@ class ZeroPPStrategy(ModelParallelStrategy):
         return ckpt.load_checkpoint(path, self.lightning_module, self._raw_optimizers())
 
     @override
+    def teardown(self) -> None:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        super().teardown()
+        if trainer is not None:
+            _check_trained(trainer)
+
+    @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         if self.is_global_zero:
             commit.remove(filepath)  # a published directory is a link and its version
@@ -433,6 +440,24 @@ class ZeroPPStrategy(ModelParallelStrategy):
         (no LightningModule attribute prefix), on global rank 0; an empty dict elsewhere. Feed it
         to an exporter such as `lightning_zeropp.models.hf.export_hf`."""
         return export.full_state_dict(self.engine.module, self.engine.dims)
+
+
+def _check_trained(trainer: pl.Trainer) -> None:
+    """A fit that ended normally without one training batch was not meant: say so, on every
+    rank (each rank's loader has the same length), instead of exiting 0 with an untrained model.
+    `limit_train_batches=0` and `max_steps=0` ask for no training and are left alone."""
+    state = trainer.state
+    if state.fn != TrainerFn.FITTING or state.status != TrainerStatus.RUNNING:
+        return
+    if trainer.limit_train_batches == 0 or trainer.max_steps == 0:
+        return
+    if trainer.num_training_batches == 0:
+        raise ValueError(
+            "the training dataloader gave no batches on this data-parallel rank, so fit trained "
+            "0 steps: the dataset is smaller than one batch per data-parallel rank (with "
+            "drop_last=True, or after the sampler split it). Use more data, a smaller "
+            "batch_size, or drop_last=False."
+        )
 
 
 def _with_env(**settings: Any) -> ZeroPPConfig:

@@ -67,6 +67,12 @@ def _lightning_step_without_model() -> None:
     _trainer(ZeroPPStrategy(pp_size=2)).fit(_StepWithoutModel(MODEL), loader)
 
 
+def _lightning_dataset_smaller_than_a_batch() -> None:
+    x = torch.zeros(6, MODEL.seq_len, dtype=torch.long)  # 2 data-parallel ranks of 3 rows
+    loader = DataLoader(TensorDataset(x, x), batch_size=4, drop_last=True)
+    _trainer(ZeroPPStrategy(pp_size=2)).fit(LitGPT(MODEL), loader)
+
+
 ATTEMPTS = {
     "world_mismatch": lambda: _engine(pp_size=3),
     "too_few_microbatches": lambda: _engine(pp_size=4, num_microbatches=2),
@@ -79,6 +85,7 @@ ATTEMPTS = {
     "unsplittable_model": lambda: _engine(nn.Linear(4, 4), pp_size=2),
     "lightning_bad_layout": _lightning_bad_layout,
     "lightning_step_without_model": _lightning_step_without_model,
+    "lightning_dataset_smaller_than_a_batch": _lightning_dataset_smaller_than_a_batch,
 }
 
 

@@ -18,6 +18,7 @@ EXPECTED = {
     "unsplittable_model": "no ModuleList, ModuleDict or nn.Sequential",
     "lightning_bad_layout": "pp_size (3) x dp_replicate_size (1) x dp_shard_size (1) = 3, but the world has 4",
     "lightning_step_without_model": "the step never called the network",
+    "lightning_dataset_smaller_than_a_batch": "the training dataloader gave no batches",
 }
 ERROR_TYPE = {"lightning_step_without_model": "RuntimeError"}
 
