@@ -206,6 +206,9 @@ class ZeroPPAccelerator(Accelerator):
         else:
             final = Path(output_dir)
             tmp = commit.temporary(final)
+        box = [str(tmp)]  # one temporary for all ranks: each writes its own files into it
+        dist.broadcast_object_list(box, src=0)
+        tmp = Path(box[0])
         if self.is_main_process:
             if automatic:
                 _prune(final.parent, project.total_limit)

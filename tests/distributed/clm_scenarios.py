@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
+from torch.utils.data import DataLoader
 
 from lightning_zeropp.accelerate import ZeroPPAccelerator, ZeroPPPlugin
-from tests.distributed.clm_loop import Args, train
+from tests.distributed.clm_loop import Args, Texts, build_model, collate, train
 
 PG = [InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=120))]
 
@@ -41,4 +43,37 @@ def resume(plugin: dict[str, Any], save_to: str, export_to: str) -> dict[str, An
     first = run([{"id": "first", "plugin": plugin, "args": {"stop_after": 2}, "save_to": save_to}])
     again = {"resume_from": save_to, "resumed_updates": 2, "init_seed": 7}
     resumed = run([{"id": "resumed", "plugin": plugin, "args": again}])["resumed"]
-    return {"full": full, "first": first["first"], "resumed": resumed}
+    automatic = automatic_naming(plugin, str(Path(save_to).parent / "project"))
+    return {"full": full, "first": first["first"], "resumed": resumed, "automatic": automatic}
+
+
+def automatic_naming(plugin: dict[str, Any], project_dir: str) -> dict[str, Any]:
+    """save_state() three times under automatic naming with total_limit=2, then load_state()
+    (Accelerate picks the newest folder) into other weights."""
+    import torch
+    from accelerate.utils import ProjectConfiguration
+    from torch.distributed.tensor import DTensor
+
+    project = ProjectConfiguration(project_dir, automatic_checkpoint_naming=True, total_limit=2)
+    accelerator = ZeroPPAccelerator(
+        zeropp_plugin=ZeroPPPlugin(**plugin),
+        cpu=True,
+        kwargs_handlers=PG,
+        project_config=project,
+    )
+    model = build_model(Args())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = DataLoader(Texts(16, 0), batch_size=2, collate_fn=collate)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    first = next(p for p in model.parameters())
+    for _ in range(3):
+        with torch.no_grad():
+            first.add_(1.0)  # each save holds other weights
+        accelerator.save_state()
+    saved = first.full_tensor() if isinstance(first, DTensor) else first.detach().clone()
+    listing = sorted(p.name for p in (Path(project_dir) / "checkpoints").iterdir())
+    with torch.no_grad():
+        first.zero_()
+    accelerator.load_state()
+    loaded = first.full_tensor() if isinstance(first, DTensor) else first.detach().clone()
+    return {"listing": listing, "equal": bool(torch.equal(saved, loaded)), "project": project_dir}

@@ -6,6 +6,8 @@ learning rates. The loop is unchanged between runs but for the accelerator's con
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -122,6 +124,16 @@ def test_save_state_resumes_exactly(resumed):
     full, again = results[0]["full"]["params"], results[0]["resumed"]["params"]
     for name, value in full.items():
         torch.testing.assert_close(again[name], value, rtol=0, atol=1e-6, msg=name)
+
+
+def test_save_state_with_automatic_naming_commits_and_prunes(resumed):
+    """Three saves under total_limit=2 leave checkpoint_1 and checkpoint_2 (plain folders, no
+    temporaries in checkpoints/ or beside it), and load_state() reads the newest."""
+    for r in resumed[0]:
+        assert r["automatic"]["listing"] == ["checkpoint_1", "checkpoint_2"]
+        assert r["automatic"]["equal"]
+    project = Path(resumed[0][0]["automatic"]["project"])
+    assert sorted(p.name for p in project.iterdir()) == ["checkpoints"]
 
 
 def test_gather_for_metrics_returns_each_sample_once(resumed):
