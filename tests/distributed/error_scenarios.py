@@ -1,11 +1,22 @@
-"""Bad input on every rank: each attempt must raise a clear error on all ranks, never hang."""
+"""Bad input on every rank: each attempt must raise a clear error on all ranks, never hang.
+
+Every attempt runs in one process group of 4 ranks, one after the other, so each must fail on
+every rank alike and leave the group usable: a bad input that only one rank sees (and that the
+failure board turns into a dead group) does not belong here. docs/bad-inputs.md lists them all.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -39,12 +50,12 @@ def _shape_change() -> None:
         engine.train_step(x, target=x)
 
 
-def _trainer(strategy: ZeroPPStrategy) -> pl.Trainer:
+def _trainer(strategy: ZeroPPStrategy, max_steps: int = 1) -> pl.Trainer:
     return pl.Trainer(
         accelerator="cpu",
         devices=4,
         strategy=strategy,
-        max_steps=1,
+        max_steps=max_steps,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -73,6 +84,136 @@ def _lightning_dataset_smaller_than_a_batch() -> None:
     _trainer(ZeroPPStrategy(pp_size=2)).fit(LitGPT(MODEL), loader)
 
 
+# ------------------------------------------------------------------ core: more engine inputs
+def _no_batch() -> None:
+    _engine(pp_size=2, dp_shard_size=2).train_step()
+
+
+def _tied_weights_traced() -> None:
+    model = make_model()
+    model.head.weight = model.tok_emb.weight
+    _engine(model, split="trace", pp_size=2, dp_shard_size=2)
+
+
+def _trace_without_example() -> None:
+    ZeroPPEngine(make_model(), ZeroPPConfig(pp_size=2), loss_fn=lm_loss, split="trace")
+
+
+# ------------------------------------------------------------------ Lightning: settings
+@contextlib.contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    """Set environment variables for one attempt and restore them after (raised or not)."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _strategy_under(**env: str) -> None:
+    with _environ(**env):
+        ZeroPPStrategy()
+
+
+def _loader(rows: int = 8, batch: int = 2, drop_last: bool = True) -> DataLoader:
+    x = torch.zeros(rows, MODEL.seq_len, dtype=torch.long)
+    return DataLoader(TensorDataset(x, x), batch_size=batch, drop_last=drop_last)
+
+
+def _fit(strategy: ZeroPPStrategy, module: pl.LightningModule | None = None, **kwargs: Any) -> None:
+    loader = kwargs.pop("loader", None)
+    loader = _loader() if loader is None else loader  # an empty DataLoader is falsy
+    _trainer(strategy, kwargs.pop("max_steps", 1)).fit(module or LitGPT(MODEL), loader, **kwargs)
+
+
+def _mixed_precision_trainer() -> None:
+    pl.Trainer(accelerator="cpu", devices=4, strategy=ZeroPPStrategy(), precision="bf16-mixed")
+
+
+# ------------------------------------------------------------------ Lightning: modules
+class _ManualOptimization(LitGPT):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False
+
+
+class _TwoNetworks(LitGPT):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.critic = nn.Linear(4, 4)  # a second child with parameters: which to pipeline?
+
+
+class _StepCallsASubmodule(LitGPT):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.model.tok_emb(batch[0]).mean()  # a piece of the split network
+
+
+# ------------------------------------------------------------------ Lightning: data
+def _lightning_indivisible_batch() -> None:
+    # 12 rows over 2 data-parallel ranks, batches of 3 rows: 3 do not split into 2 micro-batches
+    _fit(ZeroPPStrategy(pp_size=2, num_microbatches=2), loader=_loader(12, 3))
+
+
+def _lightning_short_last_batch() -> None:
+    # 10 rows: 5 per data-parallel rank, batches of 4 and then 1 row (drop_last=False)
+    loader = _loader(10, 4, drop_last=False)
+    _fit(ZeroPPStrategy(pp_size=2, num_microbatches=2), loader=loader, max_steps=2)
+
+
+# ------------------------------------------------------------------ Lightning: checkpoints
+def _barrier_after_rank0(write: Any) -> None:
+    if dist.get_rank() == 0:
+        write()
+    dist.barrier()
+
+
+def _ckpt_of_another_size(work_dir: Path) -> None:
+    from lightning_zeropp.core.checkpoint import save_checkpoint
+
+    path = work_dir / "narrow.ckpt"  # a sharded (DCP) checkpoint of a model of dim 16
+    save_checkpoint(path, LitGPT(dataclasses.replace(MODEL, dim=16)), [], {"global_step": 0})
+    _fit(ZeroPPStrategy(pp_size=2), ckpt_path=str(path))
+
+
+def _full_ckpt_of_another_depth(work_dir: Path) -> None:
+    path = work_dir / "shallow.ckpt"  # a full Lightning checkpoint file of a 6-block model
+    shallow = LitGPT(dataclasses.replace(MODEL, num_layers=6))
+    _barrier_after_rank0(lambda: torch.save({"state_dict": shallow.state_dict()}, path))
+    _fit(ZeroPPStrategy(pp_size=2), ckpt_path=str(path))
+
+
+def _ckpt_not_from_lightning(work_dir: Path) -> None:
+    path = work_dir / "weights.pt"  # a bare state_dict, not a Lightning checkpoint
+    _barrier_after_rank0(lambda: torch.save(LitGPT(MODEL).state_dict(), path))
+    _fit(ZeroPPStrategy(pp_size=2), ckpt_path=str(path))
+
+
+def _ckpt_missing(work_dir: Path) -> None:
+    _fit(ZeroPPStrategy(pp_size=2), ckpt_path=str(work_dir / "never-saved.ckpt"))
+
+
+# ------------------------------------------------------------------ Accelerate
+def _accelerate(env: dict[str, str] | None = None, batch: int = 16, **settings: Any) -> None:
+    """`prepare_pipeline` as a user's script calls it, layout from `settings` or `env`."""
+    from accelerate import Accelerator
+
+    from lightning_zeropp.accelerate import prepare_pipeline
+
+    with _environ(**(env or {})):
+        accelerator = Accelerator(cpu=True)
+        net = make_model()
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        x = torch.zeros(32, MODEL.seq_len, dtype=torch.long)
+        loader = DataLoader(TensorDataset(x, x), batch_size=batch, drop_last=True)
+        config = ZeroPPConfig(**settings) if settings else None
+        prepare_pipeline(accelerator, net, opt, loader, loss_fn=lm_loss, config=config)
+
+
 ATTEMPTS = {
     "world_mismatch": lambda: _engine(pp_size=3),
     "too_few_microbatches": lambda: _engine(pp_size=4, num_microbatches=2),
@@ -86,15 +227,62 @@ ATTEMPTS = {
     "lightning_bad_layout": _lightning_bad_layout,
     "lightning_step_without_model": _lightning_step_without_model,
     "lightning_dataset_smaller_than_a_batch": _lightning_dataset_smaller_than_a_batch,
+    # core
+    "split_typo": lambda: _engine(pp_size=2, dp_shard_size=2, split="calll"),
+    "bad_split_points": lambda: _engine(pp_size=2, dp_shard_size=2, split_points=[9]),
+    "no_batch": _no_batch,
+    "tied_weights_traced": _tied_weights_traced,
+    "trace_without_example": _trace_without_example,
+    # Lightning: settings (ZEROPP_* read as the Accelerate front reads them)
+    "lightning_env_typo": lambda: _strategy_under(ZEROPP_PP_SIZ="2"),
+    "lightning_env_not_an_integer": lambda: _strategy_under(ZEROPP_NUM_MICROBATCHES="four"),
+    "lightning_env_split_typo": lambda: _strategy_under(ZEROPP_SPLIT="pipe"),
+    "lightning_state_dict_type_typo": lambda: ZeroPPStrategy(state_dict_type="fulll"),
+    "lightning_split_typo": lambda: _fit(ZeroPPStrategy(pp_size=2, split="calll")),
+    "lightning_bad_dtype": lambda: _fit(ZeroPPStrategy(pp_size=2, param_dtype="bfloat")),
+    "lightning_mixed_precision": _mixed_precision_trainer,
+    # Lightning: modules
+    "lightning_manual_optimization": lambda: _fit(ZeroPPStrategy(), _ManualOptimization(MODEL)),
+    "lightning_two_networks": lambda: _fit(ZeroPPStrategy(), _TwoNetworks(MODEL)),
+    "lightning_step_calls_a_submodule": lambda: _fit(ZeroPPStrategy(), _StepCallsASubmodule(MODEL)),
+    # Lightning: data
+    "lightning_indivisible_batch": _lightning_indivisible_batch,
+    "lightning_short_last_batch": _lightning_short_last_batch,
+    "lightning_empty_dataset": lambda: _fit(ZeroPPStrategy(pp_size=2), loader=_loader(0)),
+    # Lightning: checkpoints (ckpt_path=)
+    "lightning_ckpt_of_another_size": _ckpt_of_another_size,
+    "lightning_full_ckpt_of_another_depth": _full_ckpt_of_another_depth,
+    "lightning_ckpt_not_from_lightning": _ckpt_not_from_lightning,
+    "lightning_ckpt_missing": _ckpt_missing,
+    # Accelerate (last: Accelerate's state is per process)
+    "accelerate_env_typo": lambda: _accelerate(env={"ZEROPP_SCHEDUEL": "gpipe"}),
+    "accelerate_env_bad_dtype": lambda: _accelerate(
+        env={"ZEROPP_PP_SIZE": "2", "ZEROPP_PARAM_DTYPE": "fp8"}
+    ),
+    "accelerate_indivisible_loader": lambda: _accelerate(batch=6, pp_size=2, num_microbatches=4),
+}
+_NEEDS_DIR = {
+    "lightning_ckpt_of_another_size",
+    "lightning_full_ckpt_of_another_depth",
+    "lightning_ckpt_not_from_lightning",
+    "lightning_ckpt_missing",
 }
 
 
-def attempt_all() -> dict[str, str]:
-    """Each attempt's error, as 'Type: message' (or 'no error')."""
+def attempt_all(work_dir: str, only: list[str] | None = None) -> dict[str, str]:
+    """Each attempt's error, as 'Type: message' (or 'no error'). `work_dir`: a directory every
+    rank shares, for the checkpoints the attempts write; `only`: these attempts (debugging)."""
     out = {}
     for name, fn in ATTEMPTS.items():
+        if only is not None and name not in only:
+            continue
         try:
-            fn()
+            if name in _NEEDS_DIR:
+                folder = Path(work_dir) / name
+                folder.mkdir(parents=True, exist_ok=True)
+                fn(folder)
+            else:
+                fn()
             out[name] = "no error"
         except Exception as err:  # noqa: BLE001 - the test inspects what was raised
             out[name] = f"{type(err).__name__}: {err}"

@@ -1,4 +1,5 @@
-"""Bad settings and bad batches fail on every rank with a message naming the value and the fix."""
+"""Bad settings, models, data and checkpoints fail on every rank with a message naming the value
+and the fix (docs/bad-inputs.md lists every case the suite tries, these and the others)."""
 
 from __future__ import annotations
 
@@ -19,15 +20,54 @@ EXPECTED = {
     "lightning_bad_layout": "pp_size (3) x dp_replicate_size (1) x dp_shard_size (1) = 3, but the world has 4",
     "lightning_step_without_model": "the step never called the network",
     "lightning_dataset_smaller_than_a_batch": "the training dataloader gave no batches",
+    # core
+    "split_typo": "split='calll' is unknown; use 'auto', 'call', 'trace', 'stack' or a callable",
+    "bad_split_points": "split_points=[9] must list 1 strictly increasing block indices in 1..7",
+    "no_batch": "train_step / eval_step got no batch",
+    "tied_weights_traced": "'tok_emb.weight' and 'head.weight' are the same tensor (tied weights)",
+    "trace_without_example": "split='trace' needs one example micro-batch of model inputs",
+    # Lightning: settings
+    "lightning_env_typo": "unknown environment variable ZEROPP_PP_SIZ='2'; did you mean ZEROPP_PP_SIZE?",
+    "lightning_env_not_an_integer": "ZEROPP_NUM_MICROBATCHES='four' is not an integer",
+    "lightning_env_split_typo": "ZEROPP_SPLIT='pipe' is unknown; use one of ('auto', 'call'",
+    "lightning_state_dict_type_typo": "state_dict_type='fulll' is not one of ('sharded', 'full')",
+    "lightning_split_typo": "split='calll' is unknown",
+    "lightning_bad_dtype": "param_dtype='bfloat' is not a known dtype; use one of",
+    "lightning_mixed_precision": "keep the Trainer's precision at '32-true' and pass ZeroPPStrategy(param_dtype='bf16')",
+    # Lightning: modules
+    "lightning_manual_optimization": "ZeroPPStrategy needs automatic optimization",
+    "lightning_two_networks": "_TwoNetworks has 2 child modules with parameters (['model', 'critic']); ZeroPPStrategy pipelines one. Pass module_name=",
+    "lightning_step_calls_a_submodule": "self.model.tok_emb is not reachable inside a step under ZeroPPStrategy",
+    # Lightning: data
+    "lightning_indivisible_batch": "a batch of 3 rows does not split into num_microbatches=2",
+    "lightning_short_last_batch": "a batch of 1 rows does not split into num_microbatches=2",
+    "lightning_empty_dataset": "the training dataloader gave no batches",
+    # Lightning: checkpoints
+    "lightning_ckpt_of_another_size": "has `model.tok_emb.weight` [64, 16], the model [64, 32] (and 45 more): it was saved from another model",
+    "lightning_full_ckpt_of_another_depth": "the checkpoint does not fit this model: 22 missing (model.blocks.6.",
+    "lightning_ckpt_not_from_lightning": "weights.pt is not a Lightning checkpoint: it has no 'state_dict'",
+    "lightning_ckpt_missing": "never-saved.ckpt is not a ZeroPP checkpoint directory (no meta.pt)",
+    # Accelerate
+    "accelerate_env_typo": "unknown environment variable ZEROPP_SCHEDUEL='gpipe'; did you mean ZEROPP_SCHEDULE?",
+    "accelerate_env_bad_dtype": "param_dtype='fp8' is not a known dtype; use one of ['16', '32', 'bf16', 'bfloat16', 'float16', 'float32', 'fp16', 'fp32']. (settings from the environment: ZEROPP_PARAM_DTYPE=fp8 (param_dtype)",
+    "accelerate_indivisible_loader": "each data-parallel rank gets 6 rows per batch (batch_size=6, dp_size=2, split_batches=False), which do not split into num_microbatches=4",
 }
-ERROR_TYPE = {"lightning_step_without_model": "RuntimeError"}
+ERROR_TYPE = {
+    "lightning_step_without_model": "RuntimeError",
+    "lightning_step_calls_a_submodule": "AttributeError",
+    "lightning_ckpt_missing": "FileNotFoundError",
+}
 
 
 @pytest.fixture(scope="module")
 def errors(tmp_path_factory):
-    return launch(
-        4, "error_scenarios.attempt_all", {}, tmp_path_factory.mktemp("errors"), timeout=240
-    )
+    out = tmp_path_factory.mktemp("errors")
+    params = {"work_dir": str(out / "work")}
+    return launch(4, "error_scenarios.attempt_all", params, out, timeout=240)
+
+
+def test_every_attempt_is_checked(errors):
+    assert set(errors[0]) == set(EXPECTED)
 
 
 @pytest.mark.parametrize("name", EXPECTED)

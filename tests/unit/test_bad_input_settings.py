@@ -1,0 +1,80 @@
+"""Settings and `ZEROPP_*` variables not in test_config.py / test_accelerate.py's tables: each
+mistake is a ValueError naming the value and the fix, raised where every rank checks it alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_zeropp import ZeroPPConfig, ZeroPPStrategy
+from lightning_zeropp.accelerate.plugin import _resolved_config
+from lightning_zeropp.core import env
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(reduce_dtype="bf32"), r"reduce_dtype='bf32' is not a known dtype; use one of"),
+        (dict(param_dtype="int8"), r"param_dtype='int8' is not a known dtype"),
+        (dict(dp_replicate_size=0), r"dp_replicate_size=0 must be a positive integer"),
+        (dict(num_microbatches=0), r"num_microbatches=0 must be a positive integer"),
+        (dict(num_microbatches=2.0), r"num_microbatches=2.0 must be a positive integer"),
+        (dict(pp_size="2"), r"pp_size='2' must be a positive integer"),  # a YAML string
+        (dict(schedule="interleaved_1f1b", num_chunks=0), r"num_chunks=0 must be a positive"),
+        (dict(schedule="zeropp", unit_size=0), r"unit_size=0 must be a positive integer"),
+        (
+            dict(pp_size=2, dp_shard_size=2, dp_replicate_size=2),
+            r"pp_size \(2\) x dp_replicate_size \(2\) x dp_shard_size \(2\) = 8, but the world "
+            r"has 4 processes; choose sizes",
+        ),
+        (
+            dict(schedule="dualpipev", pp_size=2, num_microbatches=1),
+            r"num_microbatches=1 is too few for schedule='dualpipev' with pp_size=2",
+        ),
+        (
+            dict(schedule="zbv", pp_size=2, split_backward=True),
+            r"split_backward=True applies to schedule='zeropp' only \(got schedule='zbv'\)",
+        ),
+        (dict(schedule=None), r"schedule=None is unknown; choose one of"),
+    ],
+)
+def test_more_bad_settings_name_the_value(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ZeroPPConfig(**kwargs).resolve(4)
+
+
+@pytest.mark.parametrize(
+    ("environ", "match"),
+    [
+        (
+            {"ZEROPP_RESHARD_AFTER_FORWARD": "maybe"},
+            r"ZEROPP_RESHARD_AFTER_FORWARD='maybe' is not a boolean; use one of",
+        ),
+        ({"ZEROPP_NUM_CHUNKS": "1.5"}, r"ZEROPP_NUM_CHUNKS='1.5' is not an integer"),
+        (
+            {"ZEROPP_pp_size": "2"},  # the right name in the wrong case
+            r"unknown environment variable ZEROPP_pp_size='2'; ZeroPP reads only ZEROPP_PP_SIZE",
+        ),
+    ],
+)
+def test_more_bad_variables_are_named(environ, match):
+    with pytest.raises(ValueError, match=match):
+        env.config_from_env(environ)
+
+
+def test_a_bad_policy_from_the_environment_names_the_variable(monkeypatch):
+    monkeypatch.setenv("ZEROPP_ACTIVATION_CHECKPOINTING", "some")
+    with pytest.raises(
+        ValueError,
+        match=r"activation_checkpointing='some' is unknown.*ZEROPP_ACTIVATION_CHECKPOINTING=some",
+    ):
+        _resolved_config(None, 4)
+
+
+def test_lightning_refuses_a_misspelt_variable_even_when_code_sets_everything(monkeypatch):
+    monkeypatch.setenv("ZEROPP_SCHEDUEL", "gpipe")
+    with pytest.raises(ValueError, match=r"ZEROPP_SCHEDUEL='gpipe'; did you mean ZEROPP_SCHEDULE"):
+        ZeroPPStrategy(pp_size=2, dp_shard_size=2, schedule="gpipe", num_microbatches=4)
+    monkeypatch.delenv("ZEROPP_SCHEDUEL")
+    monkeypatch.setenv("ZEROPP_SPLIT", "")
+    with pytest.raises(ValueError, match=r"ZEROPP_SPLIT is set but empty"):
+        ZeroPPStrategy()
