@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
@@ -11,22 +10,8 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from lightning_zeropp.core.comm import CommCounter, mesh_axis_namer
-from tests.distributed.launch import free_port
 
 NAMES = ("all_reduce", "all_gather_into_tensor", "all_gather_single", "isend", "batch_isend_irecv")
-
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[None]:
-    dist.init_process_group(
-        "gloo",
-        rank=0,
-        world_size=1,
-        init_method=f"tcp://127.0.0.1:{free_port()}",
-        timeout=timedelta(seconds=60),
-    )
-    yield
-    dist.destroy_process_group()
 
 
 def _originals() -> dict[str, object]:

@@ -8,18 +8,14 @@ from __future__ import annotations
 
 import glob
 import os
-from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_zeropp.core import commit
 from lightning_zeropp.core.checkpoint import load_checkpoint, save_checkpoint
-from tests.distributed.launch import free_port
 
 
 def _write(path: Path, text: str) -> Path:
@@ -140,19 +136,6 @@ def _raise(*args: object, **kwargs: object) -> None:
 
 
 # ------------------------------------------------------------------ checkpoints of another model
-@pytest.fixture(scope="module")
-def group() -> Iterator[None]:
-    dist.init_process_group(
-        "gloo",
-        rank=0,
-        world_size=1,
-        init_method=f"tcp://127.0.0.1:{free_port()}",
-        timeout=timedelta(seconds=60),
-    )
-    yield
-    dist.destroy_process_group()
-
-
 def test_checkpoint_errors_name_their_cause_in_one_line(tmp_path: Path, group: None) -> None:
     path = tmp_path / "ckpt"
     save_checkpoint(path, nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)), [])

@@ -5,29 +5,13 @@ from __future__ import annotations
 import pickle
 import socket
 import struct
-from collections.abc import Iterator
-from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 
 from lightning_zeropp.core.failure import FailureBoard, PeerFailedError, _cut_gloo_connections
-from tests.distributed.launch import free_port
 
 RECORD = "lightning_zeropp/failure/first"
-
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[None]:
-    dist.init_process_group(
-        "gloo",
-        rank=0,
-        world_size=1,
-        init_method=f"tcp://127.0.0.1:{free_port()}",
-        timeout=timedelta(seconds=60),
-    )
-    yield
-    dist.destroy_process_group()
 
 
 def _board(store: dist.Store) -> FailureBoard:
