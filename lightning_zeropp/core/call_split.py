@@ -8,7 +8,8 @@ calls before and after the blocks. Its forward is the model's own, run on the re
 - outer modules of other stages are stubs returning zeros shaped like their real output (computed
   on a meta-device copy), so the code around them runs; what that code computes is discarded;
 - a stub answers attribute reads from its meta-device copy (`self.layers[0].self_attn.batch_first`);
-- on stage k > 0 the first block's arguments are replaced by those stage k-1 sent;
+- on stage k > 0 the first block's arguments are replaced by those stage k-1 sent, except those
+  computed from the model inputs alone (masks, position tables), which every stage computes;
 - on stage k < last the forward runs on (the rest is stubs) and the stage returns its last
   block's output and the other block arguments instead of the model's output.
 
@@ -46,7 +47,8 @@ class CallPlan:
     first_units: tuple[str, ...]  # outer modules with parameters, called before the blocks
     last_units: tuple[str, ...]  # ... called after them
     spec: TreeSpec  # of a block call's (args, kwargs)
-    slots: tuple[int, ...]  # the tensor leaves: the hidden state first, then the others in order
+    slots: tuple[int, ...]  # the tensor leaves sent on: the hidden state first, then the others
+    local: tuple[int, ...]  # tensor leaves each stage computes itself from the model inputs
     out_index: int | None  # where that output sits in a block's return value (None: it is it)
     out_len: int  # the length of a block's return value when it is a tuple
 
@@ -150,7 +152,8 @@ def _dry_run(
 
     def block_pre(i: int) -> Callable[..., Any]:
         def hook(module: nn.Module, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
-            calls.append([i, a, kw, None])
+            sources = [tagger.of(t) for t in tree_flatten((a, kw))[0]]
+            calls.append([i, a, kw, None, sources])
             events.append(("block", i))
             tagger.after = None
             clean = tree_map(lambda t: t.view_as(t) if isinstance(t, torch.Tensor) else t, (a, kw))
@@ -253,16 +256,22 @@ def _plan(
     leaves, spec = tree_flatten((calls[0][1], calls[0][2]))
     hidden, out_index = _chain(calls, leaves, spec, refuse)
     others = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and i != hidden]
+    # A block argument computed from the model inputs alone (a padding mask, position ids and
+    # rotary tables, a constant) is the same on every stage, which holds the micro-batch: each
+    # stage computes its own, so it may also be None for some batches (HF builds no mask for an
+    # unpadded one). One that depends on an outer module's output or on a random draw is sent.
+    sources = calls[0][4]
+    local = tuple(i for i in others if not sources[i])
+    slots = (hidden, *(i for i in others if sources[i]))
     out = calls[0][3]
     out_len = 1 if isinstance(out, torch.Tensor) else len(out)
-    slots = (hidden, *others)
-    return CallPlan(blocks, tuple(first), tuple(last), spec, slots, out_index, out_len)
+    return CallPlan(blocks, tuple(first), tuple(last), spec, slots, local, out_index, out_len)
 
 
 def _chain(calls: list[list[Any]], leaves: list[Any], spec: TreeSpec, refuse: Callable) -> Any:
     """Which leaf carries the previous block's output, and where that output sits in a return."""
     found: tuple[int, int | None] | None = None
-    for (_, a0, k0, out), (_, a1, k1, _) in zip(calls, calls[1:], strict=False):
+    for (_, a0, k0, out, _), (_, a1, k1, _, _) in zip(calls, calls[1:], strict=False):
         prev, spec0 = tree_flatten((a0, k0))
         now, spec1 = tree_flatten((a1, k1))
         outs = [out] if isinstance(out, torch.Tensor) else list(out)

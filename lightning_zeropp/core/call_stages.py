@@ -30,14 +30,27 @@ class _Stub(nn.Module):
     first block or discarded (the dry run checked nothing else reads it)."""
 
     def __init__(
-        self, meta: nn.Module, name: str, device: torch.device, block: CallPlan | None = None
+        self,
+        meta: nn.Module,
+        name: str,
+        device: torch.device,
+        block: CallPlan | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        if dtype is not None:
+            # The stage holding the module computes with its parameters and floating inputs
+            # cast (FSDP2 mixed precision): the zeros here get the dtype the real output has,
+            # which code after it may read (HF's rotary tables and float masks take it).
+            for p in meta.parameters():
+                if p.is_floating_point():
+                    p.data = p.data.to(dtype)
         # Plain attributes, not submodules: a stub holds no parameters and no state.
         object.__setattr__(self, "_meta", meta)
         object.__setattr__(self, "_unit", name)
         object.__setattr__(self, "_device", device)
         object.__setattr__(self, "_block", block)
+        object.__setattr__(self, "_dtype", dtype)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         plan = self._block
@@ -46,9 +59,15 @@ class _Stub(nn.Module):
             if plan.out_index is None:
                 return hidden
             return tuple(hidden if i == plan.out_index else None for i in range(plan.out_len))
-        meta_args, meta_kwargs = tree_map(_to_meta, (args, kwargs))
+        meta_args, meta_kwargs = tree_map(self._to_meta, (args, kwargs))
         out = self._meta(*meta_args, **meta_kwargs)
         return tree_map(self._zeros, out)
+
+    def _to_meta(self, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        cast = self._dtype is not None and x.is_floating_point()
+        return torch.empty_like(x, device="meta", dtype=self._dtype if cast else x.dtype)
 
     def _zeros(self, x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
@@ -59,10 +78,6 @@ class _Stub(nn.Module):
         # Attributes (flags, sub-configs, submodules) read from the meta-device copy; tensors
         # read that way are on the meta device, so using one in real compute fails loudly.
         return getattr(self.__dict__["_meta"], name)
-
-
-def _to_meta(x: Any) -> Any:
-    return torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x
 
 
 class _DenseGrad(torch.autograd.Function):
@@ -100,9 +115,10 @@ class _StageState:
         return self._swap(args, kwargs, self.plan.slots, self.received)
 
     def inner(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
-        """A later block's arguments: the hidden state is its own; the other tensors (masks,
-        rotary tables, an encoder's memory) are what the previous stage sent, since this
-        stage's forward computed them from stubs."""
+        """A later block's arguments: the hidden state is its own; the other tensors computed
+        from outer modules (an encoder's memory) are what the previous stage sent, since this
+        stage's forward computed them from stubs; those computed from the model inputs alone (a
+        mask, rotary tables) are this stage's own (`CallPlan.local`)."""
         assert self.received is not None
         return self._swap(args, kwargs, self.plan.slots[1:], self.received[1:])
 
@@ -125,6 +141,14 @@ class _StageState:
         leaves, _ = tree_flatten((args, kwargs))
         hidden = out if self.plan.out_index is None else out[self.plan.out_index]
         self.sent = (hidden, *(leaves[slot] for slot in self.plan.slots[1:]))
+        for slot, value in zip(self.plan.slots, self.sent, strict=True):
+            if not isinstance(value, torch.Tensor):
+                raise RuntimeError(
+                    f"pipeline stage {self.stage}: block argument {slot} (in the order "
+                    "torch.utils._pytree flattens (args, kwargs)) was a tensor computed from an "
+                    f"outer module when split='call' checked the model and is {value!r} for this "
+                    "batch; the next stage needs it. Keep that argument a tensor for every batch."
+                )
 
     def run(self, *received: torch.Tensor, **flat_inputs: Any) -> Any:
         args, kwargs = self.inputs.unflatten(flat_inputs)
@@ -208,9 +232,11 @@ def build_call_stages(
     stage_ids: Sequence[int],
     inputs: CallInputs,
     device: torch.device,
+    dtype: torch.dtype | None = None,
 ) -> list[nn.Module]:
-    """This rank's stage modules of `model` under `plan`."""
-    return [_call_stage(model, plan, s, inputs, device) for s in stage_ids]
+    """This rank's stage modules of `model` under `plan`; `dtype` is the compute dtype of the
+    parameters when it is not theirs (FSDP2 mixed precision)."""
+    return [_call_stage(model, plan, s, inputs, device, dtype) for s in stage_ids]
 
 
 def _call_stage(
@@ -219,6 +245,7 @@ def _call_stage(
     stage: int,
     inputs: CallInputs,
     device: torch.device,
+    dtype: torch.dtype | None,
 ) -> nn.Module:
     blocks = plan.blocks
     first, last = stage == 0, stage == len(blocks.ranges) - 1
@@ -231,7 +258,7 @@ def _call_stage(
     away = [*(() if first else plan.first_units), *(() if last else plan.last_units)]
     for name in away:
         unit = model.get_submodule(name)
-        memo[id(unit)] = _Stub(meta_copy(unit), name, device)
+        memo[id(unit)] = _Stub(meta_copy(unit), name, device, dtype=dtype)
     stage_model = copy.deepcopy(model, memo)
     state = _StageState(plan, stage, inputs)
     mine = [stage_model.get_submodule(blocks.fqn(i)) for i in blocks.ranges[stage]]

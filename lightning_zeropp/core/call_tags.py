@@ -1,8 +1,8 @@
 """Where every value of a dry run came from: the check behind `split="call"` (see `call_split`).
 
 A torch-function mode tags each tensor with its sources (an outer module's output, a block's
-output, an outer module's parameters) and records the first read that the call split would get
-wrong on some stage: a block reading a value other than through its arguments, code after the
+output, an outer module's parameters, a random draw before the blocks) and records the first
+read that the call split would get wrong on some stage: a block reading a value other than through its arguments, code after the
 last block reading anything but its output, an outer module's weights read outside its call, or
 such a value turned into a Python number.
 """
@@ -55,9 +55,17 @@ class Tagger(TorchFunctionMode):
                     f"its forward reads the parameters of '{name}' outside '{name}' ({what})"
                 )
         tags = tags - params
+        drawn = {t for t in tags if t[0] == "random"}
+        if self.inside is None and self.after is None and _draws(what):
+            # A random draw before the blocks differs between stages (each has its own
+            # generator): a block argument computed from one is sent from the stage that drew
+            # it, not redrawn (see `CallPlan.local`). That is all this tag decides.
+            drawn.add(("random", what))
+        tags = tags - drawn
+        if tags or drawn:
+            self.tag(out, tags | drawn)
         if tags:
             self.check(tags, what)
-            self.tag(out, tags)
             if (
                 self.leak is None
                 and what not in _METADATA
@@ -98,6 +106,18 @@ _METADATA = {
 def _tensors_only(x: Any) -> bool:
     leaves = tree_flatten(x)[0]
     return all(isinstance(t, torch.Tensor) or t is None for t in leaves)
+
+
+# Functions that draw from a random generator (by name: the torch function mode sees the name).
+_RANDOM = {
+    "bernoulli", "bernoulli_", "multinomial", "normal", "normal_", "poisson", "uniform_",
+    "exponential_", "geometric_", "cauchy_", "log_normal_", "random_", "dropout", "dropout_",
+    "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d",
+}  # fmt: skip
+
+
+def _draws(what: str) -> bool:
+    return what.startswith("rand") or what in _RANDOM
 
 
 def _source_name(tag: Any) -> str:

@@ -116,6 +116,7 @@ class ZeroPPEngine:
             example_kwargs,
             call_inputs=self._call_inputs,
             device=self.device,
+            dtype=cfg.param_dtype,
         )
         if self.num_stages == 1:
             flatten_outputs(modules[0])  # call stages flatten their own outputs

@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
 from torch import nn
 
 from lightning_zeropp.core.chain import chain_stages
@@ -124,10 +125,12 @@ def split_model(
     example_kwargs: dict[str, Any] | None = None,
     call_inputs: Any = None,
     device: Any = None,
+    dtype: torch.dtype | None = None,
 ) -> list[nn.Module]:
     """Build the stage modules `stage_ids` of `model` according to `plan`.
 
-    `call_inputs` (a `CallInputs`) and `device` are for split="call" only.
+    `call_inputs` (a `CallInputs`), `device` and `dtype` (the parameters' compute dtype under
+    mixed precision) are for split="call" only.
     """
     num_stages = len(plan.ranges)
     if num_stages == 1:
@@ -137,7 +140,7 @@ def split_model(
         from lightning_zeropp.core.call_stages import build_call_stages
 
         calls = plan_calls(model, plan, example_args, example_kwargs)
-        return build_call_stages(model, calls, stage_ids, call_inputs, device)
+        return build_call_stages(model, calls, stage_ids, call_inputs, device, dtype)
     if callable(method):
         return [method(model, s, num_stages, plan.ranges) for s in stage_ids]
     if method == "stack":

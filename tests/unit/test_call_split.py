@@ -582,3 +582,122 @@ def test_a_skip_through_a_python_scalar_is_refused_or_exact():
     torch.manual_seed(0)
     x = (torch.randn(3, D),)
     _refused_or_exact(ScalarSkip(), 2, x, x)
+
+
+# ------------------------------------------------------------------ optional and random arguments
+class _MaskedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, h: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
+        h = self.lin(h)
+        if extra is None:
+            return h
+        return h.masked_fill(extra, 0.0) if extra.dtype == torch.bool else h + extra
+
+
+class OptionalMask(nn.Module):
+    """A mask computed from the model inputs, None when nothing is masked (as HF's causal LMs
+    build none for an unpadded batch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(D, D)
+        self.blocks = nn.ModuleList(_MaskedBlock() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = x < -1.0
+        mask = mask if bool(mask.any()) else None
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h, mask)
+        return h
+
+
+class Noisy(nn.Module):
+    """Noise drawn before the blocks and given to each: the first stage's draw must be used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(D, D)
+        self.blocks = nn.ModuleList(_MaskedBlock() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        noise = torch.randn(h.shape)
+        for block in self.blocks:
+            h = block(h, noise)
+        return h
+
+
+class OptionalMemory(nn.Module):
+    """A block argument computed by an outer module, left out (None) for small batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.mem = nn.Linear(D, D), nn.Linear(D, D)
+        self.blocks = nn.ModuleList(_MaskedBlock() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        memory = self.mem(x) if x.shape[0] > 2 else None
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h, memory)
+        return h
+
+
+def _masked_rows(rows: int, masked: bool) -> torch.Tensor:
+    x = torch.rand(rows, D)  # in [0, 1): nothing below -1
+    if masked:
+        x[0, :3] = -2.0
+    return x
+
+
+@pytest.mark.parametrize("example_masked", [True, False], ids=["masked-example", "unmasked"])
+def test_a_mask_from_the_inputs_may_be_none_for_some_batches(example_masked):
+    """Each stage computes an input-only argument itself, so a batch whose mask is None (or a
+    tensor, where the checked example had None) runs exactly; only the hidden state is sent."""
+    torch.manual_seed(0)
+    model = OptionalMask()
+    plan, inputs, stages = _stages(model, 2, (_masked_rows(3, example_masked),))
+    assert plan.slots == (plan.slots[0],)  # the mask is never sent
+    for masked in (True, False, True):
+        x = _masked_rows(3, masked)
+        torch.testing.assert_close(_run(stages, inputs, (x,)), model(x), rtol=0, atol=0)
+
+
+def test_a_random_draw_before_the_blocks_is_sent_not_redrawn():
+    torch.manual_seed(0)
+    model = Noisy()
+    x = torch.randn(3, D)
+    plan, inputs, stages = _stages(model, 2, (x,))
+    assert len(plan.slots) == 2 and not plan.local
+    torch.manual_seed(1)
+    want = model(x)
+    torch.manual_seed(1)  # stage 0 draws what the model drew; stage 1's own draw is not used
+    torch.testing.assert_close(_run(stages, inputs, (x,)), want, rtol=0, atol=0)
+
+
+def test_a_sent_argument_that_becomes_none_is_a_clear_error():
+    torch.manual_seed(0)
+    model = OptionalMemory()
+    plan, inputs, stages = _stages(model, 2, (torch.randn(3, D),))
+    assert len(plan.slots) == 2  # the memory comes from an outer module: it is sent
+    x = torch.randn(4, D)
+    torch.testing.assert_close(_run(stages, inputs, (x,)), model(x), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match=r"block argument 1 .* is None for this batch"):
+        _run(stages, inputs, (torch.randn(2, D),))
+
+
+def test_stubs_of_outer_modules_compute_in_the_mixed_precision_dtype():
+    """Code between a stubbed embedding and the blocks reads its dtype (HF's rotary tables and
+    float masks take it): under FSDP2 mixed precision the real one returns param_dtype."""
+    model = OptionalMask()
+    plan = plan_calls(model, plan_blocks(model, 2), (torch.rand(3, D),), {})
+    stages = build_call_stages(model, plan, [1], CallInputs(), CPU, torch.bfloat16)
+    assert stages[0].emb(torch.rand(3, D)).dtype == torch.bfloat16
+    assert (
+        build_call_stages(model, plan, [1], CallInputs(), CPU)[0].emb(torch.rand(3, D)).dtype
+        == torch.float32
+    )

@@ -229,3 +229,34 @@ def test_lit_causal_lm_exports_without_a_strategy(tmp_path):
     x = _tokens()
     with torch.no_grad():
         torch.testing.assert_close(loaded(x).logits, model(x).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("example_padded", [True, False], ids=["padded-example", "unpadded"])
+def test_call_stages_run_padded_and_unpadded_micro_batches_exactly(example_padded):
+    """HF builds no attention mask for a micro-batch without padding: every stage computes the
+    mask (and the rotary tables) from the micro-batch itself, so any mix of padded and unpadded
+    micro-batches matches the model, whichever kind the split was checked with."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lightning_zeropp.core.call_split import CallInputs, plan_calls
+    from lightning_zeropp.core.call_stages import build_call_stages
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("llama", **TINY, use_cache=False)
+    model = AutoModelForCausalLM.from_config(config)
+
+    def batch(padded: bool) -> dict[str, torch.Tensor]:
+        mask = torch.ones(2, 8, dtype=torch.long)
+        if padded:
+            mask[1, 5:] = 0
+        return {"input_ids": _tokens(int(padded)), "attention_mask": mask}
+
+    plan = plan_calls(model, plan_blocks(model, 2), (), batch(example_padded))
+    assert len(plan.slots) == 1  # the hidden state alone crosses the stage boundary
+    inputs = CallInputs()
+    stages = build_call_stages(model, plan, range(2), inputs, torch.device("cpu"))
+    for padded in (True, False, True):
+        kwargs = batch(padded)
+        flat = inputs.flatten((), kwargs)
+        logits = stages[1](*stages[0](**flat), **flat)[0]
+        torch.testing.assert_close(logits, model(**kwargs).logits, rtol=0, atol=0)
