@@ -96,6 +96,15 @@ def check_loader(
         )
     per_step = size if split_batches else size * dp_size
     length = _length(loader.dataset)
+    if length is not None and (length == 0 or (loader.drop_last and length < per_step)):
+        # Every rank sees the same length: all raise, instead of a loop that trains 0 steps
+        # and exits 0 with the initial weights.
+        drop = (" with drop_last=True", ", or drop_last=False") if loader.drop_last else ("", "")
+        raise ValueError(
+            f"the training dataset has {length} rows, fewer than one step's {per_step} "
+            f"({dp_size} data-parallel ranks x {per_step // dp_size} rows){drop[0]}: the loop "
+            f"would train 0 steps. Use more data or a smaller batch_size{drop[1]}."
+        )
     if not fills_last and not loader.drop_last and length is not None and length % per_step:
         raise ValueError(
             f"the dataset's {length} rows leave a last batch smaller than {per_step} rows; "

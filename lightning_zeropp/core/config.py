@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -116,7 +117,7 @@ class ZeroPPConfig:
         if cfg.reshard_after_forward is None:
             cfg.reshard_after_forward = cfg.pp_size == 1
         if cfg.split_points is not None:
-            cfg.split_points = [int(p) for p in cfg.split_points]
+            cfg.split_points = _parse_split_points(cfg.split_points)
         cfg.activation_checkpointing = _resolve_recompute(cfg.activation_checkpointing)
         cfg.split_backward = _resolve_zeropp_only(
             "split_backward", cfg.split_backward, cfg.schedule, default=cfg.schedule == "zeropp"
@@ -273,3 +274,19 @@ def _check_microbatches(schedule: str, m: int, pp: int, v: int) -> None:
                 f"num_microbatches={m} must be a multiple of {rounds} (= num_microbatches // "
                 f"pp_size) for schedule={schedule!r}; use a multiple of pp_size={pp}."
             )
+
+
+def _parse_split_points(points: Any) -> list[int]:
+    """Block indices, from a list (or a comma-separated string, as an environment variable
+    gives them); a bad entry is named with the setting."""
+    items = points.split(",") if isinstance(points, str) else points
+    try:
+        values = list(items)
+        if any(isinstance(p, bool) or float(p) != int(float(p)) for p in values):
+            raise ValueError
+        return [int(float(p)) for p in values]
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"split_points={points!r} must be a list of integer block indices (where stages "
+            "1, 2, ... start), e.g. split_points=[4, 8]."
+        ) from None

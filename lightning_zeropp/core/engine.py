@@ -284,7 +284,15 @@ class ZeroPPEngine:
 
     def _loss(self, output: Any, target: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         fn = self._loss_fn if self._in_scheduled_loss else self._probe_loss_fn
-        return fn(self.restore_output(output), target, **kwargs)
+        loss = fn(self.restore_output(output), target, **kwargs)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            # On the last stage, inside the failure board's guard: every rank is told.
+            what = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(
+                f"loss_fn returned {what}; it must return one scalar tensor, the mean loss of "
+                "the micro-batch (e.g. cross_entropy with reduction='mean')."
+            )
+        return loss
 
     def restore_output(self, output: Any) -> Any:
         """The last stage's output as the model returns it (an HF `ModelOutput`, a dict), from

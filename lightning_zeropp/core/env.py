@@ -99,7 +99,8 @@ def zeropp_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     known = [*CONFIG_VARS, SPLIT_VAR]
     for name in sorted(found):
         if name not in known:
-            close = difflib.get_close_matches(name, known, n=1)
+            upper = f"{ENV_PREFIX}{name[len(ENV_PREFIX) :].upper()}"  # ZEROPP_pp_size
+            close = [upper] if upper in known else difflib.get_close_matches(name, known, n=1)
             hint = f"did you mean {close[0]}? " if close else ""
             raise ValueError(
                 f"unknown environment variable {name}={found[name]!r}; {hint}"

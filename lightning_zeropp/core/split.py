@@ -46,13 +46,18 @@ SPLIT_ATTR = "zeropp_split"
 
 def resolve_split(model: nn.Module, method: SplitMethod) -> SplitMethod:
     """ "auto" is the model's own preference (`SPLIT_ATTR`), else "call"."""
+    check_split(method)
     if method == "auto":
         return getattr(model, SPLIT_ATTR, "call")
-    if not callable(method) and method not in ("call", "trace", "stack"):
+    return method
+
+
+def check_split(method: Any) -> None:
+    """Refuse an unknown split name (fronts call it at construction, before any setup)."""
+    if not callable(method) and method not in ("auto", "call", "trace", "stack"):
         raise ValueError(
             f"split={method!r} is unknown; use 'auto', 'call', 'trace', 'stack' or a callable."
         )
-    return method
 
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)

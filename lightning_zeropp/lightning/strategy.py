@@ -41,7 +41,7 @@ from lightning_zeropp.core.engine import ZeroPPEngine
 from lightning_zeropp.core.grads import GradStash
 from lightning_zeropp.core.layout import describe_layout
 from lightning_zeropp.core.mesh import ParallelDims, build_mesh
-from lightning_zeropp.core.split import SplitMethod
+from lightning_zeropp.core.split import SplitMethod, check_split
 from lightning_zeropp.lightning import checkpointing
 from lightning_zeropp.lightning.redirect import first_batch
 from lightning_zeropp.lightning.steps import StepRunner
@@ -152,6 +152,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
         )
         self._log_comms = log_comms
         self._split = (env.split_from_env() or "auto") if split == "auto" else split
+        check_split(self._split)
         self._module_name = module_name
         self._pipelined: str | None = None  # the LightningModule attribute that was pipelined
         self._dims: ParallelDims | None = None
@@ -285,8 +286,13 @@ class ZeroPPStrategy(ModelParallelStrategy):
     def _pipelined_name(self, module: pl.LightningModule) -> str:
         if self._module_name is not None:
             if not isinstance(getattr(module, self._module_name, None), nn.Module):
+                holders = [
+                    n for n, c in module.named_children() if any(True for _ in c.parameters())
+                ]
                 raise ValueError(
-                    f"module_name={self._module_name!r} is not a submodule of {type(module).__name__}"
+                    f"module_name={self._module_name!r} is not a submodule of "
+                    f"{type(module).__name__}, whose submodules with parameters are {holders}; "
+                    "pass ZeroPPStrategy(module_name=...) the one to pipeline."
                 )
             return self._module_name
         holders = [n for n, c in module.named_children() if any(True for _ in c.parameters())]

@@ -57,6 +57,8 @@ class LitGPT(pl.LightningModule):
             self.cfg = model or GPTConfig()
             self.model = GPT(self.cfg)
         self.example_input_array = torch.zeros(micro_batch_size, self.cfg.seq_len, dtype=torch.long)
+        if optimizer not in ("adamw", "sgd"):  # checked here, on every rank, before any setup
+            raise ValueError(f"optimizer={optimizer!r} is unknown; use one of ['adamw', 'sgd'].")
         self.optimizer_name, self.lr, self.weight_decay = optimizer, lr, weight_decay
         self.warmup_steps, self.max_steps = warmup_steps, max_steps
         self.ignore_index = ignore_index

@@ -331,6 +331,16 @@ def test_check_loader_names_sizes_and_fix():
         check_loader(DataLoader(data, batch_size=12), False, 2, 2)  # 64 rows, 24 per step
 
 
+def test_a_dataset_smaller_than_one_step_is_refused_not_trained_for_0_steps():
+    small = TensorDataset(torch.zeros(6, 3), torch.zeros(6, 3))  # one step needs 2 x 4 rows
+    with pytest.raises(ValueError, match=r"has 6 rows, fewer than one step's 8 .* drop_last=True"):
+        check_loader(DataLoader(small, batch_size=4, drop_last=True), False, 2, 2)
+    with pytest.raises(ValueError, match=r"has 0 rows"):
+        check_loader(DataLoader(TensorDataset(torch.zeros(0, 3)), batch_size=4), False, 2, 2, True)
+    # Without drop_last, Accelerate completes the short batch (even_batches): one step.
+    check_loader(DataLoader(small, batch_size=4), False, 2, 2, fills_last=True)
+
+
 def test_example_is_read_without_touching_the_shuffling_generators():
     data = TensorDataset(torch.arange(40).view(20, 2), torch.zeros(20, 2))
     loader = DataLoader(data, batch_size=8, shuffle=True)

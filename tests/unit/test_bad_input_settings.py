@@ -35,6 +35,7 @@ from lightning_zeropp.core import env
             r"split_backward=True applies to schedule='zeropp' only \(got schedule='zbv'\)",
         ),
         (dict(schedule=None), r"schedule=None is unknown; choose one of"),
+        (dict(pp_size=2, split_points=["a"]), r"split_points=\['a'\] must be a list of integer"),
     ],
 )
 def test_more_bad_settings_name_the_value(kwargs, match):
@@ -52,7 +53,7 @@ def test_more_bad_settings_name_the_value(kwargs, match):
         ({"ZEROPP_NUM_CHUNKS": "1.5"}, r"ZEROPP_NUM_CHUNKS='1.5' is not an integer"),
         (
             {"ZEROPP_pp_size": "2"},  # the right name in the wrong case
-            r"unknown environment variable ZEROPP_pp_size='2'; ZeroPP reads only ZEROPP_PP_SIZE",
+            r"unknown environment variable ZEROPP_pp_size='2'; did you mean ZEROPP_PP_SIZE\? ",
         ),
     ],
 )
@@ -78,3 +79,34 @@ def test_lightning_refuses_a_misspelt_variable_even_when_code_sets_everything(mo
     monkeypatch.setenv("ZEROPP_SPLIT", "")
     with pytest.raises(ValueError, match=r"ZEROPP_SPLIT is set but empty"):
         ZeroPPStrategy()
+
+
+def test_strategy_settings_checked_at_construction():
+    with pytest.raises(ValueError, match=r"split='calll' is unknown; use 'auto', 'call'"):
+        ZeroPPStrategy(split="calll")
+    from lightning_zeropp.models.lit_gpt import LitGPT
+
+    with pytest.raises(ValueError, match=r"optimizer='sgdd' is unknown; use one of"):
+        LitGPT(optimizer="sgdd")
+    with pytest.raises(
+        ValueError,
+        match=r"module_name='modle' is not a submodule of LitGPT, whose submodules with parameters are \['model'\]; pass",
+    ):
+        ZeroPPStrategy(module_name="modle")._pipelined_name(LitGPT())
+
+
+def test_a_core_loss_fn_returning_per_token_losses_is_named(group):
+    import torch
+    import torch.nn.functional as F
+
+    from lightning_zeropp.core.engine import ZeroPPEngine
+    from lightning_zeropp.models import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=16, seq_len=8, dim=16, num_heads=2, num_layers=2))
+    per_token = lambda logits, y: F.cross_entropy(  # noqa: E731
+        logits.flatten(0, 1), y.flatten(), reduction="none"
+    )
+    engine = ZeroPPEngine(model, ZeroPPConfig(num_microbatches=2), loss_fn=per_token)
+    x = torch.zeros(4, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"loss_fn returned \(16,\); it must return one scalar"):
+        engine.train_step(x, target=x)
