@@ -165,6 +165,10 @@ def widen_loader(loader: DataLoader, factor: int) -> DataLoader:
 
     Under DDP each of a step's processes loads one batch; the ranks of one pipeline share a
     batch, so a data-parallel rank loads the rows its `pp_size` processes would have loaded.
+    The prepared loader has DDP's length and yields one batch per step, so a loop's counts are in
+    its batches as under DDP: run_clm's `resume_step` passed to
+    `accelerator.skip_first_batches(train_dataloader, resume_step)` skips exactly the steps
+    already trained (tests/distributed/test_resume.py).
     """
     if factor == 1:
         return loader

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from datetime import timedelta
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining.schedules import (
@@ -242,3 +244,36 @@ def default_store() -> Any:
 
 
 __all__ += ["default_store"]
+
+
+def group_timeout(group: Any) -> timedelta | None:
+    """The timeout `group`'s operations run under, as its first backend that tells reports it."""
+    for device in group._device_types:
+        try:
+            timeout = getattr(group._get_backend(device).options, "_timeout", None)
+        except (RuntimeError, AttributeError):  # no backend for this device, or no options
+            continue
+        if timeout is not None:
+            return timeout
+    return None
+
+
+def mesh_group_options(device_type: str, timeout: timedelta) -> Any | None:
+    """Backend options that make `init_device_mesh(backend_override=...)` create a dimension's
+    groups with `timeout` (None for device types other than "cpu" and "cuda": torch's default).
+
+    A group's timeout must be given when it is created: gloo's point-to-point receives wait on
+    the connection context's timeout, which a later `ProcessGroup.set_timeout` does not change.
+    NCCL groups need NCCL's own options class; gloo ignores the object beyond its timeout.
+    """
+    if device_type == "cuda" and dist.is_nccl_available():
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False  # torch's default for groups it creates
+        options._timeout = timeout
+        return options
+    if device_type == "cpu":
+        return dist.ProcessGroupGloo.Options("gloo", timeout)
+    return None
+
+
+__all__ += ["group_timeout", "mesh_group_options"]

@@ -1,44 +1,57 @@
 """Root cause on every rank: when one rank fails, every rank raises an error that names it.
 
-Otherwise a rank that raises (say the loss function on the last pipeline stage) leaves the others
-blocked in collectives until they die, at the timeout or when it exits, with transport errors
-("Connection closed by peer") that name neither the failing rank nor its error.
+Otherwise a rank that raises (say the loss function on the last stage) leaves the others blocked
+in collectives until the timeout or its exit, with transport errors that name nobody.
 
 `FailureBoard.guard()` wraps a region that communicates. On an exception inside it, a rank
-1. records "who failed, with what" in the c10d store, first writer wins (a RuntimeError, which
-   transport errors are, may be a symptom: it first waits up to `settle_s` for another's record);
+1. records "who failed, with what" in the c10d store, first writer wins. A RuntimeError (as
+   transport errors and timeouts are) may be a symptom: it first waits up to `settle_s` for
+   another's record, then calls the roll (below); ranks that do not answer are recorded as lost;
 2. cuts its gloo connections, so ranks blocked on it fail now, not at the timeout (each woken
    rank does the same, which reaches ranks blocked only on woken ones);
-3. marks the record seen and waits, at most `grace_s`, until every rank has (the store lives in
-   global rank 0's process, which must outlive the others' reads);
+3. marks the record seen and waits, at most `grace_s`, until every rank not lost has (the store
+   lives in global rank 0's process, which must outlive the others' reads);
 4. re-raises its own exception unchanged if it is the origin or failed with the origin's very
    error, else raises `PeerFailedError` naming the origin, its role and error, chained.
 
-The happy path touches no store. After a failure the process groups are unusable (the job is
-failing); `destroy_process_group()` and interpreter exit still return at once. Why sockets:
-torch 2.13's gloo `ProcessGroup.abort()` is a no-op, and a gloo connection ends only when its
-process destroys the backend or exits. `groups` are still aborted, for backends where that acts.
+The roll: a board (of several ranks) writes its rank's description to the store when built and
+starts a thread that waits, on a store connection of its own, for a roll call. It answers, busy
+main thread or not, then cuts this rank's gloo connections (the job is failing: that wakes a main
+thread blocked on the lost rank before its timeout). No answer within `roll_call_s`: the rank was
+killed, crashed or stopped. The happy path touches no store.
+
+After a failure the process groups are unusable; `destroy_process_group()` and interpreter exit
+still return at once. Why sockets: torch 2.13's gloo `ProcessGroup.abort()` is a no-op, and a gloo
+connection ends only when its process destroys the backend or exits. `groups` are still aborted,
+for backends where that acts.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
 import socket
 import stat
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_zeropp.core._torch_private import default_store
+from lightning_zeropp.core.mesh import describe_rank  # re-exported: its first home
 
 __all__ = ["FailureBoard", "PeerFailedError", "describe_rank"]
 
 _KEY = "lightning_zeropp/failure"
+_RECORD = f"{_KEY}/first"
+_WAKE = f"{_KEY}/wake"  # /{rank}: "roll" (a roll call) or "exit" (this process is exiting)
+_HERE = f"{_KEY}/here"  # /{rank}: that rank answered the roll call
+_NAME = f"{_KEY}/rank"  # /{rank}: that rank's description, written when its board is built
 _NOTE = "[lightning_zeropp] "  # starts the note on an exception this module already handled
 _MAX_ERROR_CHARS = 4000
 
@@ -66,6 +79,7 @@ class FailureBoard:
         groups: process groups to `abort()` on failure, for backends where that wakes peers.
         grace_s: longest wait for the other ranks to read the record before raising.
         settle_s: longest wait for another rank's record when this rank's error may be a symptom.
+        roll_call_s: how long a rank has to answer a roll call before it counts as lost.
     """
 
     def __init__(
@@ -76,6 +90,7 @@ class FailureBoard:
         groups: Sequence[dist.ProcessGroup] = (),
         grace_s: float = 10.0,
         settle_s: float = 1.0,
+        roll_call_s: float = 5.0,
     ) -> None:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -84,8 +99,14 @@ class FailureBoard:
         self.groups = [g for g in groups if isinstance(g, dist.ProcessGroup)]
         self.grace_s = grace_s
         self.settle_s = settle_s
+        self.roll_call_s = roll_call_s
         self._store_port = _tcp_port(self.store)
-        self._record: dict[str, str] | None = None  # the first failure, once this rank knows it
+        self._record: dict | None = None  # the first failure, once this rank knows it
+        self._store_lost = False
+        if self.world_size > 1:  # alone, no rank can be lost
+            # Now, while it can: a rank that is lost writes nothing.
+            self.store.set(f"{_NAME}/{self.rank}", self.description)
+            self._start_answering()
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
@@ -109,16 +130,20 @@ class FailureBoard:
         if self._record is None:
             try:
                 self._record = self._publish(mine | {"where": _where(err)}, err)
-            except Exception as store_err:  # the store is gone (rank 0 died): nothing to learn
+            except Exception as store_err:  # the store is gone (its host died): nothing to learn
+                self._store_lost = True
                 self._wake_peers()
-                err.add_note(f"{_NOTE}the c10d store is unreachable ({store_err})")
+                err.add_note(_store_lost_note(store_err))
                 return None
             self._wake_peers()  # only now: a woken peer must find the record
             if missing := self._acknowledge():
                 notes.append(f"{_NOTE}ranks {missing} did not report within {self.grace_s}s")
         first = self._record
         raised: BaseException = err
-        if first["rank"] == mine["rank"] or first["error"] == mine["error"]:
+        if "lost" in first:
+            message = f"{first['said']}; {self.description} stopped because of it."
+            raised = PeerFailedError(message, origin=first["origin"], error=first["error"])
+        elif first["rank"] == mine["rank"] or first["error"] == mine["error"]:
             notes.insert(0, f"{_NOTE}{first['origin']} failed first; every rank was told.")
         else:
             where = f" (at {first['where']})" if first["where"] else ""
@@ -132,13 +157,62 @@ class FailureBoard:
             raised.add_note(note)
         return None if raised is err else raised
 
-    def _publish(self, mine: dict[str, str], err: Exception) -> dict[str, str]:
-        record_key = f"{_KEY}/first"
-        if isinstance(err, RuntimeError):  # maybe a symptom of a peer's failure, recorded first
-            _wait_until(lambda: self.store.check([record_key]), self.settle_s, interval_s=0.01)
+    def _publish(self, mine: dict, err: Exception) -> dict:
+        # A RuntimeError may be a symptom: of a peer's failure, recorded first, or of a peer lost.
+        if isinstance(err, RuntimeError) and self.world_size > 1:
+            recorded = _wait_until(lambda: self.store.check([_RECORD]), self.settle_s, 0.01)
+            if not recorded and (lost := self._roll_call()):
+                mine = self._lost(lost)
         # compare_set with "" as the expected value writes only if the key does not exist yet and
         # returns what the key holds afterwards: the first failure, atomically.
-        return json.loads(self.store.compare_set(record_key, "", json.dumps(mine)))
+        return json.loads(self.store.compare_set(_RECORD, "", json.dumps(mine)))
+
+    def _roll_call(self) -> list[int]:
+        """The ranks that did not answer within `roll_call_s` (none once a record appears)."""
+        wake = [f"{_WAKE}/{r}" for r in range(self.world_size)]
+        self.store.multi_set(wake, ["roll"] * self.world_size)  # wakes every rank's answerer
+        self.store.set(f"{_HERE}/{self.rank}", "1")
+        keys = [f"{_HERE}/{r}" for r in range(self.world_size)]
+        done = lambda: self.store.check(keys) or self.store.check([_RECORD])  # noqa: E731
+        _wait_until(done, self.roll_call_s, interval_s=0.05)
+        if self.store.check([_RECORD]):
+            return []
+        return [r for r, key in enumerate(keys) if not self.store.check([key])]
+
+    def _lost(self, lost: list[int]) -> dict:
+        """The record naming the lost ranks, by the descriptions they wrote when they could."""
+        known = lambda r: self.store.check([f"{_NAME}/{r}"])  # noqa: E731 - else get() blocks
+        origin = " and ".join(
+            self.store.get(f"{_NAME}/{r}").decode() if known(r) else f"rank {r}" for r in lost
+        )
+        why = f"within {self.roll_call_s:g} s (killed, crashed or stopped)"
+        said = "was lost: it" if len(lost) == 1 else "were lost: they"
+        return {
+            "rank": ",".join(map(str, lost)),
+            "origin": origin,
+            "error": f"lost: did not answer {why}",
+            "where": "",
+            "lost": lost,
+            "said": f"{origin} {said} did not answer {why}",
+        }
+
+    def _start_answering(self) -> None:
+        try:  # a connection of its own: its blocked wait must not hold up this board's calls
+            store = self.store.clone()
+        except Exception:  # a store that cannot clone: only ranks inside a guard answer
+            return
+        args = (store, self.rank, self._store_port)
+        (thread := threading.Thread(target=_answer_roll_call, args=args, daemon=True)).start()
+        atexit.register(self._stop_answering, thread)
+
+    def _stop_answering(self, thread: threading.Thread) -> None:
+        """At exit, before finalizing: a thread waking in C++ then aborts the process. The store's
+        host stops every rank's (its exit would wake them, each logging a C++ warning)."""
+        if thread.is_alive() and not self._store_lost:  # a lost store: no wake-up comes
+            ranks = range(self.world_size) if _hosts_store(self.rank) else [self.rank]
+            with contextlib.suppress(Exception):  # the store is gone: the thread ended with it
+                self.store.multi_set([f"{_WAKE}/{r}" for r in ranks], ["exit"] * len(ranks))
+            thread.join(timeout=5.0)
 
     def _wake_peers(self) -> None:
         for group in self.groups:
@@ -148,31 +222,40 @@ class FailureBoard:
 
     def _acknowledge(self) -> list[int]:
         """Mark the record seen; wait until every rank has. Returns the ranks that did not."""
-        keys = [f"{_KEY}/seen/{r}" for r in range(self.world_size)]
+        assert self._record is not None
+        lost = set(self._record.get("lost", ()))
+        ranks = [r for r in range(self.world_size) if r not in lost]
+        keys = [f"{_KEY}/seen/{r}" for r in ranks]
         try:
-            self.store.set(keys[self.rank], "1")
+            self.store.set(f"{_KEY}/seen/{self.rank}", "1")
             if _wait_until(lambda: self.store.check(keys), self.grace_s, interval_s=0.02):
                 return []
-            return [r for r, key in enumerate(keys) if not self.store.check([key])]
+            return [r for r, key in zip(ranks, keys, strict=True) if not self.store.check([key])]
         except Exception:  # the store host exited after everyone else had read: done anyway
             return []
 
 
-def describe_rank(mesh: DeviceMesh | None = None, stage_ids: Sequence[int] = ()) -> str:
-    """This rank's name for messages: 'rank 3 (pipeline stage 1, dp_shard 1)'.
+def _answer_roll_call(store: dist.Store, rank: int, keep_port: int | None) -> None:
+    """A board's daemon thread: answers the roll call, if one comes, then cuts this rank's gloo
+    connections. A process that can answer is alive; a killed or stopped one cannot."""
+    try:
+        store.wait([f"{_WAKE}/{rank}"], timedelta(days=365))
+        if store.get(f"{_WAKE}/{rank}") == b"exit":
+            return
+        store.set(f"{_HERE}/{rank}", "1")
+    except Exception:  # the store closed: the job ended (or its host was lost), no roll call
+        return
+    _cut_gloo_connections(keep_port)
 
-    Names the stages given, then this rank's coordinate on every mesh axis longer than one
-    (the "pp" coordinate only when no stages are given).
-    """
-    parts = []
-    if stage_ids:
-        plural = "s" if len(stage_ids) > 1 else ""
-        parts.append(f"pipeline stage{plural} " + " and ".join(str(s) for s in stage_ids))
-    if mesh is not None:
-        for dim, name in enumerate(mesh.mesh_dim_names or ()):
-            if mesh.size(dim) > 1 and not (name == "pp" and stage_ids):
-                parts.append(f"{name} {mesh.get_local_rank(name)}")
-    return f"rank {dist.get_rank()}" + (f" ({', '.join(parts)})" if parts else "")
+
+def _hosts_store(rank: int) -> bool:
+    """Whether `rank` hosts the default store: rank 0 does, unless torchrun's agent hosts it."""
+    return rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+
+
+def _store_lost_note(store_err: Exception) -> str:
+    host = "global rank 0 (it hosts the default store)" if _hosts_store(0) else "its host"
+    return f"{_NOTE}the c10d store is unreachable ({store_err}): {host} was probably lost."
 
 
 def _error_text(err: BaseException) -> str:
@@ -204,10 +287,9 @@ def _tcp_port(store: dist.Store) -> int | None:
 def _cut_gloo_connections(keep_port: int | None) -> int:
     """Shut down this process's gloo TCP connections (the peers see them close); return how many.
 
-    Gloo's TCP transport gives each pair socket a receive timeout (SO_RCVTIMEO, the group
-    timeout), which Python's sockets and the store's do not have: that tells gloo's apart, so a
-    logger's or an HTTP client's connections survive. shutdown(), not close(): gloo keeps its
-    descriptor, sees the connection end and fails its own pending operations.
+    Gloo gives its pair sockets a receive timeout (SO_RCVTIMEO), which a logger's or an HTTP
+    client's lack: those survive. shutdown(), not close(): gloo keeps its descriptor, sees the
+    connection end and fails its own pending operations.
     """
     fd_dir = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
     cut = 0

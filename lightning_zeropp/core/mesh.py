@@ -2,19 +2,26 @@
 
 Ranks are laid out pp-major: `dp_shard` is the fastest-varying axis, so the ranks that shard one
 model chunk are consecutive (inside a node), and pipeline stages sit across nodes.
+
+Every group the library creates gets the default (world) group's timeout, the one given to
+`init_process_group`: torch would give them its own default (30 min for gloo, 10 for NCCL), so a
+rank blocked on a lost peer would wait that long whatever the job asked for.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lightning_zeropp.core._torch_private import group_timeout, mesh_group_options
 from lightning_zeropp.core.config import ZeroPPConfig
 
-__all__ = ["ParallelDims", "build_mesh"]
+__all__ = ["ParallelDims", "build_mesh", "describe_rank", "world_timeout"]
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard")
 
@@ -68,8 +75,36 @@ def build_mesh(config: ZeroPPConfig, device_type: str) -> ParallelDims:
             "torch.distributed is not initialized; call init_process_group (with a timeout) first."
         )
     shape = (config.pp_size, config.dp_replicate_size, config.dp_shard_size)
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
+    override = None
+    if (timeout := world_timeout()) is not None:
+        # One options object per axis: NCCL's group creation writes the group's ranks into it.
+        options = {axis: mesh_group_options(device_type, timeout) for axis in MESH_AXES}
+        override = options if None not in options.values() else None
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES, backend_override=override)
     return ParallelDims(mesh=mesh, config=config)
+
+
+def world_timeout() -> timedelta | None:
+    """The default process group's timeout, for the groups the library creates (None: unknown,
+    and they get torch's default)."""
+    return group_timeout(dist.group.WORLD) if dist.is_initialized() else None
+
+
+def describe_rank(mesh: DeviceMesh | None = None, stage_ids: Sequence[int] = ()) -> str:
+    """This rank's name for messages: 'rank 3 (pipeline stage 1, dp_shard 1)'.
+
+    Names the stages given, then this rank's coordinate on every mesh axis longer than one
+    (the "pp" coordinate only when no stages are given).
+    """
+    parts = []
+    if stage_ids:
+        plural = "s" if len(stage_ids) > 1 else ""
+        parts.append(f"pipeline stage{plural} " + " and ".join(str(s) for s in stage_ids))
+    if mesh is not None:
+        for dim, name in enumerate(mesh.mesh_dim_names or ()):
+            if mesh.size(dim) > 1 and not (name == "pp" and stage_ids):
+                parts.append(f"{name} {mesh.get_local_rank(name)}")
+    return f"rank {dist.get_rank()}" + (f" ({', '.join(parts)})" if parts else "")
 
 
 def device_for_rank(device_type: str) -> torch.device:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_zeropp.core.mesh import ParallelDims
+from lightning_zeropp.core.mesh import ParallelDims, world_timeout
 
 __all__ = ["TiedWeights", "tied_groups"]
 
@@ -156,15 +156,15 @@ def _holder_group(holders: tuple[int, ...], dims: ParallelDims) -> dist.ProcessG
     """The group of the pipeline ranks `holders` at this rank's dp coordinate.
 
     All pipeline ranks: the mesh's pp group. Otherwise one new group per dp coordinate; every
-    rank of the world creates all of them (torch requires it), in dp-coordinate order. The mesh
-    creates its own groups with the default timeout, and so do these.
+    rank of the world creates all of them (torch requires it), in dp-coordinate order. Like the
+    mesh's, they get the world group's timeout.
     """
     pp_size = dims.config.pp_size
     if len(holders) == pp_size:
         return dims.pp_group
     ranks = dims.mesh.mesh.reshape(pp_size, -1)  # (pp, dp coordinate) -> global rank
     per_dp = [[int(ranks[h, dp]) for h in holders] for dp in range(ranks.shape[1])]
-    mine, _ = dist.new_subgroups_by_enumeration(per_dp)
+    mine, _ = dist.new_subgroups_by_enumeration(per_dp, timeout=world_timeout())
     return mine
 
 

@@ -42,7 +42,7 @@ from lightning_zeropp.core.grads import GradStash
 from lightning_zeropp.core.layout import describe_layout
 from lightning_zeropp.core.mesh import ParallelDims, build_mesh
 from lightning_zeropp.core.split import SplitMethod, check_split
-from lightning_zeropp.lightning import checkpointing
+from lightning_zeropp.lightning import checkpointing, resume
 from lightning_zeropp.lightning.redirect import first_batch
 from lightning_zeropp.lightning.steps import StepRunner
 from lightning_zeropp.models.hf_loss import (
@@ -173,6 +173,14 @@ class ZeroPPStrategy(ModelParallelStrategy):
         # Data is split over data-parallel ranks only: all stages of one pipeline see one batch.
         assert self._dims is not None
         return {"num_replicas": self._dims.dp_size, "rank": self._dims.dp_rank}
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        # A fit resumed mid-epoch continues with the next unseen batch (`lightning.resume`).
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or not trainer.training:
+            return dataloader
+        return resume.resuming_loader(dataloader, trainer)
 
     @property
     @override

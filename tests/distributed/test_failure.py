@@ -1,7 +1,10 @@
-"""A rank that fails makes every rank raise, within seconds, an error naming it and its error."""
+"""A rank that fails makes every rank raise, within seconds, an error naming it and its error;
+a rank killed or stopped is named as lost; the library's groups have the world's timeout."""
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -84,3 +87,54 @@ def test_loss_failure_inside_a_pipeline_step(tmp_path: Path, schedule: str) -> N
     roles = {3: f"rank 3 ({role}, dp_shard 1)"}
     _assert_every_rank_names(seen, origin=3, roles=roles)
     print(f"guard entry+exit: {max(s['guard_us'] for s in seen):.1f} us")
+
+
+def test_mesh_and_tied_groups_time_out_with_the_world(tmp_path: Path) -> None:
+    # torch would give them 30 min (gloo) whatever the world group's timeout: a rank blocked on
+    # a stopped peer waited that long.
+    params = {"timeout_s": 5.0, "init_process_group": False}
+    seen = launch(4, "failure_scenarios.mesh_timeouts", params, tmp_path, timeout=120)
+    for rank, s in enumerate(seen):
+        assert (s["pp"], s["dp_replicate"], s["dp_shard"]) == (5.0, 5.0, 5.0), f"rank {rank}: {s}"
+        assert s["tied"] == (5.0 if rank in (0, 3) else None), f"rank {rank}: {s}"
+    for rank in (0, 3):  # a point-to-point recv over pp, an all_reduce over dp_shard
+        assert "Timed out" in seen[rank]["message"], f"rank {rank}: {seen[rank]}"
+        assert 4.5 < seen[rank]["blocked_s"] < 8.5, f"rank {rank}: {seen[rank]}"
+    print(f"blocked ranks raised after {[round(seen[r]['blocked_s'], 2) for r in (0, 3)]} s")
+
+
+LOST = {1: "rank 1 (pipeline stage 0, dp_shard 1)", 2: "rank 2 (pipeline stage 1, dp_shard 0)"}
+
+
+def _every_survivor_names(tmp_path: Path, how: str, victim: int, timeout_s: float) -> float:
+    """Every other rank raises PeerFailedError naming the lost rank; returns the slowest one's
+    time from the loss to done (process group destroyed)."""
+    params = {"how": how, "victim": victim, "timeout_s": timeout_s, "out_dir": str(tmp_path)}
+    params["init_process_group"] = False
+    seen = launch(4, "failure_scenarios.lost_rank", params, tmp_path, timeout=timeout_s + 150)
+    kept = seen[victim]  # the launched process that ran the victim as its child
+    assert kept["returncode"] == -signal.SIGKILL and kept["lost_at"] is not None, kept
+    with pytest.raises(ProcessLookupError):
+        os.kill(kept["pid"], 0)  # killed and reaped: nothing left behind
+    said = f"{LOST[victim]} was lost: it did not answer within 5 s (killed, crashed or stopped)"
+    survivors = [s for rank, s in enumerate(seen) if rank != victim]
+    for s in survivors:
+        assert (s["type"], s["origin"]) == ("PeerFailedError", LOST[victim]), s
+        assert s["message"].startswith(said), s
+        assert s["cause"] is not None, s  # the transport error or timeout, chained
+    raised = max(s["raised_at"] for s in survivors) - kept["lost_at"]
+    done = max(s["done_at"] for s in survivors) - kept["lost_at"]
+    print(f"{how} rank {victim} (world timeout {timeout_s:g} s): every other rank raised within")
+    print(f"{raised:.1f} s and was done (process group destroyed) within {done:.1f} s")
+    return done
+
+
+def test_a_killed_rank_is_named_on_every_other_rank(tmp_path: Path) -> None:
+    # A 300 s timeout: the connections the killed process leaves wake the others, not a timeout.
+    assert _every_survivor_names(tmp_path, "kill", victim=2, timeout_s=300.0) < WITHIN_S
+
+
+def test_a_stopped_rank_is_named_on_every_other_rank(tmp_path: Path) -> None:
+    # A stopped process keeps its connections open: the others wake at the world timeout.
+    timeout_s = 10.0
+    assert _every_survivor_names(tmp_path, "stop", victim=1, timeout_s=timeout_s) < timeout_s + 30

@@ -1,0 +1,134 @@
+"""Resuming mid-epoch in the Lightning front: the training loader continues with the next unseen batch.
+
+What Lightning 2.6 does by itself: a checkpoint holds the loops' progress (the epoch, and how many
+of its batches were trained, `fit_loop.epoch_loop.batch_progress`), and `fit(ckpt_path=...)`
+restores it, so the step count and the epoch continue. The data does not: a plain `DataLoader`
+starts its epoch over at batch 0, and the rest of the epoch trains on batches it has already seen
+(Lightning only warns). Only loaders with `state_dict` / `load_state_dict` (torchdata's
+`StatefulDataLoader`) are saved in the checkpoint and resume where they stopped.
+
+`ZeroPPStrategy.process_dataloader` wraps the training loader in a `ResumingLoader`, which takes
+the count from Lightning's own restored progress instead: when an epoch's iteration begins, the
+loop's batch progress says how many of this epoch's batches were already trained (0 in a fresh
+epoch), and that many are skipped. The sampler's epoch (Lightning sets it on the sampler before the
+epoch) makes the order the same as in the interrupted run, so the skipped batches are exactly the
+trained ones. Nothing is added to the checkpoint, so any checkpoint resumes this way (sharded,
+full, consolidated, or written before this existed), and a checkpoint stays loadable by other
+strategies.
+
+Data-parallel ranks each read their own shard (`distributed_sampler_kwargs`), with the same number
+of batches per step; every rank's loop has the same count, so each skips its own first batches.
+The count is in per-rank batches, so with the same global batch size it names the same samples
+under another data-parallel layout too (the sampler's permutation does not depend on the layout).
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.utilities.types import _Stateful
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
+from torch.utils.data import DataLoader
+
+__all__ = ["ResumingLoader", "resuming_loader", "skip_batches"]
+
+_REPLAY_WARNING = "You're resuming from a checkpoint that ended before the epoch ended"
+
+
+class ResumingLoader:
+    """A training loader whose epochs begin after the batches the restored loop already trained.
+
+    Everything else (`len`, `sampler`, `batch_sampler`, `dataset`, attribute assignment) is the
+    wrapped loader's, so Lightning sizes the epoch and sets the sampler's epoch as before.
+    """
+
+    def __init__(self, loader: Iterable[Any], consumed: Callable[[], int]) -> None:
+        object.__setattr__(self, "loader", loader)
+        object.__setattr__(self, "_consumed", consumed)
+
+    def __iter__(self) -> Iterator[Any]:
+        # A generator: this body runs at the first batch, not at `iter()`. Lightning creates the
+        # epoch's iterator before it restores its progress and before it sets the sampler's epoch;
+        # both are in place by the time the first batch is fetched.
+        yield from skip_batches(self.loader, self._consumed())
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "loader"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Lightning sets e.g. `worker_init_fn` on the loader it processed: that is the inner one.
+        setattr(self.loader, name, value)
+
+
+def resuming_loader(loader: object, trainer: pl.Trainer) -> object:
+    """`loader` for `trainer`'s training epochs, resuming mid-epoch (see the module docstring).
+
+    Loaders that resume by themselves (`state_dict` / `load_state_dict`, restored by Lightning)
+    are returned unchanged: skipping as well would skip twice.
+    """
+    if isinstance(loader, (_Stateful, ResumingLoader)):
+        return loader
+    # Lightning warns that resuming mid-epoch with a loader that is not stateful replays batches;
+    # this one does not.
+    warnings.filterwarnings("ignore", _REPLAY_WARNING, PossibleUserWarning)
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    return ResumingLoader(loader, lambda: progress.current.ready)  # type: ignore[arg-type]
+
+
+def skip_batches(loader: Iterable[Any], count: int) -> Iterator[Any]:
+    """One pass over `loader` without its first `count` batches.
+
+    A plain `DataLoader` over a map-style dataset skips them as indices (its batch sampler's first
+    `count` batches are drawn but no sample is loaded or collated); any other iterable loads and
+    drops them.
+    """
+    if count <= 0:
+        return iter(loader)
+    if type(loader) is DataLoader and loader.batch_sampler is not None:
+        return iter(_without_first(loader, count))
+    return itertools.islice(iter(loader), count, None)
+
+
+class _SkipFirst:
+    """A batch sampler without the first `count` batches of another."""
+
+    def __init__(self, batch_sampler: Iterable[list[int]], count: int) -> None:
+        self.batch_sampler, self.count = batch_sampler, count
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return itertools.islice(iter(self.batch_sampler), self.count, None)
+
+    def __len__(self) -> int:
+        return max(0, len(self.batch_sampler) - self.count)  # type: ignore[arg-type]
+
+
+def _without_first(loader: DataLoader, count: int) -> DataLoader:
+    """A one-pass copy of `loader` over its own batch sampler (so the sampler's epoch, set on the
+    original, holds) without the first `count` batches."""
+    workers: dict[str, Any] = {}
+    if loader.num_workers > 0:  # DataLoader refuses these without workers
+        workers = {
+            "prefetch_factor": loader.prefetch_factor,
+            "persistent_workers": loader.persistent_workers,
+        }
+    return DataLoader(
+        loader.dataset,
+        batch_sampler=_SkipFirst(loader.batch_sampler, count),  # type: ignore[arg-type]
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator,
+        pin_memory_device=loader.pin_memory_device,
+        in_order=loader.in_order,
+        **workers,
+    )
