@@ -1,13 +1,26 @@
-"""Batch helpers: the batch size of a nested batch, and slicing a nested batch by row indices."""
+"""Batch helpers: the batch size of a nested batch, slicing it by row indices, the checks every
+rank makes of its own batch, and the step's agreement over them."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["ShapeGuard", "batch_size", "take_rows", "check_divisible", "shape_key"]
+from lightning_zeropp.core._torch_private import default_store
+
+__all__ = [
+    "ShapeGuard",
+    "agree_on_step",
+    "batch_size",
+    "take_rows",
+    "check_divisible",
+    "shape_key",
+]
+
+_REASON = "lightning_zeropp/batch_check"  # /{rank}: why that rank's batch failed its checks
 
 
 def batch_size(batch: Any) -> int:
@@ -63,3 +76,31 @@ class ShapeGuard:
                 "split='trace' are fixed to the example's shapes. Use split='call' (the default), "
                 "or keep batch size and sequence length constant (drop_last=True, fixed padding)."
             )
+
+
+def agree_on_step(
+    cached: bool, problem: ValueError | None, description: str, device: torch.device
+) -> bool:
+    """One small all-reduce over the world before a step: whether every rank has the schedule
+    for its batch's shapes cached (else all build one: see `ZeroPPEngine._schedule_for`), and
+    whether every rank's batch passed its checks.
+
+    Data-parallel ranks read different batches, so one may fail a check the others pass. Then
+    every rank raises, before any enters the schedule: the failing rank its own error, the
+    others a ValueError naming it and its error (read from the c10d store, where it wrote the
+    error before the all-reduce). The groups stay usable, as after a check all ranks fail.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if problem is not None:
+        default_store().set(f"{_REASON}/{rank}", f"{description}: {problem}")
+    flags = torch.tensor(
+        [int(cached), rank if problem is not None else world], dtype=torch.int32, device=device
+    )
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    cached_everywhere, first = flags.tolist()
+    if first < world:
+        if problem is not None:
+            raise problem
+        reason = default_store().get(f"{_REASON}/{first}").decode()
+        raise ValueError(f"{reason} (this rank's batch passed; every rank stops at this step)")
+    return bool(cached_everywhere)

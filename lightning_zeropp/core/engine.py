@@ -19,7 +19,13 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from lightning_zeropp.core._torch_private import on_scheduled_loss
-from lightning_zeropp.core.batch import ShapeGuard, batch_size, check_divisible, shape_key
+from lightning_zeropp.core.batch import (
+    ShapeGuard,
+    agree_on_step,
+    batch_size,
+    check_divisible,
+    shape_key,
+)
 from lightning_zeropp.core.call_split import CallInputs
 from lightning_zeropp.core.call_stages import flatten_outputs, restore_output
 from lightning_zeropp.core.comm import CommCounter, flatten_summary, mesh_axis_namer
@@ -164,10 +170,7 @@ class ZeroPPEngine:
         `loss.backward()` would. Returns the loss of the global batch (the mean over every
         micro-batch of every data-parallel rank) on every rank.
         """
-        rows = self._check_batch("train", args, kwargs, target)
-        assert self.config.num_microbatches is not None
-        check_divisible(rows, self.config.num_microbatches)
-        schedule = self._schedule_for("train", self.config.num_microbatches, args, kwargs, target)
+        schedule = self._schedule_for("train", args, kwargs, target)
         stash = GradStash()
         stash.hold(self.parameters())
         losses: list[torch.Tensor] = []
@@ -196,10 +199,7 @@ class ZeroPPEngine:
         Any number of rows: the batch runs in as many equal micro-batches as divide it (at most
         `num_microbatches`), so the mean of micro-batch means is the batch mean.
         """
-        rows = self._check_batch("eval", args, kwargs, target)
-        assert self.config.num_microbatches is not None
-        m = eval_microbatches(rows, self.config.num_microbatches)
-        schedule = self._schedule_for("eval", m, args, kwargs, target)
+        schedule = self._schedule_for("eval", args, kwargs, target)
         losses: list[torch.Tensor] = []
         inputs, kw = self._stage_inputs(args, kwargs)
         with self.failures.guard():
@@ -243,27 +243,37 @@ class ZeroPPEngine:
             return (), self._call_inputs.flatten(args, kwargs)
         return (args, kwargs) if self.holds_first else ((), {})
 
-    def _schedule_for(
-        self, mode: str, microbatches: int, args: Any, kwargs: Any, target: Any
-    ) -> Any:
-        """The schedule for this batch's shapes. Built on first use; the least recently used
-        one goes.
+    def _schedule_for(self, mode: str, args: Any, kwargs: Any, target: Any) -> Any:
+        """The schedule for this batch's shapes, after the batch checks. Built on first use;
+        the least recently used one goes.
 
         A new schedule infers its stages' shapes with a forward that gathers the FSDP-sharded
         weights over the data-parallel ranks, so every rank must build one when any does:
         data-parallel ranks read different batches (padded to different lengths), and a rank
         that found its shapes cached would skip the gathers the others wait on. One small
-        all-reduce per step decides it.
+        all-reduce per step decides it, and stops every rank when one rank's batch fails its
+        checks (`agree_on_step`).
         """
+        problem, microbatches = None, 0
+        try:  # this rank's own checks, before any communication
+            rows = self._check_batch(mode, args, kwargs, target)
+            assert self.config.num_microbatches is not None
+            microbatches = self.config.num_microbatches
+            if mode == "train":
+                check_divisible(rows, microbatches)
+            else:
+                microbatches = eval_microbatches(rows, microbatches)
+        except ValueError as err:
+            problem = err
         key = (mode, microbatches, shape_key((args, kwargs, target)))
         entry = self._schedules.pop(key, None)
-        if self.config.dp_size > 1 and self.split != "trace":
-            cached = torch.tensor(
-                [0 if entry is None else 1], dtype=torch.int32, device=self.device
+        if self.config.dp_size > 1:
+            cached = agree_on_step(
+                entry is not None, problem, self.failures.description, self.device
             )
-            dist.all_reduce(cached, op=dist.ReduceOp.MIN)
-            if not int(cached):
-                entry = None
+            entry = entry if cached else None
+        elif problem is not None:  # every rank has this batch: each raises this itself
+            raise problem
         if entry is None:
             if len(self._schedules) >= _MAX_SCHEDULES:
                 self._schedules.pop(next(iter(self._schedules)))

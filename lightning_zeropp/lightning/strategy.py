@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +79,9 @@ class ZeroPPStrategy(ModelParallelStrategy):
 
     Args mirror `ZeroPPConfig` (pp_size, dp_shard_size, dp_replicate_size, num_microbatches,
     schedule, num_chunks, param_dtype, reduce_dtype, activation_checkpointing,
-    reshard_after_forward, split_points, unit_size, split_backward, grad_reduce, nonfinite), plus:
+    reshard_after_forward, split_points, unit_size, split_backward, grad_reduce, nonfinite). One
+    left out (None) takes its `ZEROPP_*` variable when set, else `ZeroPPConfig`'s default; one
+    given wins over its variable, as with Accelerate's `ZeroPPPlugin`. Plus:
         split: "auto" (default: "call" unless the model names another), "call" (the network's
             own forward cut at its block calls; input shapes are read from the first batch, or
             from `example_input_array` if set), "trace" (torch.export; one micro-batch of fixed
@@ -107,19 +110,19 @@ class ZeroPPStrategy(ModelParallelStrategy):
         *,
         pp_size: int | None = None,
         dp_shard_size: int | None = None,
-        dp_replicate_size: int = 1,
+        dp_replicate_size: int | None = None,
         num_microbatches: int | None = None,
-        schedule: str = "1f1b",
+        schedule: str | None = None,
         num_chunks: int | None = None,
         param_dtype: str | torch.dtype | None = None,
         reduce_dtype: str | torch.dtype | None = None,
-        activation_checkpointing: bool | str = False,
+        activation_checkpointing: bool | str | None = None,
         reshard_after_forward: bool | None = None,
         split_points: list[int] | None = None,
         unit_size: int | None = None,
         split_backward: bool | None = None,
-        grad_reduce: str = "step",
-        nonfinite: str = "raise",
+        grad_reduce: str | None = None,
+        nonfinite: str | None = None,
         split: SplitMethod = "auto",
         module_name: str | None = None,
         timeout: datetime.timedelta = datetime.timedelta(minutes=30),
@@ -133,7 +136,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
             timeout=timeout,
             process_group_backend=process_group_backend,
         )
-        self.zeropp_config = _with_env(
+        self.zeropp_config, self._from_env = _with_env(
             pp_size=pp_size,
             dp_shard_size=dp_shard_size,
             dp_replicate_size=dp_replicate_size,
@@ -203,11 +206,19 @@ class ZeroPPStrategy(ModelParallelStrategy):
         self._precision_plugin = plugin if plugin is None else ZeroPPPrecision(self)
 
     # ---------------------------------------------------------------- set-up
+    def _resolve_config(self, world_size: int) -> ZeroPPConfig:
+        try:
+            return self.zeropp_config.resolve(world_size)
+        except ValueError as err:
+            if not self._from_env:
+                raise
+            # The user never wrote the bad value: name the variables that set it.
+            raise ValueError(f"{err} (settings from the environment: {self._from_env})") from err
+
     @override
     def setup_environment(self) -> None:
         # Validate on every rank before the process group exists: a bad size fails everywhere.
-        world_size = self.num_nodes * self.num_processes
-        self.zeropp_config = self.zeropp_config.resolve(world_size)
+        self.zeropp_config = self._resolve_config(self.num_nodes * self.num_processes)
         self._setup_distributed()
         if self._dims is None:  # fit then validate on one Trainer sets up twice: keep one mesh
             self._dims = build_mesh(self.zeropp_config, self.root_device.type)
@@ -474,15 +485,19 @@ def _check_trained(trainer: pl.Trainer) -> None:
         )
 
 
-def _with_env(**settings: Any) -> ZeroPPConfig:
-    """The config from the strategy's arguments over the `ZEROPP_*` variables (`core.env`).
+def _with_env(**settings: Any) -> tuple[ZeroPPConfig, str]:
+    """The config from the strategy's arguments over the `ZEROPP_*` variables (`core.env`), and
+    the variables it took (described, "" for none).
 
-    An argument left at its default takes the variable's value when one is set; an unknown
-    `ZEROPP_*` name (a typo) is an error, as in the Accelerate front.
+    An argument left out (None) takes its variable's value when one is set; an unknown `ZEROPP_*`
+    name (a typo) is an error, as in the Accelerate front.
     """
-    defaults = ZeroPPConfig()
-    given = {k: v for k, v in settings.items() if v != getattr(defaults, k)}
-    return dataclasses.replace(env.config_from_env(), **given)
+    given = {k: v for k, v in settings.items() if v is not None}
+    used = {var: field for var, field in env.CONFIG_VARS.items() if field not in given}
+    found = [
+        f"{var}={os.environ[var]} ({field})" for var, field in used.items() if var in os.environ
+    ]
+    return dataclasses.replace(env.config_from_env(), **given), ", ".join(found)
 
 
 if "zeropp" not in StrategyRegistry:

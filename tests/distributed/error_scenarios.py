@@ -42,6 +42,13 @@ def _indivisible_batch() -> None:
     engine.train_step(x, target=x)
 
 
+def _one_dp_rank_indivisible_batch() -> None:
+    # pp-major layout: ranks 1 and 3 are data-parallel rank 1, which alone reads 6 rows
+    engine = _engine(pp_size=2, dp_shard_size=2, num_microbatches=4)
+    x = torch.zeros(6 if dist.get_rank() % 2 else 8, MODEL.seq_len, dtype=torch.long)
+    engine.train_step(x, target=x)
+
+
 def _shape_change() -> None:
     # Traced stages are fixed to the example's shapes (the call split takes any shape).
     engine = _engine(pp_size=2, dp_shard_size=2, num_microbatches=2, split="trace")
@@ -221,6 +228,7 @@ ATTEMPTS = {
         pp_size=4, schedule="interleaved_1f1b", num_chunks=4, num_microbatches=4
     ),
     "indivisible_batch": _indivisible_batch,
+    "one_dp_rank_indivisible_batch": _one_dp_rank_indivisible_batch,
     "shape_change": _shape_change,
     "unknown_schedule": lambda: _engine(pp_size=2, schedule="pipedream"),
     "unsplittable_model": lambda: _engine(nn.Linear(4, 4), pp_size=2),

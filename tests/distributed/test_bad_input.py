@@ -14,6 +14,8 @@ EXPECTED = {
     "too_few_microbatches": "num_microbatches=2 is too few for schedule='1f1b' with pp_size=4",
     "more_stages_than_blocks": "has 8 blocks in 'blocks' but the layout needs 16 stages",
     "indivisible_batch": "a batch of 6 rows does not split into num_microbatches=4",
+    # ranks 0 and 2 name rank 1 and its error
+    "one_dp_rank_indivisible_batch": "a batch of 6 rows does not split into num_microbatches=4",
     "shape_change": "a train batch changed shape from [(4, 16), (4, 16)] to [(4, 8), (4, 8)]",
     "unknown_schedule": "schedule='pipedream' is unknown",
     "unsplittable_model": "no ModuleList, ModuleDict or nn.Sequential",
@@ -77,3 +79,15 @@ def test_every_rank_gets_a_clear_error(errors, name):
         kind = ERROR_TYPE.get(name, "ValueError")
         assert message.startswith(f"{kind}: "), f"rank {rank}: {message}"
         assert EXPECTED[name] in message, f"rank {rank}: {message}"
+
+
+def test_a_bad_batch_on_one_data_parallel_rank_is_named_on_every_rank(errors):
+    """Data-parallel rank 1 (global ranks 1 and 3) alone reads 6 rows: it raises its own error,
+    and the ranks whose batch passed raise one naming it, instead of a transport error."""
+    for rank, rank_errors in enumerate(errors):
+        message = rank_errors["one_dp_rank_indivisible_batch"]
+        if rank % 2:
+            assert "this rank's batch passed" not in message, message
+        else:
+            assert message.startswith("ValueError: rank 1 ("), message
+            assert message.endswith("(this rank's batch passed; every rank stops at this step)")

@@ -1,5 +1,6 @@
 """ZeroPPStrategy reads `ZEROPP_*` variables as the Accelerate front does (`core.env`): a setting
-left at its default takes the variable's value, one given in code wins, a typo is an error."""
+left out takes the variable's value, one given in code wins (even when it equals the default), a
+typo is an error, and a bad value from a variable is reported with the variable."""
 
 from __future__ import annotations
 
@@ -24,6 +25,25 @@ def test_arguments_given_in_code_win(monkeypatch):
     monkeypatch.setenv("ZEROPP_SPLIT", "trace")
     strategy = ZeroPPStrategy(pp_size=2, split="stack")
     assert strategy.zeropp_config.pp_size == 2 and strategy._split == "stack"
+
+
+def test_an_argument_equal_to_the_default_still_wins(monkeypatch):
+    monkeypatch.setenv("ZEROPP_NONFINITE", "skip")
+    monkeypatch.setenv("ZEROPP_SCHEDULE", "gpipe")
+    monkeypatch.setenv("ZEROPP_DP_REPLICATE_SIZE", "2")
+    config = ZeroPPStrategy(nonfinite="raise", schedule="1f1b", dp_replicate_size=1).zeropp_config
+    assert (config.nonfinite, config.schedule, config.dp_replicate_size) == ("raise", "1f1b", 1)
+
+
+def test_a_bad_value_from_a_variable_names_the_variable(monkeypatch):
+    monkeypatch.setenv("ZEROPP_PP_SIZE", "3")
+    strategy = ZeroPPStrategy()
+    with pytest.raises(
+        ValueError,
+        match=r"pp_size \(3\) .* but the world has 4 .*\(settings from the environment: "
+        r"ZEROPP_PP_SIZE=3 \(pp_size\)\)",
+    ):
+        strategy._resolve_config(4)
 
 
 def test_a_misspelt_variable_is_an_error(monkeypatch):
