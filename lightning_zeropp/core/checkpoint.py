@@ -51,8 +51,8 @@ def save_checkpoint(
 ) -> Path:
     """Collective: every rank calls it with the same `path` (on a filesystem all ranks share)."""
     path = Path(path)
-    tmp = _broadcast_str(str(commit.temporary(path)))
-    dcp.save(_state(model, optimizers), checkpoint_id=tmp)
+    tmp = broadcast_str(str(commit.temporary(path)))
+    dcp.save(checkpoint_state(model, optimizers), checkpoint_id=tmp)
     if dist.get_rank() == 0:
         torch.save(meta or {}, Path(tmp) / META_FILE)
     dist.barrier()
@@ -72,7 +72,7 @@ def load_checkpoint(
     _raise_on_every_rank(None)  # doubles as the barrier: nobody looks before the recovery
     if not is_checkpoint(path):
         raise FileNotFoundError(f"{path} is not a ZeroPP checkpoint directory (no {META_FILE})")
-    state = _state(model, optimizers)
+    state = checkpoint_state(model, optimizers)
     _raise_on_every_rank(_shape_problem(path, state["model"]))
     try:
         dcp.load(state, checkpoint_id=str(path))
@@ -253,14 +253,15 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _state(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
+def checkpoint_state(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
+    """What DCP saves and loads: the model's state and each optimizer's, flattened."""
     state: dict[str, Any] = {"model": get_model_state_dict(model, options=_OPTIONS)}
     for i, opt in enumerate(optimizers):
         state[f"optimizer_{i}"] = get_optimizer_state_dict(model, opt, options=_OPTIONS)
     return state
 
 
-def _broadcast_str(value: str) -> str:
+def broadcast_str(value: str) -> str:
     """Rank 0's string on every rank (temporary names must agree)."""
     box = [value]
     dist.broadcast_object_list(box, src=0)

@@ -15,36 +15,30 @@ How an unmodified LightningModule trains under a pipeline:
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
-import os
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
-from torch import nn
 from typing_extensions import override
 
 from lightning_zeropp.core import checkpoint as ckpt
 from lightning_zeropp.core import commit, env, export
-from lightning_zeropp.core.batch import batch_size, take_rows
+from lightning_zeropp.core.async_checkpoint import AsyncCheckpointer
 from lightning_zeropp.core.call_adapter import CallAdapter, get_call_adapter
 from lightning_zeropp.core.call_split import meta_copy
-from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.engine import ZeroPPEngine
 from lightning_zeropp.core.grads import GradStash
 from lightning_zeropp.core.layout import describe_layout
 from lightning_zeropp.core.mesh import ParallelDims, build_mesh
 from lightning_zeropp.core.split import SplitMethod, check_split
-from lightning_zeropp.lightning import checkpointing, resume
-from lightning_zeropp.lightning.redirect import first_batch
+from lightning_zeropp.lightning import checkpointing, network, resume, settings
 from lightning_zeropp.lightning.steps import StepRunner
 from lightning_zeropp.models.hf_loss import (
     TokenCountAdapter,
@@ -97,6 +91,9 @@ class ZeroPPStrategy(ModelParallelStrategy):
             "full" (one ordinary Lightning checkpoint file, gathered to and written by global
             rank 0, that `MyModule.load_from_checkpoint` reads in one process). `ckpt_path=`
             takes either (see `lightning_zeropp.lightning.checkpointing`).
+        async_save: save sharded checkpoints in the background: the step waits only for a copy
+            of the state in host memory, and the checkpoint is published under its name when
+            every rank has written it (`core.async_checkpoint`); a save waits for the last one.
 
     `accumulate_grad_batches=k` means what it means in Lightning: the update uses the mean
     gradient over k consecutive (global) batches. The pipeline's micro-batches are a separate,
@@ -129,14 +126,21 @@ class ZeroPPStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         log_comms: bool = False,
         state_dict_type: str = "sharded",
+        async_save: bool = False,
     ) -> None:
         self._state_dict_type = checkpointing.check_state_dict_type(state_dict_type)
+        if async_save and state_dict_type != "sharded":
+            raise ValueError(
+                f"async_save=True writes sharded checkpoints (state_dict_type='sharded'), not "
+                f"state_dict_type={state_dict_type!r}; drop one of the two."
+            )
+        self._async = AsyncCheckpointer() if async_save else None
         super().__init__(
             save_distributed_checkpoint=state_dict_type == "sharded",
             timeout=timeout,
             process_group_backend=process_group_backend,
         )
-        self.zeropp_config, self._from_env = _with_env(
+        self.zeropp_config, self._from_env = settings.config_from_arguments(
             pp_size=pp_size,
             dp_shard_size=dp_shard_size,
             dp_replicate_size=dp_replicate_size,
@@ -206,19 +210,11 @@ class ZeroPPStrategy(ModelParallelStrategy):
         self._precision_plugin = plugin if plugin is None else ZeroPPPrecision(self)
 
     # ---------------------------------------------------------------- set-up
-    def _resolve_config(self, world_size: int) -> ZeroPPConfig:
-        try:
-            return self.zeropp_config.resolve(world_size)
-        except ValueError as err:
-            if not self._from_env:
-                raise
-            # The user never wrote the bad value: name the variables that set it.
-            raise ValueError(f"{err} (settings from the environment: {self._from_env})") from err
-
     @override
     def setup_environment(self) -> None:
         # Validate on every rank before the process group exists: a bad size fails everywhere.
-        self.zeropp_config = self._resolve_config(self.num_nodes * self.num_processes)
+        world_size = self.num_nodes * self.num_processes
+        self.zeropp_config = settings.resolve_config(self.zeropp_config, world_size, self._from_env)
         self._setup_distributed()
         if self._dims is None:  # fit then validate on one Trainer sets up twice: keep one mesh
             self._dims = build_mesh(self.zeropp_config, self.root_device.type)
@@ -237,7 +233,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
                 "ZeroPPStrategy needs automatic optimization: the pipeline schedule runs forward "
                 "and backward together. Remove `self.automatic_optimization = False`."
             )
-        name = self._pipelined_name(module)
+        name = network.pipelined_name(module, self._module_name)
         if self._engine is None or module._modules[name] is not self._engine.module:
             self._build_engine(module, name, trainer)
         self.model_to_device()
@@ -252,17 +248,17 @@ class ZeroPPStrategy(ModelParallelStrategy):
         # and `.logits`); read now, since the stages that replace the network do not carry it.
         runner = self._runner
         runner.module, runner.attr = module, name
-        network = getattr(module, name)
-        runner.adapter = get_call_adapter(network)
-        if type(runner.adapter) is CallAdapter and accepts_num_items(network):
+        net = getattr(module, name)
+        runner.adapter = get_call_adapter(net)
+        if type(runner.adapter) is CallAdapter and accepts_num_items(net):
             # A plain HF model: padded batches' losses are token means, as in one process.
-            runner.adapter = TokenCountAdapter(shift=is_causal_lm(network))
+            runner.adapter = TokenCountAdapter(shift=is_causal_lm(net))
         self._pipelined = name
-        disable_kv_cache(network)  # plain HF models: a stage returns tensors only
+        disable_kv_cache(net)  # plain HF models: a stage returns tensors only
         example_args, example_kwargs = self._example(module, trainer)
-        whole = meta_copy(network)  # before sharding: a single stage is sharded in place
+        whole = meta_copy(net)  # before sharding: a single stage is sharded in place
         self._engine = ZeroPPEngine(
-            network,
+            net,
             self.zeropp_config,
             loss_fn=runner.scheduled_loss,
             probe_loss_fn=runner.probe_loss,
@@ -276,79 +272,22 @@ class ZeroPPStrategy(ModelParallelStrategy):
         module._modules[name] = self._engine.module
         runner.engine = self._engine
         rank_zero_info(describe_layout(self._engine))  # collective: every rank builds the text
-        self._summarize_whole_model(trainer, module, name, whole)
+        network.summarize_whole_model(trainer, name, whole)
         # The example served the split. Lightning's model summary would feed it to this rank's
         # stages as if they were the whole model, so it goes.
         module.example_input_array = None
 
-    def _summarize_whole_model(
-        self, trainer: pl.Trainer, module: pl.LightningModule, name: str, whole: nn.Module
-    ) -> None:
-        """Lightning's model summary would count this rank's stages; show it the whole network
-        (a meta-device copy: parameter counts, no memory) while it summarizes."""
-        for callback in trainer.callbacks:
-            if not isinstance(callback, ModelSummary):
-                continue
-            summarize = getattr(callback, "_zeropp_summarize", callback.on_fit_start)
-
-            def on_fit_start(trainer: pl.Trainer, pl_module: pl.LightningModule, f=summarize):
-                stages = pl_module._modules[name]
-                pl_module._modules[name] = whole
-                try:
-                    f(trainer, pl_module)
-                finally:
-                    pl_module._modules[name] = stages
-
-            callback._zeropp_summarize = summarize
-            callback.on_fit_start = on_fit_start
-
-    def _pipelined_name(self, module: pl.LightningModule) -> str:
-        if self._module_name is not None:
-            if not isinstance(getattr(module, self._module_name, None), nn.Module):
-                holders = [
-                    n for n, c in module.named_children() if any(True for _ in c.parameters())
-                ]
-                raise ValueError(
-                    f"module_name={self._module_name!r} is not a submodule of "
-                    f"{type(module).__name__}, whose submodules with parameters are {holders}; "
-                    "pass ZeroPPStrategy(module_name=...) the one to pipeline."
-                )
-            return self._module_name
-        holders = [n for n, c in module.named_children() if any(True for _ in c.parameters())]
-        if len(holders) != 1:
-            raise ValueError(
-                f"{type(module).__name__} has {len(holders)} child modules with parameters "
-                f"({holders}); ZeroPPStrategy pipelines one. Pass module_name='<attribute>'."
-            )
-        return holders[0]
-
     def _example(
         self, module: pl.LightningModule, trainer: pl.Trainer
     ) -> tuple[tuple[Any, ...] | None, dict[str, Any] | None]:
-        """One micro-batch of the network's inputs, for splits that need one: what the module's
-        forward passes to the network for `example_input_array` (taken as one micro-batch), or
-        else what the step passes to it for the first batch (cut to one micro-batch)."""
+        """One micro-batch of the network's inputs, for the splits that need one."""
         cfg = self.zeropp_config
         if callable(self._split) or self._split == "stack" or cfg.num_stages == 1:
             return None, None
         assert cfg.num_microbatches is not None
-        self._runner.adapter.microbatches = cfg.num_microbatches
-        example = module.example_input_array
-        if example is not None:
-            args = tuple(example) if isinstance(example, (tuple, list)) else (example,)
-            kw = example if isinstance(example, dict) else {}
-            return self._runner.capture(lambda: module(*([] if kw else args), **kw))
-        step = {
-            TrainerFn.FITTING: module.training_step,
-            TrainerFn.VALIDATING: module.validation_step,
-            TrainerFn.TESTING: module.test_step,
-            TrainerFn.PREDICTING: module.predict_step,
-        }[trainer.state.fn]
-        batch = self.batch_to_device(first_batch(trainer))
-        inputs, kw = self._runner.capture(lambda: step(batch, 0))
-        assert cfg.num_microbatches is not None
-        rows = torch.arange(max(1, batch_size((inputs, kw)) // cfg.num_microbatches))
-        return take_rows(inputs, rows), take_rows(kw, rows)
+        return network.example_microbatch(
+            module, trainer, self._runner, cfg.num_microbatches, self.batch_to_device
+        )
 
     # ---------------------------------------------------------------- steps
     @override
@@ -422,6 +361,9 @@ class ZeroPPStrategy(ModelParallelStrategy):
             k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")
         }
         assert self.lightning_module is not None
+        if self._async is not None:
+            self._async.save(path, self.lightning_module, self._raw_optimizers(), checkpoint)
+            return
         ckpt.save_checkpoint(path, self.lightning_module, self._raw_optimizers(), checkpoint)
 
     @override
@@ -430,6 +372,8 @@ class ZeroPPStrategy(ModelParallelStrategy):
     ) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.lightning_module is not None
+        if self._async is not None:
+            self._async.wait()  # it may be the checkpoint still being written
         if path.is_file():  # a full checkpoint (state_dict_type="full", or consolidated)
             module = self.lightning_module
             return checkpointing.load_full_file(
@@ -440,9 +384,11 @@ class ZeroPPStrategy(ModelParallelStrategy):
     @override
     def teardown(self) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self._async is not None:
+            self._async.wait()  # the last checkpoint is complete when fit returns
         super().teardown()
         if trainer is not None:
-            _check_trained(trainer)
+            settings.check_trained(trainer)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
@@ -465,39 +411,6 @@ class ZeroPPStrategy(ModelParallelStrategy):
         (no LightningModule attribute prefix), on global rank 0; an empty dict elsewhere. Feed it
         to an exporter such as `lightning_zeropp.models.hf.export_hf`."""
         return export.full_state_dict(self.engine.module, self.engine.dims)
-
-
-def _check_trained(trainer: pl.Trainer) -> None:
-    """A fit that ended normally without one training batch was not meant: say so, on every
-    rank (each rank's loader has the same length), instead of exiting 0 with an untrained model.
-    `limit_train_batches=0` and `max_steps=0` ask for no training and are left alone."""
-    state = trainer.state
-    if state.fn != TrainerFn.FITTING or state.status != TrainerStatus.RUNNING:
-        return
-    if trainer.limit_train_batches == 0 or trainer.max_steps == 0:
-        return
-    if trainer.num_training_batches == 0:
-        raise ValueError(
-            "the training dataloader gave no batches on this data-parallel rank, so fit trained "
-            "0 steps: the dataset is smaller than one batch per data-parallel rank (with "
-            "drop_last=True, or after the sampler split it). Use more data, a smaller "
-            "batch_size, or drop_last=False."
-        )
-
-
-def _with_env(**settings: Any) -> tuple[ZeroPPConfig, str]:
-    """The config from the strategy's arguments over the `ZEROPP_*` variables (`core.env`), and
-    the variables it took (described, "" for none).
-
-    An argument left out (None) takes its variable's value when one is set; an unknown `ZEROPP_*`
-    name (a typo) is an error, as in the Accelerate front.
-    """
-    given = {k: v for k, v in settings.items() if v is not None}
-    used = {var: field for var, field in env.CONFIG_VARS.items() if field not in given}
-    found = [
-        f"{var}={os.environ[var]} ({field})" for var, field in used.items() if var in os.environ
-    ]
-    return dataclasses.replace(env.config_from_env(), **given), ", ".join(found)
 
 
 if "zeropp" not in StrategyRegistry:

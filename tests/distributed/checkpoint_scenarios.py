@@ -2,7 +2,8 @@
 
 One launch runs every fit the checkpoint tests compare (pp 2 x dp_shard 2, `split="stack"`,
 AdamW, 3 steps per epoch):
-- `sharded`: 2 epochs straight; `ModelCheckpoint` writes a sharded directory per epoch;
+- `sharded`: 2 epochs straight; `ModelCheckpoint` writes a sharded directory per epoch, in the
+  background (`async_save=True`: the next epoch trains while it is written);
 - `full`: 1 epoch with `state_dict_type="full"`; `ModelCheckpoint` and `trainer.save_checkpoint`
   each write one file;
 - `resumed`: epoch 2 resumed (default strategy) from `full`'s file, from other initial weights;
@@ -34,7 +35,7 @@ MICRO_BATCH = GLOBAL_BATCH // 2 // 2  # global batch / dp / micro-batches
 
 def run_all(out: str) -> dict[str, Any]:
     root = Path(out)
-    sharded = fit(2, checkpoint_dir=root / "sharded")
+    sharded = fit(2, checkpoint_dir=root / "sharded", async_save=True)
     full = fit(
         1, state_dict_type="full", checkpoint_dir=root / "full", save_to=root / "explicit.ckpt"
     )
@@ -60,8 +61,11 @@ def fit(
     save_to: Path | None = None,
     resume_from: Path | None = None,
     init_seed: int = 0,
+    async_save: bool = False,
 ) -> dict[str, Any]:
-    strategy = ZeroPPStrategy(split="stack", state_dict_type=state_dict_type, **LAYOUT)
+    strategy = ZeroPPStrategy(
+        split="stack", state_dict_type=state_dict_type, async_save=async_save, **LAYOUT
+    )
     record = Record()
     callbacks: list[pl.Callback] = [record]
     if checkpoint_dir is not None:

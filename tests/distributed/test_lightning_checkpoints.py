@@ -52,6 +52,8 @@ def _assert_loads_trained_weights(path: Path, trained: dict[str, torch.Tensor]) 
 def test_state_dict_type_is_validated():
     with pytest.raises(ValueError, match=r"state_dict_type='fulll'.*'sharded'.*'full'"):
         ZeroPPStrategy(state_dict_type="fulll")
+    with pytest.raises(ValueError, match=r"async_save=True writes sharded checkpoints"):
+        ZeroPPStrategy(state_dict_type="full", async_save=True)
 
 
 # ModelCheckpoint saves at the end of epoch 0; trainer.save_checkpoint after fit, in epoch 1.
@@ -108,8 +110,11 @@ def test_full_checkpoint_optimizer_state_is_one_process_format(run):
 
 def test_consolidated_sharded_checkpoint_loads(run, tmp_path, monkeypatch):
     out, results = run
-    directory = out / "sharded" / "epoch=1.ckpt"
-    assert (directory / "meta.pt").is_file()
+    directory = out / "sharded" / "epoch=1.ckpt"  # saved in the background, done when fit returns
+    assert (directory / "meta.pt").is_file() and directory.is_symlink()
+    assert [p.name.startswith(".epoch=1.ckpt.v-") for p in directory.parent.iterdir()].count(
+        True
+    ) == 1
     target = tmp_path / "consolidated.ckpt"
     # `python -m lightning.pytorch.utilities.consolidate_checkpoint DIR --output_file FILE`, run in
     # this process (saves starting another interpreter).

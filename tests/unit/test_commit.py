@@ -161,3 +161,48 @@ def test_a_checkpoint_left_aside_by_a_kill_loads(tmp_path: Path, group: None, mo
     fresh = nn.Linear(3, 3)
     load_checkpoint(path, fresh, [])  # recovered first
     torch.testing.assert_close(fresh.weight, model.weight, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------ asynchronous saves
+def test_async_save_writes_the_state_at_the_call_and_commits_it(tmp_path: Path, group: None):
+    """The step goes on at once (here: the weights and the optimizer state change right after
+    the call); the checkpoint holds the state at the call, under its name only once complete."""
+    from lightning_zeropp.core.async_checkpoint import AsyncCheckpointer
+
+    torch.manual_seed(0)
+    model = nn.Linear(256, 256)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 256)).sum().backward()
+    opt.step()
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    saved_avg = opt.state[model.weight]["exp_avg"].clone()
+    path, saver = tmp_path / "last.ckpt", AsyncCheckpointer()
+    saver.save(path, model, [opt], {"step": 1})
+    with torch.no_grad():  # what the next steps do while the thread writes
+        model.weight.add_(1.0)
+    opt.state[model.weight]["exp_avg"].add_(1.0)
+    assert saver.wait() == path and path.is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([path.name, path.resolve().name])
+    fresh = nn.Linear(256, 256)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    fresh(torch.randn(1, 256)).sum().backward()
+    fresh_opt.step()  # optimizer state to load into
+    assert load_checkpoint(path, fresh, [fresh_opt]) == {"step": 1}
+    for name, value in fresh.state_dict().items():
+        torch.testing.assert_close(value, saved[name], rtol=0, atol=0, msg=name)
+    torch.testing.assert_close(fresh_opt.state[fresh.weight]["exp_avg"], saved_avg, rtol=0, atol=0)
+    # A second save of the name replaces the first, and cleans its version.
+    saver.save(path, model, [opt], {"step": 2})
+    assert saver.wait() == path and load_checkpoint(path, fresh, [fresh_opt]) == {"step": 2}
+    assert len(list(tmp_path.iterdir())) == 2
+
+
+def test_a_failed_async_save_raises_at_the_next_wait(tmp_path: Path, group: None, monkeypatch):
+    from lightning_zeropp.core.async_checkpoint import AsyncCheckpointer
+
+    saver, model = AsyncCheckpointer(), nn.Linear(3, 3)
+    monkeypatch.setattr(commit, "publish", _raise)
+    saver.save(tmp_path / "ckpt", model, [])
+    with pytest.raises(RuntimeError, match=r"the asynchronous checkpoint save failed: killed here"):
+        saver.wait()
+    assert not (tmp_path / "ckpt").exists() and saver.wait() is None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_zeropp import ZeroPPStrategy
+from lightning_zeropp.lightning.settings import resolve_config
 
 
 def test_unset_arguments_come_from_the_environment(monkeypatch):
@@ -43,7 +44,7 @@ def test_a_bad_value_from_a_variable_names_the_variable(monkeypatch):
         match=r"pp_size \(3\) .* but the world has 4 .*\(settings from the environment: "
         r"ZEROPP_PP_SIZE=3 \(pp_size\)\)",
     ):
-        strategy._resolve_config(4)
+        resolve_config(strategy.zeropp_config, 4, strategy._from_env)
 
 
 def test_a_misspelt_variable_is_an_error(monkeypatch):
