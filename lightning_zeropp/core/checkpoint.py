@@ -120,7 +120,7 @@ def load_full(
         if params[p] not in saved
     ]
     unexpected = [name for name in model_state if name not in held] if strict else []
-    _raise_on_every_rank(_naming_problem(missing, unexpected))
+    _raise_on_every_rank(_naming_problem(missing, unexpected) or _size_problem(model_state, local))
     shards = {
         name: _shard_like(model_state[name], like)
         for name, like in local.items()
@@ -129,6 +129,22 @@ def load_full(
     set_model_state_dict(module, shards, options=StateDictOptions(strict=strict))
     for opt, saved in zip(optimizers, by_name, strict=True):
         _load_optimizer(opt, params, saved)
+
+
+def _size_problem(model_state: dict[str, Any], local: dict[str, Any]) -> str | None:
+    """A whole state of another size than this rank's part of the model, in one line (a DTensor's
+    shape is the whole tensor's)."""
+    other = [
+        f"`{name}` {list(model_state[name].shape)}, the model {list(like.shape)}"
+        for name, like in local.items()
+        if name in model_state
+        and torch.is_tensor(like)
+        and tuple(model_state[name].shape) != tuple(like.shape)
+    ]
+    if not other:
+        return None
+    more = f" (and {len(other) - 1} more)" if len(other) > 1 else ""
+    return f"the checkpoint has {other[0]}{more}: it was saved from another model"
 
 
 def _optimizer_state_by_name(

@@ -335,7 +335,15 @@ class ZeroPPEngine:
         if self.split == "trace" and self.num_stages > 1:
             # Traced stages are specialised to the example's shapes.
             self._shapes.check(mode, present)
-        return batch_size(present)
+        rows = batch_size(present)
+        if target is not None and (args or kwargs) and batch_size(target) != rows:
+            # The schedule would cut them into micro-batches of other rows: the loss would pair
+            # outputs with other rows' targets, or fail on the last stage only.
+            raise ValueError(
+                f"target= has {batch_size(target)} rows and the model inputs {rows}; pass the "
+                "targets of the same rows (the same batch, split the same way)."
+            )
+        return rows
 
     def _broadcast_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         if losses:

@@ -96,7 +96,8 @@ def test_strategy_settings_checked_at_construction():
         pipelined_name(LitGPT(), "modle")
 
 
-def test_a_core_loss_fn_returning_per_token_losses_is_named(group):
+def test_core_step_mistakes_are_named(group):
+    """A loss_fn returning per-token losses; targets of other rows than the inputs."""
     import torch
     import torch.nn.functional as F
 
@@ -111,3 +112,5 @@ def test_a_core_loss_fn_returning_per_token_losses_is_named(group):
     x = torch.zeros(4, 8, dtype=torch.long)
     with pytest.raises(ValueError, match=r"loss_fn returned \(16,\); it must return one scalar"):
         engine.train_step(x, target=x)
+    with pytest.raises(ValueError, match=r"target= has 2 rows and the model inputs 4; pass"):
+        engine.train_step(x, target=x[:2])

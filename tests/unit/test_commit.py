@@ -151,6 +151,19 @@ def test_checkpoint_errors_name_their_cause_in_one_line(tmp_path: Path, group: N
         load_checkpoint(path, nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)), [])
 
 
+def test_a_whole_state_of_another_width_is_named_in_one_line(group: None) -> None:
+    from lightning_zeropp.core.checkpoint import load_full
+
+    saved = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)).state_dict()
+    wider = nn.Sequential(nn.Linear(4, 16), nn.Linear(16, 2))
+    with pytest.raises(
+        ValueError,
+        match=r"^the checkpoint has `0.weight` \[8, 4\], the model \[16, 4\] \(and 2 more\): it "
+        r"was saved from another model$",
+    ):
+        load_full(wider, [], saved, [])
+
+
 def test_a_checkpoint_left_aside_by_a_kill_loads(tmp_path: Path, group: None, monkeypatch) -> None:
     model = nn.Linear(3, 3)
     path = tmp_path / "ckpt"
