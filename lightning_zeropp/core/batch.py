@@ -3,6 +3,8 @@ rank makes of its own batch, and the step's agreement over them."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -79,7 +81,11 @@ class ShapeGuard:
 
 
 def agree_on_step(
-    cached: bool, problem: ValueError | None, description: str, device: torch.device
+    cached: bool,
+    problem: ValueError | None,
+    description: str,
+    device: torch.device,
+    guard: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> bool:
     """One small all-reduce over the world before a step: whether every rank has the schedule
     for its batch's shapes cached (else all build one: see `ZeroPPEngine._schedule_for`), and
@@ -89,6 +95,7 @@ def agree_on_step(
     every rank raises, before any enters the schedule: the failing rank its own error, the
     others a ValueError naming it and its error (read from the c10d store, where it wrote the
     error before the all-reduce). The groups stay usable, as after a check all ranks fail.
+    `guard` wraps the all-reduce alone (a failure board's: a peer lost there is named).
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     if problem is not None:
@@ -96,7 +103,8 @@ def agree_on_step(
     flags = torch.tensor(
         [int(cached), rank if problem is not None else world], dtype=torch.int32, device=device
     )
-    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    with guard():
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     cached_everywhere, first = flags.tolist()
     if first < world:
         if problem is not None:

@@ -269,7 +269,11 @@ class ZeroPPEngine:
         entry = self._schedules.pop(key, None)
         if self.config.dp_size > 1:
             cached = agree_on_step(
-                entry is not None, problem, self.failures.description, self.device
+                entry is not None,
+                problem,
+                self.failures.description,
+                self.device,
+                self.failures.guard,
             )
             entry = entry if cached else None
         elif problem is not None:  # every rank has this batch: each raises this itself

@@ -86,6 +86,13 @@ CASES = {
             dp_shard_size=2,
             num_microbatches=2,
         ),
+    ],
+}
+ALL = [(world, case) for world, cases in CASES.items() for case in cases]
+# More 8-rank layouts: 8 processes on 2 cores are the suite's slowest launch, so CI runs one
+# (pipeline x HSDP, all three axes); bench/slow_tests.py runs these.
+SLOW_CASES = {
+    8: [
         _case(
             "pp4-dps2-interleaved",
             pp_size=4,
@@ -111,7 +118,7 @@ CASES = {
         ),
     ],
 }
-ALL = [(world, case) for world, cases in CASES.items() for case in cases]
+SLOW = [(world, case) for world, cases in SLOW_CASES.items() for case in cases]
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +129,17 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize(("world", "case"), ALL, ids=[f"w{w}-{c['id']}" for w, c in ALL])
 def test_layout_matches_single_process(results, world, case):
     assert_matches_reference(results(world), case)
+
+
+@pytest.fixture(scope="module")
+def slow_results(tmp_path_factory):
+    return core_results_by_world(tmp_path_factory, SLOW_CASES, "core_slow")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "case"), SLOW, ids=[f"w{w}-{c['id']}" for w, c in SLOW])
+def test_more_layouts_match_single_process(slow_results, world, case):
+    assert_matches_reference(slow_results(world), case)
 
 
 def test_bf16_mixed_precision_tracks_fp32(tmp_path):
