@@ -68,6 +68,9 @@ class ShapeGuard:
     def __init__(self) -> None:
         self._first: dict[str, list[tuple[int, ...]]] = {}
 
+    def seen(self, mode: str) -> bool:
+        return mode in self._first
+
     def check(self, mode: str, batch: Any) -> None:
         leaves, _ = tree_flatten(batch)
         shapes = [tuple(t.shape) for t in leaves if isinstance(t, torch.Tensor)]

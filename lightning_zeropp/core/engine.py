@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
+from torch.utils._pytree import tree_flatten
 
 from lightning_zeropp.core._torch_private import on_scheduled_loss
 from lightning_zeropp.core.batch import (
@@ -141,6 +142,10 @@ class ZeroPPEngine:
         self.holds_first = 0 in self.stage_ids
         self.last_pp_rank = rank_of_stage(self.style, self.num_stages - 1, cfg.pp_size)
         self._shapes = ShapeGuard()
+        # Traced stages are fixed to the example micro-batch: a training batch is that many rows
+        # per micro-batch (checked on the first one; the shape guard compares later ones to it).
+        example = tree_flatten((example_args or (), example_kwargs or {}))[0]
+        self._example_shapes = [tuple(t.shape) for t in example if isinstance(t, torch.Tensor)]
         # A failure inside a step (say the loss raising on the last stage) becomes, on every
         # rank, an error naming the failing rank and its error, instead of transport errors.
         self.failures = FailureBoard(describe_rank(self.dims.mesh, self.stage_ids))
@@ -338,6 +343,8 @@ class ZeroPPEngine:
             )
         if self.split == "trace" and self.num_stages > 1:
             # Traced stages are specialised to the example's shapes.
+            if mode == "train" and not self._shapes.seen(mode):
+                self._check_example_shapes(args, kwargs)
             self._shapes.check(mode, present)
         rows = batch_size(present)
         if target is not None and (args or kwargs) and batch_size(target) != rows:
@@ -348,6 +355,22 @@ class ZeroPPEngine:
                 "targets of the same rows (the same batch, split the same way)."
             )
         return rows
+
+    def _check_example_shapes(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        mb = self.config.num_microbatches
+        assert mb is not None
+        example = self._example_shapes
+        want = [(s[0] * mb, *s[1:]) if s else s for s in example]
+        got = [
+            tuple(t.shape) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+        ]
+        if got != want:
+            raise ValueError(
+                f"split='trace' fixed the stages to the example micro-batch's shapes {example}, "
+                f"so a training batch of num_microbatches={mb} micro-batches has {want}; this "
+                f"one has {got}. Give an example of one micro-batch of these batches "
+                "(example_args / example_input_array), or use split='call' (any shape)."
+            )
 
     def _broadcast_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         if losses:

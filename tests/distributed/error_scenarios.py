@@ -57,6 +57,13 @@ def _shape_change() -> None:
         engine.train_step(x, target=x)
 
 
+def _trace_batch_unlike_example() -> None:
+    # The example is a micro-batch of 2 rows; these batches have micro-batches of 4.
+    engine = _engine(pp_size=2, dp_shard_size=2, num_microbatches=2, split="trace")
+    x = torch.zeros(8, MODEL.seq_len, dtype=torch.long)
+    engine.train_step(x, target=x)
+
+
 def _trainer(strategy: ZeroPPStrategy, max_steps: int = 1) -> pl.Trainer:
     return pl.Trainer(
         accelerator="cpu",
@@ -230,6 +237,7 @@ ATTEMPTS = {
     "indivisible_batch": _indivisible_batch,
     "one_dp_rank_indivisible_batch": _one_dp_rank_indivisible_batch,
     "shape_change": _shape_change,
+    "trace_batch_unlike_example": _trace_batch_unlike_example,
     "unknown_schedule": lambda: _engine(pp_size=2, schedule="pipedream"),
     "unsplittable_model": lambda: _engine(nn.Linear(4, 4), pp_size=2),
     "lightning_bad_layout": _lightning_bad_layout,

@@ -17,6 +17,7 @@ EXPECTED = {
     # ranks 0 and 2 name rank 1 and its error
     "one_dp_rank_indivisible_batch": "a batch of 6 rows does not split into num_microbatches=4",
     "shape_change": "a train batch changed shape from [(4, 16), (4, 16)] to [(4, 8), (4, 8)]",
+    "trace_batch_unlike_example": "split='trace' fixed the stages to the example micro-batch's shapes [(2, 16)], so a training batch of num_microbatches=2 micro-batches has [(4, 16)]; this one has [(8, 16)]",
     "unknown_schedule": "schedule='pipedream' is unknown",
     "unsplittable_model": "no ModuleList, ModuleDict or nn.Sequential",
     "lightning_bad_layout": "pp_size (3) x dp_replicate_size (1) x dp_shard_size (1) = 3, but the world has 4",
