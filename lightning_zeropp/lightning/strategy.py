@@ -24,7 +24,7 @@ import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
@@ -363,6 +363,11 @@ class ZeroPPStrategy(ModelParallelStrategy):
         assert self.lightning_module is not None
         if self._async is not None:
             self._async.save(path, self.lightning_module, self._raw_optimizers(), checkpoint)
+            state = self.lightning_module.trainer.state
+            if state.fn != TrainerFn.FITTING or state.status != TrainerStatus.RUNNING:
+                # Outside a running fit (trainer.save_checkpoint after fit) no later save or
+                # teardown would wait for it: the checkpoint must be complete on return.
+                self._async.wait()
             return
         ckpt.save_checkpoint(path, self.lightning_module, self._raw_optimizers(), checkpoint)
 

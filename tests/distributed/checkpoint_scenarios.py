@@ -3,7 +3,8 @@
 One launch runs every fit the checkpoint tests compare (pp 2 x dp_shard 2, `split="stack"`,
 AdamW, 3 steps per epoch):
 - `sharded`: 2 epochs straight; `ModelCheckpoint` writes a sharded directory per epoch, in the
-  background (`async_save=True`: the next epoch trains while it is written);
+  background (`async_save=True`: the next epoch trains while it is written), and
+  `trainer.save_checkpoint` after fit (complete when it returns: nothing else would wait for it);
 - `full`: 1 epoch with `state_dict_type="full"`; `ModelCheckpoint` and `trainer.save_checkpoint`
   each write one file;
 - `resumed`: epoch 2 resumed (default strategy) from `full`'s file, from other initial weights;
@@ -35,7 +36,9 @@ MICRO_BATCH = GLOBAL_BATCH // 2 // 2  # global batch / dp / micro-batches
 
 def run_all(out: str) -> dict[str, Any]:
     root = Path(out)
-    sharded = fit(2, checkpoint_dir=root / "sharded", async_save=True)
+    sharded = fit(
+        2, checkpoint_dir=root / "sharded", save_to=root / "after-fit.ckpt", async_save=True
+    )
     full = fit(
         1, state_dict_type="full", checkpoint_dir=root / "full", save_to=root / "explicit.ckpt"
     )
@@ -89,8 +92,12 @@ def fit(
     trainer.fit(module, _loader(STEPS_PER_EPOCH, dp), ckpt_path=resume_from)
     if save_to is not None:
         trainer.save_checkpoint(save_to)
+        # Complete on return, on every rank: read it back before anything else runs.
+        saved_meta = (Path(save_to) / "meta.pt").is_file() if Path(save_to).is_dir() else None
     params = {n: _full(p) for n, p in module.model.named_parameters()}
     out = {"logged": record.logged, "params": params}
+    if save_to is not None:
+        out["saved_meta"] = saved_meta
     if state_dict_type == "full":  # the exporters' gather: the network alone, on rank 0
         out["network_state"] = strategy.full_state_dict()
     return out

@@ -108,6 +108,14 @@ def test_full_checkpoint_optimizer_state_is_one_process_format(run):
     one_process.load_state_dict(saved[0])
 
 
+def test_an_async_save_after_fit_is_complete_when_it_returns(run):
+    out, results = run
+    assert all(r["sharded"]["saved_meta"] for r in results)  # read right after the call
+    assert (out / "after-fit.ckpt").is_symlink() and (
+        out / "after-fit.ckpt" / ".metadata"
+    ).is_file()
+
+
 def test_consolidated_sharded_checkpoint_loads(run, tmp_path, monkeypatch):
     out, results = run
     directory = out / "sharded" / "epoch=1.ckpt"  # saved in the background, done when fit returns
