@@ -31,7 +31,12 @@ def main(extra: list[str]) -> int:
     sys.stdout.write(proc.stdout[-20000:])
     sys.stderr.write(proc.stderr[-5000:])
     lines = proc.stdout.splitlines()
-    summary = next((ln for ln in reversed(lines) if " in " in ln and "=" in ln), "(no summary)")
+    # pytest -q ends with "8 passed, 1342 deselected in 286.05s (0:04:46)" (no "=" banner)
+    words = (" passed", " failed", " error", " deselected", "no tests ran")
+    summary = next(
+        (ln for ln in reversed(lines) if " in " in ln and any(w in ln for w in words)),
+        "(no summary)",
+    )
     durations = [ln for ln in lines if ln[:1].isdigit() and "s " in ln[:10]]
     results = ROOT / "bench" / "results"
     results.mkdir(exist_ok=True)
