@@ -134,17 +134,27 @@ def load_full(
 def _size_problem(model_state: dict[str, Any], local: dict[str, Any]) -> str | None:
     """A whole state of another size than this rank's part of the model, in one line (a DTensor's
     shape is the whole tensor's)."""
-    other = [
-        f"`{name}` {list(model_state[name].shape)}, the model {list(like.shape)}"
+    differ = [
+        (name, model_state[name].shape, like.shape)
         for name, like in local.items()
         if name in model_state
         and torch.is_tensor(like)
         and tuple(model_state[name].shape) != tuple(like.shape)
     ]
-    if not other:
+    return _other_sizes("the checkpoint", differ)
+
+
+def _other_sizes(checkpoint: str, differ: list[tuple[str, Any, Any]]) -> str | None:
+    """One line for tensors saved with another size than the model's (name, saved, model size):
+    the first of them and how many more."""
+    if not differ:
         return None
-    more = f" (and {len(other) - 1} more)" if len(other) > 1 else ""
-    return f"the checkpoint has {other[0]}{more}: it was saved from another model"
+    name, saved, model = differ[0]
+    more = f" (and {len(differ) - 1} more)" if len(differ) > 1 else ""
+    return (
+        f"{checkpoint} has `{name}` {list(saved)}, the model {list(model)}{more}: it was saved "
+        "from another model"
+    )
 
 
 def _optimizer_state_by_name(
@@ -252,10 +262,9 @@ def _shape_problem(path: Path, model_state: dict[str, Any]) -> str | None:
             and isinstance(meta, TensorStorageMetadata)
             and tuple(meta.size) != tuple(value.shape)
         ):
-            other.append(f"`{name}` {list(meta.size)}, the model {list(value.shape)}")
+            other.append((name, meta.size, value.shape))
     if other:
-        more = f" (and {len(other) - 1} more)" if len(other) > 1 else ""
-        return f"the checkpoint {path} has {other[0]}{more}: it was saved from another model"
+        return _other_sizes(f"the checkpoint {path}", other)
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         return (

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
@@ -16,22 +15,8 @@ import torch.distributed as dist
 
 from lightning_zeropp.core import failure
 from lightning_zeropp.core.failure import FailureBoard, PeerFailedError
-from tests.distributed.launch import free_port
 
 KEY = "lightning_zeropp/failure"
-
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[None]:
-    dist.init_process_group(
-        "gloo",
-        rank=0,
-        world_size=1,
-        init_method=f"tcp://127.0.0.1:{free_port()}",
-        timeout=timedelta(seconds=60),
-    )
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.fixture
