@@ -36,6 +36,7 @@ __all__ = [
     "UnitScheduleRuntime",
     "on_scheduled_loss",
     "unsharded_parameter_bytes",
+    "local_chunk",
 ]
 
 PipelineSchedule = _PipelineSchedule
@@ -220,6 +221,16 @@ def _reduce_grad(action: _Action, ctx: _PipelineContext) -> None:
     state._root_post_backward_final_callback()
     root.set_requires_gradient_sync(False)
     root.set_is_last_backward(False)
+
+
+def local_chunk(tensor: Any) -> tuple[slice, ...]:
+    """Where this rank's part of `tensor` lies in the whole tensor (all of it when it is not a
+    DTensor): the index that cuts this rank's rows out of a whole copy."""
+    create = getattr(tensor, "__create_chunk_list__", None)  # DTensor's, as DCP reads it
+    if create is None:
+        return tuple(slice(0, n) for n in tensor.shape)
+    (chunk,) = create()
+    return tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes, strict=True))
 
 
 def unsharded_parameter_bytes(module: nn.Module) -> int:

@@ -122,8 +122,16 @@ def plan_calls(
         return _dry_run(meta_copy(model), blocks, tree_map(_to_meta, example), model)
     except _DryRunFailed as meta_err:
         real = all(not t.is_meta for t in tree_flatten(example)[0] if isinstance(t, torch.Tensor))
-        if not real or any(p.is_meta for p in model.parameters()):
+        if not real:
             raise ValueError(str(meta_err)) from meta_err.__cause__
+        if any(p.is_meta for p in model.parameters()):
+            # A model built on the meta device has no values to run: keep the example real so
+            # that values computed from the inputs alone can be read, and everything the
+            # weights touch becomes meta.
+            try:
+                return _dry_run(meta_copy(model), blocks, example, model, mixed=True)
+            except _DryRunFailed as err:
+                raise ValueError(str(err)) from err.__cause__
     # Some forwards read values (`.item()`, `torch.equal`) that meta tensors do not have: check on
     # the real model and example once, without gradients.
     with torch.no_grad():
@@ -142,12 +150,13 @@ def _dry_run(
     blocks: BlockPlan,
     example: tuple[tuple[Any, ...], dict[str, Any]],
     model: nn.Module,
+    mixed: bool = False,
 ) -> CallPlan:
     args, kwargs = example
     container = skeleton.get_submodule(blocks.container) if blocks.container else skeleton
     block_list = [container._modules[n] for n in blocks.names]
     units = outer_units(skeleton, blocks.container)
-    tagger, calls, events = Tagger(), [], []
+    tagger, calls, events = Tagger(mixed), [], []
     handles = []
 
     def block_pre(i: int) -> Callable[..., Any]:

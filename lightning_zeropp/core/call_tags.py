@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = ["Tagger"]
 
@@ -21,8 +21,11 @@ __all__ = ["Tagger"]
 class Tagger(TorchFunctionMode):
     """Tags every tensor with the sources it was computed from; flags reads the split breaks."""
 
-    def __init__(self) -> None:
+    def __init__(self, mixed: bool = False) -> None:
         super().__init__()
+        # Meta weights and real inputs: an op mixing both runs on meta (values computed from the
+        # inputs alone stay real and readable).
+        self.mixed = mixed
         self.tags: dict[int, tuple[torch.Tensor, frozenset[Any]]] = {}
         self.inside: int | None = None  # the block whose forward is running
         self.after: int | None = None  # the last block, once it has returned
@@ -43,7 +46,13 @@ class Tagger(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        if self.mixed and not _any_meta((args, kwargs)):
+            # Tensors made "on the device of" a meta value (positions, masks) are made real.
+            args, kwargs = tree_map(_real_device, (args, kwargs))
+        if self.mixed and _mixes_meta((args, kwargs)):
+            out = func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
+        else:
+            out = func(*args, **kwargs)
         tags = self.of((args, kwargs))
         what = getattr(func, "__name__", str(func))
         params = {t for t in tags if t[0] == "param"}
@@ -101,6 +110,23 @@ _METADATA = {
     "element_size", "is_floating_point", "is_complex", "is_contiguous", "get_device",
     "storage_offset", "data_ptr", "__format__", "__repr__",
 }  # fmt: skip
+
+
+def _any_meta(x: Any) -> bool:
+    return any(t.is_meta for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor))
+
+
+def _mixes_meta(x: Any) -> bool:
+    devices = {t.is_meta for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)}
+    return len(devices) == 2
+
+
+def _real_device(x: Any) -> Any:
+    return torch.device("cpu") if isinstance(x, torch.device) and x.type == "meta" else x
+
+
+def _to_meta(x: Any) -> Any:
+    return x.to("meta") if isinstance(x, torch.Tensor) and not x.is_meta else x
 
 
 def _tensors_only(x: Any) -> bool:

@@ -69,11 +69,11 @@ def load_checkpoint(
     path = Path(path)
     if _rank() == 0:
         commit.recover(path)  # a save killed in its one non-atomic window left it aside
-    _raise_on_every_rank(None)  # doubles as the barrier: nobody looks before the recovery
+    raise_on_every_rank(None)  # doubles as the barrier: nobody looks before the recovery
     if not is_checkpoint(path):
         raise FileNotFoundError(f"{path} is not a ZeroPP checkpoint directory (no {META_FILE})")
     state = checkpoint_state(model, optimizers)
-    _raise_on_every_rank(_shape_problem(path, state["model"]))
+    raise_on_every_rank(shape_problem(path, state["model"]))
     try:
         dcp.load(state, checkpoint_id=str(path))
     except CheckpointException as err:  # DCP's wraps every rank's traceback: name the cause
@@ -120,7 +120,7 @@ def load_full(
         if params[p] not in saved
     ]
     unexpected = [name for name in model_state if name not in held] if strict else []
-    _raise_on_every_rank(_naming_problem(missing, unexpected) or _size_problem(model_state, local))
+    raise_on_every_rank(_naming_problem(missing, unexpected) or _size_problem(model_state, local))
     shards = {
         name: _shard_like(model_state[name], like)
         for name, like in local.items()
@@ -238,14 +238,14 @@ def _all_gather(value: Any) -> list[Any]:
     return out
 
 
-def _raise_on_every_rank(problem: str | None) -> None:
+def raise_on_every_rank(problem: str | None) -> None:
     """Raise `ValueError` on every rank if any rank has a problem (a lone raise would hang)."""
     problems = [p for p in _all_gather(problem) if p is not None]
     if problems:
         raise ValueError(problems[0])
 
 
-def _shape_problem(path: Path, model_state: dict[str, Any]) -> str | None:
+def shape_problem(path: Path, model_state: dict[str, Any]) -> str | None:
     """What keeps this rank's part of the model from loading `path`, in one line, or None.
 
     Read from the checkpoint's metadata before DCP starts, so a checkpoint of another model (or

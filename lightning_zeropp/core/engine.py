@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +34,17 @@ from lightning_zeropp.core.comm import CommCounter, flatten_summary, mesh_axis_n
 from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.failure import FailureBoard, describe_rank
 from lightning_zeropp.core.grads import GradStash, clip_grad_norm_
+from lightning_zeropp.core.load import load_weights
+from lightning_zeropp.core.materialize import (
+    InitFn,
+    check_set,
+    default_init,
+    has_meta,
+    materialize,
+    non_persistent,
+    real_to,
+    shared_seed,
+)
 from lightning_zeropp.core.mesh import ParallelDims, build_mesh
 from lightning_zeropp.core.modules import merge_stage_modules
 from lightning_zeropp.core.nonfinite import NonFiniteWatch
@@ -69,7 +81,9 @@ class ZeroPPEngine:
     """This rank's pipeline stages of `model`, sharded, and the schedule that runs them.
 
     Args:
-        model: the whole model, unmodified (on CPU or meta-free device memory).
+        model: the whole model, unmodified: built as usual, or with its parameters on the meta
+            device (`empty_parameters()`, Accelerate's `init_empty_weights()`), in which case
+            each rank allocates its own shards only, filled from `load_from` or by `init`.
         config: layout and schedule; resolved against the world size here.
         loss_fn: `loss_fn(output, target_microbatch) -> scalar`, the mean over the micro-batch.
         split: "auto" (default: "call" unless the model names another), "call", "trace",
@@ -81,6 +95,10 @@ class ZeroPPEngine:
         device: where the stages run (default: CPU).
         dims: an existing mesh for this config (default: build one).
         count_comms: record every training step's collectives (`last_comms`, `comm_metrics`).
+        init: `init(module)` per module for a meta-device model (default: the model's own
+            `_init_weights`, else `reset_parameters()`); see `core.materialize`.
+        load_from: a distributed checkpoint or a safetensors file / directory to read this
+            rank's shards from (`core.load`), after sharding; the whole model is never read.
     """
 
     def __init__(
@@ -96,6 +114,8 @@ class ZeroPPEngine:
         device: torch.device | None = None,
         dims: ParallelDims | None = None,
         count_comms: bool = False,
+        init: InitFn | None = None,
+        load_from: str | Path | None = None,
     ) -> None:
         self.config = config.resolve(dist.get_world_size())
         cfg = self.config
@@ -106,6 +126,7 @@ class ZeroPPEngine:
             self.style, self.dims.pp_rank, cfg.pp_size, cfg.num_chunks
         )
         self.num_stages = cfg.num_stages
+        self._meta = has_meta(model)
         self.plan = _plan(model, self.num_stages, cfg.split_points)
         self.split = resolve_split(model, split)
         # Tied weights get a copy per stage under split="call" / "stack" (see core.tied).
@@ -131,6 +152,8 @@ class ZeroPPEngine:
             self._prepare_stage(module, stage_id)
         self._tied = TiedWeights(tied, list(zip(self.stage_ids, modules, strict=True)), self.dims)
         self.module: nn.Module = merge_stage_modules(modules)
+        if self._meta or load_from is not None:
+            self._fill(modules, init or default_init(model), load_from, tied, model)
         self._stage_modules = modules
         self._loss_fn = loss_fn
         self._probe_loss_fn = probe_loss_fn or loss_fn
@@ -160,10 +183,33 @@ class ZeroPPEngine:
     # ------------------------------------------------------------------ set-up
     def _prepare_stage(self, module: nn.Module, stage_id: int) -> None:
         blocks = self.plan.stage_blocks(stage_id) if self.plan is not None else []
-        module.to(self.device)
+        if self._meta:
+            real_to(module, self.device)  # the rest is allocated once sharded
+        else:
+            module.to(self.device)
         if self.config.recomputes(stage_id):
             apply_activation_checkpointing(module, blocks)
         shard_stage(module, blocks, self.dims.dp_mesh, self.config)
+
+    def _fill(
+        self,
+        modules: list[nn.Module],
+        init: InitFn,
+        load_from: str | Path | None,
+        tied: list[tuple[str, ...]],
+        model: nn.Module,
+    ) -> None:
+        """Values for a meta model's shards (init, or a checkpoint), or a checkpoint's over a
+        whole model's. A checkpoint holds no non-persistent buffers: those come from init."""
+        if self._meta:
+            only = non_persistent if load_from is not None else None
+            materialize(modules, self.device, init, shared_seed(self.device), only=only)
+        if load_from is not None:
+            load_weights(self.module, load_from, tied, getattr(model, "base_model_prefix", ""))
+        elif tied:  # each stage drew its own copy of a tied weight: the first stage's wins
+            self._tied.sync_values()
+        if self._meta:
+            check_set(modules)
 
     # ------------------------------------------------------------------ steps
     def train_step(

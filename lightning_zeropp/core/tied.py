@@ -53,6 +53,7 @@ class _Tie:
     copies: list[nn.Parameter] = field(default_factory=list)  # distinct tensors, in stage order
     # The ranks holding a copy at this rank's dp coordinate, when there are several (else None).
     group: dist.ProcessGroup | None = None
+    source: nn.Parameter | None = None  # the copy on the lowest stage, when this rank holds it
 
 
 class TiedWeights:
@@ -87,7 +88,8 @@ class TiedWeights:
                 # gathered the same `held`.
                 subgroups[holders] = _holder_group(holders, dims)
             first = min(stage for found in stages_of for stage in found)
-            tie = _Tie(names, [p for _, p in copies], subgroups.get(holders))
+            source = next((p for stage, p in copies if stage == first), None)
+            tie = _Tie(names, [p for _, p in copies], subgroups.get(holders), source)
             _check_alike(tie)
             self._duplicates.update(id(p) for stage, p in copies if stage != first)
             self._ties.append(tie)
@@ -119,6 +121,22 @@ class TiedWeights:
                 local = _local(p.grad)
                 if local is not total:
                     local.copy_(total)
+
+    @torch.no_grad()
+    def sync_values(self) -> None:
+        """Give every copy the values of the copy on the lowest stage (after each stage has
+        initialized its own copy on the meta path). Collective like `sum_grads`."""
+        for tie in self._ties:
+            if not tie.copies:
+                continue
+            if tie.source is not None:
+                value = _local(tie.source).clone()
+            else:
+                value = torch.zeros_like(_local(tie.copies[0]))
+            if tie.group is not None:  # one holder adds its values, the others zeros: exact
+                dist.all_reduce(value, group=tie.group)
+            for p in tie.copies:
+                _local(p).copy_(value)
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:

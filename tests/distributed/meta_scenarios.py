@@ -1,0 +1,103 @@
+"""Models built on the meta device, then materialized (init) or loaded (safetensors, DCP) by
+each rank for its own shards only; trained as the parity scenarios train."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
+from lightning_zeropp.core.checkpoint import save_checkpoint
+from lightning_zeropp.core.materialize import empty_parameters
+from lightning_zeropp.models import GPT
+from tests.distributed.common import GLOBAL_BATCH, MODEL, lm_loss, make_batches, make_optimizer
+
+INIT_SEED = 1234  # the seed every rank sets before building (as seed_everything would)
+
+
+def llama_config() -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=MODEL.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        use_cache=False,  # a training run's setting: the pipeline passes tensors only
+    )
+
+
+def llama_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    logits = output.logits.float()
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def build(model: str, how: str) -> nn.Module:
+    """`how`: "empty" (parameters on meta, buffers real) or "meta" (everything on meta)."""
+    torch.manual_seed(INIT_SEED)
+    context = empty_parameters() if how == "empty" else torch.device("meta")
+    with context:
+        if model == "gpt":
+            return GPT(MODEL)
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_config(llama_config())
+
+
+def meta_parity(cases: list[dict[str, Any]], checkpoint_dir: str) -> dict[str, Any]:
+    return {case["id"]: _run(checkpoint_dir=checkpoint_dir, **case) for case in cases}
+
+
+def _run(
+    id: str,
+    model: str,
+    how: str,
+    layout: dict[str, Any],
+    checkpoint_dir: str,
+    load_from: str | None = None,
+    save_dcp: bool = False,
+) -> dict[str, Any]:
+    config = ZeroPPConfig(**layout).resolve(dist.get_world_size())
+    net = build(model, how)
+    held = sum(t.numel() for t in [*net.parameters(), *net.buffers()] if not t.is_meta)
+    loss_fn = lm_loss if model == "gpt" else llama_loss
+    micro = GLOBAL_BATCH // config.dp_size // config.num_microbatches
+    example = (torch.zeros(micro, MODEL.seq_len, dtype=torch.long),)
+    engine = ZeroPPEngine(net, config, loss_fn=loss_fn, example_args=example, load_from=load_from)
+    initial = {n: _full(p) for n, p in engine.module.named_parameters()}
+    local = sum(_local(p).numel() for p in engine.parameters())
+    if save_dcp:  # the initial weights, for a case of another layout to load
+        save_checkpoint(checkpoint_dir, engine.module, [])
+    opt = make_optimizer("adamw", engine.parameters())
+    losses = []
+    for x, y in make_batches(3):
+        per_rank = GLOBAL_BATCH // engine.dims.dp_size
+        rows = slice(engine.dims.dp_rank * per_rank, (engine.dims.dp_rank + 1) * per_rank)
+        losses.append(float(engine.train_step(x[rows], target=y[rows])))
+        opt.step()
+        opt.zero_grad()
+    params = {n: _full(p) for n, p in engine.module.named_parameters()}
+    return {
+        "initial": initial,
+        "params": params,
+        "losses": losses,
+        "held_before_build": held,
+        "local_numel": local,
+    }
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    return (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
