@@ -15,7 +15,9 @@ How an unmodified LightningModule trains under a pipeline:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,7 @@ from lightning_zeropp.core.call_split import meta_copy
 from lightning_zeropp.core.engine import ZeroPPEngine
 from lightning_zeropp.core.grads import GradStash
 from lightning_zeropp.core.layout import describe_layout
+from lightning_zeropp.core.materialize import InitFn, empty_parameters
 from lightning_zeropp.core.mesh import ParallelDims, build_mesh
 from lightning_zeropp.core.split import SplitMethod, check_split
 from lightning_zeropp.lightning import checkpointing, network, resume, settings
@@ -94,6 +97,14 @@ class ZeroPPStrategy(ModelParallelStrategy):
         async_save: save sharded checkpoints in the background: the step waits only for a copy
             of the state in host memory, and the checkpoint is published under its name when
             every rank has written it (`core.async_checkpoint`); a save waits for the last one.
+        load_from: weights to start from, read by each rank for its own shards only: a
+            distributed checkpoint (any layout) or safetensors (a file, or an HF model
+            directory). With a network built in `configure_model` (or under
+            `trainer.init_module(empty_init=True)`), whose parameters are then on the meta
+            device, the whole model never exists in one process.
+        init: `init(module)` per module for a network built on the meta device without
+            `load_from` (default: the network's own `_init_weights`, else each module's
+            `reset_parameters()`; see `lightning_zeropp.core.materialize`).
 
     `accumulate_grad_batches=k` means what it means in Lightning: the update uses the mean
     gradient over k consecutive (global) batches. The pipeline's micro-batches are a separate,
@@ -127,6 +138,8 @@ class ZeroPPStrategy(ModelParallelStrategy):
         log_comms: bool = False,
         state_dict_type: str = "sharded",
         async_save: bool = False,
+        load_from: str | Path | None = None,
+        init: InitFn | None = None,
     ) -> None:
         self._state_dict_type = checkpointing.check_state_dict_type(state_dict_type)
         if async_save and state_dict_type != "sharded":
@@ -158,6 +171,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
             nonfinite=nonfinite,
         )
         self._log_comms = log_comms
+        self._load_from, self._init = load_from, init
         self._split = (env.split_from_env() or "auto") if split == "auto" else split
         check_split(self._split)
         self._module_name = module_name
@@ -210,6 +224,21 @@ class ZeroPPStrategy(ModelParallelStrategy):
         self._precision_plugin = plugin if plugin is None else ZeroPPPrecision(self)
 
     # ---------------------------------------------------------------- set-up
+    @override
+    @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        # `trainer.init_module(empty_init=True)`: parameters on the meta device, buffers real;
+        # each rank allocates its own shards at setup.
+        with empty_parameters() if empty_init else contextlib.nullcontext():
+            yield
+
+    @override
+    @contextlib.contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        # What `configure_model` builds is sharded at setup: it is never whole in memory.
+        with empty_parameters():
+            yield
+
     @override
     def setup_environment(self) -> None:
         # Validate on every rank before the process group exists: a bad size fails everywhere.
@@ -268,6 +297,8 @@ class ZeroPPStrategy(ModelParallelStrategy):
             device=self.root_device,
             dims=self._dims,
             count_comms=self._log_comms,
+            init=self._init,
+            load_from=self._load_from,
         )
         module._modules[name] = self._engine.module
         runner.engine = self._engine

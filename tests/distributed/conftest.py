@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from tests.distributed.common import GLOBAL_BATCH, reference
@@ -82,3 +84,11 @@ def assert_matches_reference(
                 torch.tensor(norms), torch.tensor(ref["norms"]), rtol=1e-5, atol=1e-6
             )
         assert max(ref["norms"]) > 0.3
+
+
+@pytest.fixture(scope="session")
+def sources(tmp_path_factory: Any) -> Path:
+    """Weights on disk for the meta-build cases (`meta_scenarios.write_sources`)."""
+    from tests.distributed.meta_scenarios import write_sources
+
+    return write_sources(tmp_path_factory.mktemp("meta_sources"))

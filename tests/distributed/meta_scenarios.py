@@ -3,6 +3,7 @@ each rank for its own shards only; trained as the parity scenarios train."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,9 +14,16 @@ from torch.distributed.tensor import DTensor
 
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
 from lightning_zeropp.core.checkpoint import save_checkpoint
-from lightning_zeropp.core.materialize import empty_parameters
+from lightning_zeropp.core.materialize import empty_parameters, init_weights
 from lightning_zeropp.models import GPT
-from tests.distributed.common import GLOBAL_BATCH, MODEL, lm_loss, make_batches, make_optimizer
+from tests.distributed.common import (
+    GLOBAL_BATCH,
+    MODEL,
+    lm_loss,
+    make_batches,
+    make_model,
+    make_optimizer,
+)
 
 INIT_SEED = 1234  # the seed every rank sets before building (as seed_everything would)
 
@@ -93,6 +101,41 @@ def _run(
         "held_before_build": held,
         "local_numel": local,
     }
+
+
+# ---------------------------------------------------------------------- for the test process
+def llama(seed: int) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(llama_config())
+
+
+def gpt_init() -> nn.Module:
+    model = GPT(MODEL)
+    init_weights(model, seed=INIT_SEED)
+    return model
+
+
+def llama_init() -> nn.Module:
+    model = llama(5)  # other values first: init_weights must replace them all
+    init_weights(model, seed=INIT_SEED)
+    return model
+
+
+def hf_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return llama_loss(model(x), y)
+
+
+def write_sources(root: Path) -> Path:
+    """The weights the load cases read: the bundled GPT's (seed 0) as one safetensors file, a
+    tied Llama's (seed 0) as an HF directory (which stores the tied weight once)."""
+    from safetensors.torch import save_file
+
+    gpt = make_model()
+    save_file({k: v.contiguous() for k, v in gpt.state_dict().items()}, root / "gpt.safetensors")
+    llama(0).save_pretrained(root / "llama")
+    return root
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

@@ -15,14 +15,11 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
-from lightning_zeropp.core.materialize import init_weights
-from lightning_zeropp.models import GPT
-from tests.distributed.common import MODEL, make_model, reference
+from tests.distributed.common import make_model, reference
 from tests.distributed.conftest import assert_matches_reference, merged_params
 from tests.distributed.launch import launch
-from tests.distributed.meta_scenarios import INIT_SEED, llama_config, llama_loss
+from tests.distributed.meta_scenarios import gpt_init, hf_loss, llama, llama_init
 
 pytestmark = pytest.mark.distributed
 
@@ -30,61 +27,27 @@ PP2 = {"pp_size": 2, "dp_shard_size": 2, "num_microbatches": 4}
 ZEROPP = {**PP2, "schedule": "zeropp", "num_chunks": 2, "unit_size": 2}
 
 
-def _llama(seed: int) -> nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(llama_config())
-
-
-def _gpt_init() -> nn.Module:
-    model = GPT(MODEL)
-    init_weights(model, seed=INIT_SEED)
-    return model
-
-
-def _llama_init() -> nn.Module:
-    model = _llama(5)  # other values first: init_weights must replace them all
-    init_weights(model, seed=INIT_SEED)
-    return model
-
-
-def _hf_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return llama_loss(model(x), y)
-
-
-@pytest.fixture(scope="module")
-def sources(tmp_path_factory: Any) -> dict[str, Any]:
-    from safetensors.torch import save_file
-
-    root = tmp_path_factory.mktemp("meta_sources")
-    gpt = make_model()
-    save_file({k: v.contiguous() for k, v in gpt.state_dict().items()}, root / "gpt.safetensors")
-    _llama(0).save_pretrained(root / "llama")  # HF stores the tied weight once
-    return {"root": root}
-
-
 # (case, whole model whose weights it must start from, its loss for the reference)
 CASES: list[tuple[dict[str, Any], Any, Any]] = [
     ({"id": "gpt-init-1f1b", "model": "gpt", "how": "empty", "layout": PP2, "save_dcp": True},
-     _gpt_init, None),
+     gpt_init, None),
     ({"id": "gpt-safetensors-zeropp", "model": "gpt", "how": "empty", "layout": ZEROPP,
       "load_from": "gpt.safetensors"}, make_model, None),
     # the checkpoint the first case wrote under pp 2 x dp 2, read by pp 1 x dp_shard 4
     ({"id": "gpt-dcp-dp4", "model": "gpt", "how": "meta",
       "layout": {"dp_shard_size": 4, "num_microbatches": 2}, "load_from": "dcp"},
-     _gpt_init, None),
+     gpt_init, None),
     ({"id": "llama-hf-dir-1f1b", "model": "llama", "how": "empty", "layout": PP2,
-      "load_from": "llama"}, lambda: _llama(0), _hf_loss),
+      "load_from": "llama"}, lambda: llama(0), hf_loss),
     # everything on meta, rotary tables included: HF's own _init_weights recomputes them
     ({"id": "llama-init-zeropp", "model": "llama", "how": "meta", "layout": ZEROPP},
-     _llama_init, _hf_loss),
+     llama_init, hf_loss),
 ]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def results(sources: dict[str, Any], tmp_path_factory: Any) -> list[Any]:
-    root: Path = sources["root"]
+def results(sources: Path, tmp_path_factory: Any) -> list[Any]:
+    root: Path = sources
     dcp_dir = root / "initial_dcp"
     cases = []
     for case, _, _ in CASES:
