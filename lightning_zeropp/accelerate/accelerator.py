@@ -120,6 +120,8 @@ class ZeroPPAccelerator(Accelerator):
             split=plugin.resolved_split(),
             unpack=_unpack_call(accepts_num_items(model)),
             per_process_batches=True,
+            load_from=plugin.load_from,
+            init=plugin.init,
         )
         pipeline = PipelineModel(engine, skeleton)
         pipeline.eval_logits = plugin.eval_logits

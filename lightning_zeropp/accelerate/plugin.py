@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,6 +48,7 @@ from lightning_zeropp.accelerate.optim import (
 from lightning_zeropp.core import env
 from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.engine import LossFn, ZeroPPEngine
+from lightning_zeropp.core.materialize import InitFn
 from lightning_zeropp.core.split import SplitMethod
 from lightning_zeropp.models.hf_loss import disable_kv_cache
 
@@ -71,6 +73,8 @@ def prepare_pipeline(
     example_kwargs: dict[str, Any] | None = None,
     unpack: Unpack | None = None,
     per_process_batches: bool = False,
+    load_from: str | Path | None = None,
+    init: InitFn | None = None,
 ) -> tuple[ZeroPPAccelerateEngine, Optimizer, DataLoader | None, PipelineScheduler | None]:
     """Split, shard and schedule `model`; move the optimizer, scheduler and data onto it.
 
@@ -100,6 +104,8 @@ def prepare_pipeline(
             length and the scheduler steps `num_processes` times per update (Accelerate's
             convention). Default: the batch size is per data-parallel rank, and the scheduler
             steps `dp_size` times.
+        load_from / init: where a meta-device model's shards get their values (see
+            `ZeroPPEngine`); `load_from` also loads over a whole model's.
 
     Returns:
         `(engine, optimizer, train_dl, scheduler)`: the optimizer is an `AcceleratedOptimizer`
@@ -138,6 +144,8 @@ def prepare_pipeline(
         example_args=example_args,
         example_kwargs=example_kwargs,
         device=_device(accelerator),
+        load_from=load_from,
+        init=init,
     )
     params = dict(core.module.named_parameters())
     if group_names is not None:

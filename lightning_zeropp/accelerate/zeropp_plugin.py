@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+from pathlib import Path
 from typing import Any
 
 from lightning_zeropp.core import env
 from lightning_zeropp.core.config import ZeroPPConfig
+from lightning_zeropp.core.materialize import InitFn
 from lightning_zeropp.core.split import SplitMethod
 
 __all__ = ["ZeroPPPlugin"]
@@ -31,6 +33,12 @@ class ZeroPPPlugin:
             callable; default `ZEROPP_SPLIT`, then "auto").
         eval_logits: in eval mode, return the logits on every rank (a broadcast from the last
             stage); turn off when the loop reads the loss only.
+        load_from: weights each rank reads for its own shards only, after sharding: an HF model
+            directory (safetensors, sharded or not) or a distributed checkpoint of any layout.
+            Build the model under Accelerate's `init_empty_weights()` and the whole model never
+            exists in one process.
+        init: `init(module)` per module for a model built on the meta device without
+            `load_from` (default: the model's own `_init_weights`, else `reset_parameters()`).
         **settings: `ZeroPPConfig` fields; those left out come from `ZEROPP_*` variables.
     """
 
@@ -40,6 +48,8 @@ class ZeroPPPlugin:
         *,
         split: SplitMethod | None = None,
         eval_logits: bool = True,
+        load_from: str | Path | None = None,
+        init: InitFn | None = None,
         **settings: Any,
     ) -> None:
         unknown = sorted(set(settings) - set(_FIELDS))
@@ -58,6 +68,7 @@ class ZeroPPPlugin:
         self.settings = settings
         self.split = split
         self.eval_logits = eval_logits
+        self.load_from, self.init = load_from, init
 
     def resolved_config(self) -> tuple[ZeroPPConfig, bool]:
         """The unresolved config and whether any of it came from the environment."""

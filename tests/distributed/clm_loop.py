@@ -46,6 +46,7 @@ class Args:
     eval_rows: int = 8
     seed: int = 0  # data order
     init_seed: int = 0  # the model's initial weights
+    empty_init: bool = False  # build under init_empty_weights() (the plugin's load_from fills it)
     export_to: str | None = None  # run_clm's closing save_pretrained
     stop_after: int | None = None  # updates, then save_state(save_to) and stop
     resume_from: str | None = None  # load_state, then skip the batches already trained on
@@ -87,6 +88,11 @@ def build_model(args: Args) -> torch.nn.Module:
         tie_word_embeddings=args.tie_word_embeddings,
     )
     torch.manual_seed(args.init_seed)
+    if args.empty_init:  # how HF users build a model too large for one process
+        from accelerate import init_empty_weights
+
+        with init_empty_weights():
+            return AutoModelForCausalLM.from_config(config)
     return AutoModelForCausalLM.from_config(config)
 
 

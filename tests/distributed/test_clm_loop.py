@@ -23,6 +23,13 @@ CASES = [
     {"id": "llama-acc2", "plugin": PP, "args": {"gradient_accumulation_steps": 2}},
     {"id": "llama-zeropp", "plugin": {**PP, "schedule": "ZeroPP"}},
     {"id": "pp4", "plugin": {"pp_size": 4, "num_microbatches": 4}},
+    # built under init_empty_weights(); each rank reads its shards of the initial weights from
+    # an HF directory (the same weights the one-process run builds)
+    {
+        "id": "llama-empty-load-from-hf-dir",
+        "plugin": {**PP, "dp_shard_size": 2, "num_microbatches": 2, "load_from": "<initial>"},
+        "args": {"empty_init": True},
+    },
 ]
 # The same loop on other HF families (own attention, fused projections, tied embeddings): left to
 # bench/slow_tests.py for time; qwen2 and mistral also train in test_hf.py, tied heads in
@@ -33,10 +40,16 @@ FAMILY_CASES = [
 ]
 
 
+def _reference_args(case: dict) -> dict:
+    """One process builds the whole model (an empty build is the pipeline's business)."""
+    args = {k: v for k, v in case.get("args", {}).items() if k != "empty_init"}
+    return {**args, **ONE}
+
+
 def _reference_cases(cases: list[dict]) -> list[dict]:
     seen, out = set(), []
     for case in cases:
-        args = {**case.get("args", {}), **ONE}
+        args = _reference_args(case)
         key = tuple(sorted(args.items()))
         if key not in seen:
             seen.add(key)
@@ -45,7 +58,7 @@ def _reference_cases(cases: list[dict]) -> list[dict]:
 
 
 def _ref_id(case: dict) -> str:
-    return str(tuple(sorted({**case.get("args", {}), **ONE}.items())))
+    return str(tuple(sorted(_reference_args(case).items())))
 
 
 def _launch(out: Path, cases: list[dict]) -> tuple[list[dict], dict]:
@@ -57,10 +70,23 @@ def _launch(out: Path, cases: list[dict]) -> tuple[list[dict], dict]:
     return pipe, one[0]
 
 
+def _with_initial_weights(cases: list[dict], out: Path) -> list[dict]:
+    """Write the loop's initial model as an HF directory for the cases that load from it."""
+    from tests.distributed.clm_loop import Args, build_model
+
+    build_model(Args()).save_pretrained(out / "initial")
+    return [
+        {**c, "plugin": {**c["plugin"], "load_from": str(out / "initial")}}
+        if c.get("plugin", {}).get("load_from") == "<initial>"
+        else c
+        for c in cases
+    ]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("clm")
-    pipe, one = _launch(out, CASES)
+    pipe, one = _launch(out, _with_initial_weights(CASES, out))
     ddp = launch(
         4, "clm_scenarios.run", {"cases": [{"id": "ddp"}], "init_process_group": False}, out / "ddp"
     )
