@@ -101,6 +101,13 @@ class Plan:
         return self.zeropp.dp_size
 
 
+def load_source(cfg: DictConfig) -> str | None:
+    """Where the fronts read the weights of a model built empty from a directory (hf_local with
+    `net.empty`): each rank its own shards. None when the model is built with its weights."""
+    net = cfg.model.net
+    return str(net.path) if net.get("empty") and net.get("path") else None
+
+
 def check_config(cfg: DictConfig) -> Plan:
     """Check every group of a composed config; return the layout. Raises ValueError naming the key.
 

@@ -35,6 +35,7 @@ from recipe_config import (
     check_config,
     check_model_facts,
     fill_model_facts,
+    load_source,
     plan_summary,
     rank_zero_overrides,
     run_dir_note,
@@ -61,7 +62,9 @@ def main(cfg: DictConfig) -> None:
         devices=cfg.cluster.devices,
         num_nodes=cfg.cluster.num_nodes,
         strategy=ZeroPPStrategy(
-            **plan.parallel, process_group_backend=cfg.cluster.process_group_backend
+            **plan.parallel,
+            process_group_backend=cfg.cluster.process_group_backend,
+            load_from=load_source(cfg),  # hf_local: each rank reads its own shards
         ),
         precision="32-true",
         max_steps=cfg.trainer.max_steps,

@@ -39,6 +39,7 @@ from recipe_config import (
     check_config,
     check_model_facts,
     fill_model_facts,
+    load_source,
     plan_summary,
     rank_zero_overrides,
     run_dir_note,
@@ -103,7 +104,14 @@ def main(cfg: DictConfig) -> None:
     loss_fn = LossAndMetrics(CausalLMMetrics(cfg.model.vocab_size, prefix="val_"))
     train_dl = DataLoader(train, batch_size=plan.global_batch_size, shuffle=True, drop_last=True)
     engine, optimizer, train_dl, scheduler = prepare_pipeline(
-        accelerator, net, optimizer, train_dl, scheduler, loss_fn=loss_fn, config=plan.zeropp
+        accelerator,
+        net,
+        optimizer,
+        train_dl,
+        scheduler,
+        loss_fn=loss_fn,
+        config=plan.zeropp,
+        load_from=load_source(cfg),  # hf_local: each rank reads its own shards
     )
     del net  # the engine holds this rank's stages
     loss_fn.metrics.to(engine.device)

@@ -129,6 +129,15 @@ class ZeroPPEngine:
         self._meta = has_meta(model)
         self.plan = _plan(model, self.num_stages, cfg.split_points)
         self.split = resolve_split(model, split)
+        if self._meta and self.split == "trace" and self.num_stages > 1:
+            # Tracing records the device of every value: a meta model's graph runs on meta.
+            if split != "auto":
+                raise ValueError(
+                    "split='trace' cannot cut a model whose parameters are on the meta device "
+                    "(the traced graph would keep running on it); use split='call' (the "
+                    "default), or build the model with its weights."
+                )
+            self.split = "call"  # the model prefers tracing; its meta build rules it out
         # Tied weights get a copy per stage under split="call" / "stack" (see core.tied).
         tied = tied_groups(model) if self.num_stages > 1 else []
         if self.num_stages > 1 and self.split not in ("call", "stack"):

@@ -27,6 +27,7 @@ and takes token ids, not hidden states, so a pruned copy cannot run a middle sta
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import types
 from pathlib import Path
@@ -37,6 +38,7 @@ from torch import nn
 
 from lightning_zeropp.core.call_adapter import CallAdapter, set_call_adapter
 from lightning_zeropp.core.export import save_consolidated
+from lightning_zeropp.core.materialize import empty_parameters
 from lightning_zeropp.core.split import SPLIT_ATTR, find_blocks
 
 __all__ = [
@@ -60,13 +62,20 @@ _WEIGHTS = "model.safetensors"
 
 
 def build_causal_lm(
-    family: str, *, seed: int | None = None, untie_embeddings: bool = False, **overrides: Any
+    family: str,
+    *,
+    seed: int | None = None,
+    untie_embeddings: bool = False,
+    empty: bool = False,
+    **overrides: Any,
 ) -> nn.Module:
     """A freshly initialised `*ForCausalLM` of `family` from its config class and `overrides`.
 
     Example: `build_causal_lm("llama", vocab_size=256, hidden_size=64, intermediate_size=128,
     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)`. `tie_word_embeddings`
-    defaults to False (pipeline stages cannot share the embedding with `lm_head`).
+    defaults to False (pipeline stages cannot share the embedding with `lm_head`). `empty`:
+    parameters on the meta device, initialized by each rank on its own shards at setup (HF's
+    `_init_weights`, see `core.materialize`).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -80,7 +89,8 @@ def build_causal_lm(
     config = AutoConfig.for_model(key, **overrides)
     if seed is not None:
         torch.manual_seed(seed)  # HF initialises from the global generator
-    model = AutoModelForCausalLM.from_config(config)
+    with empty_parameters() if empty else contextlib.nullcontext():
+        model = AutoModelForCausalLM.from_config(config)
     return prepare_causal_lm(model, untie_embeddings=untie_embeddings)
 
 
@@ -89,12 +99,16 @@ def from_pretrained(
     *,
     dtype: torch.dtype = torch.float32,
     untie_embeddings: bool = False,
+    empty: bool = False,
     **config_overrides: Any,
 ) -> nn.Module:
     """Load a `*ForCausalLM` from a local HF directory (no download), ready for pipelining.
 
     fp32 by default: these are the master weights FSDP2 shards (use
-    `ZeroPPStrategy(param_dtype="bf16")` for bf16 compute).
+    `ZeroPPStrategy(param_dtype="bf16")` for bf16 compute). `empty`: read the config only and
+    build with parameters on the meta device; pass the directory as the front's `load_from`
+    (`ZeroPPStrategy(load_from=path)`, `ZeroPPPlugin(load_from=path)`) and each rank reads only
+    its own shards of the safetensors files.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -106,6 +120,16 @@ def from_pretrained(
         )
     config = AutoConfig.from_pretrained(path, local_files_only=True, **config_overrides)
     _check_untied(config, untie_embeddings)  # before reading any weights
+    if empty:
+        if untie_embeddings and getattr(config, "tie_word_embeddings", False):
+            raise ValueError(
+                "from_pretrained(empty=True) reads the weights by name at setup, and the file "
+                "stores a tied head once: untie_embeddings=True would leave 'lm_head.weight' "
+                "with nothing to load. Load it whole (empty=False), or export it untied first."
+            )
+        with empty_parameters():
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return prepare_causal_lm(model, untie_embeddings=untie_embeddings)
     model = AutoModelForCausalLM.from_pretrained(
         path, config=config, dtype=dtype, local_files_only=True
     )

@@ -99,9 +99,18 @@ def test_lightning_recipe_runs_with_overrides(tmp_path: Path):
     assert 1.0 < summary["val_perplexity"] < 300 and 0 <= summary["val_token_accuracy"] <= 1
 
 
-def test_accelerate_recipe_runs_a_tiny_llama_under_torchrun(tmp_path: Path):
-    """The HF path end to end: a tiny Llama (models.hf.build_causal_lm) on the zeropp schedule."""
-    overrides = ["model=llama_tiny", "parallel=zeropp", "parallel.num_microbatches=4", *QUICK]
+def test_accelerate_recipe_runs_a_local_hf_model_under_torchrun(tmp_path: Path):
+    """The HF path end to end on the zeropp schedule: a tiny Llama saved as an HF directory,
+    built empty by `model=hf_local` and read by each rank for its own shards only."""
+    from lightning_zeropp.models.hf import build_causal_lm
+
+    shape = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4}
+    heads = {"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+    build_causal_lm("llama", seed=0, vocab_size=256, **shape, **heads).save_pretrained(
+        tmp_path / "tiny"
+    )
+    model = ["model=hf_local", f"model.net.path={tmp_path / 'tiny'}"]
+    overrides = [*model, "parallel=zeropp", "parallel.num_microbatches=4", *QUICK]
     script = str(ROOT / "recipes" / "train_accelerate.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4"]
     result = run([*cmd, script, *overrides], tmp_path)
@@ -109,7 +118,7 @@ def test_accelerate_recipe_runs_a_tiny_llama_under_torchrun(tmp_path: Path):
     run_dir = the_run_dir(tmp_path)
     # keyed on torchrun's rendezvous id (a uuid under --standalone), not on the time
     assert len(run_dir.name) == 36 and run_dir.name.count("-") == 4, run_dir.name
-    assert "model llama_tiny" in result.stdout and "schedule zeropp" in result.stdout
+    assert "model hf_local" in result.stdout and "schedule zeropp" in result.stdout
     assert sorted(p.name for p in run_dir.glob("*.log")) == ["train_accelerate.log"]
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [x["train_loss"] for x in lines if "train_loss" in x]
