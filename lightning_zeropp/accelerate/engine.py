@@ -24,7 +24,6 @@ from lightning_zeropp.accelerate.data import Unpack, check_loader, shard_loader,
 from lightning_zeropp.core import checkpoint as ckpt
 from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.engine import ZeroPPEngine
-from lightning_zeropp.core.grads import GradStash
 from lightning_zeropp.core.mesh import ParallelDims
 
 __all__ = ["CHECKPOINT_DIR", "ZeroPPAccelerateEngine"]
@@ -88,17 +87,9 @@ class ZeroPPAccelerateEngine:
     def step(self, batch: Any) -> torch.Tensor:
         """Forward and backward of `batch` (this data-parallel rank's); the global mean loss."""
         args, kwargs, target = self._unpack(batch)
-        k = self.accelerator.gradient_accumulation_steps
-        if k == 1:
-            return self.core.train_step(*args, target=target, **kwargs)
-        # Scale only this batch's gradients by 1/k, as accelerator.backward scales the loss.
-        earlier = GradStash()
-        earlier.hold(self.parameters())
-        loss = self.core.train_step(*args, target=target, **kwargs)
-        for p in self.parameters():
-            if p.grad is not None:
-                p.grad.div_(k)
-        earlier.release()
+        loss, grads = self.core.train_step_deferred(*args, target=target, **kwargs)
+        # This batch's gradients times 1/k, as accelerator.backward scales the loss.
+        grads.apply(1.0 / self.accelerator.gradient_accumulation_steps)
         return loss
 
     def eval_step(self, batch: Any) -> torch.Tensor:

@@ -111,27 +111,12 @@ class PipelineModel(nn.Module):
         core = self.engine.core
         assert core.config.num_microbatches is not None
         kwargs = self._weighted(kwargs, target, core.config.num_microbatches)
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        earlier = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-        try:
-            loss = core.train_step(*args, target=target, **kwargs)
-        finally:
-            step = [p.grad for p in params]
-            for p, g in zip(params, earlier, strict=True):
-                p.grad = g
-        pending = [(p, g) for p, g in zip(params, step, strict=True) if g is not None]
+        loss, grads = core.train_step_deferred(*args, target=target, **kwargs)
         leaf = loss.detach().clone().requires_grad_()
-        leaf.register_hook(lambda grad: self._apply(pending, grad))
+        # The loop's backward reaches the loss with d(what it differentiates)/dL: this step's
+        # gradients go to .grad times that (on the device: no host sync).
+        leaf.register_hook(lambda grad: grads.apply(grad))
         return PipelineOutput(loss=leaf)
-
-    def _apply(self, pending: list[tuple[nn.Parameter, torch.Tensor]], grad: torch.Tensor) -> None:
-        """The loop's backward reached the loss: add this step's gradients times `grad`."""
-        scale = float(grad)
-        for p, g in pending:
-            g = g if scale == 1.0 else g * scale
-            p.grad = g if p.grad is None else p.grad + g
 
     @torch.no_grad()
     def _eval(self, args: Any, kwargs: dict[str, Any], target: torch.Tensor | None) -> Any:

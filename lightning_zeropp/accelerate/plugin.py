@@ -153,6 +153,8 @@ def prepare_pipeline(
         new_opt = rebuild_optimizer(optimizer, group_names, params)
     else:
         new_opt = optimizer(core.module)
+    accelerator.print(core.memory_report(title="at setup"))  # collective: every rank measures
+    core.report_memory_after_first_update([new_opt], accelerator.print)
     engine = ZeroPPAccelerateEngine(accelerator, core, new_opt, unpack)
     engine.batch_factor = config.pp_size if per_process_batches else 1
 

@@ -10,7 +10,7 @@ the step's mean loss back.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from lightning_zeropp.core.call_stages import flatten_outputs, restore_output
 from lightning_zeropp.core.comm import CommCounter, flatten_summary, mesh_axis_namer
 from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.failure import FailureBoard, describe_rank
-from lightning_zeropp.core.grads import GradStash, clip_grad_norm_
+from lightning_zeropp.core.grads import GradStash, StepGrads, clip_grad_norm_
 from lightning_zeropp.core.load import load_weights
 from lightning_zeropp.core.materialize import (
     InitFn,
@@ -45,6 +45,7 @@ from lightning_zeropp.core.materialize import (
     real_to,
     shared_seed,
 )
+from lightning_zeropp.core.memory import GatheredPeak, format_report, measure
 from lightning_zeropp.core.mesh import ParallelDims, build_mesh
 from lightning_zeropp.core.modules import merge_stage_modules
 from lightning_zeropp.core.nonfinite import NonFiniteWatch
@@ -188,6 +189,7 @@ class ZeroPPEngine:
         self._axis_namer = mesh_axis_namer(self.dims.mesh)
         # {kind: {axis: {"count", "bytes"}}} of the last train_step, when count_comms is on
         self.last_comms: dict[str, dict[str, dict[str, int]]] | None = None
+        self._gathered_peak: int | None = None  # measured in the first training step
 
     # ------------------------------------------------------------------ set-up
     def _prepare_stage(self, module: nn.Module, stage_id: int) -> None:
@@ -230,14 +232,29 @@ class ZeroPPEngine:
         `loss.backward()` would. Returns the loss of the global batch (the mean over every
         micro-batch of every data-parallel rank) on every rank.
         """
+        loss, grads = self.train_step_deferred(*args, target=target, **kwargs)
+        grads.apply()
+        return loss
+
+    def train_step_deferred(
+        self, *args: Any, target: torch.Tensor | None = None, **kwargs: Any
+    ) -> tuple[torch.Tensor, StepGrads]:
+        """`train_step` whose gradients are held, not added to `.grad`: the front applies them
+        times the scale its loop gives the loss (`StepGrads.apply`), or discards them."""
         schedule = self._schedule_for("train", args, kwargs, target)
-        stash = GradStash()
+        stash = GradStash()  # earlier steps' gradients: the runtime divides every .grad
         stash.hold(self.parameters())
         losses: list[torch.Tensor] = []
         inputs, kw = self._stage_inputs(args, kwargs)
         counter = CommCounter(self._axis_namer) if self.count_comms else None
         self.nonfinite.start()
-        with self.failures.guard(), counter or contextlib.nullcontext():
+        # The first step measures the gathered-weight peak for the memory report.
+        probe = GatheredPeak(self._stage_modules) if self._gathered_peak is None else None
+        with (
+            self.failures.guard(),
+            counter or contextlib.nullcontext(),
+            probe or contextlib.nullcontext(),
+        ):
             schedule.step(*inputs, target=target, losses=losses, return_outputs=False, **kw)
             # This step's gradients only: the stash holds earlier accumulation steps' ones.
             self._tied.sum_grads()
@@ -245,10 +262,13 @@ class ZeroPPEngine:
         if self.nonfinite.check(loss):  # the same loss on every rank: all skip, or all raise
             for p in self.parameters():
                 p.grad = None
+        grads = StepGrads(self.parameters())
         stash.release()
+        if probe is not None:
+            self._gathered_peak = probe.peak
         if counter is not None:
             self.last_comms = counter.summary()
-        return loss
+        return loss, grads
 
     @torch.no_grad()
     def eval_step(
@@ -292,6 +312,28 @@ class ZeroPPEngine:
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()
+
+    def memory_report(
+        self, optimizers: Sequence[torch.optim.Optimizer] = (), title: str = "now"
+    ) -> str:
+        """Collective: every rank's parameter, gradient and optimizer-state bytes and measured
+        peaks (`core.memory`), one line per rank, the same text on every rank."""
+        mine = measure(self.module, optimizers, self.device, self._gathered_peak)
+        return format_report(mine, title)
+
+    def report_memory_after_first_update(
+        self, optimizers: Sequence[torch.optim.Optimizer], emit: Callable[[str], None]
+    ) -> None:
+        """Call `emit(memory_report(...))` once, right after the first optimizer step (when
+        the optimizer state exists); every rank steps its optimizers together."""
+        handles: list[Any] = []
+
+        def after_step(*_: Any) -> None:
+            for handle in handles:
+                handle.remove()
+            emit(self.memory_report(optimizers, "after the first update"))
+
+        handles.extend(opt.register_step_post_hook(after_step) for opt in optimizers)
 
     # ------------------------------------------------------------------ internals
     def _stage_inputs(

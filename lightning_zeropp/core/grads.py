@@ -1,4 +1,5 @@
-"""Gradient-norm clipping by the true global norm (every stage, every shard) and grad stashing."""
+"""Gradient-norm clipping by the true global norm (every stage, every shard), one step's
+gradients held for the front to scale, and earlier gradients stashed while a step runs."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["clip_grad_norm_", "total_grad_norm", "GradStash"]
+__all__ = ["StepGrads", "clip_grad_norm_", "total_grad_norm", "GradStash"]
 
 
 def total_grad_norm(
@@ -53,6 +54,36 @@ def clip_grad_norm_(
         device = with_grad[0].grad.device
         torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, norm.to(device), foreach=False)
     return norm
+
+
+class StepGrads:
+    """One training step's gradients, kept out of `.grad` until the front says what they are
+    worth: the one place the fronts' gradient scaling happens.
+
+    `apply(scale)` adds them to `.grad` times `scale` (1/k for an accumulation of k batches, the
+    gradient a loop's backward brings to the loss, ...; a tensor scale stays on the device, so
+    applying costs no host sync); `discard()` drops them (a skipped step).
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter]) -> None:
+        """Take the gradients present now out of `params`' `.grad`."""
+        self._pending: list[tuple[nn.Parameter, torch.Tensor]] = []
+        for p in params:
+            if p.grad is not None:
+                self._pending.append((p, p.grad))
+                p.grad = None
+
+    @torch.no_grad()
+    def apply(self, scale: float | torch.Tensor = 1.0) -> None:
+        for p, g in self._pending:
+            if isinstance(scale, torch.Tensor) or scale != 1.0:
+                local = g.to_local() if isinstance(g, DTensor) else g
+                local.mul_(scale.to(local.dtype) if isinstance(scale, torch.Tensor) else scale)
+            p.grad = g if p.grad is None else p.grad + g
+        self._pending.clear()
+
+    def discard(self) -> None:
+        self._pending.clear()
 
 
 class GradStash:

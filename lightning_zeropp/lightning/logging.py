@@ -35,7 +35,9 @@ class LogRecorder:
     """Patches `module.log` while a pipelined step runs; see the module docstring."""
 
     def __init__(self) -> None:
-        self._records: dict[str, tuple[list[float], tuple[Any, ...], dict[str, Any]]] = {}
+        self._records: dict[
+            str, tuple[list[torch.Tensor | float], tuple[Any, ...], dict[str, Any]]
+        ] = {}
         self._metrics: dict[str, tuple[str, tuple[Any, ...], dict[str, Any]]] = {}
         self._saved: dict[str, Metric] = {}  # the metrics' states before the step
         self._mute = 0
@@ -80,10 +82,13 @@ class LogRecorder:
 
         `extra` (what the last stage learnt about the step) travels along; returned everywhere.
         """
+        means = _means([values for values, _, _ in self._records.values()], engine.device)
         payload = {
             "values": {
-                name: (sum(values) / len(values), args, kwargs)
-                for name, (values, args, kwargs) in self._records.items()
+                name: (mean, args, kwargs)
+                for mean, (name, (_, args, kwargs)) in zip(
+                    means, self._records.items(), strict=True
+                )
             },
             "metrics": {
                 name: (path, self._step_value(module, path), args, kwargs)
@@ -180,8 +185,9 @@ class LogRecorder:
                 )
             self._metrics[name] = (path, args, kwargs)
             return
+        # Kept where it is (no host sync per micro-batch): the step's values cross once, in replay.
         if torch.is_tensor(value) and value.numel() == 1:
-            number = float(value.detach().float())
+            number: torch.Tensor | float = value.detach().float().reshape(())
         elif isinstance(value, (int, float)):
             number = float(value)
         else:
@@ -191,6 +197,17 @@ class LogRecorder:
             )
         values, _, _ = self._records.setdefault(name, ([], args, kwargs))
         values.append(number)
+
+
+def _means(records: list[list[torch.Tensor | float]], device: torch.device) -> list[float]:
+    """Each name's mean over the step's micro-batches, read to the host in one transfer."""
+    if not records:
+        return []
+    means = [
+        torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device) for v in values]).mean()
+        for values in records
+    ]
+    return torch.stack(means).tolist()
 
 
 def _mergeable(metric: Metric) -> bool:

@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten
 from lightning_zeropp.core.batch import batch_size, take_rows
 from lightning_zeropp.core.call_adapter import CallAdapter
 from lightning_zeropp.core.engine import ZeroPPEngine
+from lightning_zeropp.core.grads import StepGrads
 from lightning_zeropp.core.schedule import eval_microbatches
 from lightning_zeropp.lightning.logging import LogRecorder
 from lightning_zeropp.lightning.redirect import Captured, StandIn
@@ -36,6 +37,7 @@ class StepOutcome:
     loss: torch.Tensor
     skipped: bool = False  # some micro-batch's training_step returned None (on any rank)
     predictions: Any = None
+    grads: StepGrads | None = None  # a training step's, held for Lightning's backward
 
 
 @dataclass
@@ -71,9 +73,12 @@ class StepRunner:
         )
         # Every rank passes the inputs: the engine gives them to the stages that need them.
         inputs, kw = self.capture(lambda: fn(batch, *rest))
+        grads = None
         with self.recorder.recording(self.module, self.engine):
-            run = self.engine.train_step if mode == "train" else self.engine.eval_step
-            loss = run(*inputs, target=rows, **kw)
+            if mode == "train":
+                loss, grads = self.engine.train_step_deferred(*inputs, target=rows, **kw)
+            else:
+                loss = self.engine.eval_step(*inputs, target=rows, **kw)
         step, self._step = self._step, None
         extra = {"skipped": step.skipped, "predictions": _merge(step.outputs)}
         extra = self.recorder.replay(self.module, self.engine, extra)
@@ -83,7 +88,7 @@ class StepRunner:
             flag = torch.tensor([float(skipped)], device=self.engine.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             skipped = bool(flag.item())
-        return StepOutcome(loss, skipped, extra["predictions"])
+        return StepOutcome(loss, skipped, extra["predictions"], grads)
 
     def capture(self, run: Callable[[], Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Run the user's code until it calls the network; return what it passed to it."""

@@ -36,7 +36,7 @@ from lightning_zeropp.core.async_checkpoint import AsyncCheckpointer
 from lightning_zeropp.core.call_adapter import CallAdapter, get_call_adapter
 from lightning_zeropp.core.call_split import meta_copy
 from lightning_zeropp.core.engine import ZeroPPEngine
-from lightning_zeropp.core.grads import GradStash
+from lightning_zeropp.core.grads import StepGrads
 from lightning_zeropp.core.layout import describe_layout
 from lightning_zeropp.core.materialize import InitFn, empty_parameters
 from lightning_zeropp.core.mesh import ParallelDims, build_mesh
@@ -178,7 +178,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
         self._pipelined: str | None = None  # the LightningModule attribute that was pipelined
         self._dims: ParallelDims | None = None
         self._engine: ZeroPPEngine | None = None
-        self._stash = GradStash()
+        self._pending: StepGrads | None = None  # the last training step's, until backward
         self._runner = StepRunner()
 
     # ---------------------------------------------------------------- properties
@@ -269,6 +269,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            self.engine.report_memory_after_first_update(self.optimizers, rank_zero_info)
         self.setup_precision_plugin()
 
     def _build_engine(self, module: pl.LightningModule, name: str, trainer: pl.Trainer) -> None:
@@ -303,6 +304,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
         module._modules[name] = self._engine.module
         runner.engine = self._engine
         rank_zero_info(describe_layout(self._engine))  # collective: every rank builds the text
+        rank_zero_info(self._engine.memory_report(title="at setup"))  # collective too
         network.summarize_whole_model(trainer, name, whole)
         # The example served the split. Lightning's model summary would feed it to this rank's
         # stages as if they were the whole model, so it goes.
@@ -325,19 +327,14 @@ class ZeroPPStrategy(ModelParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         assert self.lightning_module is not None
         # Lightning zeroes the previous step's gradients (unless accumulating) only after
-        # training_step, and expects this step's gradients to appear in backward. So: set the
-        # previous ones aside while the schedule runs, keep the new ones until backward, and hand
-        # the previous ones back for Lightning to zero or keep.
-        params = list(self.engine.parameters())
-        previous = GradStash()
-        previous.hold(params)
+        # training_step, and expects this step's gradients to appear in backward: the engine
+        # holds them (`StepGrads`) until then.
         outcome = self._runner.run(self.lightning_module.training_step, args, "train")
+        assert outcome.grads is not None
         if outcome.skipped:  # the step returned None: no gradient from this batch, anywhere
-            for p in params:
-                p.grad = None
+            outcome.grads.discard()
         else:
-            self._stash.hold(params)
-        previous.release()
+            self._pending = outcome.grads
         if self._log_comms:
             self.lightning_module.log_dict(self.engine.comm_metrics(), on_step=True, on_epoch=False)
         return outcome.loss.detach().requires_grad_(True)
@@ -361,7 +358,9 @@ class ZeroPPStrategy(ModelParallelStrategy):
 
     def _release_gradients(self) -> None:
         assert self.lightning_module is not None
-        self._stash.release(scale=1.0 / self.lightning_module.trainer.accumulate_grad_batches)
+        if self._pending is not None:  # Lightning's mean over accumulate_grad_batches batches
+            self._pending.apply(1.0 / self.lightning_module.trainer.accumulate_grad_batches)
+            self._pending = None
 
     # ---------------------------------------------------------------- checkpoints
     @override

@@ -1,0 +1,127 @@
+"""What each rank holds and needs, measured: the memory report of a pipelined model.
+
+At setup a front prints, per rank, the bytes of its parameter shards and of the gradients it will
+hold; after the first update, what was measured: gradients and optimizer state held, the most
+gathered (unsharded) weight bytes seen at once during that step, and the peak the process
+reached (the device allocator's on a GPU, the resident set on the host). The planner predicts
+these; this is what they are checked against.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from lightning_zeropp.core._torch_private import unsharded_parameter_bytes
+
+__all__ = ["GatheredPeak", "RankMemory", "host_peak_bytes", "measure", "format_report"]
+
+
+@dataclass
+class RankMemory:
+    rank: int
+    parameters: int  # bytes of this rank's parameter shards
+    gradients: int  # bytes of gradient shards held (before a step: what they will take)
+    optimizer: int  # bytes of optimizer state tensors held (0 before the first update)
+    gathered_peak: int | None  # most unsharded weight bytes at once in a measured step
+    peak: int  # the device allocator's peak on a GPU, the process's peak resident set on CPU
+    peak_kind: str  # "device" or "host"
+
+
+def host_peak_bytes() -> int:
+    """The process's peak resident set size so far (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
+
+
+def _local_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    total = 0
+    for t in tensors:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        total += local.numel() * local.element_size()
+    return total
+
+
+def measure(
+    module: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    device: torch.device,
+    gathered_peak: int | None = None,
+) -> RankMemory:
+    """This rank's figures (no communication)."""
+    params = list(module.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    grad_bytes = (
+        _local_bytes(grads) if grads else _local_bytes(p for p in params if p.requires_grad)
+    )
+    state = [
+        v
+        for opt in optimizers
+        for s in opt.state.values()
+        for v in s.values()
+        if torch.is_tensor(v)
+    ]
+    if device.type == "cuda":
+        peak, kind = torch.cuda.max_memory_allocated(device), "device"
+    else:
+        peak, kind = host_peak_bytes(), "host"
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return RankMemory(
+        rank, _local_bytes(params), grad_bytes, _local_bytes(state), gathered_peak, peak, kind
+    )
+
+
+def format_report(mine: RankMemory, title: str) -> str:
+    """Collective: every rank's figures, one line each (the same text on every rank)."""
+    everyone: list[Any] = [asdict(mine)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, asdict(mine))
+    lines = [f"memory per rank ({title}; MiB):"]
+    for m in everyone:
+        gathered = "-" if m["gathered_peak"] is None else _mib(m["gathered_peak"])
+        lines.append(
+            f"  rank {m['rank']}: parameters {_mib(m['parameters'])}, gradients "
+            f"{_mib(m['gradients'])}, optimizer state {_mib(m['optimizer'])}, gathered weights "
+            f"peak {gathered}, {m['peak_kind']} peak {_mib(m['peak'])}"
+        )
+    return "\n".join(lines)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+class GatheredPeak:
+    """Samples the unsharded (gathered) weight bytes of `stages` whenever one of their FSDP units
+    starts its forward, while active; `peak` is the most seen at once."""
+
+    def __init__(self, stages: Sequence[nn.Module]) -> None:
+        self._stages = list(stages)
+        self._handles: list[Any] = []
+        self.peak = 0
+
+    def __enter__(self) -> GatheredPeak:
+        for stage in self._stages:
+            for unit in stage.modules():
+                if isinstance(unit, FSDPModule):  # after FSDP's own hook: weights are gathered
+                    self._handles.append(unit.register_forward_pre_hook(self._sample))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _sample(self, *_: Any) -> None:
+        now = sum(unsharded_parameter_bytes(stage) for stage in self._stages)
+        self.peak = max(self.peak, now)

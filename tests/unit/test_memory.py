@@ -1,0 +1,26 @@
+"""The memory report's figures on one process, against byte counts worked out by hand."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_zeropp.core.memory import format_report, host_peak_bytes, measure
+
+
+def test_measure_counts_parameters_gradients_and_optimizer_state() -> None:
+    model = nn.Sequential(nn.Linear(10, 20), nn.Linear(20, 5, bias=False))  # 220 + 100 floats
+    opt = torch.optim.AdamW(model.parameters())
+    before = measure(model, [opt], torch.device("cpu"))
+    assert before.parameters == 320 * 4
+    assert before.gradients == 320 * 4  # what they will take, before any backward
+    assert before.optimizer == 0  # AdamW's state is created by its first step
+    model(torch.randn(3, 10)).sum().backward()
+    opt.step()
+    after = measure(model, [opt], torch.device("cpu"), gathered_peak=7)
+    # exp_avg and exp_avg_sq per parameter, plus one 0-dim fp32 step counter per parameter
+    assert after.optimizer == 2 * 320 * 4 + 3 * 4
+    assert after.gathered_peak == 7 and after.peak_kind == "host"
+    assert host_peak_bytes() >= after.peak > 10 * 2**20
+    text = format_report(after, "after the first update")
+    assert "rank 0: parameters 0.0, gradients 0.0, optimizer state 0.0, gathered" in text
