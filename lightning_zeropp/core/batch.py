@@ -61,17 +61,20 @@ def _is_batched(x: Any) -> bool:
 
 
 class ShapeGuard:
-    """Pipeline stages fix their tensor shapes when a mode (train / eval) first runs: a later batch
-    of another shape must fail here, on every rank (each checks its own copy of the batch), before
-    the schedule, where a mismatch on one stage would leave the others waiting."""
+    """Traced stages (split='trace') fix their tensor shapes to the example micro-batch and to
+    the first batch of each mode (train / eval): a batch of other shapes must fail here, on every
+    rank (each checks its own copy of the batch), before the schedule, where a mismatch on one
+    stage would leave the others waiting."""
 
-    def __init__(self) -> None:
+    def __init__(self, example: Any, microbatches: int) -> None:
+        leaves = tree_flatten(example)[0]
+        self._example = [tuple(t.shape) for t in leaves if isinstance(t, torch.Tensor)]
+        self._microbatches = microbatches
         self._first: dict[str, list[tuple[int, ...]]] = {}
 
-    def seen(self, mode: str) -> bool:
-        return mode in self._first
-
-    def check(self, mode: str, batch: Any) -> None:
+    def check(self, mode: str, args: Any, kwargs: Any, batch: Any) -> None:
+        if mode == "train" and mode not in self._first:
+            self._check_example(args, kwargs)
         leaves, _ = tree_flatten(batch)
         shapes = [tuple(t.shape) for t in leaves if isinstance(t, torch.Tensor)]
         first = self._first.setdefault(mode, shapes)
@@ -80,6 +83,20 @@ class ShapeGuard:
                 f"a {mode} batch changed shape from {first} to {shapes}; stages traced with "
                 "split='trace' are fixed to the example's shapes. Use split='call' (the default), "
                 "or keep batch size and sequence length constant (drop_last=True, fixed padding)."
+            )
+
+    def _check_example(self, args: Any, kwargs: Any) -> None:
+        """The first training batch is `microbatches` example micro-batches."""
+        mb, example = self._microbatches, self._example
+        want = [(s[0] * mb, *s[1:]) if s else s for s in example]
+        leaves = tree_flatten((args, kwargs))[0]
+        got = [tuple(t.shape) for t in leaves if isinstance(t, torch.Tensor)]
+        if got != want:
+            raise ValueError(
+                f"split='trace' fixed the stages to the example micro-batch's shapes {example}, "
+                f"so a training batch of num_microbatches={mb} micro-batches has {want}; this "
+                f"one has {got}. Give an example of one micro-batch of these batches "
+                "(example_args / example_input_array), or use split='call' (any shape)."
             )
 
 

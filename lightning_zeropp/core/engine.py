@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
-from torch.utils._pytree import tree_flatten
 
 from lightning_zeropp.core._torch_private import on_scheduled_loss
 from lightning_zeropp.core.batch import (
@@ -34,16 +33,13 @@ from lightning_zeropp.core.comm import CommCounter, flatten_summary, mesh_axis_n
 from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.failure import FailureBoard, describe_rank
 from lightning_zeropp.core.grads import GradStash, StepGrads, clip_grad_norm_
-from lightning_zeropp.core.load import load_weights
 from lightning_zeropp.core.materialize import (
     InitFn,
-    check_set,
+    Source,
     default_init,
+    fill_values,
     has_meta,
-    materialize,
-    non_persistent,
     real_to,
-    shared_seed,
 )
 from lightning_zeropp.core.memory import GatheredPeak, format_report, measure
 from lightning_zeropp.core.mesh import ParallelDims, build_mesh
@@ -163,7 +159,8 @@ class ZeroPPEngine:
         self._tied = TiedWeights(tied, list(zip(self.stage_ids, modules, strict=True)), self.dims)
         self.module: nn.Module = merge_stage_modules(modules)
         if self._meta or load_from is not None:
-            self._fill(modules, init or default_init(model), load_from, tied, model)
+            source = Source(init or default_init(model), load_from, model)
+            fill_values(modules, self.module, self.device, self._meta, source, self._tied)
         self._stage_modules = modules
         self._loss_fn = loss_fn
         self._probe_loss_fn = probe_loss_fn or loss_fn
@@ -174,11 +171,11 @@ class ZeroPPEngine:
         self.stages: list[PipelineStage] = []
         self.holds_first = 0 in self.stage_ids
         self.last_pp_rank = rank_of_stage(self.style, self.num_stages - 1, cfg.pp_size)
-        self._shapes = ShapeGuard()
-        # Traced stages are fixed to the example micro-batch: a training batch is that many rows
-        # per micro-batch (checked on the first one; the shape guard compares later ones to it).
-        example = tree_flatten((example_args or (), example_kwargs or {}))[0]
-        self._example_shapes = [tuple(t.shape) for t in example if isinstance(t, torch.Tensor)]
+        self._shapes = None
+        if self.split == "trace" and self.num_stages > 1:
+            assert cfg.num_microbatches is not None
+            example = (example_args or (), example_kwargs or {})
+            self._shapes = ShapeGuard(example, cfg.num_microbatches)
         # A failure inside a step (say the loss raising on the last stage) becomes, on every
         # rank, an error naming the failing rank and its error, instead of transport errors.
         self.failures = FailureBoard(describe_rank(self.dims.mesh, self.stage_ids))
@@ -201,26 +198,6 @@ class ZeroPPEngine:
         if self.config.recomputes(stage_id):
             apply_activation_checkpointing(module, blocks)
         shard_stage(module, blocks, self.dims.dp_mesh, self.config)
-
-    def _fill(
-        self,
-        modules: list[nn.Module],
-        init: InitFn,
-        load_from: str | Path | None,
-        tied: list[tuple[str, ...]],
-        model: nn.Module,
-    ) -> None:
-        """Values for a meta model's shards (init, or a checkpoint), or a checkpoint's over a
-        whole model's. A checkpoint holds no non-persistent buffers: those come from init."""
-        if self._meta:
-            only = non_persistent if load_from is not None else None
-            materialize(modules, self.device, init, shared_seed(self.device), only=only)
-        if load_from is not None:
-            load_weights(self.module, load_from, tied, getattr(model, "base_model_prefix", ""))
-        elif tied:  # each stage drew its own copy of a tied weight: the first stage's wins
-            self._tied.sync_values()
-        if self._meta:
-            check_set(modules)
 
     # ------------------------------------------------------------------ steps
     def train_step(
@@ -312,6 +289,11 @@ class ZeroPPEngine:
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()
+
+    @property
+    def gathered_peak(self) -> int | None:
+        """The most unsharded weight bytes this rank held at once in its first training step."""
+        return self._gathered_peak
 
     def memory_report(
         self, optimizers: Sequence[torch.optim.Optimizer] = (), title: str = "now"
@@ -438,11 +420,8 @@ class ZeroPPEngine:
                 "train_step / eval_step got no batch: every rank passes the same batch (the "
                 "model inputs, and target=)."
             )
-        if self.split == "trace" and self.num_stages > 1:
-            # Traced stages are specialised to the example's shapes.
-            if mode == "train" and not self._shapes.seen(mode):
-                self._check_example_shapes(args, kwargs)
-            self._shapes.check(mode, present)
+        if self._shapes is not None:  # traced stages are specialised to the example's shapes
+            self._shapes.check(mode, args, kwargs, present)
         rows = batch_size(present)
         if target is not None and (args or kwargs) and batch_size(target) != rows:
             # The schedule would cut them into micro-batches of other rows: the loss would pair
@@ -452,22 +431,6 @@ class ZeroPPEngine:
                 "targets of the same rows (the same batch, split the same way)."
             )
         return rows
-
-    def _check_example_shapes(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        mb = self.config.num_microbatches
-        assert mb is not None
-        example = self._example_shapes
-        want = [(s[0] * mb, *s[1:]) if s else s for s in example]
-        got = [
-            tuple(t.shape) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
-        ]
-        if got != want:
-            raise ValueError(
-                f"split='trace' fixed the stages to the example micro-batch's shapes {example}, "
-                f"so a training batch of num_microbatches={mb} micro-batches has {want}; this "
-                f"one has {got}. Give an example of one micro-batch of these batches "
-                "(example_args / example_input_array), or use split='call' (any shape)."
-            )
 
     def _broadcast_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         if losses:

@@ -101,8 +101,9 @@ def _load_safetensors(
     from safetensors import safe_open
 
     where = _weight_map(path)
-    aliases = {name: group for group in tied for name in group}
-    targets = _targets(module)
+    targets, shared = _targets(module)
+    # Names of one weight: tied across stages (`tied`), or one tensor under two names here.
+    aliases = {name: group for group in [*tied, *shared] for name in group}
     found: dict[str, tuple[str, str]] = {}  # our name -> (file, its name there)
     missing: list[str] = []
     for name in targets:
@@ -147,18 +148,27 @@ def _load_safetensors(
     raise_on_every_rank(problem)
 
 
-def _targets(module: nn.Module) -> dict[str, torch.Tensor]:
-    """What a checkpoint holds: parameters and persistent buffers, by full name."""
+def _targets(module: nn.Module) -> tuple[dict[str, torch.Tensor], list[tuple[str, ...]]]:
+    """What a checkpoint holds (parameters and persistent buffers, by full name, each tensor
+    once), and the names of tensors held under several names."""
     out: dict[str, torch.Tensor] = {}
-    for module_name, sub in module.named_modules():
+    names: dict[int, list[str]] = {}
+    for module_name, sub in module.named_modules(remove_duplicate=False):
         prefix = f"{module_name}." if module_name else ""
-        for name, p in sub._parameters.items():
-            if p is not None:
-                out[prefix + name] = p
-        for name, b in sub._buffers.items():
-            if b is not None and name not in sub._non_persistent_buffers_set:
-                out[prefix + name] = b
-    return out
+        own = [(n, p) for n, p in sub._parameters.items() if p is not None]
+        own += [
+            (n, b)
+            for n, b in sub._buffers.items()
+            if b is not None and n not in sub._non_persistent_buffers_set
+        ]
+        for name, t in own:
+            full = prefix + name
+            if full in names.get(id(t), []):
+                continue
+            names.setdefault(id(t), []).append(full)
+            if len(names[id(t)]) == 1:
+                out[full] = t
+    return out, [tuple(n) for n in names.values() if len(n) > 1]
 
 
 def _weight_map(path: Path) -> dict[str, str]:

@@ -25,6 +25,8 @@ from __future__ import annotations
 import contextlib
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,9 +35,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_zeropp.core._torch_private import local_chunk
+from lightning_zeropp.core.load import load_weights
+from lightning_zeropp.core.tied import TiedWeights
 
 __all__ = [
     "InitFn",
+    "Source",
+    "fill_values",
     "empty_parameters",
     "has_meta",
     "default_init",
@@ -120,6 +126,40 @@ def init_weights(model: nn.Module, init: InitFn | None = None, seed: int | None 
         _seeded(fill, module, _module_seed(seed, name))
         done.update(id(p) for p in own)
     check_set([model])
+
+
+@dataclass
+class Source:
+    """Where a model's values come from: `load_from` (a checkpoint) or `init`; `model` is the
+    unsplit model (its tied names, HF's `base_model_prefix`)."""
+
+    init: InitFn
+    load_from: str | Path | None
+    model: nn.Module
+
+
+def fill_values(
+    stages: Sequence[nn.Module],
+    merged: nn.Module,
+    device: torch.device,
+    meta: bool,
+    source: Source,
+    tied: TiedWeights,
+) -> None:
+    """Values for a meta model's shards (init, or a checkpoint), or a checkpoint's over a whole
+    model's; `merged` holds `stages` under the model's names. A checkpoint holds no
+    non-persistent buffers: those come from the init."""
+    load_from = source.load_from
+    if meta:
+        only = non_persistent if load_from is not None else None
+        materialize(stages, device, source.init, shared_seed(device), only=only)
+    if load_from is not None:
+        prefix = getattr(source.model, "base_model_prefix", "")
+        load_weights(merged, load_from, tied.names(), prefix)
+    elif meta:  # each stage drew its own copy of a tied weight: the first stage's wins
+        tied.sync_values()
+    if meta:
+        check_set(stages)
 
 
 @torch.no_grad()

@@ -94,6 +94,10 @@ class TiedWeights:
             self._duplicates.update(id(p) for stage, p in copies if stage != first)
             self._ties.append(tie)
 
+    def names(self) -> list[tuple[str, ...]]:
+        """Every tied group's names (the same on every rank)."""
+        return [tie.names for tie in self._ties]
+
     def counted(self, params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
         """`params` without the duplicate copies: what a global gradient norm sums over."""
         return [p for p in params if id(p) not in self._duplicates]

@@ -114,3 +114,19 @@ def test_core_step_mistakes_are_named(group):
         engine.train_step(x, target=x)
     with pytest.raises(ValueError, match=r"target= has 2 rows and the model inputs 4; pass"):
         engine.train_step(x, target=x[:2])
+
+
+def test_a_traced_split_of_a_meta_model_is_refused(group):
+    """Interleaved stages on one rank (two stages): a meta model cannot be traced."""
+    import torch
+
+    from lightning_zeropp.core.engine import ZeroPPEngine
+    from lightning_zeropp.core.materialize import empty_parameters
+    from lightning_zeropp.models import GPT, GPTConfig
+
+    with empty_parameters():
+        model = GPT(GPTConfig(vocab_size=16, seq_len=8, dim=16, num_heads=2, num_layers=2))
+    config = ZeroPPConfig(schedule="interleaved_1f1b", num_chunks=2, num_microbatches=2)
+    example = (torch.zeros(1, 8, dtype=torch.long),)
+    with pytest.raises(ValueError, match=r"split='trace' cannot cut a model whose parameters"):
+        ZeroPPEngine(model, config, loss_fn=print, split="trace", example_args=example)

@@ -163,3 +163,14 @@ def test_an_init_may_reset_a_kept_buffer_of_its_own_module() -> None:
     materialize([norm], torch.device("cpu"), default_init(norm), seed=0)
     check_set([norm])
     assert torch.equal(norm.running_mean, torch.zeros(3))  # its reset_parameters zeroed it
+
+
+def test_load_safetensors_reads_a_weight_held_under_two_names_from_either(tmp_path: Path) -> None:
+    """One stage holding a tied embedding and head (pp 1): the file stores it once."""
+    net = Net()
+    net.head = nn.Linear(4, 10, bias=False)
+    net.head.weight = net.emb.weight
+    state = {k: v for k, v in Net().state_dict().items() if k != "steps"}
+    _save(state, tmp_path / "model.safetensors")
+    load_weights(net, tmp_path)
+    assert torch.equal(net.head.weight, state["emb.weight"])

@@ -1,0 +1,267 @@
+"""Peak host memory per rank: a Llama built whole on every rank against one built on the meta
+device and loaded from safetensors, each rank reading only its own shards.
+
+    .venv/bin/python bench/bench_meta_memory.py            # ~1.5B meta row + the 0.4B pair
+    .venv/bin/python bench/bench_meta_memory.py --quick    # small shapes, a minute
+
+Rows (4 CPU ranks, pp 2 x dp_shard 2, 1F1B, SGD, reshard_after_forward=True):
+- `whole-0.4b` / `meta-0.4b`: the same ~0.4B model, built whole on every rank (then split and
+  sharded), or built empty and loaded from an HF safetensors directory;
+- `meta-1.5b`: a ~1.5B model (6 GB in fp32) loaded from safetensors with every rank in a memory
+  cgroup capped below the whole model's size. The whole-model path cannot run it here (4 whole
+  copies do not fit the machine).
+
+Per rank: resident memory after imports (baseline), after the engine is built, and the process
+peak over two training steps; against it, the rank's share (its parameter and gradient shards,
+no optimizer state under SGD) plus the most gathered weights seen at once (measured in the first
+step). The gap is activations, communication buffers and allocator slack.
+
+Writes bench/results/meta_memory.{json,md} with the machine, date and commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, launch_ranks, machine  # noqa: E402
+
+WORLD = 4
+LAYOUT = {"pp_size": 2, "dp_shard_size": 2, "num_microbatches": 2, "reshard_after_forward": True}
+SHAPES = {  # Llama-shaped, grouped-query attention
+    "0.4b": {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 24,
+             "num_attention_heads": 16, "num_key_value_heads": 4},
+    "1.5b": {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 28,
+             "num_attention_heads": 16, "num_key_value_heads": 4},
+    "tiny": {"hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 8,
+             "num_attention_heads": 8, "num_key_value_heads": 2},
+}  # fmt: skip
+VOCAB, SEQ, ROWS = 32000, 32, 4  # global batch: 4 rows of 32 tokens
+CGROUP = Path("/sys/fs/cgroup/memory")
+
+
+def _config(shape: str) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=VOCAB, max_position_embeddings=SEQ, use_cache=False, **SHAPES[shape]
+    )
+
+
+# ---------------------------------------------------------------------- the weights on disk
+def write_weights(shape: str, root: Path) -> Path:
+    """An HF directory of random weights, one safetensors file per layer: written tensor by
+    tensor, never the whole model in memory."""
+    import torch
+    from safetensors.torch import save_file
+
+    from lightning_zeropp.core.materialize import empty_parameters
+
+    out = root / f"llama-{shape}"
+    if (out / "model.safetensors.index.json").is_file():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    config = _config(shape)
+    with empty_parameters():
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(config)
+    g = torch.Generator().manual_seed(0)
+    parts = dict.fromkeys(
+        name.split(".")[2] if name.startswith("model.layers.") else "outer"
+        for name, _ in model.named_parameters()
+    )
+    weight_map = {}
+    for part in parts:
+        tensors = {}
+        for name, p in model.named_parameters():
+            mine = name.startswith(f"model.layers.{part}.") or (
+                part == "outer" and not name.startswith("model.layers.")
+            )
+            if not mine:
+                continue
+            if p.dim() == 1:
+                tensors[name] = torch.ones(p.shape)
+            else:
+                tensors[name] = torch.randn(p.shape, generator=g) * 0.02
+        fname = f"model-{part}.safetensors"
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, fname))
+        del tensors
+    config.save_pretrained(out)
+    index = {"metadata": {}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    return out
+
+
+# ---------------------------------------------------------------------- one rank
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _join_cgroup(rank: int, cap: int) -> bool:
+    """Put this process in a memory cgroup of its own limited to `cap` bytes (root, cgroup v1)."""
+    group = CGROUP / f"zeropp_meta_rank{rank}"
+    try:
+        group.mkdir(exist_ok=True)
+        (group / "memory.limit_in_bytes").write_text(str(cap))
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+        return True
+    except OSError as err:
+        print(f"memory cap not enforced ({err}); peaks are measured all the same")
+        return False
+
+
+def worker(row: str, out: Path, weights: str, cap: int) -> None:
+    rank = int(os.environ["RANK"])
+    capped = _join_cgroup(rank, cap) if cap else False
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
+    from lightning_zeropp.core.materialize import empty_parameters
+    from lightning_zeropp.core.memory import host_peak_bytes
+
+    dist.init_process_group("gloo")
+    baseline = _rss()
+    kind, shape = row.split("-")
+    config = _config(shape)
+    start = time.monotonic()
+    if kind == "whole":
+        model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32)
+        model.config.use_cache = False
+        load_from = None
+    else:
+        with empty_parameters():
+            model = AutoModelForCausalLM.from_config(config)
+        load_from = weights
+    built_whole = _rss()
+
+    def loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(output.logits.flatten(0, 1).float(), target.flatten())
+
+    cfg = ZeroPPConfig(**LAYOUT).resolve(WORLD)
+    micro = ROWS // cfg.dp_size // cfg.num_microbatches
+    example = (torch.zeros(micro, SEQ, dtype=torch.long),)
+    engine = ZeroPPEngine(model, cfg, loss_fn=loss_fn, example_args=example, load_from=load_from)
+    del model
+    setup_s = time.monotonic() - start
+    at_setup = _rss()
+    opt = torch.optim.SGD(engine.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    losses, step_s = [], []
+    for _ in range(2):
+        x = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
+        rows = slice(engine.dims.dp_rank * ROWS // 2, (engine.dims.dp_rank + 1) * ROWS // 2)
+        t = time.monotonic()
+        losses.append(float(engine.train_step(x[rows], target=x[rows])))
+        opt.step()
+        opt.zero_grad(set_to_none=False)  # gradients stay allocated: the steady state
+        step_s.append(time.monotonic() - t)
+    shards = sum(
+        (p.to_local() if hasattr(p, "to_local") else p).numel() * 4 for p in engine.parameters()
+    )
+    result = {
+        "row": row,
+        "rank": rank,
+        "capped": capped,
+        "cap_bytes": cap,
+        "baseline": baseline,
+        "after_build_whole_or_meta": built_whole,
+        "at_setup": at_setup,
+        "peak": host_peak_bytes(),
+        "param_shard_bytes": shards,
+        "grad_shard_bytes": shards,
+        "gathered_peak": engine.gathered_peak,
+        "losses": losses,
+        "setup_s": setup_s,
+        "step_s": step_s,
+    }
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------- the table
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def report(rows: dict[str, list[dict[str, Any]]], sizes: dict[str, int], facts: dict) -> str:
+    lines = [
+        "# Peak host memory per rank: whole-model build against meta build + sharded load",
+        "",
+        f"Machine: {json.dumps(facts)}",
+        "",
+        f"4 CPU ranks, {LAYOUT}, SGD, {ROWS} rows x {SEQ} tokens per step, 2 steps. GiB; "
+        "'above baseline' subtracts each rank's resident memory after imports (Python, torch, "
+        "transformers). share = this rank's parameter + gradient shards (fp32); + gathered = "
+        "plus the most unsharded weights seen at once (measured).",
+        "",
+        "| row | model fp32 | rank | capped at | baseline | at setup | peak | peak above baseline "
+        "| share + gathered | ratio | setup s | step s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row, ranks in rows.items():
+        for r in sorted(ranks, key=lambda x: x["rank"]):
+            above = r["peak"] - r["baseline"]
+            budget = r["param_shard_bytes"] + r["grad_shard_bytes"] + (r["gathered_peak"] or 0)
+            cap = _gib(r["cap_bytes"]) if r["capped"] else "-"
+            steps = "/".join(f"{s:.0f}" for s in r["step_s"])
+            lines.append(
+                f"| {row} | {_gib(sizes[row])} | {r['rank']} | {cap} | {_gib(r['baseline'])} "
+                f"| {_gib(r['at_setup'])} | {_gib(r['peak'])} | {_gib(above)} | {_gib(budget)} "
+                f"| {above / budget:.2f} | {r['setup_s']:.0f} | {steps} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker")
+    parser.add_argument("--out")
+    parser.add_argument("--weights", default="")
+    parser.add_argument("--cap", type=int, default=0)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--data", default="/tmp/zeropp_meta_memory")
+    a = parser.parse_args()
+    if a.worker:
+        worker(a.worker, Path(a.out), a.weights, a.cap)
+        return
+    facts = machine()
+    data = Path(a.data)
+    plan = [("whole-tiny", 0), ("meta-tiny", 0)] if a.quick else []
+    if not a.quick:
+        plan = [("whole-0.4b", 0), ("meta-0.4b", 0), ("meta-1.5b", -1)]
+    rows: dict[str, list[dict[str, Any]]] = {}
+    sizes: dict[str, int] = {}
+    for row, cap in plan:
+        shape = row.split("-")[1]
+        weights = write_weights(shape, data)
+        size = sum(
+            f.stat().st_size for f in weights.glob("*.safetensors")
+        )  # fp32 on disk: the whole model's bytes
+        sizes[row] = size
+        cap = int(0.75 * size) if cap == -1 else cap  # below the whole model
+        args = ["--weights", str(weights), "--cap", str(cap)]
+        print(f"{row}: model {_gib(size)} GiB, cap {_gib(cap) if cap else '-'}", flush=True)
+        rows[row] = launch_ranks(__file__, row, WORLD, args, timeout_s=1800)
+    text = report(rows, sizes, facts)
+    print(text)
+    results = ROOT / "bench" / "results"
+    (results / "meta_memory.md").write_text(text)
+    (results / "meta_memory.json").write_text(
+        json.dumps({"machine": facts, "sizes": sizes, "rows": rows}, indent=1)
+    )
+
+
+if __name__ == "__main__":
+    main()
