@@ -4,12 +4,13 @@ device and loaded from safetensors, each rank reading only its own shards.
     .venv/bin/python bench/bench_meta_memory.py            # ~1.5B meta row + the 0.4B pair
     .venv/bin/python bench/bench_meta_memory.py --quick    # small shapes, a minute
 
-Rows (4 CPU ranks, pp 2 x dp_shard 2, 1F1B, SGD, reshard_after_forward=True):
-- `whole-0.4b` / `meta-0.4b`: the same ~0.4B model, built whole on every rank (then split and
-  sharded), or built empty and loaded from an HF safetensors directory;
-- `meta-1.5b`: a ~1.5B model (6 GB in fp32) loaded from safetensors with every rank in a memory
-  cgroup capped below the whole model's size. The whole-model path cannot run it here (4 whole
-  copies do not fit the machine).
+Rows (4 CPU ranks, SGD):
+- `whole-0.4b` / `meta-0.4b`: the same ~0.4B model under pp 2 x dp_shard 2 (1F1B), built whole
+  on every rank (then split and sharded), or built empty and loaded from an HF safetensors
+  directory;
+- `meta-1.5b`: a ~1.4B model (5.2 GiB in fp32) under the ZeroPP schedule (pp 2 x dp_shard 2,
+  4 chunks per rank, gradients reduced per micro-batch), loaded from safetensors with every rank in a memory cgroup capped below the whole
+  model's size. The whole-model path cannot run it here (4 whole copies do not fit the machine).
 
 Per rank: resident memory after imports (baseline), after the engine is built, and the process
 peak over two training steps; against it, the rank's share (its parameter and gradient shards,
@@ -33,7 +34,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, launch_ranks, machine  # noqa: E402
 
 WORLD = 4
-LAYOUT = {"pp_size": 2, "dp_shard_size": 2, "num_microbatches": 2, "reshard_after_forward": True}
+PP2 = {"pp_size": 2, "dp_shard_size": 2, "num_microbatches": 2}  # 1F1B over FSDP2
+# The ~1.4B model under the ZeroPP schedule, 4 chunks per rank, gradients reduce-scattered after
+# every micro-batch: a rank then holds one chunk's gathered weights and unsharded gradients at a
+# time. Under 1F1B (or FSDP alone through the engine) torch's pipeline runtime keeps a stage's
+# unsharded gradients until the end of the step: more than this machine's 4 ranks hold at 1.4B.
+ZEROPP = {
+    "pp_size": 2,
+    "dp_shard_size": 2,
+    "schedule": "zeropp",
+    "num_chunks": 4,
+    "unit_size": 2,
+    "num_microbatches": 2,
+    "grad_reduce": "microbatch",
+}
+LAYOUTS = {"0.4b": PP2, "1.5b": ZEROPP, "tiny": PP2}
 SHAPES = {  # Llama-shaped, grouped-query attention
     "0.4b": {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 24,
              "num_attention_heads": 16, "num_key_value_heads": 4},
@@ -149,7 +164,7 @@ def worker(row: str, out: Path, weights: str, cap: int) -> None:
     def loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(output.logits.flatten(0, 1).float(), target.flatten())
 
-    cfg = ZeroPPConfig(**LAYOUT).resolve(WORLD)
+    cfg = ZeroPPConfig(**LAYOUTS[shape]).resolve(WORLD)
     micro = ROWS // cfg.dp_size // cfg.num_microbatches
     example = (torch.zeros(micro, SEQ, dtype=torch.long),)
     engine = ZeroPPEngine(model, cfg, loss_fn=loss_fn, example_args=example, load_from=load_from)
@@ -161,7 +176,8 @@ def worker(row: str, out: Path, weights: str, cap: int) -> None:
     losses, step_s = [], []
     for _ in range(2):
         x = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
-        rows = slice(engine.dims.dp_rank * ROWS // 2, (engine.dims.dp_rank + 1) * ROWS // 2)
+        per = ROWS // engine.dims.dp_size
+        rows = slice(engine.dims.dp_rank * per, (engine.dims.dp_rank + 1) * per)
         t = time.monotonic()
         losses.append(float(engine.train_step(x[rows], target=x[rows])))
         opt.step()
@@ -201,19 +217,21 @@ def report(rows: dict[str, list[dict[str, Any]]], sizes: dict[str, int], facts: 
         "",
         f"Machine: {json.dumps(facts)}",
         "",
-        f"4 CPU ranks, {LAYOUT}, SGD, {ROWS} rows x {SEQ} tokens per step, 2 steps. GiB; "
-        "'above baseline' subtracts each rank's resident memory after imports (Python, torch, "
-        "transformers). share = this rank's parameter + gradient shards (fp32); + gathered = "
-        "plus the most unsharded weights seen at once (measured).",
+        f"4 CPU ranks, SGD, {ROWS} rows x {SEQ} tokens per step, 2 steps; layouts {LAYOUTS}. "
+        "GiB; 'above baseline' subtracts each rank's resident memory after imports (Python, "
+        "torch, transformers). budget = this rank's parameter + gradient shards (fp32) + twice "
+        "the most unsharded weights seen at once (measured in the first step): the gathered "
+        "weights and their unsharded gradients.",
         "",
         "| row | model fp32 | rank | capped at | baseline | at setup | peak | peak above baseline "
-        "| share + gathered | ratio | setup s | step s |",
+        "| budget | ratio | setup s | step s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row, ranks in rows.items():
         for r in sorted(ranks, key=lambda x: x["rank"]):
             above = r["peak"] - r["baseline"]
-            budget = r["param_shard_bytes"] + r["grad_shard_bytes"] + (r["gathered_peak"] or 0)
+            gathered = r["gathered_peak"] or 0
+            budget = r["param_shard_bytes"] + r["grad_shard_bytes"] + 2 * gathered
             cap = _gib(r["cap_bytes"]) if r["capped"] else "-"
             steps = "/".join(f"{s:.0f}" for s in r["step_s"])
             lines.append(
@@ -231,6 +249,10 @@ def main() -> None:
     parser.add_argument("--weights", default="")
     parser.add_argument("--cap", type=int, default=0)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rows", default="whole-0.4b,meta-0.4b,meta-1.5b")
+    parser.add_argument(
+        "--cap-fraction", type=float, default=0.75, help="meta-1.5b's cap, of the model's bytes"
+    )
     parser.add_argument("--data", default="/tmp/zeropp_meta_memory")
     a = parser.parse_args()
     if a.worker:
@@ -238,23 +260,26 @@ def main() -> None:
         return
     facts = machine()
     data = Path(a.data)
-    plan = [("whole-tiny", 0), ("meta-tiny", 0)] if a.quick else []
-    if not a.quick:
-        plan = [("whole-0.4b", 0), ("meta-0.4b", 0), ("meta-1.5b", -1)]
+    plan = ["whole-tiny", "meta-tiny"] if a.quick else a.rows.split(",")
     rows: dict[str, list[dict[str, Any]]] = {}
     sizes: dict[str, int] = {}
-    for row, cap in plan:
+    failed: dict[str, str] = {}
+    for row in plan:
         shape = row.split("-")[1]
         weights = write_weights(shape, data)
-        size = sum(
-            f.stat().st_size for f in weights.glob("*.safetensors")
-        )  # fp32 on disk: the whole model's bytes
+        # fp32 on disk: the whole model's bytes
+        size = sum(f.stat().st_size for f in weights.glob("*.safetensors"))
         sizes[row] = size
-        cap = int(0.75 * size) if cap == -1 else cap  # below the whole model
+        cap = int(a.cap_fraction * size) if row == "meta-1.5b" else 0  # below the whole model
         args = ["--weights", str(weights), "--cap", str(cap)]
         print(f"{row}: model {_gib(size)} GiB, cap {_gib(cap) if cap else '-'}", flush=True)
-        rows[row] = launch_ranks(__file__, row, WORLD, args, timeout_s=1800)
+        try:
+            rows[row] = launch_ranks(__file__, row, WORLD, args, timeout_s=1800)
+        except RuntimeError as err:  # e.g. the memory cap killed its ranks: say so
+            failed[row] = f"{str(err).splitlines()[0]} (cap {_gib(cap) if cap else '-'} GiB)"
+            print(err, flush=True)
     text = report(rows, sizes, facts)
+    text += "".join(f"\n- `{row}` did not finish: {why}\n" for row, why in failed.items())
     print(text)
     results = ROOT / "bench" / "results"
     (results / "meta_memory.md").write_text(text)

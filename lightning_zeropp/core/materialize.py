@@ -35,6 +35,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_zeropp.core._torch_private import local_chunk
+from lightning_zeropp.core.checkpoint import raise_on_every_rank
 from lightning_zeropp.core.load import load_weights
 from lightning_zeropp.core.tied import TiedWeights
 
@@ -152,14 +153,26 @@ def fill_values(
     load_from = source.load_from
     if meta:
         only = non_persistent if load_from is not None else None
-        materialize(stages, device, source.init, shared_seed(device), only=only)
+        seed = shared_seed(device)
+        # A rank whose stages fail raises on every rank (the others would wait in the step).
+        raise_on_every_rank(
+            _problem(lambda: materialize(stages, device, source.init, seed, only=only))
+        )
     if load_from is not None:
         prefix = getattr(source.model, "base_model_prefix", "")
         load_weights(merged, load_from, tied.names(), prefix)
     elif meta:  # each stage drew its own copy of a tied weight: the first stage's wins
         tied.sync_values()
     if meta:
-        check_set(stages)
+        raise_on_every_rank(_problem(lambda: check_set(stages)))
+
+
+def _problem(run: Callable[[], None]) -> str | None:
+    try:
+        run()
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 @torch.no_grad()

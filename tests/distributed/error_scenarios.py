@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zeropp import ZeroPPConfig, ZeroPPEngine, ZeroPPStrategy
+from lightning_zeropp.models import GPT
 from lightning_zeropp.models.lit_gpt import LitGPT
 from tests.distributed.common import MODEL, lm_loss, make_model
 
@@ -62,6 +63,16 @@ def _trace_batch_unlike_example() -> None:
     engine = _engine(pp_size=2, dp_shard_size=2, num_microbatches=2, split="trace")
     x = torch.zeros(8, MODEL.seq_len, dtype=torch.long)
     engine.train_step(x, target=x)
+
+
+def _meta_unset_on_the_last_stage() -> None:
+    # The head gains a parameter of its own that no init sets: only the last stage holds it.
+    from lightning_zeropp.core.materialize import empty_parameters
+
+    with empty_parameters():
+        model = GPT(MODEL)
+        model.head.register_parameter("gain", nn.Parameter(torch.ones(MODEL.vocab_size)))
+    _engine(model, pp_size=2, dp_shard_size=2)
 
 
 def _trainer(strategy: ZeroPPStrategy, max_steps: int = 1) -> pl.Trainer:
@@ -249,6 +260,7 @@ ATTEMPTS = {
     "no_batch": _no_batch,
     "tied_weights_traced": _tied_weights_traced,
     "trace_without_example": _trace_without_example,
+    "meta_unset_on_the_last_stage": _meta_unset_on_the_last_stage,
     # Lightning: settings (ZEROPP_* read as the Accelerate front reads them)
     "lightning_env_typo": lambda: _strategy_under(ZEROPP_PP_SIZ="2"),
     "lightning_env_not_an_integer": lambda: _strategy_under(ZEROPP_NUM_MICROBATCHES="four"),

@@ -29,6 +29,7 @@ EXPECTED = {
     "no_batch": "train_step / eval_step got no batch",
     "tied_weights_traced": "'tok_emb.weight' and 'head.weight' are the same tensor (tied weights)",
     "trace_without_example": "split='trace' needs one example micro-batch of model inputs",
+    "meta_unset_on_the_last_stage": "'head.gain' was built on the meta device and nothing set",
     # Lightning: settings
     "lightning_env_typo": "unknown environment variable ZEROPP_PP_SIZ='2'; did you mean ZEROPP_PP_SIZE?",
     "lightning_env_not_an_integer": "ZEROPP_NUM_MICROBATCHES='four' is not an integer",

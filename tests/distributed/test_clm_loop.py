@@ -30,6 +30,11 @@ CASES = [
         "plugin": {**PP, "dp_shard_size": 2, "num_microbatches": 2, "load_from": "<initial>"},
         "args": {"empty_init": True},
     },
+    {
+        "id": "llama-empty-load-zeropp",
+        "plugin": {**PP, "schedule": "ZeroPP", "load_from": "<initial>"},
+        "args": {"empty_init": True},
+    },
 ]
 # The same loop on other HF families (own attention, fused projections, tied embeddings): left to
 # bench/slow_tests.py for time; qwen2 and mistral also train in test_hf.py, tied heads in
