@@ -1,9 +1,17 @@
-"""Run a scenario on N gloo ranks as separate processes, with a hard timeout and readable failures."""
+"""Run a scenario on N gloo ranks as separate processes, with a hard timeout and readable failures.
+
+Ranks are forked from a server that has already imported torch, Lightning, Accelerate and
+transformers (`zygote`): a launch then costs no import time per rank. They are still separate
+processes with their own process groups; `LZPP_TESTS_FRESH_PROCESSES=1` starts each rank as a
+fresh interpreter instead.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -50,12 +58,15 @@ def launch(
             "OMP_NUM_THREADS": "1",
             "PYTHONPATH": str(ROOT),
         }
+        argv = [scenario, json.dumps(params), str(out_dir)]
+        forked = _fork(env, argv, out_dir / f"rank{rank}.log", out_dir / f".exit{rank}")
+        if forked is not None:
+            procs.append(forked)
+            continue
         log = open(out_dir / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
         logs.append(log)
-        cmd = [sys.executable, "-m", "tests.distributed.worker", scenario, json.dumps(params)]
-        procs.append(
-            subprocess.Popen([*cmd, str(out_dir)], cwd=ROOT, env=env, stdout=log, stderr=log)
-        )
+        cmd = [sys.executable, "-m", "tests.distributed.worker", *argv]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log))
     deadline = time.monotonic() + timeout
     try:
         while any(p.poll() is None for p in procs):
@@ -78,7 +89,60 @@ def launch(
     return [torch.load(out_dir / f"result{r}.pt", weights_only=False) for r in range(world_size)]
 
 
-def _kill(procs: list[subprocess.Popen]) -> None:
+class _Forked:
+    """A rank forked by the zygote, with the part of `Popen`'s interface `launch` uses."""
+
+    def __init__(self, pid: int, exit_file: Path) -> None:
+        self.pid, self._exit_file = pid, exit_file
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._exit_file.exists():
+            self.returncode = int(self._exit_file.read_text())
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            for kill in (os.killpg, os.kill):  # its own group, unless it has not set it yet
+                with contextlib.suppress(ProcessLookupError):
+                    kill(self.pid, signal.SIGKILL)
+
+    def wait(self, timeout: float = 60.0) -> int | None:
+        deadline = time.monotonic() + timeout
+        while self.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.returncode
+
+
+_server: subprocess.Popen | None = None
+
+
+def _fork(env: dict[str, str], argv: list[str], log: Path, exit_file: Path) -> _Forked | None:
+    """Fork a rank from the zygote (started on first use); None when ranks start fresh."""
+    global _server
+    if os.environ.get("LZPP_TESTS_FRESH_PROCESSES") == "1":
+        return None
+    if _server is None or _server.poll() is not None:
+        server_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        _server = subprocess.Popen(
+            [sys.executable, "-m", "tests.distributed.zygote"],
+            cwd=ROOT,
+            env=server_env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+    assert _server.stdin is not None and _server.stdout is not None
+    request = {"env": env, "argv": argv, "log": str(log), "exit_file": str(exit_file)}
+    _server.stdin.write(json.dumps(request) + "\n")
+    _server.stdin.flush()
+    reply = _server.stdout.readline()
+    if not reply:
+        raise RuntimeError("the test rank server (tests.distributed.zygote) died; see its output")
+    return _Forked(json.loads(reply)["pid"], exit_file)
+
+
+def _kill(procs: list[Any]) -> None:
     for p in procs:
         if p.poll() is None:
             p.kill()

@@ -1,0 +1,104 @@
+"""A fork server for test ranks: imports torch, Lightning, Accelerate and transformers once, then
+forks one child per rank, so a launch does not pay every rank's import time again.
+
+Started once per pytest process by `launch` (`python -m tests.distributed.zygote`). Each request
+is one JSON line on stdin: `{"env", "argv", "log", "exit_file"}`; the server forks a child that
+takes that environment and those arguments, writes its output to `log` and runs
+`tests.distributed.worker` as `python -m` would; the server answers with the child's pid and,
+when the child ends, writes its exit status (negative: the signal that ended it, as
+`subprocess.Popen.returncode`) to `exit_file`. EOF on stdin stops the server.
+
+Forking is safe here because the server itself starts no thread and initializes no device: the
+children create their own process groups after the fork, as fresh processes would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import signal
+import sys
+import traceback
+from typing import Any
+
+# Before torch loads OpenMP: the children must see one thread per rank, as `launch` sets.
+os.environ["OMP_NUM_THREADS"] = "1"
+
+import accelerate  # noqa: E402, F401
+import lightning.pytorch  # noqa: E402, F401
+import torch  # noqa: E402, F401
+import torch.distributed.checkpoint  # noqa: E402, F401
+import torch.distributed.pipelining  # noqa: E402, F401
+import torchmetrics  # noqa: E402, F401
+import transformers  # noqa: E402, F401
+from transformers import AutoModelForCausalLM, LlamaForCausalLM  # noqa: E402, F401
+
+import lightning_zeropp.accelerate  # noqa: E402, F401
+import lightning_zeropp.lightning  # noqa: E402, F401
+import lightning_zeropp.models.hf  # noqa: E402, F401
+
+_exit_files: dict[int, str] = {}
+
+
+def _reap(*_: Any) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        path = _exit_files.pop(pid, None)
+        if path is not None:
+            tmp = f"{path}.tmp"
+            with open(tmp, "w") as f:
+                f.write(str(code))
+            os.replace(tmp, path)  # whole or absent: the launcher never reads half a code
+
+
+def _child(request: dict[str, Any]) -> None:
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    os.setpgid(0, 0)  # its own group, as a fresh process: a kill reaches what it starts
+    fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdin = open(os.devnull)  # noqa: SIM115 - the server's requests are not the child's
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.argv = ["-m", *request["argv"]]
+    code = 0
+    try:
+        runpy.run_module("tests.distributed.worker", run_name="__main__", alter_sys=True)
+    except SystemExit as err:
+        code = err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
+    except BaseException:  # noqa: BLE001 - reported in the rank's log, as a fresh process would
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
+
+
+def main() -> None:
+    signal.signal(signal.SIGCHLD, _reap)
+    out = sys.stdout
+    for line in sys.stdin:
+        request = json.loads(line)
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])  # register before reaping
+        pid = os.fork()
+        if pid == 0:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGCHLD])
+            _child(request)
+        _exit_files[pid] = request["exit_file"]
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGCHLD])
+        _reap()
+        out.write(json.dumps({"pid": pid}) + "\n")
+        out.flush()
+
+
+if __name__ == "__main__":
+    main()
