@@ -61,6 +61,7 @@ SHAPES = {  # Llama-shaped, grouped-query attention
 }  # fmt: skip
 VOCAB, SEQ, ROWS = 32000, 32, 4  # global batch: 4 rows of 32 tokens
 CGROUP = Path("/sys/fs/cgroup/memory")
+DEFAULT_ROWS = "whole-0.4b,meta-0.4b,meta-1.5b"
 
 
 def _config(shape: str) -> Any:
@@ -251,7 +252,7 @@ def main() -> None:
     parser.add_argument("--weights", default="")
     parser.add_argument("--cap", type=int, default=0)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--rows", default="whole-0.4b,meta-0.4b,meta-1.5b")
+    parser.add_argument("--rows", default=DEFAULT_ROWS)
     parser.add_argument(
         "--cap-fraction", type=float, default=0.75, help="meta-1.5b's cap, of the model's bytes"
     )
@@ -284,9 +285,11 @@ def main() -> None:
     text += "".join(f"\n- `{row}` did not finish: {why}\n" for row, why in failed.items())
     print(text)
     results = ROOT / "bench" / "results"
-    (results / "meta_memory.md").write_text(text)
-    (results / "meta_memory.json").write_text(
-        json.dumps({"machine": facts, "sizes": sizes, "rows": rows}, indent=1)
+    # A partial run (--rows, --quick) writes beside the full run's files, not over them.
+    name = "meta_memory" if plan == DEFAULT_ROWS.split(",") else "meta_memory_partial"
+    (results / f"{name}.md").write_text(text)
+    (results / f"{name}.json").write_text(
+        json.dumps({"machine": facts, "sizes": sizes, "rows": rows, "failed": failed}, indent=1)
     )
 
 
