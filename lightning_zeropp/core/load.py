@@ -76,7 +76,9 @@ def _load_dcp(module: nn.Module, path: Path) -> None:
     options = StateDictOptions(strict=True)
     state = get_model_state_dict(module, options=options)
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    nested = any(key.startswith("model.") for key in saved)  # this library's checkpoints
+    # This library's checkpoints nest the model under "model."; a plain DCP directory does not
+    # (and an HF model's own names start with "model." too): take the reading that finds more.
+    nested = sum(f"model.{n}" in saved for n in state) > sum(n in saved for n in state)
     missing = [n for n in state if (f"model.{n}" if nested else n) not in saved]
     problem = None
     if missing:

@@ -174,3 +174,24 @@ def test_load_safetensors_reads_a_weight_held_under_two_names_from_either(tmp_pa
     _save(state, tmp_path / "model.safetensors")
     load_weights(net, tmp_path)
     assert torch.equal(net.head.weight, state["emb.weight"])
+
+
+def test_load_dcp_reads_this_librarys_checkpoints_and_plain_ones(group, tmp_path: Path) -> None:
+    """Ours nest the model under "model."; a plain DCP directory keyed by names whose own first
+    part is "model." (as an HF model's are) must not be read as nested."""
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_zeropp.core.checkpoint import save_checkpoint
+
+    class HFLike(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = nn.Linear(3, 3)
+
+    src = HFLike()
+    save_checkpoint(tmp_path / "ours", src, [])
+    dcp.save({k: v.clone() for k, v in src.state_dict().items()}, checkpoint_id=tmp_path / "plain")
+    for kind in ("ours", "plain"):
+        net = HFLike()
+        load_weights(net, tmp_path / kind)
+        assert torch.equal(net.model.weight, src.model.weight), kind
