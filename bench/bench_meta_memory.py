@@ -9,8 +9,7 @@ Rows (4 CPU ranks, SGD):
   on every rank (then split and sharded), or built empty and loaded from an HF safetensors
   directory;
 - `meta-1.5b`: a ~1.4B model (5.2 GiB in fp32) under the ZeroPP schedule (pp 2 x dp_shard 2,
-  4 chunks per rank, gradients reduced per micro-batch, bf16 compute over fp32 shards), loaded
-  from safetensors with every rank in a memory cgroup capped below the whole
+  8 chunks per rank, gradients reduced per micro-batch), loaded from safetensors with every rank in a memory cgroup capped below the whole
   model's size. The whole-model path cannot run it here (4 whole copies do not fit the machine).
 
 Per rank: resident memory after imports (baseline), after the engine is built, and the process
@@ -36,19 +35,18 @@ from common import ROOT, launch_ranks, machine  # noqa: E402
 
 WORLD = 4
 PP2 = {"pp_size": 2, "dp_shard_size": 2, "num_microbatches": 2}  # 1F1B over FSDP2
-# The ~1.4B model under the ZeroPP schedule, 4 chunks per rank, gradients reduce-scattered after
-# every micro-batch, bf16 compute: a rank then holds one chunk's gathered weights and unsharded
-# gradients at a time, in bf16, beside its fp32 shards. Under 1F1B (or FSDP alone through the engine) torch's pipeline runtime keeps a stage's
+# The ~1.4B model under the ZeroPP schedule, 8 chunks per rank, gradients reduce-scattered after
+# every micro-batch: a rank then holds one small chunk's gathered weights and unsharded gradients
+# at a time beside its shards. Under 1F1B (or FSDP alone through the engine) torch's pipeline runtime keeps a stage's
 # unsharded gradients until the end of the step: more than this machine's 4 ranks hold at 1.4B.
 ZEROPP = {
     "pp_size": 2,
     "dp_shard_size": 2,
     "schedule": "zeropp",
-    "num_chunks": 4,
+    "num_chunks": 8,
     "unit_size": 2,
     "num_microbatches": 2,
     "grad_reduce": "microbatch",
-    "param_dtype": "bf16",  # gathered weights and unsharded gradients in bf16; fp32 shards
 }
 LAYOUTS = {"0.4b": PP2, "1.5b": ZEROPP, "tiny": PP2}
 SHAPES = {  # Llama-shaped, grouped-query attention
