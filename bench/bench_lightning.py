@@ -335,7 +335,7 @@ PROFILE_ITEMS: list[tuple[str, str, tuple[str, ...], str]] = [
     ("        ZeroPP: _broadcast_loss", "lightning_zeropp/core/engine.py", ("_broadcast_loss",), "ct"),
     ("      ZeroPP: LogRecorder.replay (log values to every stage)", "lightning_zeropp/lightning/logging.py", ("replay",), "ct"),
     ("        broadcast_object_list", "torch/distributed/distributed_c10d.py", ("broadcast_object_list",), "ct"),
-    ("      ZeroPP: GradStash.hold + release", "lightning_zeropp/core/grads.py", ("hold", "release"), "ct"),
+    ("      ZeroPP: StepGrads take + apply", "lightning_zeropp/core/grads.py", ("__init__", "apply"), "ct"),
     ("    LitGPT.training_step (all calls)", "lightning_zeropp/models/lit_gpt.py", ("training_step",), "ct"),
     ("      LightningModule.log (Lightning's, sync_dist all-reduce inside)", "lightning/pytorch/core/module.py", ("log",), "ct"),
     ("  backward: autograd engine (run_backward, with FSDP / DDP hooks; ZeroPP: inside the schedule)", "~", ("<method 'run_backward' of 'torch._C._EngineBase' objects>",), "ct"),

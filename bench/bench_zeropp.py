@@ -103,7 +103,7 @@ def run_rank(row: str, world: int, steps: int, warmup: int, out: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from lightning_zeropp.core.timeline import model_state_bytes
+    from lightning_zeropp.core.memory import model_state_bytes
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))

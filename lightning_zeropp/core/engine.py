@@ -32,7 +32,7 @@ from lightning_zeropp.core.call_stages import flatten_outputs, restore_output
 from lightning_zeropp.core.comm import CommCounter, flatten_summary, mesh_axis_namer
 from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.failure import FailureBoard, describe_rank
-from lightning_zeropp.core.grads import GradStash, StepGrads, clip_grad_norm_
+from lightning_zeropp.core.grads import StepGrads, clip_grad_norm_
 from lightning_zeropp.core.materialize import (
     InitFn,
     Source,
@@ -219,8 +219,7 @@ class ZeroPPEngine:
         """`train_step` whose gradients are held, not added to `.grad`: the front applies them
         times the scale its loop gives the loss (`StepGrads.apply`), or discards them."""
         schedule = self._schedule_for("train", args, kwargs, target)
-        stash = GradStash()  # earlier steps' gradients: the runtime divides every .grad
-        stash.hold(self.parameters())
+        earlier = StepGrads(self.parameters())  # the runtime divides every .grad present
         losses: list[torch.Tensor] = []
         inputs, kw = self._stage_inputs(args, kwargs)
         counter = CommCounter(self._axis_namer) if self.count_comms else None
@@ -233,14 +232,14 @@ class ZeroPPEngine:
             probe or contextlib.nullcontext(),
         ):
             schedule.step(*inputs, target=target, losses=losses, return_outputs=False, **kw)
-            # This step's gradients only: the stash holds earlier accumulation steps' ones.
+            # This step's gradients only: `earlier` holds earlier accumulation steps' ones.
             self._tied.sum_grads()
             loss = self._broadcast_loss(losses)
         if self.nonfinite.check(loss):  # the same loss on every rank: all skip, or all raise
             for p in self.parameters():
                 p.grad = None
         grads = StepGrads(self.parameters())
-        stash.release()
+        earlier.apply()
         if probe is not None:
             self._gathered_peak = probe.peak
         if counter is not None:

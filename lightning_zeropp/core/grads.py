@@ -1,5 +1,5 @@
-"""Gradient-norm clipping by the true global norm (every stage, every shard), one step's
-gradients held for the front to scale, and earlier gradients stashed while a step runs."""
+"""Gradient-norm clipping by the true global norm (every stage, every shard), and gradients
+held out of `.grad` (a step's, for the front to scale; earlier ones, while a step runs)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["StepGrads", "clip_grad_norm_", "total_grad_norm", "GradStash"]
+from lightning_zeropp.core.shard import local_shard
+
+__all__ = ["StepGrads", "clip_grad_norm_", "total_grad_norm"]
 
 
 def total_grad_norm(
@@ -57,8 +59,10 @@ def clip_grad_norm_(
 
 
 class StepGrads:
-    """One training step's gradients, kept out of `.grad` until the front says what they are
-    worth: the one place the fronts' gradient scaling happens.
+    """Gradients taken out of `.grad` and added back later: one training step's, kept until the
+    front says what they are worth (the one place the fronts' gradient scaling happens), or
+    earlier steps' ones, kept out of the way while a step runs (the pipeline runtime divides
+    every gradient present by the micro-batch count).
 
     `apply(scale)` adds them to `.grad` times `scale` (1/k for an accumulation of k batches, the
     gradient a loop's backward brings to the loss, ...; a tensor scale stays on the device, so
@@ -77,38 +81,10 @@ class StepGrads:
     def apply(self, scale: float | torch.Tensor = 1.0) -> None:
         for p, g in self._pending:
             if isinstance(scale, torch.Tensor) or scale != 1.0:
-                local = g.to_local() if isinstance(g, DTensor) else g
+                local = local_shard(g)
                 local.mul_(scale.to(local.dtype) if isinstance(scale, torch.Tensor) else scale)
             p.grad = g if p.grad is None else p.grad + g
         self._pending.clear()
 
     def discard(self) -> None:
         self._pending.clear()
-
-
-class GradStash:
-    """Set gradients aside and add them back later.
-
-    The pipeline runtime divides *all* current gradients by the micro-batch count at the end of a
-    step, so gradients accumulated by earlier steps must be out of the way while it runs.
-    """
-
-    def __init__(self) -> None:
-        self._held: list[tuple[nn.Parameter, torch.Tensor]] = []
-
-    def hold(self, params: Iterable[nn.Parameter]) -> None:
-        for p in params:
-            if p.grad is not None:
-                self._held.append((p, p.grad))
-                p.grad = None
-
-    def release(self, scale: float = 1.0) -> None:
-        """Put the held gradients back (times `scale`), adding to any gradient present now."""
-        for p, g in self._held:
-            if scale != 1.0:
-                g = g * scale
-            p.grad = g if p.grad is None else p.grad + g
-        self._held.clear()
-
-    def __len__(self) -> int:
-        return len(self._held)

@@ -30,10 +30,10 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
 from lightning_zeropp.core._torch_private import local_chunk
 from lightning_zeropp.core.checkpoint import raise_on_every_rank
+from lightning_zeropp.core.shard import local_shard
 
 __all__ = ["load_weights", "weight_source_kind"]
 
@@ -137,7 +137,7 @@ def _load_safetensors(
                 if tuple(view.get_shape()) != tuple(tensor.shape):
                     shapes.append(f"{name}: {tuple(view.get_shape())} vs {tuple(tensor.shape)}")
                     continue
-                local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+                local = local_shard(tensor)
                 if tensor.dim() == 0:
                     local.copy_(handle.get_tensor(key))
                 elif local.numel():

@@ -32,11 +32,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from lightning_zeropp.core._torch_private import local_chunk
 from lightning_zeropp.core.checkpoint import raise_on_every_rank
 from lightning_zeropp.core.load import load_weights
+from lightning_zeropp.core.shard import local_shard
 from lightning_zeropp.core.tied import TiedWeights
 
 __all__ = [
@@ -196,12 +196,12 @@ def materialize(
         born = _meta_names(stage, kept)
         for module, name, value in kept:  # to_empty replaced them too
             if name in module._parameters:
-                _local(module._parameters[name]).copy_(value)
+                local_shard(module._parameters[name]).copy_(value)
             else:
                 module._buffers[name] = value.to(device)
         for module_name, name, t in _tensors(stage):
             if t.is_floating_point() and (module_name, name) in born:
-                _local(t).fill_(float("nan"))
+                local_shard(t).fill_(float("nan"))
         if init is not None:
             _init_stage(stage, init, seed, only, born)
 
@@ -210,7 +210,7 @@ def check_set(stages: Sequence[nn.Module]) -> None:
     """Raise naming the first tensor nothing set (still NaN after materialize's fill)."""
     for stage in stages:
         for module_name, name, t in _tensors(stage):
-            local = _local(t)
+            local = local_shard(t)
             if t.is_floating_point() and local.numel() and bool(torch.isnan(local).any()):
                 full = f"{module_name}.{name}" if module_name else name
                 raise ValueError(
@@ -249,7 +249,7 @@ def _init_stage(
     """Initialize each module's own meta-born tensors at full size, keep this rank's rows."""
     # Only meta-born tensors are watched: an init may rightly reset a kept buffer of its own.
     watched = [(m, n, t) for m, n, t in _tensors(stage) if (m, n) in born]
-    versions = {id(t): _local(t)._version for _, _, t in watched}
+    versions = {id(t): local_shard(t)._version for _, _, t in watched}
     written: dict[int, int] = {}
     done: set[int] = set()
     for module_name, module in stage.named_modules():
@@ -266,11 +266,11 @@ def _init_stage(
         with _swapped(module, scratch):
             _seeded(init, module, _module_seed(seed, module_name))
         for name, t in own:
-            _local(t).copy_(scratch[name][local_chunk(t)])
+            local_shard(t).copy_(scratch[name][local_chunk(t)])
             done.add(id(t))
             written[id(t)] = written.get(id(t), 0) + 1
     for module_name, name, t in watched:
-        if _local(t)._version != versions[id(t)] + written.get(id(t), 0):
+        if local_shard(t)._version != versions[id(t)] + written.get(id(t), 0):
             full = f"{module_name}.{name}" if module_name else name
             raise ValueError(
                 f"the init wrote into '{full}' while initializing another module (a parent's "
@@ -292,7 +292,7 @@ def _module_seed(seed: int, name: str) -> int:
 
 def _scratch(t: torch.Tensor) -> torch.Tensor:
     """A whole, unsharded NaN-filled copy for one module's init to write into."""
-    full = torch.empty(t.shape, dtype=t.dtype, device=_local(t).device)
+    full = torch.empty(t.shape, dtype=t.dtype, device=local_shard(t).device)
     if full.is_floating_point():
         full.fill_(float("nan"))
     return (
@@ -312,10 +312,6 @@ def _swapped(module: nn.Module, scratch: dict[str, torch.Tensor]) -> Iterator[No
     finally:
         for name, (where, t) in saved.items():
             getattr(module, where)[name] = t
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _own_named(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -340,7 +336,9 @@ def _real_tensors(stage: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]
     for module in stage.modules():
         for name, t in _own_named(module):
             if not t.is_meta:
-                kept.append((module, name, _local(t).clone() if name in module._parameters else t))
+                kept.append(
+                    (module, name, local_shard(t).clone() if name in module._parameters else t)
+                )
     return kept
 
 

@@ -19,11 +19,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from lightning_zeropp.core._torch_private import unsharded_parameter_bytes
+from lightning_zeropp.core.shard import local_shard
 
-__all__ = ["GatheredPeak", "RankMemory", "host_peak_bytes", "measure", "format_report"]
+__all__ = [
+    "GatheredPeak",
+    "RankMemory",
+    "host_peak_bytes",
+    "measure",
+    "format_report",
+    "model_state_bytes",
+]
 
 
 @dataclass
@@ -44,11 +51,28 @@ def host_peak_bytes() -> int:
 
 
 def _local_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    total = 0
-    for t in tensors:
-        local = t.to_local() if isinstance(t, DTensor) else t
-        total += local.numel() * local.element_size()
-    return total
+    shards = (local_shard(t) for t in tensors)
+    return sum(s.numel() * s.element_size() for s in shards)
+
+
+def model_state_bytes(
+    parameters: Iterable[nn.Parameter],
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+) -> dict[str, int]:
+    """This rank's bytes of parameters, gradients and optimizer state (local shards only)."""
+    params = list(parameters)
+    if optimizer is None:
+        optimizers: Sequence[torch.optim.Optimizer] = ()
+    elif isinstance(optimizer, torch.optim.Optimizer):
+        optimizers = (optimizer,)
+    else:
+        optimizers = optimizer
+    state = (v for opt in optimizers for s in opt.state.values() for v in s.values())
+    return {
+        "parameters": _local_bytes(params),
+        "gradients": _local_bytes(p.grad for p in params if p.grad is not None),
+        "optimizer_state": _local_bytes(v for v in state if isinstance(v, torch.Tensor)),
+    }
 
 
 def measure(
@@ -59,24 +83,17 @@ def measure(
 ) -> RankMemory:
     """This rank's figures (no communication)."""
     params = list(module.parameters())
-    grads = [p.grad for p in params if p.grad is not None]
-    grad_bytes = (
-        _local_bytes(grads) if grads else _local_bytes(p for p in params if p.requires_grad)
-    )
-    state = [
-        v
-        for opt in optimizers
-        for s in opt.state.values()
-        for v in s.values()
-        if torch.is_tensor(v)
-    ]
+    held = model_state_bytes(params, optimizers)
+    grad_bytes = held["gradients"]
+    if not any(p.grad is not None for p in params):  # before a step: what they will take
+        grad_bytes = _local_bytes(p for p in params if p.requires_grad)
     if device.type == "cuda":
         peak, kind = torch.cuda.max_memory_allocated(device), "device"
     else:
         peak, kind = host_peak_bytes(), "host"
     rank = dist.get_rank() if dist.is_initialized() else 0
     return RankMemory(
-        rank, _local_bytes(params), grad_bytes, _local_bytes(state), gathered_peak, peak, kind
+        rank, held["parameters"], grad_bytes, held["optimizer_state"], gathered_peak, peak, kind
     )
 
 

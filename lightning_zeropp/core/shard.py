@@ -15,11 +15,17 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from lightning_zeropp.core.config import ZeroPPConfig
 
-__all__ = ["shard_stage", "apply_activation_checkpointing"]
+__all__ = ["shard_stage", "apply_activation_checkpointing", "local_shard"]
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `t` (a view: writes reach a DTensor's storage); `t` if not sharded."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def shard_stage(

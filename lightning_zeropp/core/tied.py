@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_zeropp.core.mesh import ParallelDims, world_timeout
+from lightning_zeropp.core.shard import local_shard
 
 __all__ = ["TiedWeights", "tied_groups"]
 
@@ -110,19 +111,19 @@ class TiedWeights:
         for tie in self._ties:  # the same order on every rank: collectives line up
             if not tie.copies:
                 continue
-            grads = [_local(p.grad) for p in tie.copies if p.grad is not None]
+            grads = [local_shard(p.grad) for p in tie.copies if p.grad is not None]
             if len(grads) == 1 and len(tie.copies) == 1:
                 total = grads[0]  # reduced in place: nothing to add, nothing to copy back
             elif grads:
                 total = torch.stack(grads).sum(0)
             else:  # no use on this rank this step: it still joins the sum, with zeros
-                total = torch.zeros_like(_local(tie.copies[0]))
+                total = torch.zeros_like(local_shard(tie.copies[0]))
             if tie.group is not None:
                 dist.all_reduce(total, group=tie.group)
             for p in tie.copies:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                local = _local(p.grad)
+                local = local_shard(p.grad)
                 if local is not total:
                     local.copy_(total)
 
@@ -134,18 +135,13 @@ class TiedWeights:
             if not tie.copies:
                 continue
             if tie.source is not None:
-                value = _local(tie.source).clone()
+                value = local_shard(tie.source).clone()
             else:
-                value = torch.zeros_like(_local(tie.copies[0]))
+                value = torch.zeros_like(local_shard(tie.copies[0]))
             if tie.group is not None:  # one holder adds its values, the others zeros: exact
                 dist.all_reduce(value, group=tie.group)
             for p in tie.copies:
-                _local(p).copy_(value)
-
-
-def _local(x: torch.Tensor) -> torch.Tensor:
-    """This rank's shard (a view of the DTensor's storage: writes reach the gradient)."""
-    return x.to_local() if isinstance(x, DTensor) else x
+                local_shard(p).copy_(value)
 
 
 def _local_copies(

@@ -9,8 +9,6 @@ records, on this rank:
 - memory: the peak bytes of gathered (unsharded) weights, sampled at every task boundary, and the
   peak bytes of tensors saved for backward (activations), tracked by autograd's saved-tensor hooks.
 Times are seconds from a barrier at entry, so ranks on one machine share a time base.
-
-`model_state_bytes` adds up this rank's parameters, gradients and optimizer state (local shards).
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from lightning_zeropp.core._torch_private import unsharded_parameter_bytes
 from lightning_zeropp.core.comm import CommCounter, CommEvent, mesh_axis_namer
 
-__all__ = ["Interval", "StepRecorder", "Timeline", "model_state_bytes", "bubble_fraction"]
+__all__ = ["Interval", "StepRecorder", "Timeline", "bubble_fraction"]
 
 
 @dataclass(frozen=True)
@@ -181,26 +179,3 @@ class StepRecorder:
 
     def _release(self, key: int) -> None:
         self._live_bytes -= self._live.pop(key, 0)
-
-
-def model_state_bytes(
-    parameters: Iterable[torch.nn.Parameter], optimizer: torch.optim.Optimizer | None = None
-) -> dict[str, int]:
-    """This rank's bytes of parameters, gradients and optimizer state (local shards only)."""
-    params = list(parameters)
-    out = {
-        "parameters": sum(_local_bytes(p) for p in params),
-        "gradients": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
-        "optimizer_state": 0,
-    }
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            out["optimizer_state"] += sum(
-                _local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor)
-            )
-    return out
-
-
-def _local_bytes(t: torch.Tensor) -> int:
-    local = t.to_local() if isinstance(t, DTensor) else t
-    return local.numel() * local.element_size()
