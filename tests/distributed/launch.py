@@ -43,6 +43,8 @@ def launch(
     every rank's log (all ranks are killed first: no test can hang).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
+    for rank in range(world_size):  # a directory used twice must not return the last run's
+        (out_dir / f"result{rank}.pt").unlink(missing_ok=True)
     port = free_port()
     procs, logs = [], []
     for rank in range(world_size):
@@ -77,8 +79,9 @@ def launch(
                 break
             time.sleep(0.1)
     except TimeoutError as err:
+        state = _dump_stacks(procs, out_dir)
         _kill(procs)
-        raise AssertionError(f"{err}\n{_tails(out_dir, world_size)}") from None
+        raise AssertionError(f"{err}; {state}\n{_tails(out_dir, world_size, 60)}") from None
     finally:
         for log in logs:
             log.close()
@@ -99,6 +102,12 @@ class _Forked:
     def poll(self) -> int | None:
         if self.returncode is None and self._exit_file.exists():
             self.returncode = int(self._exit_file.read_text())
+        elif self.returncode is None and not Path(f"/proc/{self.pid}").exists():
+            # Gone (reaped) without an exit file: the server that forked it is gone too. A rank
+            # that ends on its own writes its code before it exits, so it was killed.
+            if not self._exit_file.exists():
+                self.returncode = -signal.SIGKILL
+            return self.poll()
         return self.returncode
 
     def kill(self) -> None:
@@ -133,6 +142,7 @@ def _fork(env: dict[str, str], argv: list[str], log: Path, exit_file: Path) -> _
             text=True,
         )
     assert _server.stdin is not None and _server.stdout is not None
+    exit_file.unlink(missing_ok=True)  # a directory used twice must not report the last run
     request = {"env": env, "argv": argv, "log": str(log), "exit_file": str(exit_file)}
     _server.stdin.write(json.dumps(request) + "\n")
     _server.stdin.flush()
@@ -140,6 +150,22 @@ def _fork(env: dict[str, str], argv: list[str], log: Path, exit_file: Path) -> _
     if not reply:
         raise RuntimeError("the test rank server (tests.distributed.zygote) died; see its output")
     return _Forked(json.loads(reply)["pid"], exit_file)
+
+
+def _dump_stacks(procs: list[Any], out_dir: Path) -> str:
+    """Ask every live rank for its threads' stacks (the worker's SIGUSR1 handler writes them to
+    its log); return which ranks were still running and which had written their result."""
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGUSR1)
+    time.sleep(2.0)
+    return ", ".join(
+        f"rank {r}: "
+        + ("running" if p.poll() is None else f"exit {p.returncode}")
+        + (", result written" if (out_dir / f"result{r}.pt").exists() else "")
+        for r, p in enumerate(procs)
+    )
 
 
 def _kill(procs: list[Any]) -> None:

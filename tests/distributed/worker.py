@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import importlib
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -14,6 +16,9 @@ import torch.distributed as dist
 
 
 def main() -> None:
+    # The launcher sends SIGUSR1 before it kills a rank that ran past its time: every thread's
+    # stack goes to the rank's log, so a hang says where it hung.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     scenario, params, out_dir = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
     module_name, _, fn_name = scenario.rpartition(".")
     fn = getattr(importlib.import_module(f"tests.distributed.{module_name}"), fn_name)

@@ -4,9 +4,10 @@ forks one child per rank, so a launch does not pay every rank's import time agai
 Started once per pytest process by `launch` (`python -m tests.distributed.zygote`). Each request
 is one JSON line on stdin: `{"env", "argv", "log", "exit_file"}`; the server forks a child that
 takes that environment and those arguments, writes its output to `log` and runs
-`tests.distributed.worker` as `python -m` would; the server answers with the child's pid and,
-when the child ends, writes its exit status (negative: the signal that ended it, as
-`subprocess.Popen.returncode`) to `exit_file`. EOF on stdin stops the server.
+`tests.distributed.worker` as `python -m` would; the server answers with the child's pid. A
+child that ends on its own writes its exit status to `exit_file`; for one ended by a signal the
+server writes it (negative: the signal, as `subprocess.Popen.returncode`). EOF on stdin stops
+the server.
 
 Forking is safe here because the server itself starts no thread and initializes no device: the
 children create their own process groups after the fork, as fresh processes would.
@@ -51,11 +52,18 @@ def _reap(*_: Any) -> None:
             return
         code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
         path = _exit_files.pop(pid, None)
-        if path is not None:
-            tmp = f"{path}.tmp"
-            with open(tmp, "w") as f:
-                f.write(str(code))
-            os.replace(tmp, path)  # whole or absent: the launcher never reads half a code
+        if path is not None and not os.path.exists(path):  # a child that exits writes its own
+            try:
+                _write_code(path, code)
+            except OSError as err:  # its directory is gone: never let the server die of it
+                print(f"zygote: cannot write {path}: {err}", file=sys.stderr, flush=True)
+
+
+def _write_code(path: str, code: int) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(str(code))
+    os.replace(tmp, path)  # whole or absent: the launcher never reads half a code
 
 
 def _child(request: dict[str, Any]) -> None:
@@ -80,6 +88,8 @@ def _child(request: dict[str, Any]) -> None:
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
+    # Its own code, written before it exits: the launcher reads it even if the server is gone.
+    _write_code(request["exit_file"], code)
     os._exit(code)
 
 
