@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import runpy
-import signal
+import select
 import sys
 import traceback
 from typing import Any
@@ -42,7 +42,7 @@ import lightning_zeropp.models.hf  # noqa: E402, F401
 _exit_files: dict[int, str] = {}
 
 
-def _reap(*_: Any) -> None:
+def _reap() -> None:
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -67,13 +67,15 @@ def _write_code(path: str, code: int) -> None:
 
 
 def _child(request: dict[str, Any]) -> None:
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     os.setpgid(0, 0)  # its own group, as a fresh process: a kill reaches what it starts
     fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    sys.stdin = open(os.devnull)  # noqa: SIM115 - the server's requests are not the child's
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)  # the server's requests (its stdin) are not the child's to read
+    os.close(null)
+    sys.stdin = open(os.devnull)  # noqa: SIM115 - lives as long as the child
     os.environ.clear()
     os.environ.update(request["env"])
     sys.argv = ["-m", *request["argv"]]
@@ -94,20 +96,27 @@ def _child(request: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    signal.signal(signal.SIGCHLD, _reap)
-    out = sys.stdout
-    for line in sys.stdin:
-        request = json.loads(line)
-        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])  # register before reaping
-        pid = os.fork()
-        if pid == 0:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGCHLD])
-            _child(request)
-        _exit_files[pid] = request["exit_file"]
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGCHLD])
+    # No SIGCHLD handler: a Python handler can be left pending while the server blocks in read()
+    # (a child that exits while the handler for another runs is then reaped, and its code
+    # written, only at the next request), so the loop polls instead: it reaps every 50 ms and
+    # reads requests from the raw descriptor when there are some.
+    pending = b""
+    while True:
+        ready, _, _ = select.select([0], [], [], 0.05)
         _reap()
-        out.write(json.dumps({"pid": pid}) + "\n")
-        out.flush()
+        if not ready:
+            continue
+        data = os.read(0, 1 << 16)
+        if not data:
+            return  # EOF: the launcher's process ended
+        pending += data
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            pid = os.fork()
+            if pid == 0:
+                _child(json.loads(line))
+            _exit_files[pid] = json.loads(line)["exit_file"]
+            os.write(1, (json.dumps({"pid": pid}) + "\n").encode())
 
 
 if __name__ == "__main__":
