@@ -13,6 +13,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
@@ -32,6 +33,7 @@ from torch.distributed.pipelining.schedules import (
 from lightning_zeropp.core.zeropp_schedule import Task, gather_blocks
 
 __all__ = [
+    "LeanStage",
     "PipelineSchedule",
     "UnitScheduleRuntime",
     "on_scheduled_loss",
@@ -40,6 +42,26 @@ __all__ = [
 ]
 
 PipelineSchedule = _PipelineSchedule
+
+
+class LeanStage(PipelineStage):
+    """torch's `PipelineStage` whose shape inference holds one stage's gathered weights at a time.
+
+    On its first step torch infers every stage's shapes by running one micro-batch forward through
+    all of a rank's stages before any scheduled action; FSDP gathers each stage's weights for it
+    and, without resharding after forward (the default when pp > 1), keeps all of them: a rank's
+    whole share of the model unsharded at once, which is more than a large model's shards leave
+    room for. This reshards each stage right after its forward inference; the backward inference
+    that follows gathers again, one stage at a time, as a real backward does.
+    """
+
+    def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super()._prepare_forward_infra(*args, **kwargs)
+        finally:
+            for module in self.submod.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
 
 
 def on_scheduled_loss(schedule: _PipelineSchedule, wrapper: Callable[..., Any]) -> None:

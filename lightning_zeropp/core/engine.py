@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from lightning_zeropp.core._torch_private import on_scheduled_loss
+from lightning_zeropp.core._torch_private import LeanStage, on_scheduled_loss
 from lightning_zeropp.core.batch import (
     ShapeGuard,
     agree_on_step,
@@ -365,7 +365,7 @@ class ZeroPPEngine:
             if len(self._schedules) >= _MAX_SCHEDULES:
                 self._schedules.pop(next(iter(self._schedules)))
             stages = [
-                PipelineStage(m, s, self.num_stages, self.device, group=self.dims.pp_group)
+                LeanStage(m, s, self.num_stages, self.device, group=self.dims.pp_group)
                 for s, m in zip(self.stage_ids, self._stage_modules, strict=True)
             ]
             if mode == "train":

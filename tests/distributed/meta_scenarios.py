@@ -100,6 +100,11 @@ def _run(
         "losses": losses,
         "held_before_build": held,
         "local_numel": local,
+        "gathered_peak": engine.gathered_peak,  # first step, shape inference included
+        "stage_bytes": [
+            sum(p.numel() * p.element_size() for p in m.parameters())  # whole, not the shard
+            for m in engine._stage_modules
+        ],
     }
 
 

@@ -91,3 +91,17 @@ def test_meta_build_allocates_only_this_ranks_shards(results: list[Any]) -> None
             assert got["local_numel"] <= whole // 2 + 64  # dp_shard 2 (or 4): half or less
             if case["how"] == "meta":
                 assert got["held_before_build"] == 0
+
+
+def test_first_step_gathers_one_stage_at_a_time(results: list[Any]) -> None:
+    """torch infers every stage's shapes on the first step by running a forward through all of a
+    rank's stages before any scheduled action; each stage's weights are released right after
+    its inference, so no more than one stage is ever gathered at once (ZeroPP: 2 per rank)."""
+    several = 0  # ranks holding more than one stage: where gathering them all would show
+    for rank_result in results:
+        for case, _, _ in CASES:
+            got = rank_result[case["id"]]
+            peak, stages = got["gathered_peak"], got["stage_bytes"]
+            assert 0 < peak <= max(stages), (case["id"], peak, stages)
+            several += len(stages) > 1
+    assert several >= 4
