@@ -9,8 +9,9 @@ Rows (4 CPU ranks, SGD):
   on every rank (then split and sharded), or built empty and loaded from an HF safetensors
   directory;
 - `meta-1.5b`: a ~1.4B model (5.2 GiB in fp32) under the ZeroPP schedule (pp 2 x dp_shard 2,
-  8 chunks per rank, gradients reduced per micro-batch), loaded from safetensors with every rank in a memory cgroup capped below the whole
-  model's size. The whole-model path cannot run it here (4 whole copies do not fit the machine).
+  8 chunks per rank, gradients reduced per micro-batch), loaded from safetensors with every
+  rank in a memory cgroup capped at 0.95 x the whole model's size. The whole-model path cannot
+  run it here (4 whole copies do not fit the machine).
 
 Per rank: resident memory after imports (baseline), after the engine is built, and the process
 peak over two training steps; against it, the rank's share (its parameter and gradient shards,
@@ -32,6 +33,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, launch_ranks, machine  # noqa: E402
+
+sys.path.insert(0, str(ROOT))  # tests.distributed.capped_scenarios writes the weights
 
 WORLD = 4
 PP2 = {"pp_size": 2, "dp_shard_size": 2, "num_microbatches": 2}  # 1F1B over FSDP2
@@ -73,47 +76,10 @@ def _config(shape: str) -> Any:
 # ---------------------------------------------------------------------- the weights on disk
 def write_weights(shape: str, root: Path) -> Path:
     """An HF directory of random weights, one safetensors file per layer: written tensor by
-    tensor, never the whole model in memory."""
-    import torch
-    from safetensors.torch import save_file
+    tensor, never the whole model in memory (the slow capped-memory test's writer)."""
+    from tests.distributed.capped_scenarios import write_weights as write_hf_weights
 
-    from lightning_zeropp.core.materialize import empty_parameters
-
-    out = root / f"llama-{shape}"
-    if (out / "model.safetensors.index.json").is_file():
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    config = _config(shape)
-    with empty_parameters():
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_config(config)
-    g = torch.Generator().manual_seed(0)
-    parts = dict.fromkeys(
-        name.split(".")[2] if name.startswith("model.layers.") else "outer"
-        for name, _ in model.named_parameters()
-    )
-    weight_map = {}
-    for part in parts:
-        tensors = {}
-        for name, p in model.named_parameters():
-            mine = name.startswith(f"model.layers.{part}.") or (
-                part == "outer" and not name.startswith("model.layers.")
-            )
-            if not mine:
-                continue
-            if p.dim() == 1:
-                tensors[name] = torch.ones(p.shape)
-            else:
-                tensors[name] = torch.randn(p.shape, generator=g) * 0.02
-        fname = f"model-{part}.safetensors"
-        save_file(tensors, str(out / fname), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, fname))
-        del tensors
-    config.save_pretrained(out)
-    index = {"metadata": {}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index))
-    return out
+    return write_hf_weights(_config(shape), root / f"llama-{shape}")
 
 
 # ---------------------------------------------------------------------- one rank
@@ -252,7 +218,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rows", default=DEFAULT_ROWS)
     parser.add_argument(
-        "--cap-fraction", type=float, default=0.75, help="meta-1.5b's cap, of the model's bytes"
+        "--cap-fraction", type=float, default=0.95, help="meta-1.5b's cap, of the model's bytes"
     )
     parser.add_argument("--data", default="/tmp/zeropp_meta_memory")
     a = parser.parse_args()
