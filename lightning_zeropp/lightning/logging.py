@@ -43,6 +43,7 @@ class LogRecorder:
         self._mute = 0
         self._patched = 0
         self._in_microbatch = False
+        self._layout: Any = ((), ())  # the last step's (what a receiving stage knows)
 
     @contextlib.contextmanager
     def recording(self, module: pl.LightningModule, engine: ZeroPPEngine) -> Iterator[None]:
@@ -80,39 +81,78 @@ class LogRecorder:
     ) -> dict[str, Any]:
         """Average, send from the last stage to all stages, and log for real on every rank.
 
-        `extra` (what the last stage learnt about the step) travels along; returned everywhere.
+        `extra` ({"skipped": bool, "predictions": ...}: what the last stage learnt about the
+        step) travels along and is returned everywhere, "skipped" as a one-element tensor.
+
+        The values cross as one tensor of numbers; what they are (names, `self.log` arguments,
+        metric paths: the layout) crosses pickled only when it differs from the last step's,
+        and predictions (predict steps) always. So a training step reads nothing to the host
+        here but the 3-number header, and on one pipeline stage not even that.
         """
-        means = _means([values for values, _, _ in self._records.values()], engine.device)
-        payload = {
-            "values": {
-                name: (mean, args, kwargs)
-                for mean, (name, (_, args, kwargs)) in zip(
-                    means, self._records.items(), strict=True
-                )
-            },
-            "metrics": {
-                name: (path, self._step_value(module, path), args, kwargs)
-                for name, (path, args, kwargs) in self._metrics.items()
-            },
-            "extra": extra,
-        }
+        layout, numbers = self._step_numbers(module, engine.device, extra["skipped"])
         self._records.clear()
         self._metrics.clear()
         if engine.config.pp_size > 1:
-            box = [payload]
-            dist.broadcast_object_list(
-                box, group=engine.dims.pp_group, group_src=engine.last_pp_rank
-            )
-            payload = box[0]
-        device = engine.device
-        for name, (value, args, kwargs) in payload["values"].items():
-            module.log(name, torch.tensor(value, device=device), *args, **kwargs)
-        for name, (path, value, args, kwargs) in payload["metrics"].items():
+            layout, numbers, extra = self._exchange(engine, layout, numbers, extra)
+        values, metrics = layout
+        at = 1  # numbers[0] is the skip flag
+        for name, args, kwargs in values:
+            module.log(name, numbers[at], *args, **kwargs)
+            at += 1
+        for name, path, has_value, args, kwargs in metrics:
             metric = module.get_submodule(path)
-            if value is not None:  # what Lightning shows as the step's value
-                metric._forward_cache = torch.tensor(value, device=device)
+            if has_value:  # what Lightning shows as the step's value
+                metric._forward_cache = numbers[at]
+                at += 1
             module.log(name, metric, *args, **kwargs)
-        return payload["extra"]
+        return {"skipped": numbers[:1], "predictions": extra["predictions"]}
+
+    def _step_numbers(
+        self, module: pl.LightningModule, device: torch.device, skipped: bool
+    ) -> tuple[Any, torch.Tensor]:
+        """This rank's layout and numbers (skip flag, means, metric values), on the device."""
+        means = _means([values for values, _, _ in self._records.values()], device)
+        values = tuple((name, args, kwargs) for name, (_, args, kwargs) in self._records.items())
+        metric_values = {
+            name: self._step_value(module, path) for name, (path, _, _) in self._metrics.items()
+        }
+        metrics = tuple(
+            (name, path, metric_values[name] is not None, args, kwargs)
+            for name, (path, args, kwargs) in self._metrics.items()
+        )
+        numbers = torch.cat(
+            [
+                torch.tensor([float(skipped)], device=device),
+                means,
+                *(v.reshape(1).to(device) for v in metric_values.values() if v is not None),
+            ]
+        )
+        return (values, metrics), numbers
+
+    def _exchange(
+        self,
+        engine: ZeroPPEngine,
+        layout: Any,
+        numbers: torch.Tensor,
+        extra: dict[str, Any],
+    ) -> tuple[Any, torch.Tensor, dict[str, Any]]:
+        """The last stage's layout, numbers and predictions, on every rank of the pipeline."""
+        group, src = engine.dims.pp_group, engine.last_pp_rank
+        sending = engine.dims.pp_rank == src
+        facts = [numbers.numel(), layout != self._layout, extra["predictions"] is not None]
+        header = torch.tensor(facts if sending else [0, 0, 0], device=engine.device)
+        dist.broadcast(header, group=group, group_src=src)
+        size, changed, predictions = header.tolist()
+        if changed or predictions:
+            box = [(layout, extra["predictions"])]
+            dist.broadcast_object_list(box, group=group, group_src=src)
+            sent_layout, sent_predictions = box[0]
+            self._layout = sent_layout if changed else self._layout
+            extra = {**extra, "predictions": sent_predictions}
+        if not sending:
+            numbers = torch.empty(size, device=engine.device)
+        dist.broadcast(numbers, group=group, group_src=src)
+        return self._layout, numbers, extra
 
     @contextlib.contextmanager
     def _fresh_metrics(self, module: pl.LightningModule, engine: ZeroPPEngine) -> Iterator[None]:
@@ -135,7 +175,7 @@ class LogRecorder:
             for path, metric in metrics:
                 metric._to_sync = syncs[path]
 
-    def _step_value(self, module: pl.LightningModule, path: str) -> float | None:
+    def _step_value(self, module: pl.LightningModule, path: str) -> torch.Tensor | None:
         """The metric's value over this step's updates (last stage), then its state merged back."""
         metric = module.get_submodule(path)
         if path not in self._saved or not metric._update_count:
@@ -143,7 +183,8 @@ class LogRecorder:
         probe = copy.deepcopy(metric)  # compute() caches on the metric: not on the real one
         probe._to_sync = False  # this step's value on this rank's data, like one process's
         result = probe.compute()
-        return float(result) if torch.is_tensor(result) and result.numel() == 1 else None
+        scalar = torch.is_tensor(result) and result.numel() == 1
+        return result.detach().float().reshape(()) if scalar else None
 
     def finish(self, module: pl.LightningModule) -> None:
         """Merge the states the metrics had before the step back into them (last stage)."""
@@ -199,15 +240,13 @@ class LogRecorder:
         values.append(number)
 
 
-def _means(records: list[list[torch.Tensor | float]], device: torch.device) -> list[float]:
-    """Each name's mean over the step's micro-batches, read to the host in one transfer."""
-    if not records:
-        return []
+def _means(records: list[list[torch.Tensor | float]], device: torch.device) -> torch.Tensor:
+    """Each name's mean over the step's micro-batches, one float32 tensor on the device."""
     means = [
         torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device) for v in values]).mean()
         for values in records
     ]
-    return torch.stack(means).tolist()
+    return torch.stack(means) if means else torch.zeros(0, device=device)
 
 
 def _mergeable(metric: Metric) -> bool:

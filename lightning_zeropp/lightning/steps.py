@@ -83,12 +83,10 @@ class StepRunner:
         extra = {"skipped": step.skipped, "predictions": _merge(step.outputs)}
         extra = self.recorder.replay(self.module, self.engine, extra)
         self.recorder.finish(self.module)
-        skipped = extra["skipped"]
+        flag = extra["skipped"].clone()  # one element, on the device
         if mode == "train":  # a skip anywhere is a skip everywhere: the update is one update
-            flag = torch.tensor([float(skipped)], device=self.engine.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            skipped = bool(flag.item())
-        return StepOutcome(loss, skipped, extra["predictions"], grads)
+        return StepOutcome(loss, bool(flag.item()), extra["predictions"], grads)
 
     def capture(self, run: Callable[[], Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Run the user's code until it calls the network; return what it passed to it."""

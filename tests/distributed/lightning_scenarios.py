@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -97,15 +101,35 @@ def fit(
     module.model.load_state_dict(make_model(init_seed).state_dict())
     record = Record()
     trainer.callbacks.append(record)
-    trainer.fit(module, _loader(data_steps or steps * accumulate, dp), ckpt_path=resume_from)
+    with _pickled_log_broadcasts() as pickled:
+        trainer.fit(module, _loader(data_steps or steps * accumulate, dp), ckpt_path=resume_from)
     if save_to is not None:
         trainer.save_checkpoint(save_to)
     val = trainer.validate(module, _loader(steps, dp), verbose=False) if validate else None
     params = {n: _full(p) for n, p in module.model.named_parameters()}
     out = {"logged": record.logged, "returned": record.returned, "params": params}
+    out["pickled_log_broadcasts"] = len(pickled)
     if layout.get("log_comms"):
         out |= {"comms_logged": record.comms, "last_comms": strategy.engine.last_comms}
     return out | ({"val_loss": val[0]["val_loss"]} if val else {})
+
+
+@contextlib.contextmanager
+def _pickled_log_broadcasts() -> Iterator[list[int]]:
+    """Count the pickled broadcasts the strategy's log replay makes (each pipeline stage)."""
+    calls: list[int] = []
+    real = dist.broadcast_object_list
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        if sys._getframe(1).f_code.co_filename.endswith(os.path.join("lightning", "logging.py")):
+            calls.append(1)
+        return real(*args, **kwargs)
+
+    dist.broadcast_object_list = counting
+    try:
+        yield calls
+    finally:
+        dist.broadcast_object_list = real
 
 
 def _loader(steps: int, dp: int) -> DataLoader:

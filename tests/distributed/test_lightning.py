@@ -84,6 +84,14 @@ def test_fit_matches_single_process(results, case):
         )
 
 
+def test_logged_values_cross_the_pipeline_unpickled_after_the_first_step(results):
+    """What is logged (names, arguments) crosses pickled once; each step's values as a tensor."""
+    for case in CASES:
+        pp = case["layout"].get("pp_size", 1)
+        for r in results:
+            assert r[case["id"]]["pickled_log_broadcasts"] == (1 if pp > 1 else 0), case["id"]
+
+
 def test_comm_metrics_are_logged_as_the_mean_over_ranks(results):
     """`log_comms=True` logs the engine's per-step counts, averaged over ranks, on every rank."""
     case_id = "pp2-dps2-zeropp-unit-comms"

@@ -1,4 +1,4 @@
-"""No host sync per micro-batch: values the user logs stay on the device until one read per step.
+"""No host sync per micro-batch: values the user logs stay on the device through the step.
 
 A torch-function mode counts the calls that read a tensor's value into Python (`float()`,
 `.item()`, `.tolist()`, `int()`, `bool()`); on a GPU each is a stream sync.
@@ -6,6 +6,7 @@ A torch-function mode counts the calls that read a tensor's value into Python (`
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -40,9 +41,26 @@ def test_logged_values_stay_tensors_through_the_micro_batches() -> None:
     assert len(values) == 8 and all(torch.is_tensor(v) for v in values)
 
 
-def test_a_steps_means_cross_to_the_host_in_one_read() -> None:
+def test_a_steps_means_stay_on_the_device() -> None:
     records = [[torch.tensor(float(i)) for i in range(8)], [0.5, 1.5], [torch.tensor(3.0), 1.0]]
     with HostReads() as reads:
         means = _means(records, torch.device("cpu"))
-    assert reads.count == 1
-    assert means == [3.5, 1.0, 2.0]
+    assert reads.count == 0
+    assert means.tolist() == [3.5, 1.0, 2.0]
+
+
+def test_one_stage_replays_a_step_without_reading_its_values() -> None:
+    """pp 1: the step's values go to `self.log` as device tensors; nothing crosses."""
+    recorder, module = LogRecorder(), pl.LightningModule()
+    engine = SimpleNamespace(device=torch.device("cpu"), config=SimpleNamespace(pp_size=1))
+    with recorder._patch(module):
+        for i in range(4):
+            with recorder.microbatch():
+                module.log("loss", torch.tensor(float(i)))
+    logged: dict[str, Any] = {}
+    module.log = lambda name, value, *a, **k: logged.__setitem__(name, value)  # type: ignore
+    with HostReads() as reads:
+        extra = recorder.replay(module, engine, {"skipped": False, "predictions": None})
+    assert reads.count == 0
+    assert torch.is_tensor(logged["loss"]) and float(logged["loss"]) == 1.5
+    assert extra["skipped"].tolist() == [0.0]
