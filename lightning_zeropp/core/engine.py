@@ -41,7 +41,7 @@ from lightning_zeropp.core.materialize import (
     has_meta,
     real_to,
 )
-from lightning_zeropp.core.memory import GatheredPeak, format_report, measure
+from lightning_zeropp.core.memory import GatheredPeak, SavedActivations, format_report, measure
 from lightning_zeropp.core.mesh import ParallelDims, build_mesh
 from lightning_zeropp.core.modules import merge_stage_modules
 from lightning_zeropp.core.nonfinite import NonFiniteWatch
@@ -187,6 +187,7 @@ class ZeroPPEngine:
         # {kind: {axis: {"count", "bytes"}}} of the last train_step, when count_comms is on
         self.last_comms: dict[str, dict[str, dict[str, int]]] | None = None
         self._gathered_peak: int | None = None  # measured in the first training step
+        self._activation_peak: int | None = None  # the same step's
 
     # ------------------------------------------------------------------ set-up
     def _prepare_stage(self, module: nn.Module, stage_id: int) -> None:
@@ -224,12 +225,15 @@ class ZeroPPEngine:
         inputs, kw = self._stage_inputs(args, kwargs)
         counter = CommCounter(self._axis_namer) if self.count_comms else None
         self.nonfinite.start()
-        # The first step measures the gathered-weight peak for the memory report.
-        probe = GatheredPeak(self._stage_modules) if self._gathered_peak is None else None
+        # The first step measures the gathered-weight and activation peaks of the memory report.
+        first = self._gathered_peak is None
+        probe = GatheredPeak(self._stage_modules) if first else None
+        saved = SavedActivations() if first else None
         with (
             self.failures.guard(),
             counter or contextlib.nullcontext(),
             probe or contextlib.nullcontext(),
+            saved or contextlib.nullcontext(),
         ):
             schedule.step(*inputs, target=target, losses=losses, return_outputs=False, **kw)
             # This step's gradients only: `earlier` holds earlier accumulation steps' ones.
@@ -240,8 +244,8 @@ class ZeroPPEngine:
                 p.grad = None
         grads = StepGrads(self.parameters())
         earlier.apply()
-        if probe is not None:
-            self._gathered_peak = probe.peak
+        if probe is not None and saved is not None:
+            self._gathered_peak, self._activation_peak = probe.peak, saved.peak
         if counter is not None:
             self.last_comms = counter.summary()
         return loss, grads
@@ -294,12 +298,19 @@ class ZeroPPEngine:
         """The most unsharded weight bytes this rank held at once in its first training step."""
         return self._gathered_peak
 
+    @property
+    def activation_peak(self) -> int | None:
+        """The most bytes saved for backward at once (weights excluded) in the first step."""
+        return self._activation_peak
+
     def memory_report(
         self, optimizers: Sequence[torch.optim.Optimizer] = (), title: str = "now"
     ) -> str:
         """Collective: every rank's parameter, gradient and optimizer-state bytes and measured
         peaks (`core.memory`), one line per rank, the same text on every rank."""
-        mine = measure(self.module, optimizers, self.device, self._gathered_peak)
+        mine = measure(
+            self.module, optimizers, self.device, self._gathered_peak, self._activation_peak
+        )
         return format_report(mine, title)
 
     def report_memory_after_first_update(

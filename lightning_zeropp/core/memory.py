@@ -2,15 +2,16 @@
 
 At setup a front prints, per rank, the bytes of its parameter shards and of the gradients it will
 hold; after the first update, what was measured: gradients and optimizer state held, the most
-gathered (unsharded) weight bytes seen at once during that step, and the peak the process
-reached (the device allocator's on a GPU, the resident set on the host). The planner predicts
-these; this is what they are checked against.
+gathered (unsharded) weight bytes and the most bytes saved for backward (activations) seen at
+once during that step, and the peak the process reached (the device allocator's on a GPU, the
+resident set on the host). The planner predicts these; this is what they are checked against.
 """
 
 from __future__ import annotations
 
 import resource
 import sys
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from lightning_zeropp.core._torch_private import unsharded_parameter_bytes
 from lightning_zeropp.core.shard import local_shard
@@ -26,6 +28,7 @@ from lightning_zeropp.core.shard import local_shard
 __all__ = [
     "GatheredPeak",
     "RankMemory",
+    "SavedActivations",
     "host_peak_bytes",
     "measure",
     "format_report",
@@ -40,6 +43,7 @@ class RankMemory:
     gradients: int  # bytes of gradient shards held (before a step: what they will take)
     optimizer: int  # bytes of optimizer state tensors held (0 before the first update)
     gathered_peak: int | None  # most unsharded weight bytes at once in a measured step
+    activation_peak: int | None  # most bytes saved for backward at once (weights excluded)
     peak: int  # the device allocator's peak on a GPU, the process's peak resident set on CPU
     peak_kind: str  # "device" or "host"
 
@@ -80,6 +84,7 @@ def measure(
     optimizers: Sequence[torch.optim.Optimizer],
     device: torch.device,
     gathered_peak: int | None = None,
+    activation_peak: int | None = None,
 ) -> RankMemory:
     """This rank's figures (no communication)."""
     params = list(module.parameters())
@@ -93,7 +98,14 @@ def measure(
         peak, kind = host_peak_bytes(), "host"
     rank = dist.get_rank() if dist.is_initialized() else 0
     return RankMemory(
-        rank, held["parameters"], grad_bytes, held["optimizer_state"], gathered_peak, peak, kind
+        rank,
+        held["parameters"],
+        grad_bytes,
+        held["optimizer_state"],
+        gathered_peak,
+        activation_peak,
+        peak,
+        kind,
     )
 
 
@@ -106,10 +118,11 @@ def format_report(mine: RankMemory, title: str) -> str:
     lines = [f"memory per rank ({title}; MiB):"]
     for m in everyone:
         gathered = "-" if m["gathered_peak"] is None else _mib(m["gathered_peak"])
+        saved = "-" if m["activation_peak"] is None else _mib(m["activation_peak"])
         lines.append(
             f"  rank {m['rank']}: parameters {_mib(m['parameters'])}, gradients "
             f"{_mib(m['gradients'])}, optimizer state {_mib(m['optimizer'])}, gathered weights "
-            f"peak {gathered}, {m['peak_kind']} peak {_mib(m['peak'])}"
+            f"peak {gathered}, activations peak {saved}, {m['peak_kind']} peak {_mib(m['peak'])}"
         )
     return "\n".join(lines)
 
@@ -142,3 +155,64 @@ class GatheredPeak:
     def _sample(self, *_: Any) -> None:
         now = sum(unsharded_parameter_bytes(stage) for stage in self._stages)
         self.peak = max(self.peak, now)
+
+
+class SavedActivations:
+    """Bytes of the tensors autograd saves for backward (weights excluded) while active: `live`
+    now and `peak`, the most at once. Each saved storage counts once, until it is freed.
+
+    Trackers nest without hiding each other (autograd applies only the innermost saved-tensor
+    hooks): the outermost installs the hooks, and every active tracker sees each saved tensor.
+    """
+
+    _active: list[SavedActivations] = []
+
+    def __init__(self) -> None:
+        self._live: dict[int, int] = {}  # storage pointer -> bytes
+        self.live = 0
+        self.peak = 0
+        self._hooks: Any = None
+
+    def __enter__(self) -> SavedActivations:
+        if not SavedActivations._active:
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(_pack_for_all, lambda t: t)
+            self._hooks.__enter__()
+        SavedActivations._active.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        SavedActivations._active.remove(self)
+        if self._hooks is not None:
+            self._hooks.__exit__(*exc)
+            self._hooks = None
+
+    def _saved(self, key: int, nbytes: int, tensor: torch.Tensor) -> None:
+        if key in self._live:
+            return
+        self._live[key] = nbytes
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(tensor, self._release, key)
+
+    def _release(self, key: int) -> None:
+        self.live -= self._live.pop(key, 0)
+
+
+def _pack_for_all(tensor: torch.Tensor) -> torch.Tensor:
+    # Parameters are saved for backward too; they are weights, not activations.
+    base = tensor._base
+    if isinstance(tensor, nn.Parameter) or isinstance(base, nn.Parameter):
+        return tensor
+    local = tensor
+    if isinstance(tensor, DTensor):  # tensor parallelism saves DTensors: count their shard
+        with torch.no_grad():
+            local = tensor.to_local()
+    try:
+        storage = local.untyped_storage()
+        key, nbytes = storage.data_ptr(), storage.nbytes()
+    except RuntimeError:  # other wrapper subclasses have no storage of their own
+        return tensor
+    if key:
+        for tracker in SavedActivations._active:
+            tracker._saved(key, nbytes, tensor)
+    return tensor

@@ -14,17 +14,15 @@ Times are seconds from a barrier at entry, so ranks on one machine share a time 
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from lightning_zeropp.core._torch_private import unsharded_parameter_bytes
 from lightning_zeropp.core.comm import CommCounter, CommEvent, mesh_axis_namer
+from lightning_zeropp.core.memory import SavedActivations
 
 __all__ = ["Interval", "StepRecorder", "Timeline", "bubble_fraction"]
 
@@ -86,9 +84,7 @@ class StepRecorder:
         self._events: list[CommEvent] = []
         self._counter = CommCounter(mesh_axis_namer(engine.dims.mesh), events=self._events)
         self._t0 = 0.0
-        self._live: dict[int, int] = {}  # storage pointer -> bytes, tensors saved for backward
-        self._live_bytes = 0
-        self._hooks: Any = None
+        self._saved = SavedActivations()
 
     def __enter__(self) -> StepRecorder:
         dist.barrier()
@@ -101,14 +97,14 @@ class StepRecorder:
                 lambda a, k: "B" if k.get("full_backward", True) else "I",
             )
             self._wrap(stage, "backward_weight_one_chunk", lambda a, k: "W")
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._hooks.__enter__()
+        self._saved.__enter__()
         self._counter.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._counter.__exit__(*exc)
-        self._hooks.__exit__(*exc)
+        self._saved.__exit__(*exc)
+        self.timeline.peak_activation_bytes = self._saved.peak
         for stage in self._engine.stages:
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 stage.__dict__.pop(name, None)
@@ -151,31 +147,3 @@ class StepRecorder:
         gathered = sum(unsharded_parameter_bytes(s.submod) for s in self._engine.stages)
         t = self.timeline
         t.peak_unsharded_bytes = max(t.peak_unsharded_bytes, gathered)
-
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        # Parameters are saved for backward too; they are weights, not activations.
-        if (
-            isinstance(tensor, torch.nn.Parameter)
-            or tensor._base is not None
-            and isinstance(tensor._base, torch.nn.Parameter)
-        ):
-            return tensor
-        local = tensor
-        if isinstance(tensor, DTensor):  # tensor parallelism saves DTensors: count their shard
-            with torch.no_grad():
-                local = tensor.to_local()
-        try:
-            storage = local.untyped_storage()
-            key, nbytes = storage.data_ptr(), storage.nbytes()
-        except RuntimeError:  # other wrapper subclasses have no storage of their own
-            return tensor
-        if key and key not in self._live:
-            self._live[key] = nbytes
-            self._live_bytes += nbytes
-            weakref.finalize(tensor, self._release, key)
-            t = self.timeline
-            t.peak_activation_bytes = max(t.peak_activation_bytes, self._live_bytes)
-        return tensor
-
-    def _release(self, key: int) -> None:
-        self._live_bytes -= self._live.pop(key, 0)

@@ -101,6 +101,7 @@ def _run(
         "held_before_build": held,
         "local_numel": local,
         "gathered_peak": engine.gathered_peak,  # first step, shape inference included
+        "activation_peak": engine.activation_peak,
         "stage_bytes": [
             sum(p.numel() * p.element_size() for p in m.parameters())  # whole, not the shard
             for m in engine._stage_modules

@@ -103,5 +103,6 @@ def test_first_step_gathers_one_stage_at_a_time(results: list[Any]) -> None:
             got = rank_result[case["id"]]
             peak, stages = got["gathered_peak"], got["stage_bytes"]
             assert 0 < peak <= max(stages), (case["id"], peak, stages)
+            assert got["activation_peak"] > 0  # the memory report's other first-step peak
             several += len(stages) > 1
     assert several >= 4
