@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-CGROUP = Path("/sys/fs/cgroup/memory")
+from tests.distributed.worker import memory_cgroup
+
 LAYOUT = {
     "pp_size": 2,
     "dp_shard_size": 2,
@@ -85,19 +86,6 @@ def loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(output.logits.flatten(0, 1).float(), target.flatten())
 
 
-def join_cgroup(cap: int) -> bool:
-    """Put this process in a memory cgroup of its own limited to `cap` bytes."""
-    group = CGROUP / f"lzpp_capped_rank{os.environ['RANK']}"
-    try:
-        group.mkdir(exist_ok=True)
-        (group / "memory.max_usage_in_bytes").write_text("0")  # reset the last run's peak
-        (group / "memory.limit_in_bytes").write_text(str(cap))
-        (group / "cgroup.procs").write_text(str(os.getpid()))
-    except OSError:
-        return False
-    return True
-
-
 class AnonPeak:
     """The most anonymous memory (RssAnon: tensors, heap; not file pages) this process held,
     sampled every 5 ms by a daemon thread. The cgroup's own peak counts the page cache of the
@@ -116,15 +104,17 @@ class AnonPeak:
 
 
 def capped_train(weights: str, cap: int, steps: int) -> dict[str, Any]:
-    """One rank: join its capped cgroup, build on meta, load its shards, train `steps` SGD steps
-    recording its gradients' shard sums before each update."""
+    """One rank (in its capped cgroup: `launch(memory_cap=...)`): build on meta, load its shards,
+    train `steps` SGD steps recording its gradients' shard sums before each update."""
     from transformers import AutoModelForCausalLM
 
     from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
     from lightning_zeropp.core._torch_private import local_chunk
     from lightning_zeropp.core.materialize import empty_parameters
 
-    capped = join_cgroup(cap)
+    group = memory_cgroup(os.environ["RANK"])  # joined by the worker before any import
+    cgroups = Path("/proc/self/cgroup").read_text().splitlines()  # "N:memory:/its-group"
+    capped = any(line.endswith(f":/{group.name}") for line in cgroups)
     anon = AnonPeak()
     # A step of this model on 2 cores takes minutes: a pipeline rank may wait that long.
     dist.init_process_group("gloo", timeout=timedelta(minutes=15))
@@ -153,7 +143,7 @@ def capped_train(weights: str, cap: int, steps: int) -> dict[str, Any]:
         )
         opt.step()
         opt.zero_grad()
-    usage = CGROUP / f"lzpp_capped_rank{os.environ['RANK']}" / "memory.max_usage_in_bytes"
+    usage = group / "memory.max_usage_in_bytes"
     return {
         "capped": capped,
         "cap": cap,

@@ -36,8 +36,13 @@ def launch(
     params: dict[str, Any],
     out_dir: Path,
     timeout: float = 300.0,
+    memory_cap: int | None = None,
 ) -> list[Any]:
     """Start `world_size` ranks of `tests.distributed.worker`; return each rank's result object.
+
+    `memory_cap` (bytes): each rank starts as a fresh process that joins a memory cgroup of its
+    own limited to that, before it imports anything (`worker.join_memory_cgroup`), so the cap
+    covers the whole process; a forked rank would share memory the server allocated uncapped.
 
     A rank that fails, or a run that outlives `timeout`, fails the calling test with the tail of
     every rank's log (all ranks are killed first: no test can hang).
@@ -61,7 +66,17 @@ def launch(
             "PYTHONPATH": str(ROOT),
         }
         argv = [scenario, json.dumps(params), str(out_dir)]
-        forked = _fork(env, argv, out_dir / f"rank{rank}.log", out_dir / f".exit{rank}")
+        if memory_cap is not None:
+            env["LZPP_TESTS_MEMORY_CAP"] = str(memory_cap)
+            # glibc otherwise raises its mmap threshold to each large block freed, and blocks of
+            # that size then come from the heap and stay resident when freed (the caps emulate a
+            # device's memory, whose allocator returns them).
+            env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
+        forked = (
+            None
+            if memory_cap is not None
+            else _fork(env, argv, out_dir / f"rank{rank}.log", out_dir / f".exit{rank}")
+        )
         if forked is not None:
             procs.append(forked)
             continue

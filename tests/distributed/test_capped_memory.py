@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.capped_scenarios import CGROUP, SHAPE_1_4B, llama_config, write_weights
+from tests.distributed.capped_scenarios import SHAPE_1_4B, llama_config, write_weights
 from tests.distributed.launch import launch
+from tests.distributed.worker import MEMORY_CGROUPS
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -28,14 +29,17 @@ STEPS = 2
 
 
 @pytest.mark.skipif(
-    not (CGROUP.is_dir() and os.access(CGROUP, os.W_OK)), reason="needs cgroup v1 memory, root"
+    not (MEMORY_CGROUPS.is_dir() and os.access(MEMORY_CGROUPS, os.W_OK)),
+    reason="needs cgroup v1 memory, root",
 )
 def test_capped_ranks_train_a_model_larger_than_each_exactly(tmp_path: Path) -> None:
     weights = write_weights(llama_config(SHAPE_1_4B), WEIGHTS)
     model_bytes = sum(f.stat().st_size for f in weights.glob("*.safetensors"))
     cap = int(0.95 * model_bytes)
     params = {"weights": str(weights), "cap": cap, "steps": STEPS, "init_process_group": False}
-    ranks = launch(4, "capped_scenarios.capped_train", params, tmp_path / "ranks", timeout=1500)
+    ranks = launch(
+        4, "capped_scenarios.capped_train", params, tmp_path / "ranks", 1500, memory_cap=cap
+    )
     where: dict[str, list] = {}
     for r in ranks:
         for name, (chunk, _, _) in r["grad_sums"][0].items():

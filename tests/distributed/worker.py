@@ -2,17 +2,38 @@
 
 from __future__ import annotations
 
-import datetime
-import faulthandler
-import importlib
-import json
 import os
-import signal
-import sys
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
+MEMORY_CGROUPS = Path("/sys/fs/cgroup/memory")  # cgroup v1's memory controller (root)
+
+
+def memory_cgroup(rank: int | str) -> Path:
+    return MEMORY_CGROUPS / f"lzpp_tests_rank{rank}"
+
+
+def join_memory_cgroup(cap: int) -> None:
+    """Put this process in its rank's memory cgroup, limited to `cap` bytes (peak reset)."""
+    group = memory_cgroup(os.environ["RANK"])
+    group.mkdir(exist_ok=True)
+    (group / "memory.limit_in_bytes").write_text(str(cap))
+    (group / "cgroup.procs").write_text(str(os.getpid()))
+    (group / "memory.max_usage_in_bytes").write_text("0")
+
+
+# Before torch is imported: everything this process allocates counts against its cap.
+if __name__ == "__main__" and os.environ.get("LZPP_TESTS_MEMORY_CAP"):
+    join_memory_cgroup(int(os.environ["LZPP_TESTS_MEMORY_CAP"]))
+
+import datetime  # noqa: E402
+import faulthandler  # noqa: E402
+import importlib  # noqa: E402
+import json  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 
 def main() -> None:
