@@ -4,10 +4,11 @@ The ~1.4B Llama of `capped_scenarios` (5.2 GiB in fp32): 4 ranks, each in a memo
 at 0.95 x the whole model, build it on meta, load their shards from safetensors and train 2 SGD
 steps under the ZeroPP schedule. Checked against one process training the whole model: the loss
 of each step, and the sum and absolute sum of every gradient over each rank's own shard rows.
-Each rank's peak of anonymous memory (and the cgroup's, page cache included) is printed against
-its shards.
+Each rank is a fresh process that joins its cgroup before importing anything, so the cap covers
+Python and torch too; its peak of anonymous memory (and the cgroup's, page cache included) is
+printed against its shards. Last seen: 4.34-4.35 GiB under the 4.93 GiB cap.
 
-Slow (about 8 minutes on 2 cores, 5.2 GB of weights written once under /tmp): run by
+Slow (about 5 minutes on 2 cores, 5.2 GB of weights written once under /tmp): run by
 `bench/slow_tests.py`. Needs root and cgroup v1's memory controller; skips without them.
 """
 
