@@ -40,8 +40,9 @@ WORLD = 4
 PP2 = {"pp_size": 2, "dp_shard_size": 2, "num_microbatches": 2}  # 1F1B over FSDP2
 # The ~1.4B model under the ZeroPP schedule, 8 chunks per rank, gradients reduce-scattered after
 # every micro-batch: a rank then holds one small chunk's gathered weights and unsharded gradients
-# at a time beside its shards. Under 1F1B (or FSDP alone through the engine) torch's pipeline runtime keeps a stage's
-# unsharded gradients until the end of the step: more than this machine's 4 ranks hold at 1.4B.
+# at a time beside its shards. Under 1F1B (or FSDP alone through the engine) torch's pipeline
+# runtime keeps a stage's unsharded gradients until the end of the step: more than this
+# machine's 4 ranks hold at 1.4B.
 ZEROPP = {
     "pp_size": 2,
     "dp_shard_size": 2,
@@ -61,7 +62,6 @@ SHAPES = {  # Llama-shaped, grouped-query attention
              "num_attention_heads": 8, "num_key_value_heads": 2},
 }  # fmt: skip
 VOCAB, SEQ, ROWS = 32000, 32, 4  # global batch: 4 rows of 32 tokens
-CGROUP = Path("/sys/fs/cgroup/memory")
 DEFAULT_ROWS = "whole-0.4b,meta-0.4b,meta-1.5b"
 
 
@@ -88,22 +88,21 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _join_cgroup(rank: int, cap: int) -> bool:
-    """Put this process in a memory cgroup of its own limited to `cap` bytes (root, cgroup v1)."""
-    group = CGROUP / f"zeropp_meta_rank{rank}"
+def _join_cgroup(cap: int) -> bool:
+    """Join this rank's capped memory cgroup (root, cgroup v1) before torch is imported."""
+    from tests.distributed.cgroup import join_memory_cgroup  # imports nothing heavy
+
     try:
-        group.mkdir(exist_ok=True)
-        (group / "memory.limit_in_bytes").write_text(str(cap))
-        (group / "cgroup.procs").write_text(str(os.getpid()))
-        return True
+        join_memory_cgroup(cap)
     except OSError as err:
         print(f"memory cap not enforced ({err}); peaks are measured all the same")
         return False
+    return True
 
 
 def worker(row: str, out: Path, weights: str, cap: int) -> None:
     rank = int(os.environ["RANK"])
-    capped = _join_cgroup(rank, cap) if cap else False
+    capped = _join_cgroup(cap) if cap else False
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -112,6 +111,7 @@ def worker(row: str, out: Path, weights: str, cap: int) -> None:
     from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
     from lightning_zeropp.core.materialize import empty_parameters
     from lightning_zeropp.core.memory import host_peak_bytes
+    from lightning_zeropp.core.shard import local_shard
 
     dist.init_process_group("gloo")
     baseline = _rss()
@@ -150,9 +150,7 @@ def worker(row: str, out: Path, weights: str, cap: int) -> None:
         opt.step()
         opt.zero_grad()  # torch's default (set_to_none=True), as Lightning and Accelerate call it
         step_s.append(time.monotonic() - t)
-    shards = sum(
-        (p.to_local() if hasattr(p, "to_local") else p).numel() * 4 for p in engine.parameters()
-    )
+    shards = sum(local_shard(p).numel() * 4 for p in engine.parameters())
     result = {
         "row": row,
         "rank": rank,

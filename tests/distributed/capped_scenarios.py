@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.distributed.worker import memory_cgroup
+from lightning_zeropp.core.shard import local_shard
+from tests.distributed.cgroup import memory_cgroup
 
 LAYOUT = {
     "pp_size": 2,
@@ -135,8 +136,8 @@ def capped_train(weights: str, cap: int, steps: int) -> dict[str, Any]:
             {
                 n: (
                     [[s.start, s.stop] for s in local_chunk(p)],
-                    float(p.grad.to_local().double().sum()),
-                    float(p.grad.to_local().double().abs().sum()),
+                    float(local_shard(p.grad).double().sum()),
+                    float(local_shard(p.grad).double().abs().sum()),
                 )
                 for n, p in engine.module.named_parameters()
             }
@@ -149,7 +150,7 @@ def capped_train(weights: str, cap: int, steps: int) -> dict[str, Any]:
         "cap": cap,
         "cgroup_peak": int(usage.read_text()) if capped else None,
         "anon_peak": anon.peak,
-        "shard_bytes": sum(p.to_local().numel() * 4 for p in engine.parameters()),
+        "shard_bytes": sum(local_shard(p).numel() * 4 for p in engine.parameters()),
         "losses": losses,
         "grad_sums": sums,
     }

@@ -41,7 +41,7 @@ def launch(
     """Start `world_size` ranks of `tests.distributed.worker`; return each rank's result object.
 
     `memory_cap` (bytes): each rank starts as a fresh process that joins a memory cgroup of its
-    own limited to that, before it imports anything (`worker.join_memory_cgroup`), so the cap
+    own limited to that, before it imports anything (`cgroup.join_memory_cgroup`), so the cap
     covers the whole process; a forked rank would share memory the server allocated uncapped.
 
     A rank that fails, or a run that outlives `timeout`, fails the calling test with the tail of

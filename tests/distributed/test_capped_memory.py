@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.capped_scenarios import SHAPE_1_4B, llama_config, write_weights
+from tests.distributed.cgroup import MEMORY_CGROUPS
 from tests.distributed.launch import launch
-from tests.distributed.worker import MEMORY_CGROUPS
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -5,21 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-MEMORY_CGROUPS = Path("/sys/fs/cgroup/memory")  # cgroup v1's memory controller (root)
-
-
-def memory_cgroup(rank: int | str) -> Path:
-    return MEMORY_CGROUPS / f"lzpp_tests_rank{rank}"
-
-
-def join_memory_cgroup(cap: int) -> None:
-    """Put this process in its rank's memory cgroup, limited to `cap` bytes (peak reset)."""
-    group = memory_cgroup(os.environ["RANK"])
-    group.mkdir(exist_ok=True)
-    (group / "memory.limit_in_bytes").write_text(str(cap))
-    (group / "cgroup.procs").write_text(str(os.getpid()))
-    (group / "memory.max_usage_in_bytes").write_text("0")
-
+from tests.distributed.cgroup import join_memory_cgroup
 
 # Before torch is imported: everything this process allocates counts against its cap.
 if __name__ == "__main__" and os.environ.get("LZPP_TESTS_MEMORY_CAP"):

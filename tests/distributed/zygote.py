@@ -112,10 +112,11 @@ def main() -> None:
         pending += data
         while b"\n" in pending:
             line, pending = pending.split(b"\n", 1)
+            request = json.loads(line)
             pid = os.fork()
             if pid == 0:
-                _child(json.loads(line))
-            _exit_files[pid] = json.loads(line)["exit_file"]
+                _child(request)
+            _exit_files[pid] = request["exit_file"]
             os.write(1, (json.dumps({"pid": pid}) + "\n").encode())
 
 
