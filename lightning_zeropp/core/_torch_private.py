@@ -39,6 +39,9 @@ __all__ = [
     "on_scheduled_loss",
     "unsharded_parameter_bytes",
     "local_chunk",
+    "fsdp_unit_shards",
+    "defer_post_forward_reshard",
+    "release_to_post_forward_copy",
 ]
 
 PipelineSchedule = _PipelineSchedule
@@ -106,6 +109,7 @@ class UnitScheduleRuntime(_PipelineScheduleRuntime):
         reduce_at: Mapping[int, Sequence[int]] | None = None,
         stage_to_rank: Mapping[int, int] | None = None,
         forward_only: bool = False,
+        keep_node_copy: bool = False,
     ) -> None:
         super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
         if stage_to_rank is not None:  # e.g. the V placement; the runtime assumes looped
@@ -119,7 +123,7 @@ class UnitScheduleRuntime(_PipelineScheduleRuntime):
         }
         reduce_at = reduce_at or {}
         lowered = {
-            rank: _lower(orders[rank], actions, set(reduce_at.get(rank, ())))
+            rank: _lower(orders[rank], actions, set(reduce_at.get(rank, ())), keep_node_copy)
             for rank, actions in self.pipeline_order.items()
         }
         if not forward_only:  # a forward-only order has no gradients to reduce
@@ -130,6 +134,8 @@ class UnitScheduleRuntime(_PipelineScheduleRuntime):
         )
         self.register_custom_function(BACKWARD_WEIGHT, _backward_weight)
         self.register_custom_function(REDUCE_GRAD, _reduce_grad)
+        if keep_node_copy:
+            self.register_custom_function(RESHARD, _release)
 
     def evaluate(
         self, *args: Any, target: Any = None, losses: list | None = None, **kw: Any
@@ -144,9 +150,24 @@ class UnitScheduleRuntime(_PipelineScheduleRuntime):
             self._has_backward = saved
 
 
-def _lower(order: Sequence[Task], actions: list[_Action], reduce_at: set[int]) -> list[_Action]:
-    starts = {start: stage for stage, start, _ in gather_blocks(order)}
-    ends = {end - 1: stage for stage, _, end in gather_blocks(order)}
+# A RESHARD action whose micro-batch index is this releases to FSDP's post-forward copy (hpZ).
+_TO_NODE_COPY = 0
+
+
+def _lower(
+    order: Sequence[Task], actions: list[_Action], reduce_at: set[int], keep_node_copy: bool
+) -> list[_Action]:
+    blocks = gather_blocks(order)
+    starts = {start: stage for stage, start, _ in blocks}
+    ends = {end - 1: stage for stage, _, end in blocks}
+    # A release after forwards only, of a chunk that runs backward later, keeps the node copy.
+    to_copy = {
+        end - 1
+        for n, (stage, start, end) in enumerate(blocks)
+        if keep_node_copy
+        and all(t.kind == "F" for t in order[start:end])
+        and any(later == stage for later, _, _ in blocks[n + 1 :])
+    }
     lowered: list[_Action] = []
     for i, (task, action) in enumerate(zip(order, actions, strict=True)):
         if i in starts:
@@ -155,8 +176,25 @@ def _lower(order: Sequence[Task], actions: list[_Action], reduce_at: set[int]) -
         if i in reduce_at:
             lowered.append(_Action(task.stage, REDUCE_GRAD, task.microbatch))
         if i in ends:
-            lowered.append(_Action(ends[i], RESHARD))
+            lowered.append(_Action(ends[i], RESHARD, _TO_NODE_COPY if i in to_copy else None))
     return lowered
+
+
+def _release(action: _Action, ctx: _PipelineContext) -> None:
+    """RESHARD as torch's runtime does it, to the post-forward copy when the action says so."""
+    runtime = ctx.schedule_ref
+    stage = _stage_of(runtime, action.stage_index)
+    if isinstance(stage.submod, FSDPModule):
+        assert stage.stage_index in runtime.unsharded_stages, "released without a gather"
+        assert stage.stage_index not in runtime.unshard_ops, "released before the gather ended"
+        for module in stage.submod.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            if action.microbatch_index == _TO_NODE_COPY:
+                release_to_post_forward_copy(module)
+            else:
+                module.reshard()
+        runtime.unsharded_stages.remove(stage.stage_index)
 
 
 def _stage_of(runtime: Any, stage_index: int) -> Any:
@@ -243,6 +281,33 @@ def _reduce_grad(action: _Action, ctx: _PipelineContext) -> None:
     state._root_post_backward_final_callback()
     root.set_requires_gradient_sync(False)
     root.set_is_last_backward(False)
+
+
+def fsdp_unit_shards(module: FSDPModule) -> list[tuple[int, int]]:
+    """(padded shard elements, parameter dims) of each parameter of one FSDP unit, in the order
+    FSDP lays them out in its all-gather and reduce-scatter buffers."""
+    return [
+        (p.padded_sharded_param_size.numel(), len(p._orig_size))
+        for group in module._get_fsdp_state()._fsdp_param_groups
+        for p in group.fsdp_params
+    ]
+
+
+def defer_post_forward_reshard(module: FSDPModule) -> None:
+    """Keep FSDP's post-forward (integer `reshard_after_forward`) groups and copy, but do not
+    reshard after each forward: a schedule that releases weights itself decides when."""
+    for group in module._get_fsdp_state()._fsdp_param_groups:
+        group._reshard_after_forward = False
+
+
+def release_to_post_forward_copy(module: FSDPModule) -> None:
+    """Release a gathered unit to its post-forward copy (each rank keeps 1/k of the weights; the
+    next gather runs over those k ranks), as FSDP's own post-forward reshard does."""
+    for group in module._get_fsdp_state()._fsdp_param_groups:
+        if group.post_forward_mesh_info is not None and group.is_unsharded:
+            group._to_sharded_post_forward()
+        else:
+            group.reshard()
 
 
 def local_chunk(tensor: Any) -> tuple[slice, ...]:

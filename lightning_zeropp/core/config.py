@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from lightning_zeropp.core.plus_settings import resolve_plus
 from lightning_zeropp.core.schedule import SCHEDULES, schedule_style
 
 __all__ = ["ZeroPPConfig", "parse_dtype", "schedule_name", "RECOMPUTE", "GRAD_REDUCE"]
@@ -71,6 +72,10 @@ class ZeroPPConfig:
 
     `nonfinite`: a NaN or inf training loss raises on every rank naming the step and the stage
     ("raise", default) or drops that step's gradients on every rank ("skip"); `core.nonfinite`.
+
+    ZeRO++ and offload (`core.plus_settings` describes each): `quantized_weights` (qwZ),
+    `hpz_partition_size` (hpZ), `quantized_gradients` (qgZ), `gradient_error_feedback`,
+    `quant_block_size`, `cpu_offload`, and `node_size` (ranks per node).
     """
 
     pp_size: int | None = None
@@ -88,6 +93,13 @@ class ZeroPPConfig:
     split_backward: bool | None = None
     grad_reduce: str = "step"
     nonfinite: str = "raise"
+    quantized_weights: str | None = None
+    hpz_partition_size: int | None = None
+    quantized_gradients: str | None = None
+    gradient_error_feedback: bool | None = None
+    quant_block_size: int = 256
+    cpu_offload: bool = False
+    node_size: int | None = None
 
     def resolve(self, world_size: int) -> ZeroPPConfig:
         """Return a copy with every default filled in and every setting checked."""
@@ -138,6 +150,7 @@ class ZeroPPConfig:
                 f"grad_reduce={cfg.grad_reduce!r} applies to schedule='zeropp' only (got "
                 f"schedule={cfg.schedule!r}); other schedules reduce once per step."
             )
+        resolve_plus(cfg, world_size)
         return cfg
 
     def recomputes(self, stage: int) -> bool:

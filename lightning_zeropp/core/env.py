@@ -86,6 +86,13 @@ _PARSERS: dict[str, Callable[[str, str], Any]] = {
     "split_backward": _bool,
     "grad_reduce": _str,
     "nonfinite": _str,
+    "quantized_weights": _str,
+    "hpz_partition_size": _int,
+    "quantized_gradients": _str,
+    "gradient_error_feedback": _bool,
+    "quant_block_size": _int,
+    "cpu_offload": _bool,
+    "node_size": _int,
 }
 
 # Environment variable -> ZeroPPConfig field.

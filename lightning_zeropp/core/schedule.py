@@ -114,6 +114,8 @@ def _build_zeropp(
         reduce_at={
             r: reduce_points(o, config.unit_size, config.grad_reduce) for r, o in orders.items()
         },
+        keep_node_copy=config.hpz_partition_size is not None
+        and config.hpz_partition_size < (config.dp_shard_size or 1),
     )
 
 

@@ -19,6 +19,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from lightning_zeropp.core.config import ZeroPPConfig
+from lightning_zeropp.core.plus import install, shard_options
+from lightning_zeropp.core.plus_comm import NodeGroups
 
 __all__ = ["shard_stage", "apply_activation_checkpointing", "local_shard"]
 
@@ -29,26 +31,26 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
 
 
 def shard_stage(
-    stage: nn.Module, block_names: Sequence[str], dp_mesh: DeviceMesh, config: ZeroPPConfig
+    stage: nn.Module,
+    block_names: Sequence[str],
+    dp_mesh: DeviceMesh,
+    config: ZeroPPConfig,
+    node_groups: NodeGroups | None = None,
 ) -> nn.Module:
-    """`fully_shard` each block of `stage`, then the stage root, over `dp_mesh`."""
+    """`fully_shard` each block of `stage`, then the stage root, over `dp_mesh`; then ZeRO++'s
+    collectives (`core.plus`) on every unit."""
     # When the reduce dtype is not set, reduce in fp32 under low-precision params: summing bf16
     # gradients over many ranks loses the low bits FSDP users expect to keep.
     reduce_dtype = config.reduce_dtype
     if reduce_dtype is None and config.param_dtype is not None:
         reduce_dtype = torch.float32
     policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=reduce_dtype)
-    for name in block_names:
-        block = _find_block(stage, name)
-        fully_shard(
-            block,
-            mesh=dp_mesh,
-            reshard_after_forward=config.reshard_after_forward,
-            mp_policy=policy,
-        )
-    fully_shard(
-        stage, mesh=dp_mesh, reshard_after_forward=config.reshard_after_forward, mp_policy=policy
-    )
+    options = shard_options(config, dp_mesh.device_type)
+    units = [_find_block(stage, name) for name in block_names]
+    for block in units:
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, **options)
+    fully_shard(stage, mesh=dp_mesh, mp_policy=policy, **options)
+    install([*units, stage], node_groups, config)
     return stage
 
 

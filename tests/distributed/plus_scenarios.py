@@ -1,0 +1,53 @@
+"""ZeRO++ on gloo ranks standing in for nodes: training numbers and the traffic by reach."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+
+from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
+from lightning_zeropp.core._torch_private import fsdp_unit_shards
+from lightning_zeropp.core.comm import CommCounter
+from lightning_zeropp.core.traffic import NodeTraffic
+from tests.distributed.common import GLOBAL_BATCH, MODEL, lm_loss, make_batches, make_model
+from tests.distributed.core_scenarios import _full, _rows
+
+
+def train(cases: list[dict[str, Any]], steps: int = 3, lr: float = 0.5) -> dict[str, Any]:
+    """Each case: {"id", "layout"}; SGD for `steps` on the shared data, the last step counted."""
+    return {case["id"]: _train(case["layout"], steps, lr) for case in cases}
+
+
+def _train(layout: dict[str, Any], steps: int, lr: float) -> dict[str, Any]:
+    config = ZeroPPConfig(**layout).resolve(dist.get_world_size())
+    micro = GLOBAL_BATCH // config.dp_size // config.num_microbatches
+    example = (torch.zeros(micro, MODEL.seq_len, dtype=torch.long),)
+    engine = ZeroPPEngine(make_model(), config, loss_fn=lm_loss, example_args=example)
+    opt = torch.optim.SGD(engine.parameters(), lr=lr)
+    traffic = NodeTraffic(engine.dims.mesh, config.node_size)
+    losses, summary = [], {}
+    batches = make_batches(steps)
+    for step, (x, y) in enumerate(batches):
+        rows = _rows(engine, GLOBAL_BATCH)
+        if step == steps - 1:
+            with CommCounter(traffic) as comm:
+                loss = engine.train_step(x[rows], target=y[rows])
+            summary = comm.summary()
+        else:
+            loss = engine.train_step(x[rows], target=y[rows])
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    units = [m for m in engine.module.modules() if isinstance(m, FSDPModule)]
+    return {
+        "losses": losses,
+        "params": {n: _full(p) for n, p in engine.module.named_parameters()},
+        "summary": summary,
+        "shapes": traffic.shapes,
+        "sent": traffic.sent(summary),
+        "units": [fsdp_unit_shards(u) for u in units if fsdp_unit_shards(u)],
+        "param_device": str(next(iter(engine.parameters())).device),
+    }
