@@ -12,7 +12,10 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard import _fully_shard as _fully_shard_module
+from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
     BACKWARD_INPUT,
@@ -41,6 +44,7 @@ __all__ = [
     "local_chunk",
     "fsdp_unit_shards",
     "defer_post_forward_reshard",
+    "post_forward_mesh",
     "release_to_post_forward_copy",
 ]
 
@@ -135,6 +139,7 @@ class UnitScheduleRuntime(_PipelineScheduleRuntime):
         self.register_custom_function(BACKWARD_WEIGHT, _backward_weight)
         self.register_custom_function(REDUCE_GRAD, _reduce_grad)
         if keep_node_copy:
+            self.register_custom_function(UNSHARD, _gather)
             self.register_custom_function(RESHARD, _release)
 
     def evaluate(
@@ -178,6 +183,32 @@ def _lower(
         if i in ends:
             lowered.append(_Action(ends[i], RESHARD, _TO_NODE_COPY if i in to_copy else None))
     return lowered
+
+
+def _gather(action: _Action, ctx: _PipelineContext) -> None:
+    """UNSHARD as torch's runtime does it; once a gather from the post-forward copy has ended,
+    that copy's mesh is hidden from FSDP again."""
+    runtime = ctx.schedule_ref
+    stage = _stage_of(runtime, action.stage_index)
+    if not isinstance(stage.submod, FSDPModule):
+        return
+    assert stage.stage_index not in runtime.unsharded_stages, "gathered twice"
+    assert stage.stage_index not in runtime.unshard_ops, "gathered twice"
+    for module in stage.submod.modules():
+        if isinstance(module, FSDPModule):
+            handle = module.unshard(async_op=True)
+            runtime.unshard_ops[stage.stage_index].append(_Gathered(handle, module))
+
+
+class _Gathered:
+    """An unshard handle that hides the post-forward copy's mesh once the gather is waited on."""
+
+    def __init__(self, handle: Any, module: FSDPModule) -> None:
+        self.handle, self.module = handle, module
+
+    def wait(self) -> None:
+        self.handle.wait()
+        _hide_post_forward_mesh(self.module)
 
 
 def _release(action: _Action, ctx: _PipelineContext) -> None:
@@ -293,21 +324,61 @@ def fsdp_unit_shards(module: FSDPModule) -> list[tuple[int, int]]:
     ]
 
 
+@contextlib.contextmanager
+def post_forward_mesh(mesh: DeviceMesh | None) -> Iterator[None]:
+    """While active, `fully_shard(reshard_after_forward=k)` keeps its post-forward copy over the
+    groups of `mesh`'s second dimension (k consecutive ranks) instead of building a new mesh.
+
+    FSDP2 builds a DeviceMesh from the unit's own shard group on every call: its process groups
+    are created by the ranks of that group only, under names that count calls, so with pipeline
+    stages (each building a different mesh) the names collide across stages and the creation
+    hangs; it also creates new groups per unit. One mesh over the whole world, created alike by
+    every rank, serves every unit.
+    """
+    if mesh is None:
+        yield
+        return
+    original = _fully_shard_module._get_post_forward_mesh_info
+
+    def fixed(reshard_after_forward: bool | int, mesh_info: Any) -> Any:
+        if isinstance(reshard_after_forward, bool) or reshard_after_forward != mesh.size(1):
+            return original(reshard_after_forward, mesh_info)
+        if mesh_info.shard_mesh_size % reshard_after_forward:
+            raise AssertionError(f"{reshard_after_forward} does not divide the shard group")
+        return HSDPMeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+
+    _fully_shard_module._get_post_forward_mesh_info = fixed
+    try:
+        yield
+    finally:
+        _fully_shard_module._get_post_forward_mesh_info = original
+
+
 def defer_post_forward_reshard(module: FSDPModule) -> None:
-    """Keep FSDP's post-forward (integer `reshard_after_forward`) groups and copy, but do not
-    reshard after each forward: a schedule that releases weights itself decides when."""
+    """Keep the post-forward copy's mesh of a unit built with integer `reshard_after_forward`,
+    but hide it from FSDP, whose post-forward hook would otherwise reshard after every forward:
+    a schedule that releases weights itself decides when (`release_to_post_forward_copy`)."""
     for group in module._get_fsdp_state()._fsdp_param_groups:
-        group._reshard_after_forward = False
+        group._lzpp_post_forward_mesh_info = group.post_forward_mesh_info
+        group.post_forward_mesh_info = None
 
 
 def release_to_post_forward_copy(module: FSDPModule) -> None:
     """Release a gathered unit to its post-forward copy (each rank keeps 1/k of the weights; the
     next gather runs over those k ranks), as FSDP's own post-forward reshard does."""
     for group in module._get_fsdp_state()._fsdp_param_groups:
-        if group.post_forward_mesh_info is not None and group.is_unsharded:
+        info = getattr(group, "_lzpp_post_forward_mesh_info", None)
+        if info is not None and group.is_unsharded:
+            group.post_forward_mesh_info = info  # the next gather reads it; see gather_stage
             group._to_sharded_post_forward()
         else:
             group.reshard()
+
+
+def _hide_post_forward_mesh(module: FSDPModule) -> None:
+    for group in module._get_fsdp_state()._fsdp_param_groups:
+        if hasattr(group, "_lzpp_post_forward_mesh_info"):
+            group.post_forward_mesh_info = None
 
 
 def local_chunk(tensor: Any) -> tuple[slice, ...]:

@@ -42,10 +42,10 @@ from lightning_zeropp.core.materialize import (
     real_to,
 )
 from lightning_zeropp.core.memory import GatheredPeak, SavedActivations, format_report, measure
-from lightning_zeropp.core.mesh import ParallelDims, build_mesh, world_timeout
+from lightning_zeropp.core.mesh import ParallelDims, build_mesh
 from lightning_zeropp.core.modules import merge_stage_modules
 from lightning_zeropp.core.nonfinite import NonFiniteWatch
-from lightning_zeropp.core.plus import node_groups
+from lightning_zeropp.core.plus import Plus
 from lightning_zeropp.core.schedule import (
     build_eval_schedule,
     build_schedule,
@@ -155,7 +155,7 @@ class ZeroPPEngine:
         )
         if self.num_stages == 1:
             flatten_outputs(modules[0])  # call stages flatten their own outputs
-        self._node_groups = node_groups(self.dims.mesh, cfg, world_timeout())
+        self._plus = Plus.build(self.dims.mesh, cfg)  # ZeRO++'s groups: every rank, in one order
         for stage_id, module in zip(self.stage_ids, modules, strict=True):
             self._prepare_stage(module, stage_id)
         self._tied = TiedWeights(tied, list(zip(self.stage_ids, modules, strict=True)), self.dims)
@@ -200,7 +200,7 @@ class ZeroPPEngine:
             module.to(self.device)
         if self.config.recomputes(stage_id):
             apply_activation_checkpointing(module, blocks)
-        shard_stage(module, blocks, self.dims.dp_mesh, self.config, self._node_groups)
+        shard_stage(module, blocks, self.dims.dp_mesh, self.config, self._plus)
 
     # ------------------------------------------------------------------ steps
     def train_step(

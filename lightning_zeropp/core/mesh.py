@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from lightning_zeropp.core._torch_private import group_timeout, mesh_group_options
 from lightning_zeropp.core.config import ZeroPPConfig
 
-__all__ = ["ParallelDims", "build_mesh", "describe_rank", "world_timeout"]
+__all__ = ["ParallelDims", "build_mesh", "build_partition_mesh", "describe_rank", "world_timeout"]
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard")
 
@@ -82,6 +82,20 @@ def build_mesh(config: ZeroPPConfig, device_type: str) -> ParallelDims:
         override = options if None not in options.values() else None
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES, backend_override=override)
     return ParallelDims(mesh=mesh, config=config)
+
+
+def build_partition_mesh(size: int, device_type: str) -> DeviceMesh:
+    """A (world / size, size) mesh: dimension "hpz" groups `size` consecutive ranks (hpZ's small
+    partitions, `core.plus`), created by every rank alike with the world's timeout."""
+    world = dist.get_world_size()
+    names = ("hpz_replicate", "hpz")
+    override = None
+    if (timeout := world_timeout()) is not None:
+        options = {axis: mesh_group_options(device_type, timeout) for axis in names}
+        override = options if None not in options.values() else None
+    return init_device_mesh(
+        device_type, (world // size, size), mesh_dim_names=names, backend_override=override
+    )
 
 
 def world_timeout() -> timedelta | None:

@@ -1,7 +1,9 @@
 """ZeRO++ (qwZ, hpZ, qgZ) and CPU offload on a pipeline stage's FSDP2 units.
 
-`shard_options(config)` gives `fully_shard`'s `reshard_after_forward` and `offload_policy`;
-`install(units, groups, config)` sets the custom collectives of `core.plus_comm` on every unit.
+`Plus.build(mesh, config)` creates the process groups ZeRO++ needs (collective: every rank, in
+one order); `plus.sharding()` is the context `fully_shard` runs in, `plus.options()` its
+`reshard_after_forward` and `offload_policy`, and `plus.install(units)` sets the custom
+collectives of `core.plus_comm` on every unit.
 
 hpZ is FSDP2's integer `reshard_after_forward=k`: after forward each rank keeps 1/k of the
 weights (the secondary copy) and backward gathers over those k consecutive ranks, inside a
@@ -17,14 +19,21 @@ node. Where it acts:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy
 
-from lightning_zeropp.core._torch_private import defer_post_forward_reshard, fsdp_unit_shards
+from lightning_zeropp.core._torch_private import (
+    defer_post_forward_reshard,
+    fsdp_unit_shards,
+    post_forward_mesh,
+)
 from lightning_zeropp.core.config import ZeroPPConfig
+from lightning_zeropp.core.mesh import build_partition_mesh, world_timeout
 from lightning_zeropp.core.plus_comm import (
     HierarchicalReduceScatter,
     NodeGroups,
@@ -32,32 +41,80 @@ from lightning_zeropp.core.plus_comm import (
 )
 from lightning_zeropp.core.quant import BITS, Segment
 
-__all__ = ["install", "node_groups", "segments_of", "shard_options", "uses_custom_comms"]
+__all__ = ["Plus", "segments_of"]
 
 
-def uses_custom_comms(config: ZeroPPConfig) -> bool:
+@dataclass
+class Plus:
+    """What a run's ZeRO++ and offload settings need at sharding time."""
+
+    config: ZeroPPConfig
+    device_type: str
+    groups: NodeGroups | None = None  # qwZ / qgZ: every shard group split into nodes
+    partition_mesh: DeviceMesh | None = None  # hpZ: the small partitions
+
+    @classmethod
+    def build(cls, mesh: DeviceMesh, config: ZeroPPConfig) -> Plus:
+        """Create the groups the settings need (collective: every rank calls it)."""
+        plus = cls(config, mesh.device_type)
+        timeout = world_timeout()
+        if _custom_comms(config) and config.dp_shard_size > 1:
+            shard_axis = mesh.mesh_dim_names.index("dp_shard")
+            ranks = mesh.mesh.movedim(shard_axis, -1).reshape(-1, config.dp_shard_size)
+            plus.groups = NodeGroups(ranks.tolist(), config.node_size, timeout)
+        if plus.hpz_size is not None:
+            plus.partition_mesh = build_partition_mesh(plus.hpz_size, mesh.device_type)
+        return plus
+
+    @property
+    def hpz_size(self) -> int | None:
+        """k when hpZ is on and smaller than the shard group (k = the group is plain ZeRO-3)."""
+        k = self.config.hpz_partition_size
+        return k if k is not None and k < (self.config.dp_shard_size or 1) else None
+
+    def sharding(self) -> contextlib.AbstractContextManager[None]:
+        return post_forward_mesh(self.partition_mesh)
+
+    def options(self) -> dict[str, Any]:
+        """`fully_shard` keyword arguments for the resharding and offload settings."""
+        config = self.config
+        reshard: bool | int = bool(config.reshard_after_forward)
+        if self.hpz_size is not None and (reshard or config.schedule == "zeropp"):
+            reshard = self.hpz_size
+        policy: OffloadPolicy = OffloadPolicy()
+        if config.cpu_offload:
+            policy = CPUOffloadPolicy(pin_memory=self.device_type == "cuda")
+        return {"reshard_after_forward": reshard, "offload_policy": policy}
+
+    def install(self, units: Iterable[FSDPModule]) -> None:
+        """Set the custom collectives (and hpZ's deferred reshard under ZeroPP) on every unit."""
+        units = list(units)
+        config = self.config
+        if config.schedule == "zeropp" and self.hpz_size is not None:
+            for unit in units:
+                defer_post_forward_reshard(unit)
+        if self.groups is None:
+            return
+        for unit in units:
+            if segments := segments_of(unit):
+                self._install(unit, segments)
+
+    def _install(self, unit: FSDPModule, segments: list[Segment]) -> None:
+        config, block = self.config, self.config.quant_block_size
+        if config.quantized_weights is not None:
+            bits = BITS.get(config.quantized_weights)
+            unit.set_custom_all_gather(QuantizedAllGather(segments, self.groups, bits, block))
+        if config.quantized_gradients is not None:
+            bits = BITS.get(config.quantized_gradients)
+            comm = HierarchicalReduceScatter(
+                segments, self.groups, bits, block, error_feedback=config.gradient_error_feedback
+            )
+            unit.set_custom_reduce_scatter(comm)
+            unit.set_force_sum_reduction_for_comms(True)
+
+
+def _custom_comms(config: ZeroPPConfig) -> bool:
     return config.quantized_weights is not None or config.quantized_gradients is not None
-
-
-def shard_options(config: ZeroPPConfig, device_type: str) -> dict[str, Any]:
-    """`fully_shard` keyword arguments for the resharding and offload settings."""
-    reshard: bool | int = bool(config.reshard_after_forward)
-    k = config.hpz_partition_size
-    if k is not None and k < config.dp_shard_size and (reshard or config.schedule == "zeropp"):
-        reshard = k
-    policy: OffloadPolicy = OffloadPolicy()
-    if config.cpu_offload:
-        policy = CPUOffloadPolicy(pin_memory=device_type == "cuda")
-    return {"reshard_after_forward": reshard, "offload_policy": policy}
-
-
-def node_groups(mesh: DeviceMesh, config: ZeroPPConfig, timeout: Any = None) -> NodeGroups | None:
-    """The in-node and cross-node subgroups of every dp_shard group (collective: all ranks)."""
-    if not uses_custom_comms(config) or config.dp_shard_size == 1:
-        return None
-    shard_axis = mesh.mesh_dim_names.index("dp_shard")
-    ranks = mesh.mesh.movedim(shard_axis, -1).reshape(-1, config.dp_shard_size).tolist()
-    return NodeGroups(ranks, config.node_size, timeout)
 
 
 def segments_of(unit: FSDPModule) -> list[Segment]:
@@ -67,28 +124,3 @@ def segments_of(unit: FSDPModule) -> list[Segment]:
         segments.append(Segment(offset, numel, quantize=ndim >= 2))
         offset += numel
     return segments
-
-
-def install(units: Iterable[FSDPModule], groups: NodeGroups | None, config: ZeroPPConfig) -> None:
-    """Set the custom collectives (and hpZ's deferred reshard under ZeroPP) on every unit."""
-    units = list(units)
-    if config.schedule == "zeropp" and config.hpz_partition_size is not None:
-        for unit in units:
-            defer_post_forward_reshard(unit)
-    if groups is None:
-        return
-    block = config.quant_block_size
-    for unit in units:
-        segments = segments_of(unit)
-        if not segments:
-            continue
-        if config.quantized_weights is not None:
-            bits = BITS.get(config.quantized_weights)
-            unit.set_custom_all_gather(QuantizedAllGather(segments, groups, bits, block))
-        if config.quantized_gradients is not None:
-            bits = BITS.get(config.quantized_gradients)
-            comm = HierarchicalReduceScatter(
-                segments, groups, bits, block, error_feedback=config.gradient_error_feedback
-            )
-            unit.set_custom_reduce_scatter(comm)
-            unit.set_force_sum_reduction_for_comms(True)

@@ -19,8 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from lightning_zeropp.core.config import ZeroPPConfig
-from lightning_zeropp.core.plus import install, shard_options
-from lightning_zeropp.core.plus_comm import NodeGroups
+from lightning_zeropp.core.plus import Plus
 
 __all__ = ["shard_stage", "apply_activation_checkpointing", "local_shard"]
 
@@ -35,7 +34,7 @@ def shard_stage(
     block_names: Sequence[str],
     dp_mesh: DeviceMesh,
     config: ZeroPPConfig,
-    node_groups: NodeGroups | None = None,
+    plus: Plus | None = None,
 ) -> nn.Module:
     """`fully_shard` each block of `stage`, then the stage root, over `dp_mesh`; then ZeRO++'s
     collectives (`core.plus`) on every unit."""
@@ -45,12 +44,14 @@ def shard_stage(
     if reduce_dtype is None and config.param_dtype is not None:
         reduce_dtype = torch.float32
     policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=reduce_dtype)
-    options = shard_options(config, dp_mesh.device_type)
+    plus = plus or Plus(config, dp_mesh.device_type)
+    options = plus.options()
     units = [_find_block(stage, name) for name in block_names]
-    for block in units:
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy, **options)
-    fully_shard(stage, mesh=dp_mesh, mp_policy=policy, **options)
-    install([*units, stage], node_groups, config)
+    with plus.sharding():
+        for block in units:
+            fully_shard(block, mesh=dp_mesh, mp_policy=policy, **options)
+        fully_shard(stage, mesh=dp_mesh, mp_policy=policy, **options)
+    plus.install([*units, stage])
     return stage
 
 

@@ -1,7 +1,7 @@
 """Which of a rank's collective bytes leave its node: a group namer for `CommCounter`.
 
 `NodeTraffic(mesh, node_size)` names each process group by what it is (a mesh axis, ZeRO++'s
-`zeropp_plus_intra` / `zeropp_plus_cross` subgroups, or "other", e.g. FSDP's hpZ groups) and by
+`zeropp_plus_intra` / `zeropp_plus_cross` subgroups, `hpz` partitions, or "other") and by
 where it reaches, from this rank: `dp_shard:x4` is a 4-rank group with members in another node,
 `zeropp_plus_intra:in2` a 2-rank group inside this rank's node. A node is `node_size`
 consecutive ranks.
@@ -38,9 +38,10 @@ class NodeTraffic:
         group = group if group is not None else dist.group.WORLD
         if group not in self._cache:
             axis = self._axis(group)
-            if axis == "other":
-                desc = getattr(group, "group_desc", "")
-                axis = desc if desc.startswith("zeropp_plus") else "other"
+            if axis == "other":  # ZeRO++'s subgroups, the hpZ partitions ("mesh_hpz")
+                desc = getattr(group, "group_desc", "") or ""
+                if desc.startswith(("zeropp_plus", "mesh_hpz")):
+                    axis = desc.removeprefix("mesh_")
             ranks = dist.get_process_group_ranks(group)
             node = dist.get_rank() // self.node_size
             others = sum(1 for r in ranks if r // self.node_size != node)
