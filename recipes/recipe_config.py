@@ -230,7 +230,8 @@ def plan_summary(cfg: DictConfig, plan: Plan, num_params: int) -> str:
     Model states: fp32 weights, gradients and two Adam moments = 16 bytes per parameter, sharded
     over pp_size x dp_shard_size ranks (replicated over dp_replicate_size). One all-gather of a
     stage's weights moves (dp_shard - 1) / dp_shard of them over the slowest link the shard group
-    spans (NVLink inside a node, InfiniBand when it straddles nodes).
+    spans (NVLink inside a node, InfiniBand when it straddles nodes), as INT8 plus one fp32 scale
+    per block under `quantized_weights="int8"` (ZeRO++'s qwZ).
     """
     z, cluster = plan.zeropp, cfg.cluster
     assert z.dp_shard_size is not None and z.pp_size is not None
@@ -248,6 +249,8 @@ def plan_summary(cfg: DictConfig, plan: Plan, num_params: int) -> str:
     link = bandwidth.get("intra_node" if inside else "inter_node")
     if link and z.dp_shard_size > 1:
         weight_bytes = 2 if str(z.param_dtype) in ("torch.bfloat16", "torch.float16") else 4
+        if z.quantized_weights == "int8":
+            weight_bytes = 1 + 4 / z.quant_block_size
         moved = num_params / z.pp_size * weight_bytes * (z.dp_shard_size - 1) / z.dp_shard_size
         lines.append(
             f"one stage all-gather: {moved / 1e9:.2f} GB over "

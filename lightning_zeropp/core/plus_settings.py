@@ -4,7 +4,8 @@ The switches (one per technique; `core.plus` applies them):
 - `quantized_weights`: None (FSDP's own all-gather), "int8" (qwZ), or "fp" (the same custom
   collective at full precision: it moves what FSDP's does, and exists to check layouts);
 - `hpz_partition_size`: None, or k ranks (usually `node_size`) that keep a second copy of the
-  weights after forward, so backward gathers stay inside those k ranks (hpZ);
+  weights after forward, so backward gathers stay inside those k ranks (hpZ); resolved to None
+  where the shard group already lies inside one node (nothing to do);
 - `quantized_gradients`: None, "int8", "int4" (qgZ, a two-hop all-to-all), or "fp";
 - `gradient_error_feedback`: carry each hop's quantization error into the next step (default on
   for INT4, off otherwise);
@@ -74,6 +75,11 @@ def _check_hpz(cfg: Any) -> None:
         return
     _positive("hpz_partition_size", k)
     shard, node = cfg.dp_shard_size, cfg.node_size
+    if k % shard == 0 and node % shard == 0:
+        # The whole shard group already lies inside one node (or k is the group): backward
+        # gathers cannot leave the node, so there is nothing for hpZ to do.
+        cfg.hpz_partition_size = None
+        return
     if shard % k or node % k:
         raise ValueError(
             f"hpz_partition_size={k} must divide dp_shard_size={shard} and node_size={node} "

@@ -91,10 +91,15 @@ class BlockCodec:
             chunk = packed[:, at : at + size]
             at += size
             if not self._quantized(seg):
-                target.copy_(chunk.contiguous().view(self.dtype))
+                # A fresh copy: a view's byte offset need not suit a wider element.
+                target.copy_(chunk.clone(memory_format=torch.contiguous_format).view(self.dtype))
                 continue
             n_payload = size - 4 * math.ceil(seg.numel / self.block)
-            scales = chunk[:, n_payload:].contiguous().view(torch.float32)
+            scales = (
+                chunk[:, n_payload:]
+                .clone(memory_format=torch.contiguous_format)
+                .view(torch.float32)
+            )
             target.copy_(self._dequantize(chunk[:, :n_payload], scales, seg.numel))
         return out
 

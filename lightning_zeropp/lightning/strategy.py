@@ -76,7 +76,9 @@ class ZeroPPStrategy(ModelParallelStrategy):
 
     Args mirror `ZeroPPConfig` (pp_size, dp_shard_size, dp_replicate_size, num_microbatches,
     schedule, num_chunks, param_dtype, reduce_dtype, activation_checkpointing,
-    reshard_after_forward, split_points, unit_size, split_backward, grad_reduce, nonfinite). One
+    reshard_after_forward, split_points, unit_size, split_backward, grad_reduce, nonfinite, and
+    ZeRO++'s quantized_weights, hpz_partition_size, quantized_gradients, gradient_error_feedback,
+    quant_block_size, cpu_offload, node_size: `core.plus_settings`). One
     left out (None) takes its `ZEROPP_*` variable when set, else `ZeroPPConfig`'s default; one
     given wins over its variable, as with Accelerate's `ZeroPPPlugin`. Plus:
         split: "auto" (default: "call" unless the model names another), "call" (the network's
@@ -131,6 +133,13 @@ class ZeroPPStrategy(ModelParallelStrategy):
         split_backward: bool | None = None,
         grad_reduce: str | None = None,
         nonfinite: str | None = None,
+        quantized_weights: str | None = None,
+        hpz_partition_size: int | None = None,
+        quantized_gradients: str | None = None,
+        gradient_error_feedback: bool | None = None,
+        quant_block_size: int | None = None,
+        cpu_offload: bool | None = None,
+        node_size: int | None = None,
         split: SplitMethod = "auto",
         module_name: str | None = None,
         timeout: datetime.timedelta = datetime.timedelta(minutes=30),
@@ -169,6 +178,13 @@ class ZeroPPStrategy(ModelParallelStrategy):
             split_backward=split_backward,
             grad_reduce=grad_reduce,
             nonfinite=nonfinite,
+            quantized_weights=quantized_weights,
+            hpz_partition_size=hpz_partition_size,
+            quantized_gradients=quantized_gradients,
+            gradient_error_feedback=gradient_error_feedback,
+            quant_block_size=quant_block_size,
+            cpu_offload=cpu_offload,
+            node_size=node_size,
         )
         self._log_comms = log_comms
         self._load_from, self._init = load_from, init

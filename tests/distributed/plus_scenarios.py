@@ -51,3 +51,37 @@ def _train(layout: dict[str, Any], steps: int, lr: float) -> dict[str, Any]:
         "units": [fsdp_unit_shards(u) for u in units if fsdp_unit_shards(u)],
         "param_device": str(next(iter(engine.parameters())).device),
     }
+
+
+def reduce_scatter_direct(node_size: int, calls: int, block: int = 32) -> dict[str, Any]:
+    """qgZ's comm called as FSDP calls it, on fixed inputs: every rank's input is the same each
+    call, so the exact output of every call is known. Segments: a 2-D shard of 96 elements with
+    outliers, then a 1-D shard of 8 (unquantized)."""
+    from lightning_zeropp.core.plus_comm import HierarchicalReduceScatter, NodeGroups
+    from lightning_zeropp.core.quant import BITS, Segment
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    groups = NodeGroups([list(range(world))], node_size)
+    segments = [Segment(0, 96, True), Segment(96, 8, False)]
+    width = 104
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(world, width, generator=g)
+    x[:, ::17] *= 20.0
+    # A row's position says where it must go: row j (rank j's partition) carries j * 1000 + rank.
+    x[:, 96] = torch.arange(world) * 1000.0 + rank
+    gathered = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(gathered, x)
+    exact = sum(gathered)[rank]
+    out: dict[str, Any] = {"exact": exact}
+    for mode in ("fp", "int8", "int4", "int4-ef"):
+        bits = BITS.get(mode.removesuffix("-ef"))
+        comm = HierarchicalReduceScatter(
+            segments, groups, bits, block, error_feedback=mode.endswith("-ef")
+        )
+        outputs = []
+        for _ in range(calls):
+            output = torch.empty(width)
+            comm(output, x.clone().view(-1), dist.group.WORLD, dist.ReduceOp.SUM)
+            outputs.append(output)
+        out[mode] = torch.stack(outputs)
+    return out

@@ -98,9 +98,10 @@ def test_every_parallel_recipe_fits_every_cluster(parallel, cluster):
     z = check_config(cfg).zeropp
     world = cfg.cluster.devices * cfg.cluster.num_nodes
     assert z.pp_size * z.dp_replicate_size * z.dp_shard_size == world
-    if parallel == "zeropp_plus":  # hierarchical: shards inside a node, one replica per node
-        assert z.dp_replicate_size == cfg.cluster.num_nodes
-        assert cfg.cluster.devices % z.dp_shard_size == 0
+    if parallel == "zeropp_plus":  # ZeRO-3 over the stage's ranks, ZeRO++ where they span nodes
+        assert z.dp_replicate_size == 1 and z.node_size == cfg.cluster.devices
+        spans_nodes = z.dp_shard_size > cfg.cluster.devices
+        assert z.hpz_partition_size == (cfg.cluster.devices if spans_nodes else None)
     if parallel == "ddp":
         assert (z.pp_size, z.dp_shard_size, z.dp_replicate_size) == (1, 1, world)
     if parallel == "fsdp":
@@ -117,10 +118,12 @@ def test_parallel_groups_hold_exactly_the_zeropp_settings():
         )
 
 
-def test_zeropp_plus_sets_no_quantization_keys():
-    text = (CONF_DIR / "parallel" / "zeropp_plus.yaml").read_text()
-    assert "NOT implemented in the core" in text  # says so, instead of inventing keys
-    assert not re.search(r"^\w*(quant|int8|int4|qwz|qgz)\w*:", text, re.I | re.M)
+def test_zeropp_plus_turns_on_the_three_techniques():
+    parallel = yaml.safe_load((CONF_DIR / "parallel" / "zeropp_plus.yaml").read_text())
+    assert parallel["quantized_weights"] == "int8"
+    assert parallel["quantized_gradients"] == "int4"
+    assert parallel["hpz_partition_size"] == parallel["node_size"] == "${cluster.devices}"
+    assert parallel["dp_replicate_size"] == 1
 
 
 @pytest.mark.parametrize(
@@ -310,7 +313,14 @@ def test_hf_disk_data_without_datasets_says_what_to_install(tmp_path: Path):
 
 
 def test_plan_summary_uses_the_documented_bandwidths():
+    layout = ["parallel=zeropp", "parallel.dp_replicate_size=2", "parallel.dp_shard_size=8"]
+    cfg = compose_config(["cluster=h100_4x8", "model=llama_7b", *layout])
+    text = plan_summary(cfg, check_config(cfg), 6_738_415_616)
+    assert "pp 2 x dp_replicate 2 x dp_shard 8" in text
+    assert "over NVLink at 450 GB/s" in text
+    # ZeRO++ across 2 nodes per stage: INT8 weights (+ a 4-byte scale per 256) over InfiniBand.
     cfg = compose_config(["cluster=h100_4x8", "parallel=zeropp_plus", "model=llama_7b"])
     text = plan_summary(cfg, check_config(cfg), 6_738_415_616)
-    assert "pp 2 x dp_replicate 4 x dp_shard 4" in text
-    assert "over NVLink at 450 GB/s" in text
+    assert "pp 2 x dp_replicate 1 x dp_shard 16" in text
+    moved = 6_738_415_616 / 2 * (1 + 4 / 256) * 15 / 16
+    assert f"{moved / 1e9:.2f} GB over InfiniBand at 50 GB/s" in text

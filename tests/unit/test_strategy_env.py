@@ -53,3 +53,17 @@ def test_a_misspelt_variable_is_an_error(monkeypatch):
         ValueError, match=r"unknown environment variable ZEROPP_PP_SIZ=.*ZEROPP_PP_SIZE"
     ):
         ZeroPPStrategy()
+
+
+def test_every_config_setting_is_a_strategy_argument():
+    import dataclasses
+    import inspect
+
+    from lightning_zeropp.core.config import ZeroPPConfig
+
+    arguments = set(inspect.signature(ZeroPPStrategy.__init__).parameters)
+    missing = {f.name for f in dataclasses.fields(ZeroPPConfig)} - arguments
+    assert not missing, f"ZeroPPStrategy lacks {sorted(missing)}"
+    strategy = ZeroPPStrategy(quantized_weights="int8", hpz_partition_size=2, node_size=2)
+    config = strategy.zeropp_config
+    assert (config.quantized_weights, config.hpz_partition_size) == ("int8", 2)
