@@ -45,6 +45,7 @@ __all__ = [
     "fsdp_unit_shards",
     "defer_post_forward_reshard",
     "post_forward_mesh",
+    "offload_policies",
     "release_to_post_forward_copy",
 ]
 
@@ -352,6 +353,11 @@ def post_forward_mesh(mesh: DeviceMesh | None) -> Iterator[None]:
         yield
     finally:
         _fully_shard_module._get_post_forward_mesh_info = original
+
+
+def offload_policies(module: FSDPModule) -> list[Any]:
+    """The offload policy of each parameter group of one FSDP unit."""
+    return [group.offload_policy for group in module._get_fsdp_state()._fsdp_param_groups]
 
 
 def defer_post_forward_reshard(module: FSDPModule) -> None:

@@ -54,8 +54,13 @@ __all__ = [
     "CommEvent",
     "mesh_axis_namer",
     "KINDS",
+    "PLUS_AXES",
     "flatten_summary",
 ]
+
+# Groups the library creates beside the mesh, named by their description: ZeRO++'s hpZ
+# partitions (a DeviceMesh dimension, described "mesh_hpz") and its two-hop subgroups.
+PLUS_AXES = ("hpz", "zeropp_plus_intra", "zeropp_plus_cross")
 
 AxisNamer = Callable[[ProcessGroup | None], str]
 
@@ -269,7 +274,8 @@ def mesh_axis_namer(mesh: DeviceMesh) -> AxisNamer:
     A group is matched by identity with `mesh.get_group(axis)` first, then by its ranks, trying
     axes of size > 1 before size-1 ones. DeviceMesh reuses the default group for an axis that spans
     every rank, so the default group (`None`) is named by that axis when there is one; a group
-    matching no axis is "world" if it spans every rank, else "other".
+    matching no axis is "world" if it spans every rank, else one of `PLUS_AXES` by its
+    description, else "other".
     """
     axes = list(mesh.mesh_dim_names or ())
     groups = {axis: mesh.get_group(axis) for axis in axes}
@@ -285,7 +291,9 @@ def mesh_axis_namer(mesh: DeviceMesh) -> AxisNamer:
             if found is None:
                 group_ranks = dist.get_process_group_ranks(group)
                 found = next((a for a in axes if ranks[a] == group_ranks), None)
-                found = found or ("world" if sorted(group_ranks) == world else "other")
+                desc = (getattr(group, "group_desc", "") or "").removeprefix("mesh_")
+                plus = desc if desc in PLUS_AXES else "other"
+                found = found or ("world" if sorted(group_ranks) == world else plus)
             cache[group] = found
         return cache[group]
 

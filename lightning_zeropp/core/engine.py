@@ -29,7 +29,7 @@ from lightning_zeropp.core.batch import (
 )
 from lightning_zeropp.core.call_split import CallInputs
 from lightning_zeropp.core.call_stages import flatten_outputs, restore_output
-from lightning_zeropp.core.comm import CommCounter, flatten_summary, mesh_axis_namer
+from lightning_zeropp.core.comm import PLUS_AXES, CommCounter, flatten_summary, mesh_axis_namer
 from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.failure import FailureBoard, describe_rank
 from lightning_zeropp.core.grads import StepGrads, clip_grad_norm_
@@ -280,12 +280,12 @@ class ZeroPPEngine:
 
         Keys are `{prefix}/{kind}/{axis}/count` and `.../bytes` (kinds: all_gather,
         reduce_scatter, all_reduce, broadcast, all_to_all, send and recv for point-to-point, ...;
-        axes: the mesh's, or "world"), per rank and step; kinds and axes that never occur on any
+        axes: the mesh's, "world", or ZeRO++'s `PLUS_AXES`), per rank and step; kinds and axes that never occur on any
         rank are left out. Collective: every rank must call it. Needs `count_comms=True`.
         """
         if not self.count_comms or self.last_comms is None:
             raise RuntimeError("comm_metrics needs count_comms=True and one train_step first")
-        axes = [*(self.dims.mesh.mesh_dim_names or ()), "world", "other"]
+        axes = [*(self.dims.mesh.mesh_dim_names or ()), "world", *PLUS_AXES, "other"]
         flat = flatten_summary(self.last_comms, axes, prefix)
         values = torch.tensor(list(flat.values()), dtype=torch.float64, device=self.device)
         dist.all_reduce(values)  # outside the counter: not part of any step's traffic

@@ -38,10 +38,6 @@ class NodeTraffic:
         group = group if group is not None else dist.group.WORLD
         if group not in self._cache:
             axis = self._axis(group)
-            if axis == "other":  # ZeRO++'s subgroups, the hpZ partitions ("mesh_hpz")
-                desc = getattr(group, "group_desc", "") or ""
-                if desc.startswith(("zeropp_plus", "mesh_hpz")):
-                    axis = desc.removeprefix("mesh_")
             ranks = dist.get_process_group_ranks(group)
             node = dist.get_rank() // self.node_size
             others = sum(1 for r in ranks if r // self.node_size != node)

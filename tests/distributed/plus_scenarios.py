@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
-from lightning_zeropp.core._torch_private import fsdp_unit_shards
+from lightning_zeropp.core._torch_private import fsdp_unit_shards, offload_policies
 from lightning_zeropp.core.comm import CommCounter
 from lightning_zeropp.core.traffic import NodeTraffic
 from tests.distributed.common import GLOBAL_BATCH, MODEL, lm_loss, make_batches, make_model
@@ -49,7 +49,9 @@ def _train(layout: dict[str, Any], steps: int, lr: float) -> dict[str, Any]:
         "shapes": traffic.shapes,
         "sent": traffic.sent(summary),
         "units": [fsdp_unit_shards(u) for u in units if fsdp_unit_shards(u)],
-        "param_device": str(next(iter(engine.parameters())).device),
+        "offloaded": [
+            type(p).__name__ for u in units for p in offload_policies(u) if fsdp_unit_shards(u)
+        ],
     }
 
 

@@ -62,6 +62,10 @@ def test_full_precision_collectives_reproduce_fsdp_and_one_process(fsdp_runs) ->
         run = fsdp_runs[case]
         assert run["losses"] == pytest.approx(plain["losses"], abs=1e-6), case
         assert _max_param_diff(run, plain) < 1e-6, case
+    # CPU offload is on in every unit (on CPU ranks it moves nothing: this checks the setting
+    # reaches FSDP2 and trains exactly, not what it saves on a GPU).
+    assert set(fsdp_runs["offload"]["offloaded"]) == {"CPUOffloadPolicy"}
+    assert set(plain["offloaded"]) == {"OffloadPolicy"}
     # The full-precision case did run the custom collectives (its traffic is all-to-all).
     assert "all_to_all" in fsdp_runs["fp"]["summary"]
     assert "reduce_scatter" not in fsdp_runs["fp"]["summary"]
@@ -230,3 +234,34 @@ def test_two_hop_reduce_scatter_routes_errs_within_bounds_and_feeds_errors_back(
         mean_fed = (r["int4-ef"].mean(0) - exact)[:96].abs().mean()
         assert mean_fed < 0.5 * mean_plain, (mean_fed, mean_plain)
     assert MODEL.num_layers == 8  # the units counted above are the bundled test model's
+
+
+FRONT_LAYOUT = {"pp_size": 1, "dp_shard_size": 4, "node_size": 2}
+FRONT_FP = {"quantized_weights": "fp", "quantized_gradients": "fp", "hpz_partition_size": 2}
+FRONT_INT8 = {"quantized_weights": "int8", "quantized_gradients": "int8"}
+
+
+def test_lightning_strategy_takes_the_switches(tmp_path: Path) -> None:
+    cases = [
+        {"id": "plain", "layout": FRONT_LAYOUT},
+        {"id": "fp", "layout": {**FRONT_LAYOUT, **FRONT_FP, "log_comms": True}},
+        {"id": "int8", "layout": {**FRONT_LAYOUT, **FRONT_INT8}},
+    ]
+    runs = launch(4, "lightning_scenarios.fit_cases", {"cases": cases}, tmp_path, timeout=420)[0]
+    plain, fp, int8 = runs["plain"], runs["fp"], runs["int8"]
+    assert _max_param_diff(fp, plain) < 1e-6
+    assert 1e-6 < _max_param_diff(int8, plain) < 2e-3
+    assert "all_to_all" in fp["last_comms"] and "hpz" in str(fp["last_comms"]["all_gather"])
+
+
+def test_accelerate_front_takes_the_switches(tmp_path: Path) -> None:
+    cases = [
+        {"id": "plain", "layout": FRONT_LAYOUT},
+        {"id": "fp", "layout": {**FRONT_LAYOUT, **FRONT_FP}},
+        {"id": "int8", "layout": {**FRONT_LAYOUT, **FRONT_INT8}},
+    ]
+    runs = launch(4, "accelerate_scenarios.run_cases", {"cases": cases}, tmp_path, timeout=420)[0]
+    plain, fp, int8 = runs["plain"], runs["fp"], runs["int8"]
+    assert fp["losses"] == pytest.approx(plain["losses"], abs=1e-6)
+    assert _max_param_diff(fp, plain) < 1e-6
+    assert 1e-6 < _max_param_diff(int8, plain) < 2e-3

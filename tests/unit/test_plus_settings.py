@@ -92,3 +92,13 @@ def test_direct_exchange_shares():
     assert _share("send", 2, 1) == 1.0
     assert _share("recv", 2, 1) == 0.0
     assert _share("all_gather", 4, 0) == 0.0
+
+
+def test_switches_come_from_zeropp_variables(monkeypatch):
+    from lightning_zeropp.core.env import config_from_env
+
+    monkeypatch.setenv("ZEROPP_QUANTIZED_GRADIENTS", "int4")
+    monkeypatch.setenv("ZEROPP_HPZ_PARTITION_SIZE", "4")
+    monkeypatch.setenv("ZEROPP_CPU_OFFLOAD", "true")
+    cfg = config_from_env()
+    assert (cfg.quantized_gradients, cfg.hpz_partition_size, cfg.cpu_offload) == ("int4", 4, True)
