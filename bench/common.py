@@ -24,9 +24,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def launch_ranks(
-    script: str, row: str, world: int, args: list[str], timeout_s: float
+    script: str,
+    row: str,
+    world: int,
+    args: list[str],
+    timeout_s: float,
+    placement: Any = None,
 ) -> list[dict[str, Any]]:
-    """Run `script --worker ROW --out DIR ARGS` on `world` fresh ranks; each writes rank{r}.json."""
+    """Run `script --worker ROW --out DIR ARGS` on `world` fresh ranks; each writes rank{r}.json.
+
+    `placement` (e.g. `netns.EmulatedCluster`) puts rank r under `placement.command_prefix(r)`
+    with `placement.env(r)` added to its environment (its node, address and interface)."""
     with tempfile.TemporaryDirectory(prefix=f"bench_{row}_") as tmp:
         out = Path(tmp)
         with socket.socket() as s:
@@ -47,6 +55,9 @@ def launch_ranks(
                 "PYTHONPATH": str(ROOT),
             }
             cmd = [sys.executable, script, "--worker", row, "--out", tmp, *args]
+            if placement is not None:
+                env.update(placement.env(rank))
+                cmd = [*placement.command_prefix(rank), *cmd]
             log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
             logs.append(log)
             procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log))

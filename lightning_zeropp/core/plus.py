@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy
 
@@ -103,7 +104,9 @@ class Plus:
         config, block = self.config, self.config.quant_block_size
         if config.quantized_weights is not None:
             bits = BITS.get(config.quantized_weights)
-            unit.set_custom_all_gather(QuantizedAllGather(segments, self.groups, bits, block))
+            wire = torch.bfloat16 if config.quantized_weights == "bf16" else None
+            comm = QuantizedAllGather(segments, self.groups, bits, block, wire_dtype=wire)
+            unit.set_custom_all_gather(comm)
         if config.quantized_gradients is not None:
             bits = BITS.get(config.quantized_gradients)
             comm = HierarchicalReduceScatter(

@@ -4,7 +4,8 @@ FSDP2 calls a unit's comm with its flat buffer: each rank's part is the padded s
 parameter of the unit, concatenated ("segments", `core.quant`). Both comms pack rows with a
 `BlockCodec`, so blocks follow parameter boundaries and 1-D parameters travel unquantized.
 
-- `QuantizedAllGather`: each rank packs its own part (INT8 + fp32 scales), the packed rows are
+- `QuantizedAllGather`: each rank packs its own part (INT8 + fp32 scales; or every value as
+  `wire_dtype`, e.g. bf16 weights for fp32 compute), the packed rows are
   all-gathered, and every rank, owner included, unpacks every row into the output, so all ranks
   compute with the same weights. A gather on a group other than the unit's shard group (hpZ's
   in-node backward gather of the already-dequantized secondary copy) and a mixed-dtype unit
@@ -108,12 +109,18 @@ class QuantizedAllGather(_Alloc):
     """qwZ for one FSDP unit: `segments` are its parameters' padded shards (see module doc)."""
 
     def __init__(
-        self, segments: Sequence[Segment], groups: NodeGroups, bits: int | None, block: int
-    ):
+        self,
+        segments: Sequence[Segment],
+        groups: NodeGroups,
+        bits: int | None,
+        block: int,
+        wire_dtype: torch.dtype | None = None,
+    ) -> None:
         self.segments = list(segments)
         self.groups = groups
         self.bits = bits
         self.block = block
+        self.wire_dtype = wire_dtype  # unquantized values travel as this (default: their own)
         self._codecs: dict[torch.dtype, BlockCodec] = {}
 
     def __call__(
@@ -138,7 +145,8 @@ class QuantizedAllGather(_Alloc):
     def _codec(self, input_tensor: torch.Tensor) -> BlockCodec:
         dtype = input_tensor.dtype
         if dtype not in self._codecs:
-            self._codecs[dtype] = BlockCodec(self.segments, dtype, self.bits, self.block)
+            wire = self.wire_dtype or dtype
+            self._codecs[dtype] = BlockCodec(self.segments, wire, self.bits, self.block)
         codec = self._codecs[dtype]
         if codec.width_elements != input_tensor.numel():
             raise AssertionError(

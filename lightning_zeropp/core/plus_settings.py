@@ -1,8 +1,10 @@
 """Checking ZeRO++'s and offload's settings of a `ZeroPPConfig` (called by `resolve`).
 
 The switches (one per technique; `core.plus` applies them):
-- `quantized_weights`: None (FSDP's own all-gather), "int8" (qwZ), or "fp" (the same custom
-  collective at full precision: it moves what FSDP's does, and exists to check layouts);
+- `quantized_weights`: None (FSDP's own all-gather), "int8" (qwZ), "bf16" (weights travel as
+  bf16 and are computed with in their own dtype: bf16's gather volume with fp32 compute), or
+  "fp" (the same custom collective at full precision: it moves what FSDP's does, and exists to
+  check layouts);
 - `hpz_partition_size`: None, or k ranks (usually `node_size`) that keep a second copy of the
   weights after forward, so backward gathers stay inside those k ranks (hpZ); resolved to None
   where the shard group already lies inside one node (nothing to do);
@@ -22,7 +24,7 @@ from typing import Any
 
 __all__ = ["WEIGHT_MODES", "GRADIENT_MODES", "resolve_plus"]
 
-WEIGHT_MODES = (None, "fp", "int8")
+WEIGHT_MODES = (None, "fp", "bf16", "int8")
 GRADIENT_MODES = (None, "fp", "int8", "int4")
 _OFF = ("", "none", "null", "off", "false")
 

@@ -38,7 +38,8 @@ class Segment:
 
 
 class BlockCodec:
-    """Packs rows of `width_elements` values of `dtype` laid out as `segments` (see module doc)."""
+    """Packs rows of `width_elements` values laid out as `segments` (see module doc); values that
+    are not quantized travel as `dtype` (their own dtype, or a narrower one such as bf16)."""
 
     def __init__(
         self, segments: Sequence[Segment], dtype: torch.dtype, bits: int | None, block: int

@@ -32,6 +32,7 @@ FSDP_CASES = {
     "hpz": {"hpz_partition_size": 2},
     "offload": {"cpu_offload": True},
     "int8w": {"quantized_weights": "int8"},
+    "bf16w": {"quantized_weights": "bf16"},
     "int8g": {"quantized_gradients": "int8"},
     "int4g": {"quantized_gradients": "int4"},
     "all": {"quantized_weights": "int8", "hpz_partition_size": 2, "quantized_gradients": "int4"},
@@ -103,7 +104,8 @@ def test_int8_weight_gather_computes_with_independently_quantized_weights(fsdp_r
 
 
 @pytest.mark.parametrize(
-    ("case", "bound"), [("int8w", 2e-3), ("int8g", 2e-3), ("int4g", 1.5e-2), ("all", 1.5e-2)]
+    ("case", "bound"),
+    [("int8w", 2e-3), ("bf16w", 2e-3), ("int8g", 2e-3), ("int4g", 1.5e-2), ("all", 1.5e-2)],
 )
 def test_each_technique_trains_close_to_unquantized(fsdp_runs, case: str, bound: float) -> None:
     run, plain = fsdp_runs[case], fsdp_runs["plain"]
@@ -135,6 +137,7 @@ def test_cross_node_bytes_are_the_expected_volumes(fsdp_runs) -> None:
     expect = {  # case: ({kind: {group: bytes}}, cross-node bytes sent)
         "plain": ({"all_gather": {"dp_shard:x4": 2 * shard}}, 2 * shard * 2 + 4 * shard // 2),
         "int8w": ({"all_gather": {"dp_shard:x4": 2 * w8}}, 2 * w8 * 2 + 4 * shard // 2),
+        "bf16w": ({"all_gather": {"dp_shard:x4": shard}}, shard * 2 + 4 * shard // 2),
         "hpz": (
             {"all_gather": {"dp_shard:x4": shard, "hpz:in2": 2 * shard}},
             shard * 2 + 4 * shard // 2,

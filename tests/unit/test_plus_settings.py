@@ -39,6 +39,7 @@ def test_hpz_inside_one_node_has_nothing_to_do():
     ("settings", "match"),
     [
         ({"quantized_weights": "int4"}, r"quantized_weights='int4' is unknown"),
+        ({"quantized_gradients": "bf16"}, r"quantized_gradients='bf16' is unknown"),
         ({"quantized_gradients": "fp8"}, r"quantized_gradients='fp8' is unknown"),
         ({"quant_block_size": 0}, r"quant_block_size=0 must be a positive integer"),
         ({"node_size": 3}, r"node_size=3 does not divide the world \(8 processes\)"),

@@ -108,3 +108,10 @@ def test_bad_settings_are_named() -> None:
         BlockCodec([], torch.float32, 3, 8)
     with pytest.raises(ValueError, match="block=0"):
         BlockCodec([], torch.float32, 8, 0)
+
+
+def test_a_narrower_wire_dtype_rounds_raw_values_to_it() -> None:
+    x = torch.randn(2, 30)
+    codec = BlockCodec([Segment(0, 30, False)], torch.bfloat16, None, 8)
+    assert codec.width_bytes == 30 * 2
+    assert torch.equal(codec.decode(codec.encode(x)), x.to(torch.bfloat16).float())
