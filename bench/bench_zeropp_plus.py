@@ -258,7 +258,7 @@ def main() -> None:
     steps = 1 if args.quick else args.steps
     flops = matmul_flops()
     rates = scaled_rates(flops)
-    print(f"bf16 matmul {flops / 1e9:.1f} GFLOP/s; rates {rates}", flush=True)
+    print(f"fp32 matmul {flops / 1e9:.1f} GFLOP/s; rates {rates}", flush=True)
     rows = run_rows(rates, steps, args.warmup)
     meta = {"machine": machine(), "flops": flops, "rates": rates, "steps": steps,
             "warmup": args.warmup}  # fmt: skip

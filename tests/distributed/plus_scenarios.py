@@ -87,3 +87,38 @@ def reduce_scatter_direct(node_size: int, calls: int, block: int = 32) -> dict[s
             outputs.append(output)
         out[mode] = torch.stack(outputs)
     return out
+
+
+def gather_direct() -> dict[str, Any]:
+    """One FSDP unit gathered through qwZ's comm: an unevenly sharded matrix (5 rows over the
+    ranks), a 3-element vector, and, in a second unit, two dtypes (FSDP hands those over as
+    bytes). Returns each unit's gathered parameters next to the originals."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_zeropp.core.plus import segments_of
+    from lightning_zeropp.core.plus_comm import NodeGroups, QuantizedAllGather
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    groups = NodeGroups([list(range(world))], node_size=1)
+    torch.manual_seed(0)
+    uneven = nn.Module()
+    uneven.weight = nn.Parameter(torch.randn(5, 3) * 10.0)
+    uneven.bias = nn.Parameter(torch.randn(3))
+    mixed = nn.Module()
+    mixed.a = nn.Parameter(torch.randn(4, 4))
+    mixed.b = nn.Parameter(torch.randn(4, 4, dtype=torch.bfloat16))
+    originals = {
+        name: {n: p.detach().clone() for n, p in m.named_parameters()}
+        for name, m in (("uneven", uneven), ("mixed", mixed))
+    }
+    out: dict[str, Any] = {"originals": originals, "gathered": {}}
+    for name, module in (("uneven", uneven), ("mixed", mixed)):
+        fully_shard(module, mesh=mesh)
+        module.set_custom_all_gather(QuantizedAllGather(segments_of(module), groups, 8, 4))
+        module.unshard()
+        out["gathered"][name] = {n: p.detach().clone() for n, p in module.named_parameters()}
+        module.reshard()
+    return out

@@ -31,6 +31,8 @@ FSDP_CASES = {
     "fp": {"quantized_weights": "fp", "quantized_gradients": "fp"},
     "hpz": {"hpz_partition_size": 2},
     "offload": {"cpu_offload": True},
+    "bf16": {"param_dtype": "bf16"},
+    "bf16-int8w": {"param_dtype": "bf16", "quantized_weights": "int8"},
     "int8w": {"quantized_weights": "int8"},
     "bf16w": {"quantized_weights": "bf16"},
     "int8g": {"quantized_gradients": "int8"},
@@ -114,6 +116,16 @@ def test_each_technique_trains_close_to_unquantized(fsdp_runs, case: str, bound:
     assert 1e-6 < _max_param_diff(run, plain) < bound
 
 
+def test_int8_weight_gather_under_bf16_parameters(fsdp_runs) -> None:
+    """FSDP2 hands bf16 shards to the gather under param_dtype=bf16: quantized from bf16,
+    dequantized to bf16, close to plain bf16 training and not equal to it."""
+    run, plain = fsdp_runs["bf16-int8w"], fsdp_runs["bf16"]
+    for loss, want in zip(run["losses"], plain["losses"], strict=True):
+        assert abs(loss - want) / want < 5e-3
+    assert run["losses"] != plain["losses"]
+    assert 1e-6 < _max_param_diff(run, plain) < 1e-2
+
+
 def _widths(units: list[list[tuple[int, int]]], bits: int | None, raw: int = 4) -> int:
     """Packed bytes of one row of every unit (written here from the format, not the codec)."""
     total = 0
@@ -180,6 +192,7 @@ def test_hpz_backward_gathers_stay_inside_the_node(fsdp_runs) -> None:
 PIPELINE_CASES = {
     "plain": {},
     "fp": {"quantized_weights": "fp", "quantized_gradients": "fp"},
+    "offload": {"cpu_offload": True},
     "all": {"quantized_weights": "int8", "quantized_gradients": "int4"},
 }
 
@@ -205,9 +218,11 @@ def test_pipeline_schedules_with_zeropp_plus(tmp_path: Path, world, base, hpz) -
             cases.append({"id": f"{schedule}-{name}", "layout": {**layout, **settings, **with_hpz}})
     runs = launch(world, "plus_scenarios.train", {"cases": cases}, tmp_path)[0]
     for schedule in ("1f1b", "zeropp"):
-        plain, fp, quant = (runs[f"{schedule}-{n}"] for n in PIPELINE_CASES)
-        assert fp["losses"] == pytest.approx(plain["losses"], abs=1e-6), schedule
-        assert _max_param_diff(fp, plain) < 1e-6, schedule
+        plain, fp, offload, quant = (runs[f"{schedule}-{n}"] for n in PIPELINE_CASES)
+        for exact in (fp, offload):
+            assert exact["losses"] == pytest.approx(plain["losses"], abs=1e-6), schedule
+            assert _max_param_diff(exact, plain) < 1e-6, schedule
+        assert set(offload["offloaded"]) == {"CPUOffloadPolicy"}
         assert 1e-6 < _max_param_diff(quant, plain) < 1.5e-2, schedule
         assert quant["sent"]["cross_node"] < 0.5 * plain["sent"]["cross_node"], schedule
         if hpz:  # backward gathers from the node copy: fewer bytes cross than without hpZ
@@ -268,3 +283,16 @@ def test_accelerate_front_takes_the_switches(tmp_path: Path) -> None:
     assert fp["losses"] == pytest.approx(plain["losses"], abs=1e-6)
     assert _max_param_diff(fp, plain) < 1e-6
     assert 1e-6 < _max_param_diff(int8, plain) < 2e-3
+
+
+def test_weight_gather_of_uneven_shards_small_and_mixed_dtype_units(tmp_path: Path) -> None:
+    result = launch(2, "plus_scenarios.gather_direct", {}, tmp_path)[0]
+    original, gathered = result["originals"]["uneven"], result["gathered"]["uneven"]
+    # 5 rows over 2 ranks: shards of 3 rows (the second padded); blocks of 4 from each start.
+    want = _quantized_like_the_gather(original["weight"], 2, 4)
+    torch.testing.assert_close(gathered["weight"], want, rtol=0, atol=1e-6)
+    assert not torch.equal(gathered["weight"], original["weight"])
+    assert torch.equal(gathered["bias"], original["bias"])  # 1-D: unquantized
+    # Two dtypes in one unit arrive as bytes: passed through exactly.
+    for name, p in result["originals"]["mixed"].items():
+        assert torch.equal(result["gathered"]["mixed"][name], p), name
