@@ -131,14 +131,14 @@ class QuantizedAllGather(_Alloc):
         async_op: bool = False,
     ) -> dist.Work | None:
         if not input_tensor.is_floating_point() or self.groups.split(group) is None:
-            return dist.all_gather_into_tensor(
+            return dist.all_gather_single(
                 output_tensor, input_tensor, group=group, async_op=async_op
             )
         codec = self._codec(input_tensor)
         # The input is a view into the output: pack it before anything is written there.
         packed = codec.encode(input_tensor.view(1, -1))
         gathered = packed.new_empty((group.size(), codec.width_bytes))
-        dist.all_gather_into_tensor(gathered, packed, group=group)
+        dist.all_gather_single(gathered, packed, group=group)
         codec.decode(gathered, out=output_tensor.view(group.size(), -1))
         return None
 

@@ -41,7 +41,8 @@ def _train(layout: dict[str, Any], steps: int, lr: float) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))
-    units = [m for m in engine.module.modules() if isinstance(m, FSDPModule)]
+    # The stages' modules: with several stages per rank, engine.module merges their trees.
+    units = [m for s in engine._stage_modules for m in s.modules() if isinstance(m, FSDPModule)]
     return {
         "losses": losses,
         "params": {n: _full(p) for n, p in engine.module.named_parameters()},
@@ -109,7 +110,8 @@ def gather_direct() -> dict[str, Any]:
     uneven.bias = nn.Parameter(torch.randn(3))
     mixed = nn.Module()
     mixed.a = nn.Parameter(torch.randn(4, 4))
-    mixed.b = nn.Parameter(torch.randn(4, 4, dtype=torch.bfloat16))
+    # Frozen, in another dtype (FSDP2 needs one dtype among trainable parameters only).
+    mixed.b = nn.Parameter(torch.randn(4, 4, dtype=torch.bfloat16), requires_grad=False)
     originals = {
         name: {n: p.detach().clone() for n, p in m.named_parameters()}
         for name, m in (("uneven", uneven), ("mixed", mixed))
