@@ -25,15 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from lightning_zeropp.core.config import ZeroPPConfig
-from lightning_zeropp.core.schedule import zeropp_orders
+from lightning_zeropp.core.schedule import zeropp_orders, zeropp_plans
 from lightning_zeropp.core.timeline import Interval, Timeline, bubble_fraction
-from lightning_zeropp.core.zeropp_schedule import (
-    DURATIONS,
-    bubble_formula,
-    gather_blocks,
-    reduce_points,
-    simulate,
-)
+from lightning_zeropp.core.zeropp_schedule import DURATIONS, bubble_formula, simulate
 
 __all__ = ["planned_timelines", "draw_gantt", "write_chrome_trace", "main"]
 
@@ -57,29 +51,38 @@ GATHER, RELEASE, MARK = 0.3, 0.06, 0.04  # planned widths, in forward-task units
 
 
 def planned_timelines(config: ZeroPPConfig) -> list[Timeline]:
-    """Each pipeline rank's planned actions (a resolved `schedule="zeropp"` config)."""
+    """Each pipeline rank's planned actions (a resolved `schedule="zeropp"` config): the lowered
+    plans the runtime runs (`core.schedule.zeropp_plans`), timed by the schedule simulator."""
     orders = zeropp_orders(config)
-    assert config.num_microbatches is not None and config.unit_size is not None
+    assert config.num_microbatches is not None
     sim = simulate(orders, config.num_stages, config.num_microbatches, DURATIONS)
     timelines = []
-    for rank, order in orders.items():
+    for rank, plan in zeropp_plans(config).items():
         tl = Timeline(rank=rank)
-        times = sim[rank]
-        for task, start, end in times:
-            tl.intervals.append(
-                Interval("compute", task.kind, start, end, task.stage, task.microbatch)
-            )
-            if task.kind in "FI" or task.kind == "B":  # activations / gradients go downstream
-                tl.intervals.append(Interval("comm", "send", end, end + MARK, task.stage))
-        for stage, first, last in gather_blocks(order):
-            start, end = times[first][1], times[last - 1][2]
-            tl.intervals.append(Interval("comm", "all_gather", start - GATHER, start, stage))
-            tl.intervals.append(Interval("comm", "release", end, end + RELEASE, stage))
-        for i in reduce_points(order, config.unit_size, config.grad_reduce):
-            end = times[i][2]
-            tl.intervals.append(
-                Interval("comm", "reduce_scatter", end, end + GATHER, order[i].stage)
-            )
+        times = iter(sim[rank])
+        computed = [next(times)[1:] if step.kind == "compute" else None for step in plan]
+        for i, step in enumerate(plan):
+            if step.kind == "compute":
+                assert step.task is not None
+                start, end = computed[i]
+                tl.intervals.append(
+                    Interval(
+                        "compute", step.task.kind, start, end, step.stage, step.task.microbatch
+                    )
+                )
+                if step.task.kind in "FIB":  # activations / gradients go downstream
+                    tl.intervals.append(Interval("comm", "send", end, end + MARK, step.stage))
+            elif step.kind == "gather":  # just before the block's first task
+                start = next(c for c in computed[i:] if c is not None)[0]
+                tl.intervals.append(
+                    Interval("comm", "all_gather", start - GATHER, start, step.stage)
+                )
+            else:  # a release or an early reduce-scatter: right after the task before it
+                end = next(c for c in reversed(computed[:i]) if c is not None)[1]
+                kind, width = (
+                    ("release", RELEASE) if step.kind == "release" else ("reduce_scatter", GATHER)
+                )
+                tl.intervals.append(Interval("comm", kind, end, end + width, step.stage))
         timelines.append(tl)
     return timelines
 

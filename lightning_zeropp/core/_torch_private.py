@@ -6,7 +6,7 @@ Covered torch range: 2.13.x (pinned in pyproject.toml).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -18,27 +18,29 @@ from torch.distributed.fsdp._fully_shard import _fully_shard as _fully_shard_mod
 from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
-    BACKWARD_INPUT,
-    BACKWARD_WEIGHT,
-    FORWARD,
-    FULL_BACKWARD,
-    REDUCE_GRAD,
-    RESHARD,
-    UNSHARD,
     _Action,
     _add_reduce_grad,
     _add_send_recv,
-    _PipelineContext,
     _PipelineSchedule,
     _PipelineScheduleRuntime,
 )
 
-from lightning_zeropp.core.zeropp_schedule import Task, gather_blocks
-
 __all__ = [
-    "LeanStage",
+    "ShapeInferenceStage",
     "PipelineSchedule",
-    "UnitScheduleRuntime",
+    "ScheduleRuntime",
+    "Action",
+    "add_reduce_grad",
+    "add_send_recv",
+    "runtime_stages",
+    "runtime_num_stages",
+    "runtime_microbatches",
+    "runtime_has_backward",
+    "set_runtime_has_backward",
+    "wait_gathered",
+    "unsharded_params",
+    "run_post_backward",
+    "hide_post_forward_mesh",
     "on_scheduled_loss",
     "unsharded_parameter_bytes",
     "local_chunk",
@@ -52,24 +54,18 @@ __all__ = [
 PipelineSchedule = _PipelineSchedule
 
 
-class LeanStage(PipelineStage):
-    """torch's `PipelineStage` whose shape inference holds one stage's gathered weights at a time.
-
-    On its first step torch infers every stage's shapes by running one micro-batch forward through
-    all of a rank's stages before any scheduled action; FSDP gathers each stage's weights for it
-    and, without resharding after forward (the default when pp > 1), keeps all of them: a rank's
-    whole share of the model unsharded at once, which is more than a large model's shards leave
-    room for. This reshards each stage right after its forward inference; the backward inference
-    that follows gathers again, one stage at a time, as a real backward does.
-    """
+class ShapeInferenceStage(PipelineStage):
+    """torch's `PipelineStage` calling `after_forward_inference()` once its first-step forward
+    shape inference (`_prepare_forward_infra`) has run (`core.runtime.LeanStage`)."""
 
     def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return super()._prepare_forward_infra(*args, **kwargs)
         finally:
-            for module in self.submod.modules():
-                if isinstance(module, FSDPModule):
-                    module.reshard()
+            self.after_forward_inference()
+
+    def after_forward_inference(self) -> None:
+        """Called after forward shape inference (default: nothing)."""
 
 
 def on_scheduled_loss(schedule: _PipelineSchedule, wrapper: Callable[..., Any]) -> None:
@@ -87,232 +83,56 @@ def on_scheduled_loss(schedule: _PipelineSchedule, wrapper: Callable[..., Any]) 
     schedule._compute_loss = routed  # type: ignore[method-assign]
 
 
-class UnitScheduleRuntime(_PipelineScheduleRuntime):
-    """torch's schedule runtime executing explicit per-rank task orders (looped stage placement).
-
-    The compute order comes from `core.zeropp_schedule`. Lowering: one UNSHARD (all-gather of every
-    FSDP unit of the stage) before each contiguous block of one stage's tasks and one RESHARD after
-    it, an early gradient reduce-scatter after the tasks listed in `reduce_at` (a REDUCE_GRAD action
-    carrying a micro-batch index; torch's own end-of-step REDUCE_GRAD carries none), then torch's
-    own passes add the end-of-step reduction and the send/recv actions.
-
-    Two actions get their own implementation:
-    - BACKWARD_WEIGHT on a stage whose weights were released (a held-back W) computes the weight
-      gradients against FSDP's unsharded parameter objects, whose data is gone but whose autograd
-      identity and `.grad` are kept: a weight gradient needs saved activations, not weights.
-    - REDUCE_GRAD with a micro-batch index reduce-scatters the gradients gathered so far into the
-      sharded gradients (which accumulate) and leaves the weights as they are; the end-of-step one
-      is torch's, which also scales by the micro-batch count.
-    """
-
-    def __init__(
-        self,
-        stages: list[Any],
-        n_microbatches: int,
-        loss_fn: Callable[..., Any] | None,
-        orders: Mapping[int, Sequence[Task]],
-        reduce_at: Mapping[int, Sequence[int]] | None = None,
-        stage_to_rank: Mapping[int, int] | None = None,
-        forward_only: bool = False,
-        keep_node_copy: bool = False,
-    ) -> None:
-        super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
-        if stage_to_rank is not None:  # e.g. the V placement; the runtime assumes looped
-            self.stage_index_to_group_rank = dict(stage_to_rank)
-            for stage in self._stages:
-                stage.stage_index_to_group_rank = self.stage_index_to_group_rank
-        kinds = {"F": FORWARD, "B": FULL_BACKWARD, "I": BACKWARD_INPUT, "W": BACKWARD_WEIGHT}
-        self.pipeline_order = {
-            rank: [_Action(t.stage, kinds[t.kind], t.microbatch) for t in order]
-            for rank, order in orders.items()
-        }
-        reduce_at = reduce_at or {}
-        lowered = {
-            rank: _lower(orders[rank], actions, set(reduce_at.get(rank, ())), keep_node_copy)
-            for rank, actions in self.pipeline_order.items()
-        }
-        if not forward_only:  # a forward-only order has no gradients to reduce
-            lowered = {r: _add_reduce_grad(a, n_microbatches) for r, a in lowered.items()}
-        mapping = self.stage_index_to_group_rank
-        self.pipeline_order_with_comms = _add_send_recv(
-            lowered, stage_to_rank=lambda s: mapping[s], num_stages=self._num_stages
-        )
-        self.register_custom_function(BACKWARD_WEIGHT, _backward_weight)
-        self.register_custom_function(REDUCE_GRAD, _reduce_grad)
-        if keep_node_copy:
-            self.register_custom_function(UNSHARD, _gather)
-            self.register_custom_function(RESHARD, _release)
-
-    def evaluate(
-        self, *args: Any, target: Any = None, losses: list | None = None, **kw: Any
-    ) -> None:
-        """Forward only, keeping no outputs: `eval()` would merge the last stage's outputs
-        across micro-batches, which fails on a scalar among them (an HF output's loss)."""
-        saved = self._has_backward
-        self._has_backward = False
-        try:
-            self.step(*args, target=target, losses=losses, return_outputs=False, **kw)
-        finally:
-            self._has_backward = saved
+# The schedule runtime's private names and state, for `core.runtime`.
+Action = _Action
+ScheduleRuntime = _PipelineScheduleRuntime
+add_reduce_grad = _add_reduce_grad
+add_send_recv = _add_send_recv
 
 
-# A RESHARD action whose micro-batch index is this releases to FSDP's post-forward copy (hpZ).
-_TO_NODE_COPY = 0
+def runtime_stages(runtime: Any) -> list[Any]:
+    return runtime._stages
 
 
-def _lower(
-    order: Sequence[Task], actions: list[_Action], reduce_at: set[int], keep_node_copy: bool
-) -> list[_Action]:
-    blocks = gather_blocks(order)
-    starts = {start: stage for stage, start, _ in blocks}
-    ends = {end - 1: stage for stage, _, end in blocks}
-    # A release after forwards only, of a chunk that runs backward later, keeps the node copy.
-    to_copy = {
-        end - 1
-        for n, (stage, start, end) in enumerate(blocks)
-        if keep_node_copy
-        and all(t.kind == "F" for t in order[start:end])
-        and any(later == stage for later, _, _ in blocks[n + 1 :])
-    }
-    lowered: list[_Action] = []
-    for i, (task, action) in enumerate(zip(order, actions, strict=True)):
-        if i in starts:
-            lowered.append(_Action(starts[i], UNSHARD))
-        lowered.append(action)
-        if i in reduce_at:
-            lowered.append(_Action(task.stage, REDUCE_GRAD, task.microbatch))
-        if i in ends:
-            lowered.append(_Action(ends[i], RESHARD, _TO_NODE_COPY if i in to_copy else None))
-    return lowered
+def runtime_num_stages(runtime: Any) -> int:
+    return runtime._num_stages
 
 
-def _gather(action: _Action, ctx: _PipelineContext) -> None:
-    """UNSHARD as torch's runtime does it; once a gather from the post-forward copy has ended,
-    that copy's mesh is hidden from FSDP again."""
-    runtime = ctx.schedule_ref
-    stage = _stage_of(runtime, action.stage_index)
-    if not isinstance(stage.submod, FSDPModule):
-        return
-    assert stage.stage_index not in runtime.unsharded_stages, "gathered twice"
-    assert stage.stage_index not in runtime.unshard_ops, "gathered twice"
-    for module in stage.submod.modules():
-        if isinstance(module, FSDPModule):
-            handle = module.unshard(async_op=True)
-            runtime.unshard_ops[stage.stage_index].append(_Gathered(handle, module))
+def runtime_microbatches(runtime: Any) -> int:
+    return runtime._n_microbatches
 
 
-class _Gathered:
-    """An unshard handle that hides the post-forward copy's mesh once the gather is waited on."""
-
-    def __init__(self, handle: Any, module: FSDPModule) -> None:
-        self.handle, self.module = handle, module
-
-    def wait(self) -> None:
-        self.handle.wait()
-        _hide_post_forward_mesh(self.module)
+def runtime_has_backward(runtime: Any) -> bool:
+    return runtime._has_backward
 
 
-def _release(action: _Action, ctx: _PipelineContext) -> None:
-    """RESHARD as torch's runtime does it, to the post-forward copy when the action says so."""
-    runtime = ctx.schedule_ref
-    stage = _stage_of(runtime, action.stage_index)
-    if isinstance(stage.submod, FSDPModule):
-        assert stage.stage_index in runtime.unsharded_stages, "released without a gather"
-        assert stage.stage_index not in runtime.unshard_ops, "released before the gather ended"
-        for module in stage.submod.modules():
-            if not isinstance(module, FSDPModule):
-                continue
-            if action.microbatch_index == _TO_NODE_COPY:
-                release_to_post_forward_copy(module)
-            else:
-                module.reshard()
-        runtime.unsharded_stages.remove(stage.stage_index)
+def set_runtime_has_backward(runtime: Any, value: bool) -> None:
+    runtime._has_backward = value
 
 
-def _stage_of(runtime: Any, stage_index: int) -> Any:
-    return next(s for s in runtime._stages if s.stage_index == stage_index)
+def wait_gathered(runtime: Any, stage: Any) -> None:
+    """Wait for the stage's pending gather, as the runtime does before computing on it."""
+    runtime._assert_unsharded(stage)
 
 
-def _backward_weight(action: _Action, ctx: _PipelineContext) -> None:
-    runtime = ctx.schedule_ref
-    stage = _stage_of(runtime, action.stage_index)
-    runtime.backward_counter[stage.stage_index] += 1
-    last = runtime.backward_counter[stage.stage_index] == runtime._n_microbatches
-    gathered = stage.stage_index in runtime.unsharded_stages or stage.stage_index in (
-        runtime.unshard_ops
-    )
-    if gathered or not isinstance(stage.submod, FSDPModule):
-        runtime._assert_unsharded(stage)
-        stage.backward_weight_one_chunk(action.microbatch_index, last_backward=last)
-        return
-    with _unsharded_parameters(stage.submod):
-        stage.backward_weight_one_chunk(action.microbatch_index, last_backward=last)
-
-
-@contextlib.contextmanager
-def _unsharded_parameters(module: nn.Module) -> Iterator[None]:
-    """Make `module.parameters()` yield FSDP's unsharded parameter objects while resharded.
-
-    The stage computes weight gradients for (and accumulates them into) `submod.parameters()`;
-    once resharded those are the sharded DTensors, which the saved autograd graph never saw.
-
-    A weight's gradient never needs its own value when the weight enters its op once and linearly
-    (matmuls, embeddings, norms), but some kernels still touch the memory: layer norm's backward
-    reads the scale even when only the scale's gradient is wanted. Vectors (norm scales, biases;
-    tiny) therefore get memory filled with NaN for the duration: read but unused it is harmless,
-    used it poisons the gradients and the loss, so a model whose weight gradients do depend on the
-    weights fails loudly instead of training on garbage. Matrices stay unallocated; a kernel that
-    reads one fails with the error below.
-    """
-    params = [
-        fsdp_param._unsharded_param
-        for m in module.modules()
-        if isinstance(m, FSDPModule) and (group := m._get_fsdp_state()._fsdp_param_group)
-        for fsdp_param in group.fsdp_params
-        if hasattr(fsdp_param, "_unsharded_param")
+def unsharded_params(module: FSDPModule) -> list[Any]:
+    """FSDP's unsharded parameter objects of one unit (their data may be freed)."""
+    group = module._get_fsdp_state()._fsdp_param_group
+    return [
+        p._unsharded_param
+        for p in (group.fsdp_params if group else ())
+        if hasattr(p, "_unsharded_param")
     ]
-    filled = [p for p in params if p.ndim <= 1 and p.untyped_storage().size() == 0]
-    for p in filled:
-        p.untyped_storage().resize_((p.storage_offset() + p.numel()) * p.element_size())
-        p.data.fill_(float("nan"))
-    module.parameters = lambda recurse=True: iter(params)  # type: ignore[method-assign]
-    try:
-        yield
-    except RuntimeError as err:
-        if "data is not allocated" not in str(err):
-            raise
-        raise RuntimeError(
-            "a held-back weight-gradient task (schedule='zeropp', split_backward=True) needed the "
-            "values of a released weight matrix; this model's weight gradients depend on its "
-            "weights. Use split_backward=False."
-        ) from err
-    finally:
-        del module.parameters
-        for p in filled:
-            p.untyped_storage().resize_(0)
 
 
-def _reduce_grad(action: _Action, ctx: _PipelineContext) -> None:
-    runtime = ctx.schedule_ref
-    stage = _stage_of(runtime, action.stage_index)
-    if action.microbatch_index is None:  # torch's end-of-step reduction, as the runtime does it
-        stage.perform_reduce_grad(runtime._n_microbatches if runtime.scale_grads else 1)
-        return
-    root = stage.submod
-    if not isinstance(root, FSDPModule):
-        return
-    # What perform_reduce_grad does, minus resharding (the block may still be running) and minus
-    # scaling (the end-of-step reduction scales everything once).
-    root.set_requires_gradient_sync(True)
-    root.set_reshard_after_backward(False)
-    root.set_is_last_backward(True)
+def run_post_backward(root: FSDPModule) -> None:
+    """FSDP's post-backward of every unit under `root`, then its end-of-backward callback: the
+    reduce-scatter of the gradients computed so far."""
     state = root._get_fsdp_state()
     for sub in state._state_ctx.all_states:
         for group in sub._fsdp_param_groups:
             group.post_backward()
     state._root_post_backward_final_callback()
-    root.set_requires_gradient_sync(False)
-    root.set_is_last_backward(False)
 
 
 def fsdp_unit_shards(module: FSDPModule) -> list[tuple[int, int]]:
@@ -375,13 +195,14 @@ def release_to_post_forward_copy(module: FSDPModule) -> None:
     for group in module._get_fsdp_state()._fsdp_param_groups:
         info = getattr(group, "_lzpp_post_forward_mesh_info", None)
         if info is not None and group.is_unsharded:
-            group.post_forward_mesh_info = info  # the next gather reads it; see gather_stage
+            group.post_forward_mesh_info = info  # the next gather reads it (core.runtime)
             group._to_sharded_post_forward()
         else:
             group.reshard()
 
 
-def _hide_post_forward_mesh(module: FSDPModule) -> None:
+def hide_post_forward_mesh(module: FSDPModule) -> None:
+    """Hide a deferred unit's post-forward mesh from FSDP again (`defer_post_forward_reshard`)."""
     for group in module._get_fsdp_state()._fsdp_param_groups:
         if hasattr(group, "_lzpp_post_forward_mesh_info"):
             group.post_forward_mesh_info = None

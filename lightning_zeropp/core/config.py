@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
+from lightning_zeropp.core.placement import STYLES, schedule_style
 from lightning_zeropp.core.plus_settings import resolve_plus
-from lightning_zeropp.core.schedule import SCHEDULES, schedule_style
 
 __all__ = ["ZeroPPConfig", "parse_dtype", "schedule_name", "RECOMPUTE", "GRAD_REDUCE"]
 
@@ -192,7 +192,7 @@ def schedule_name(name: object) -> str:
     key = str(name).lower().replace("_", "").replace("-", "").removeprefix("schedule")
     if key not in _ALIASES:
         raise ValueError(
-            f"schedule={name!r} is unknown; choose one of {sorted(SCHEDULES)} (torch's class "
+            f"schedule={name!r} is unknown; choose one of {sorted(STYLES)} (torch's class "
             "names such as 'Interleaved1F1B' or 'ZBVZeroBubble' are accepted too)."
         )
     return _ALIASES[key]

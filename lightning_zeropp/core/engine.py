@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from lightning_zeropp.core._torch_private import LeanStage, on_scheduled_loss
+from lightning_zeropp.core._torch_private import on_scheduled_loss
 from lightning_zeropp.core.batch import (
     ShapeGuard,
     agree_on_step,
@@ -45,15 +45,10 @@ from lightning_zeropp.core.memory import GatheredPeak, SavedActivations, format_
 from lightning_zeropp.core.mesh import ParallelDims, build_mesh
 from lightning_zeropp.core.modules import merge_stage_modules
 from lightning_zeropp.core.nonfinite import NonFiniteWatch
+from lightning_zeropp.core.placement import rank_of_stage, schedule_style, stage_ids_for_rank
 from lightning_zeropp.core.plus import Plus
-from lightning_zeropp.core.schedule import (
-    build_eval_schedule,
-    build_schedule,
-    eval_microbatches,
-    rank_of_stage,
-    schedule_style,
-    stage_ids_for_rank,
-)
+from lightning_zeropp.core.runtime import LeanStage
+from lightning_zeropp.core.schedule import build_eval_schedule, build_schedule, eval_microbatches
 from lightning_zeropp.core.shard import apply_activation_checkpointing, shard_stage
 from lightning_zeropp.core.split import (
     BlockPlan,

@@ -11,8 +11,8 @@ node. Where it acts:
 - FSDP alone, and torch's pipeline schedules with `reshard_after_forward=True`: FSDP reshards to
   the secondary copy after every forward;
 - `schedule="zeropp"`: the schedule releases a chunk's weights itself; a release after a block of
-  forwards whose chunk will run backward later keeps the secondary copy (`core._torch_private.
-  UnitScheduleRuntime`);
+  forwards whose chunk will run backward later keeps the secondary copy (`zeropp_schedule.lower`,
+  run by `core.runtime.UnitScheduleRuntime`);
 - torch's pipeline schedules without resharding (their default) gather once per step and never in
   backward: hpZ has nothing to do there.
 """
@@ -40,6 +40,7 @@ from lightning_zeropp.core.plus_comm import (
     NodeGroups,
     QuantizedAllGather,
 )
+from lightning_zeropp.core.plus_settings import hpz_size
 from lightning_zeropp.core.quant import BITS, Segment
 
 __all__ = ["Plus", "segments_of"]
@@ -70,8 +71,7 @@ class Plus:
     @property
     def hpz_size(self) -> int | None:
         """k when hpZ is on and smaller than the shard group (k = the group is plain ZeRO-3)."""
-        k = self.config.hpz_partition_size
-        return k if k is not None and k < (self.config.dp_shard_size or 1) else None
+        return hpz_size(self.config)
 
     def sharding(self) -> contextlib.AbstractContextManager[None]:
         return post_forward_mesh(self.partition_mesh)

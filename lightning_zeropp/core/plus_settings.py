@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["WEIGHT_MODES", "GRADIENT_MODES", "resolve_plus"]
+__all__ = ["WEIGHT_MODES", "GRADIENT_MODES", "resolve_plus", "hpz_size"]
 
 WEIGHT_MODES = (None, "fp", "bf16", "int8")
 GRADIENT_MODES = (None, "fp", "int8", "int4")
@@ -71,11 +71,22 @@ def resolve_plus(cfg: Any, world_size: int) -> None:
     _check_gradients(cfg)
 
 
+def hpz_size(cfg: Any) -> int | None:
+    """k when hpZ changes anything in a resolved config: on, and smaller than the shard group."""
+    k = cfg.hpz_partition_size
+    return k if k is not None and k < (cfg.dp_shard_size or 1) else None
+
+
 def _check_hpz(cfg: Any) -> None:
     k = cfg.hpz_partition_size
     if k is None:
         return
     _positive("hpz_partition_size", k)
+    if k == 1:
+        raise ValueError(
+            "hpz_partition_size=1 would keep a whole copy of the weights on every rank after "
+            "forward; that is reshard_after_forward=False. Use the node size (e.g. 8)."
+        )
     shard, node = cfg.dp_shard_size, cfg.node_size
     if k % shard == 0 and node % shard == 0:
         # The whole shard group already lies inside one node (or k is the group): backward

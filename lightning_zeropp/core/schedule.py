@@ -1,68 +1,56 @@
-"""Pipeline schedules by name, and where each schedule puts its stages.
-
-Three placement styles cover torch's schedules:
-- "single": one stage per rank, stage i on pipeline rank i (GPipe, 1F1B);
-- "looped": `num_chunks` stages per rank, rank r holds r, r + pp, r + 2pp, ... (Interleaved1F1B,
-  LoopedBFS, InterleavedZeroBubble);
-- "v": two stages per rank folded in a V, rank r holds r and 2pp - 1 - r (ZBVZeroBubble, DualPipeV).
-"""
+"""Pipeline schedules by name: torch's schedule classes and ZeroPP's unit schedule, built over a
+rank's stages (placements: `core.placement`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch.distributed.pipelining as pipelining
 
-from lightning_zeropp.core.zeropp_schedule import Task, check_orders, rank_order, reduce_points
+from lightning_zeropp.core.placement import (
+    STYLES,
+    Style,
+    rank_of_stage,
+    schedule_style,
+    stage_ids_for_rank,
+)
+from lightning_zeropp.core.plus_settings import hpz_size
+from lightning_zeropp.core.zeropp_schedule import (
+    Step,
+    Task,
+    check_orders,
+    lower,
+    rank_order,
+    reduce_points,
+)
 
 if TYPE_CHECKING:
     from lightning_zeropp.core.config import ZeroPPConfig
 
 __all__ = [
     "SCHEDULES",
-    "schedule_style",
-    "stage_ids_for_rank",
-    "rank_of_stage",
     "build_schedule",
     "build_eval_schedule",
     "eval_microbatches",
     "zeropp_orders",
+    "zeropp_plans",
 ]
-
-Style = Literal["single", "looped", "v"]
 
 # name -> (torch schedule class, or None for ZeroPP's own order; placement style)
 SCHEDULES: dict[str, tuple[type | None, Style]] = {
-    "gpipe": (pipelining.ScheduleGPipe, "single"),
-    "1f1b": (pipelining.Schedule1F1B, "single"),
-    "interleaved_1f1b": (pipelining.ScheduleInterleaved1F1B, "looped"),
-    "looped_bfs": (pipelining.ScheduleLoopedBFS, "looped"),
-    "interleaved_zb": (pipelining.ScheduleInterleavedZeroBubble, "looped"),
-    "zbv": (pipelining.ScheduleZBVZeroBubble, "v"),
-    "dualpipev": (pipelining.ScheduleDualPipeV, "v"),
-    # ZeroPP's unit schedule (core.zeropp_schedule), run by torch's runtime: see _build_zeropp.
-    "zeropp": (None, "looped"),
+    name: (cls, STYLES[name])
+    for name, cls in {
+        "gpipe": pipelining.ScheduleGPipe,
+        "1f1b": pipelining.Schedule1F1B,
+        "interleaved_1f1b": pipelining.ScheduleInterleaved1F1B,
+        "looped_bfs": pipelining.ScheduleLoopedBFS,
+        "interleaved_zb": pipelining.ScheduleInterleavedZeroBubble,
+        "zbv": pipelining.ScheduleZBVZeroBubble,
+        "dualpipev": pipelining.ScheduleDualPipeV,
+        "zeropp": None,  # run by torch's runtime: see _build_zeropp
+    }.items()
 }
-
-
-def schedule_style(name: str) -> Style:
-    """Placement style of a schedule name (see module docstring)."""
-    return SCHEDULES[name][1]
-
-
-def stage_ids_for_rank(style: Style, pp_rank: int, pp_size: int, num_chunks: int) -> list[int]:
-    """Global stage indices held by pipeline rank `pp_rank`, in execution order."""
-    if style == "v":
-        return [pp_rank, 2 * pp_size - 1 - pp_rank]
-    return [pp_rank + c * pp_size for c in range(num_chunks)]
-
-
-def rank_of_stage(style: Style, stage: int, pp_size: int) -> int:
-    """Pipeline rank that holds global stage `stage`."""
-    if style == "v" and stage >= pp_size:
-        return 2 * pp_size - 1 - stage
-    return stage % pp_size
 
 
 def build_schedule(
@@ -102,21 +90,24 @@ def zeropp_orders(config: ZeroPPConfig) -> dict[int, list[Task]]:
 def _build_zeropp(
     config: ZeroPPConfig, stages: list[pipelining.PipelineStage], loss_fn: Callable | None
 ) -> pipelining.schedules._PipelineSchedule:
-    from lightning_zeropp.core._torch_private import UnitScheduleRuntime
+    from lightning_zeropp.core.runtime import UnitScheduleRuntime
 
-    orders = zeropp_orders(config)
-    assert config.num_microbatches is not None and config.unit_size is not None
-    return UnitScheduleRuntime(
-        stages,
-        config.num_microbatches,
-        loss_fn,
-        orders,
-        reduce_at={
-            r: reduce_points(o, config.unit_size, config.grad_reduce) for r, o in orders.items()
-        },
-        keep_node_copy=config.hpz_partition_size is not None
-        and config.hpz_partition_size < (config.dp_shard_size or 1),
-    )
+    assert config.num_microbatches is not None
+    return UnitScheduleRuntime(stages, config.num_microbatches, loss_fn, zeropp_plans(config))
+
+
+def zeropp_plans(config: ZeroPPConfig) -> dict[int, list[Step]]:
+    """Every pipeline rank's lowered ZeroPP plan (`zeropp_schedule.lower`): what the runtime
+    runs, the pictures draw and the planner prices."""
+    assert config.unit_size is not None, "resolve() first"
+    return {
+        rank: lower(
+            order,
+            reduce_points(order, config.unit_size, config.grad_reduce),
+            keep_node_copy=hpz_size(config) is not None,
+        )
+        for rank, order in zeropp_orders(config).items()
+    }
 
 
 def eval_microbatches(rows: int, num_microbatches: int) -> int:
@@ -137,7 +128,7 @@ def build_eval_schedule(
     (breadth first, as GPipe does): no backward to interleave, so no minimum micro-batch count,
     and each stage's weights are gathered once.
     """
-    from lightning_zeropp.core._torch_private import UnitScheduleRuntime
+    from lightning_zeropp.core.runtime import UnitScheduleRuntime
 
     assert config.pp_size is not None and config.num_chunks is not None, "resolve() first"
     style = schedule_style(config.schedule)
@@ -150,6 +141,7 @@ def build_eval_schedule(
         for r in range(config.pp_size)
     }
     mapping = {s: rank_of_stage(style, s, config.pp_size) for s in range(config.num_stages)}
+    plans = {rank: lower(order) for rank, order in orders.items()}
     return UnitScheduleRuntime(
-        stages, num_microbatches, loss_fn, orders, stage_to_rank=mapping, forward_only=True
+        stages, num_microbatches, loss_fn, plans, stage_to_rank=mapping, forward_only=True
     )

@@ -1,6 +1,8 @@
 """The ZeroPP unit schedule: per-rank task order, chunk gather blocks, and a dependency simulator.
 
-Pure Python (no torch): the runtime that executes these orders lives in `_torch_private`.
+Pure Python (no torch). The plan as data: `rank_order` gives a rank's compute tasks, `lower` adds
+the gathers, releases and early gradient reductions around them; the runtime (`core.unit_runtime`),
+the pictures (`viz`) and the planner all read that one lowering.
 
 Each pipeline rank r holds v chunks, stages r, r + pp, ..., r + (v-1)pp. A step's M micro-batches are
 cut into units of U (the last may be smaller) that run back to back, each filling and draining the
@@ -34,6 +36,8 @@ __all__ = [
     "rank_order",
     "gather_blocks",
     "reduce_points",
+    "Step",
+    "lower",
     "simulate",
     "check_orders",
     "bubble_formula",
@@ -151,6 +155,51 @@ def reduce_points(order: Sequence[Task], unit_size: int, when: GradReduce) -> li
     for i, t in grads:
         last_in_unit[(t.stage, t.microbatch // unit_size)] = i
     return sorted(i for i in last_in_unit.values() if i != last_of_stage[order[i].stage])
+
+
+@dataclass(frozen=True)
+class Step:
+    """One action of a rank's lowered plan, in order.
+
+    "gather": all-gather stage `stage`'s weights (FSDP unshard); "compute": run `task`;
+    "reduce": reduce-scatter the stage's gradients early, after `task` (its micro-batch); the
+    end-of-step reduction is the runtime's own; "release": free the gathered weights, keeping
+    hpZ's node copy when `node_copy` (the chunk runs backward later and hpZ is on).
+    """
+
+    kind: Literal["gather", "compute", "reduce", "release"]
+    stage: int
+    task: Task | None = None
+    node_copy: bool = False
+
+
+def lower(
+    order: Sequence[Task], reduce_at: Collection[int] = (), keep_node_copy: bool = False
+) -> list[Step]:
+    """A rank's task order with one gather before each block of a stage's tasks and one release
+    after it (`gather_blocks`), and an early reduction after each task index in `reduce_at`
+    (`reduce_points`). With `keep_node_copy` (hpZ), a release after a block of forwards only,
+    of a stage that has a later block, keeps the node copy for that later (backward) block."""
+    blocks = gather_blocks(order)
+    starts = {start: stage for stage, start, _ in blocks}
+    ends = {end - 1: stage for stage, _, end in blocks}
+    to_copy = {
+        end - 1
+        for n, (stage, start, end) in enumerate(blocks)
+        if keep_node_copy
+        and all(t.kind == "F" for t in order[start:end])
+        and any(later == stage for later, _, _ in blocks[n + 1 :])
+    }
+    steps: list[Step] = []
+    for i, task in enumerate(order):
+        if i in starts:
+            steps.append(Step("gather", starts[i]))
+        steps.append(Step("compute", task.stage, task))
+        if i in reduce_at:
+            steps.append(Step("reduce", task.stage, task))
+        if i in ends:
+            steps.append(Step("release", ends[i], node_copy=i in to_copy))
+    return steps
 
 
 def simulate(

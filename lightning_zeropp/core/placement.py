@@ -1,0 +1,48 @@
+"""Schedule names and where each schedule puts its stages (torch-free: the config checks names
+and placements without importing the schedules).
+
+Three placement styles cover the schedules:
+- "single": one stage per rank, stage i on pipeline rank i (GPipe, 1F1B);
+- "looped": `num_chunks` stages per rank, rank r holds r, r + pp, r + 2pp, ... (Interleaved1F1B,
+  LoopedBFS, InterleavedZeroBubble, ZeroPP);
+- "v": two stages per rank folded in a V, rank r holds r and 2pp - 1 - r (ZBVZeroBubble, DualPipeV).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+__all__ = ["STYLES", "Style", "schedule_style", "stage_ids_for_rank", "rank_of_stage"]
+
+Style = Literal["single", "looped", "v"]
+
+# Every schedule the library runs, by its name, with its placement style.
+STYLES: dict[str, Style] = {
+    "gpipe": "single",
+    "1f1b": "single",
+    "interleaved_1f1b": "looped",
+    "looped_bfs": "looped",
+    "interleaved_zb": "looped",
+    "zbv": "v",
+    "dualpipev": "v",
+    "zeropp": "looped",  # ZeroPP's unit schedule (core.zeropp_schedule)
+}
+
+
+def schedule_style(name: str) -> Style:
+    """Placement style of a schedule name (see module docstring)."""
+    return STYLES[name]
+
+
+def stage_ids_for_rank(style: Style, pp_rank: int, pp_size: int, num_chunks: int) -> list[int]:
+    """Global stage indices held by pipeline rank `pp_rank`, in execution order."""
+    if style == "v":
+        return [pp_rank, 2 * pp_size - 1 - pp_rank]
+    return [pp_rank + c * pp_size for c in range(num_chunks)]
+
+
+def rank_of_stage(style: Style, stage: int, pp_size: int) -> int:
+    """Pipeline rank that holds global stage `stage`."""
+    if style == "v" and stage >= pp_size:
+        return 2 * pp_size - 1 - stage
+    return stage % pp_size
