@@ -1,0 +1,9 @@
+"""The planner: what a layout costs before it runs (`plan.memory`: memory per rank).
+
+It reads the model the way the engine splits it (`core.split`) and the layout the way the engine
+resolves it (`ZeroPPConfig`), so its figures are those of the run it predicts.
+"""
+
+from lightning_zeropp.plan.memory import RankMemoryPlan, predict_memory, stage_parameter_shapes
+
+__all__ = ["RankMemoryPlan", "predict_memory", "stage_parameter_shapes"]

@@ -1,0 +1,143 @@
+"""Memory per rank, predicted: model state (parameters, gradients, optimizer state) and the most
+weight bytes gathered at once.
+
+Model state is exact arithmetic on the parameters each stage holds: FSDP2 shards every parameter
+along dim 0 in chunks of ceil(rows / dp_shard) (the last ranks' chunks shorter or empty), in the
+parameter's own dtype; gradients take the same; AdamW keeps two moments of the same size plus a
+4-byte step per parameter, SGD without momentum nothing. With `cpu_offload` all of it lives in
+host memory. The model may be built on the meta device: only shapes and dtypes are read.
+
+Gathered weights, per schedule (in the compute dtype, `param_dtype` if set):
+- torch's pipeline schedules keep every stage of the rank gathered for the whole step (no
+  resharding after forward, the default with pp > 1): the sum of the rank's stages;
+- `schedule="zeropp"` gathers one chunk per block of work: the largest of the rank's stages;
+- FSDP alone (pp 1) keeps the root unit (embeddings, norms, head) gathered through the step and
+  gathers the blocks one by one: the root plus the largest block where collectives run in
+  order (gloo, CPU); on CUDA FSDP2 issues the next block's gather before the last is freed, so
+  the root plus the two largest consecutive blocks (not checked here: no GPU in CI).
+A shard group of one rank still gathers (FSDP2 keeps its unsharded copy apart).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lightning_zeropp.core.config import ZeroPPConfig
+from lightning_zeropp.core.placement import schedule_style, stage_ids_for_rank
+from lightning_zeropp.core.split import find_blocks, plan_blocks, split_model
+
+__all__ = ["RankMemoryPlan", "predict_memory", "stage_parameter_shapes"]
+
+ParamShape = tuple[tuple[int, ...], int]  # (shape, bytes per element)
+
+
+@dataclass(frozen=True)
+class RankMemoryPlan:
+    """Predicted bytes of one rank (global rank `rank`)."""
+
+    rank: int
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    gathered_peak: int
+    on_host: bool  # model state offloaded to host memory (`cpu_offload`)
+
+    @property
+    def model_state(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_state
+
+
+def stage_parameter_shapes(model: nn.Module, config: ZeroPPConfig) -> list[list[ParamShape]]:
+    """Each stage's parameters as the engine splits `model` (a resolved config); FSDP units of a
+    stage in order: each block, then everything else (embeddings, norms, head)."""
+    num_stages = config.num_stages
+    if num_stages == 1:
+        return [_shapes(model)]
+    plan = plan_blocks(model, num_stages, config.split_points)
+    stages = split_model(model, plan, range(num_stages), "stack")
+    return [_shapes(stage) for stage in stages]
+
+
+def _shapes(module: nn.Module) -> list[ParamShape]:
+    return [(tuple(p.shape), p.element_size()) for p in module.parameters()]
+
+
+def _units(model: nn.Module) -> list[int]:
+    """Elements of each FSDP unit of a one-stage model: every block, then the rest."""
+    container, names = find_blocks(model)
+    holder = model.get_submodule(container) if container else model
+    blocks = [sum(p.numel() for p in holder._modules[n].parameters()) for n in names]
+    rest = sum(p.numel() for p in model.parameters()) - sum(blocks)
+    return [*blocks, rest]
+
+
+def local_numel(shape: Sequence[int], shards: int, index: int) -> int:
+    """Elements of shard `index` of a parameter FSDP2 shards along dim 0 over `shards` ranks."""
+    if not shape:
+        return 1 if index == 0 else 0
+    chunk = math.ceil(shape[0] / shards)
+    rows = max(0, min(chunk, shape[0] - index * chunk))
+    return rows * math.prod(shape[1:])
+
+
+def predict_memory(
+    model: nn.Module,
+    config: ZeroPPConfig,
+    world_size: int,
+    optimizer: str = "adamw",
+    device_type: str = "cuda",
+) -> list[RankMemoryPlan]:
+    """Every rank's predicted memory for `model` under `config` (resolved here) on
+    `device_type` ("cuda", or "cpu" for gloo ranks)."""
+    if optimizer not in ("adamw", "adam", "sgd"):
+        raise ValueError(f"optimizer={optimizer!r} is not modelled; use 'adamw', 'adam' or 'sgd'.")
+    cfg = config.resolve(world_size)
+    stages = stage_parameter_shapes(model, cfg)
+    compute_bytes = (
+        torch.empty((), dtype=cfg.param_dtype).element_size() if cfg.param_dtype else None
+    )
+    style = schedule_style(cfg.schedule)
+    full = [sum(math.prod(s) * (compute_bytes or b) for s, b in stage) for stage in stages]
+    out = []
+    for rank in range(world_size):
+        pp_rank, shard = divmod(rank, cfg.dp_replicate_size * cfg.dp_shard_size)
+        shard %= cfg.dp_shard_size
+        ids = stage_ids_for_rank(style, pp_rank, cfg.pp_size, cfg.num_chunks)
+        held = [(s, b) for i in ids for s, b in stages[i]]
+        params = sum(local_numel(s, cfg.dp_shard_size, shard) * b for s, b in held)
+        state = 2 * params + 4 * len(held) if optimizer != "sgd" else 0
+        out.append(
+            RankMemoryPlan(
+                rank=rank,
+                parameters=params,
+                gradients=params,
+                optimizer_state=state,
+                gathered_peak=_gathered_peak(model, cfg, ids, full, compute_bytes, device_type),
+                on_host=cfg.cpu_offload,
+            )
+        )
+    return out
+
+
+def _gathered_peak(
+    model: nn.Module,
+    cfg: ZeroPPConfig,
+    ids: list[int],
+    full: list[int],
+    compute: int | None,
+    device_type: str,
+) -> int:
+    if cfg.num_stages == 1:
+        bytes_per = compute or next(model.parameters()).element_size()
+        *blocks, root = [n * bytes_per for n in _units(model)]
+        if device_type != "cuda":
+            return root + max(blocks, default=0)
+        return root + max(a + b for a, b in zip(blocks, [*blocks[1:], 0], strict=True))
+    if cfg.schedule == "zeropp":
+        return max(full[i] for i in ids)
+    return sum(full[i] for i in ids)

@@ -1,0 +1,39 @@
+"""What a run allocates per rank, for the planner's predictions to be checked against."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
+from lightning_zeropp.core.memory import model_state_bytes
+from lightning_zeropp.models import GPT, GPTConfig
+from tests.distributed.common import lm_loss
+
+# An odd vocabulary and row counts that 4 ranks do not divide: uneven and empty shards.
+MODEL = GPTConfig(vocab_size=63, seq_len=16, dim=36, num_heads=2, num_layers=8)
+GLOBAL_BATCH = 16
+
+
+def measure(layouts: list[dict[str, Any]], optimizer: str = "adamw") -> list[dict[str, Any]]:
+    """Per layout: this rank's model-state bytes after one update, and the gathered peak."""
+    out = []
+    for layout in layouts:
+        config = ZeroPPConfig(**layout).resolve(dist.get_world_size())
+        torch.manual_seed(0)
+        engine = ZeroPPEngine(GPT(MODEL), config, loss_fn=lm_loss, split="stack")
+        params = list(engine.parameters())
+        opt = (
+            torch.optim.AdamW(params, lr=1e-3)
+            if optimizer == "adamw"
+            else torch.optim.SGD(params, lr=0.1)
+        )
+        per = GLOBAL_BATCH // config.dp_size
+        g = torch.Generator().manual_seed(1)
+        x = torch.randint(0, MODEL.vocab_size, (per, MODEL.seq_len), generator=g)
+        engine.train_step(x, target=x)
+        opt.step()
+        out.append({**model_state_bytes(params, opt), "gathered_peak": engine.gathered_peak})
+    return out

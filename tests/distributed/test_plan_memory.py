@@ -1,0 +1,43 @@
+"""The planner's memory per rank against what CPU runs allocate: model state to the byte (the
+issue asks for 5%; it is exact arithmetic, so anything less than exact is a bug), gathered
+weights within 5%."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_zeropp.core import ZeroPPConfig
+from lightning_zeropp.models import GPT
+from lightning_zeropp.plan import predict_memory
+from tests.distributed.launch import launch
+from tests.distributed.plan_scenarios import MODEL
+
+pytestmark = pytest.mark.distributed
+
+LAYOUTS = [
+    {"dp_shard_size": 4},
+    {"pp_size": 2, "dp_shard_size": 2, "num_microbatches": 2},
+    {"pp_size": 2, "dp_shard_size": 2, "schedule": "interleaved_1f1b", "num_microbatches": 2},
+    {"pp_size": 2, "dp_shard_size": 2, "schedule": "zeropp", "num_microbatches": 4},
+    {"pp_size": 2, "dp_replicate_size": 2, "num_microbatches": 2, "param_dtype": "bf16"},
+    {"pp_size": 4, "num_microbatches": 4},
+]
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict]]:
+    out = tmp_path_factory.mktemp("plan_memory")
+    return launch(4, "plan_scenarios.measure", {"layouts": LAYOUTS}, out)
+
+
+@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[str(x) for x in LAYOUTS])
+def test_memory_per_rank_is_predicted(measured, index: int) -> None:
+    with torch.device("meta"):
+        model = GPT(MODEL)
+    predicted = predict_memory(model, ZeroPPConfig(**LAYOUTS[index]), 4, device_type="cpu")
+    for rank, ranks in enumerate(measured):
+        got, want = ranks[index], predicted[rank]
+        for key in ("parameters", "gradients", "optimizer_state"):
+            assert getattr(want, key) == got[key], (rank, key)
+        assert want.gathered_peak == pytest.approx(got["gathered_peak"], rel=0.05), rank
