@@ -48,6 +48,8 @@ __all__ = [
     "defer_post_forward_reshard",
     "post_forward_mesh",
     "offload_policies",
+    "storage_identity",
+    "fused_attention",
     "release_to_post_forward_copy",
 ]
 
@@ -206,6 +208,32 @@ def hide_post_forward_mesh(module: FSDPModule) -> None:
     for group in module._get_fsdp_state()._fsdp_param_groups:
         if hasattr(group, "_lzpp_post_forward_mesh_info"):
             group.post_forward_mesh_info = None
+
+
+def storage_identity(tensor: Any) -> int:
+    """An id of the storage under `tensor`, shared by its views, for meta tensors too (whose
+    storages have no address)."""
+    return tensor.untyped_storage()._cdata
+
+
+def fused_attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    attn_mask: Any = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    **_: Any,
+) -> Any:
+    """`scaled_dot_product_attention` through the fused (flash) kernel, which saves the inputs,
+    the output and a log-sum-exp row, as fused kernels do on a GPU. On the meta device the public
+    function always takes the math path, which saves the whole attention matrix."""
+    import torch
+
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+    )[0]
 
 
 def local_chunk(tensor: Any) -> tuple[slice, ...]:

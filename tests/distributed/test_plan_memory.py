@@ -1,6 +1,6 @@
 """The planner's memory per rank against what CPU runs allocate: model state to the byte (the
 issue asks for 5%; it is exact arithmetic, so anything less than exact is a bug), gathered
-weights within 5%."""
+weights within 5%, and steady-state saved activations within 2% (the issue asks 15%)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,23 @@ import torch
 
 from lightning_zeropp.core import ZeroPPConfig
 from lightning_zeropp.models import GPT
-from lightning_zeropp.plan import predict_memory
+from lightning_zeropp.plan import activation_peaks, predict_memory
 from tests.distributed.launch import launch
-from tests.distributed.plan_scenarios import MODEL
+from tests.distributed.plan_scenarios import GLOBAL_BATCH, MODEL
 
 pytestmark = pytest.mark.distributed
 
 LAYOUTS = [
     {"dp_shard_size": 4},
+    {"pp_size": 2, "dp_shard_size": 2, "schedule": "gpipe", "num_microbatches": 4},
+    {
+        "pp_size": 2,
+        "dp_shard_size": 2,
+        "schedule": "zeropp",
+        "num_microbatches": 8,
+        "unit_size": 4,
+        "split_backward": False,
+    },
     {"pp_size": 2, "dp_shard_size": 2, "num_microbatches": 2},
     {"pp_size": 2, "dp_shard_size": 2, "schedule": "interleaved_1f1b", "num_microbatches": 2},
     {"pp_size": 2, "dp_shard_size": 2, "schedule": "zeropp", "num_microbatches": 4},
@@ -41,3 +50,19 @@ def test_memory_per_rank_is_predicted(measured, index: int) -> None:
         for key in ("parameters", "gradients", "optimizer_state"):
             assert getattr(want, key) == got[key], (rank, key)
         assert want.gathered_peak == pytest.approx(got["gathered_peak"], rel=0.05), rank
+
+
+@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[str(x) for x in LAYOUTS])
+def test_activation_peaks_are_predicted(measured, index: int) -> None:
+    layout = LAYOUTS[index]
+    with torch.device("meta"):
+        model = GPT(MODEL)
+    config = ZeroPPConfig(**layout).resolve(4)
+    if config.split_backward or config.schedule in ("zbv", "interleaved_zb", "dualpipev"):
+        with pytest.raises(NotImplementedError, match="not modelled yet"):
+            activation_peaks(model, ZeroPPConfig(**layout), 4, GLOBAL_BATCH, MODEL.seq_len)
+        return
+    peaks = activation_peaks(model, ZeroPPConfig(**layout), 4, GLOBAL_BATCH, MODEL.seq_len)
+    for rank, ranks in enumerate(measured):
+        want = peaks[rank // config.dp_size]
+        assert want == pytest.approx(ranks[index]["activation_peak"], rel=0.02), rank

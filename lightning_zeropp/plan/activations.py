@@ -1,0 +1,159 @@
+"""Activation memory per rank, predicted: bytes saved for backward at the busiest moment.
+
+Per stage, the bytes one micro-batch's forward saves for backward (weights excluded, each storage
+once) are counted by running that stage on the meta device: shapes only, no compute, so a 70B
+model costs nothing to measure. The last stage's count includes the loss (token cross-entropy).
+
+Then each pipeline rank's task order (torch's schedules' own `pipeline_order`, or ZeroPP's unit
+order) is replayed: a forward adds its stage's bytes, a full backward (B) or a weight-gradient
+task (W) frees them (an input-gradient task I keeps the graph for its W), and the peak is the most
+held at once. This is what `core.memory.SavedActivations` measures in a run's steady state.
+Attention is counted as fused kernels save it (inputs, output, a log-sum-exp row), not as the
+math path the meta device would take (the whole attention matrix).
+
+Not modelled yet (they raise): activation recomputation, and split backward (ZeroPP's default
+`split_backward=True`, torch's zero-bubble schedules): runs hold more between an input-gradient
+task and its weight-gradient task than the forward saved (up to 1.4x in a 4-rank test), and
+what exactly is not yet accounted for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_zeropp.core._torch_private import fused_attention, storage_identity
+from lightning_zeropp.core.config import ZeroPPConfig
+from lightning_zeropp.core.placement import stage_ids_for_rank
+from lightning_zeropp.core.split import plan_blocks, split_model
+
+__all__ = ["stage_activation_bytes", "task_orders", "activation_peaks"]
+
+Order = list[tuple[str, int, int]]  # (kind F/B/I/W, stage, micro-batch)
+
+
+def _lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
+
+
+def stage_activation_bytes(
+    model: nn.Module,
+    config: ZeroPPConfig,
+    rows: int,
+    seq_len: int,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] = _lm_loss,
+) -> list[int]:
+    """Bytes one micro-batch of `rows` x `seq_len` tokens saves in each stage (a resolved config;
+    `model` on the meta device)."""
+    if config.activation_checkpointing != "none":
+        raise NotImplementedError("activation recomputation is not modelled yet")
+    num_stages = config.num_stages
+    if num_stages == 1:
+        stages = [copy.deepcopy(model)]  # cast below: leave the caller's model as it is
+    else:
+        plan = plan_blocks(model, num_stages, config.split_points)
+        stages = split_model(model, plan, range(num_stages), "stack")
+    if config.param_dtype is not None:  # computed in the mixed-precision dtype, as FSDP2 runs it
+        stages = [stage.to(config.param_dtype) for stage in stages]
+    tokens = torch.zeros(rows, seq_len, dtype=torch.long, device="meta")
+    x: Any = tokens
+    out = []
+    for index, stage in enumerate(stages):
+        saved: dict[int, int] = {}
+        params = {storage_identity(p) for p in stage.parameters()}
+
+        def pack(t: torch.Tensor, saved: dict[int, int] = saved, params: set = params) -> Any:
+            key = storage_identity(t)
+            if key not in params:
+                saved.setdefault(key, t.untyped_storage().nbytes())
+            return t
+
+        with _fused_attention(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = stage(x)
+            if index == num_stages - 1:
+                loss_fn(y, tokens)
+        out.append(sum(saved.values()))
+        x = y.detach().requires_grad_()
+    return out
+
+
+@contextlib.contextmanager
+def _fused_attention() -> Iterator[None]:
+    """Count attention as the fused kernels of real runs save it (`_torch_private.fused_attention`)."""
+    original = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = fused_attention
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+def task_orders(config: ZeroPPConfig) -> dict[int, Order]:
+    """Every pipeline rank's compute tasks in order, as its schedule runs them."""
+    if config.schedule == "zeropp":
+        from lightning_zeropp.core.schedule import zeropp_orders
+
+        return {
+            r: [(t.kind, t.stage, t.microbatch) for t in order]
+            for r, order in zeropp_orders(config).items()
+        }
+    from lightning_zeropp.core.schedule import SCHEDULES
+
+    cls, style = SCHEDULES[config.schedule]
+    assert cls is not None
+    orders = {}
+    for rank in range(config.pp_size):
+        ids = stage_ids_for_rank(style, rank, config.pp_size, config.num_chunks)
+        stages = [_stand_in(s, rank, config) for s in ids]
+        schedule = cls(stages[0] if style == "single" else stages, config.num_microbatches)
+        orders[rank] = [
+            (a.computation_type.value, a.stage_index, a.microbatch_index)
+            for a in schedule.pipeline_order[rank]
+            if a is not None and a.computation_type.value in ("F", "B", "I", "W")
+        ]
+    return orders
+
+
+def _stand_in(stage: int, rank: int, config: ZeroPPConfig) -> SimpleNamespace:
+    """What a torch schedule's constructor reads of a stage to plan its order."""
+    n = config.num_stages
+    return SimpleNamespace(
+        stage_index=stage, num_stages=n, group_rank=rank, group_size=config.pp_size,
+        stage_index_to_group_rank={}, has_backward=True, is_first=stage == 0,
+        is_last=stage == n - 1, submod=None,
+    )  # fmt: skip
+
+
+def activation_peaks(
+    model: nn.Module, config: ZeroPPConfig, world_size: int, global_batch: int, seq_len: int
+) -> dict[int, int]:
+    """Each pipeline rank's peak saved-activation bytes in a step of `global_batch` rows."""
+    cfg = config.resolve(world_size)
+    rows = global_batch // cfg.dp_size // cfg.num_microbatches
+    per_stage = stage_activation_bytes(model, cfg, rows, seq_len)
+    if cfg.pp_size == 1 and cfg.num_stages == 1:
+        return {0: per_stage[0]}  # micro-batches run one after another
+    peaks = {}
+    orders = task_orders(cfg)
+    if any(kind in "IW" for order in orders.values() for kind, _, _ in order):
+        raise NotImplementedError(
+            f"schedule={cfg.schedule!r} splits backward into input- and weight-gradient tasks, "
+            "whose activation memory is not modelled yet (use split_backward=False for ZeroPP)."
+        )
+    for rank, order in orders.items():
+        live = peak = 0
+        for kind, stage, _ in order:
+            if kind == "F":
+                live += per_stage[stage]
+            elif kind == "B":
+                live -= per_stage[stage]
+            peak = max(peak, live)
+        peaks[rank] = peak
+    return peaks
