@@ -34,7 +34,7 @@ from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.placement import stage_ids_for_rank
 from lightning_zeropp.core.split import plan_blocks, split_model
 
-__all__ = ["stage_activation_bytes", "task_orders", "activation_peaks"]
+__all__ = ["stage_activation_bytes", "task_orders", "activation_peaks", "meta_stages"]
 
 Order = list[tuple[str, int, int]]  # (kind F/B/I/W, stage, micro-batch)
 
@@ -55,13 +55,7 @@ def stage_activation_bytes(
     if config.activation_checkpointing != "none":
         raise NotImplementedError("activation recomputation is not modelled yet")
     num_stages = config.num_stages
-    if num_stages == 1:
-        stages = [copy.deepcopy(model)]  # cast below: leave the caller's model as it is
-    else:
-        plan = plan_blocks(model, num_stages, config.split_points)
-        stages = split_model(model, plan, range(num_stages), "stack")
-    if config.param_dtype is not None:  # computed in the mixed-precision dtype, as FSDP2 runs it
-        stages = [stage.to(config.param_dtype) for stage in stages]
+    stages = meta_stages(model, config)
     tokens = torch.zeros(rows, seq_len, dtype=torch.long, device="meta")
     x: Any = tokens
     out = []
@@ -93,6 +87,18 @@ def _fused_attention() -> Iterator[None]:
         yield
     finally:
         F.scaled_dot_product_attention = original
+
+
+def meta_stages(model: nn.Module, config: ZeroPPConfig) -> list[nn.Module]:
+    """The stage modules the engine would build (a resolved config), in the compute dtype."""
+    if config.num_stages == 1:
+        stages = [copy.deepcopy(model)]  # cast below: leave the caller's model as it is
+    else:
+        plan = plan_blocks(model, config.num_stages, config.split_points)
+        stages = split_model(model, plan, range(config.num_stages), "stack")
+    if config.param_dtype is not None:  # computed in the mixed-precision dtype, as FSDP2 runs it
+        stages = [stage.to(config.param_dtype) for stage in stages]
+    return stages
 
 
 def task_orders(config: ZeroPPConfig) -> dict[int, Order]:

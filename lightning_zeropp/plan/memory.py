@@ -14,7 +14,9 @@ Gathered weights, per schedule (in the compute dtype, `param_dtype` if set):
 - FSDP alone (pp 1) keeps the root unit (embeddings, norms, head) gathered through the step and
   gathers the blocks one by one: the root plus the largest block where collectives run in
   order (gloo, CPU); on CUDA FSDP2 issues the next block's gather before the last is freed, so
-  the root plus the two largest consecutive blocks (not checked here: no GPU in CI).
+  the root plus the two largest consecutive blocks (not checked here: no GPU in CI). With
+  several micro-batches, gradient accumulation keeps every backward's weights gathered until the
+  last: the whole model.
 A shard group of one rank still gathers (FSDP2 keeps its unsharded copy apart).
 """
 
@@ -135,6 +137,8 @@ def _gathered_peak(
     if cfg.num_stages == 1:
         bytes_per = compute or next(model.parameters()).element_size()
         *blocks, root = [n * bytes_per for n in _units(model)]
+        if cfg.num_microbatches > 1:  # accumulation keeps each backward's weights gathered
+            return root + sum(blocks)
         if device_type != "cuda":
             return root + max(blocks, default=0)
         return root + max(a + b for a, b in zip(blocks, [*blocks[1:], 0], strict=True))

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
+from lightning_zeropp.core.comm import CommCounter, mesh_axis_namer
 from lightning_zeropp.core.memory import SavedActivations, model_state_bytes
 from lightning_zeropp.models import GPT, GPTConfig
 from tests.distributed.common import lm_loss
@@ -37,13 +38,14 @@ def measure(layouts: list[dict[str, Any]], optimizer: str = "adamw") -> list[dic
         opt.step()
         opt.zero_grad()
         # The first step's peaks include torch's shape inference; the second is the steady state.
-        with SavedActivations() as saved:
+        with SavedActivations() as saved, CommCounter(mesh_axis_namer(engine.dims.mesh)) as comm:
             engine.train_step(x, target=x)
         out.append(
             {
                 **model_state_bytes(params, opt),
                 "gathered_peak": engine.gathered_peak,
                 "activation_peak": saved.peak,
+                "comm": comm.summary(),
             }
         )
     return out
