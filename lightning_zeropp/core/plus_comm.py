@@ -98,14 +98,25 @@ def _new_group(members: list[int], timeout: timedelta | None, desc: str) -> Proc
     return dist.new_group(members, timeout=timeout, group_desc=desc)
 
 
-class _Alloc:
+class _UnitComm:
+    """What both comms hold: the unit's segments, the node split of its shard groups, the bit
+    width (None: unquantized) and the block size; FSDP allocates their buffers through them."""
+
+    def __init__(
+        self, segments: Sequence[Segment], groups: NodeGroups, bits: int | None, block: int
+    ) -> None:
+        self.segments = list(segments)
+        self.groups = groups
+        self.bits = bits
+        self.block = block
+
     def allocate(
         self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
 
-class QuantizedAllGather(_Alloc):
+class QuantizedAllGather(_UnitComm):
     """qwZ for one FSDP unit: `segments` are its parameters' padded shards (see module doc)."""
 
     def __init__(
@@ -116,10 +127,7 @@ class QuantizedAllGather(_Alloc):
         block: int,
         wire_dtype: torch.dtype | None = None,
     ) -> None:
-        self.segments = list(segments)
-        self.groups = groups
-        self.bits = bits
-        self.block = block
+        super().__init__(segments, groups, bits, block)
         self.wire_dtype = wire_dtype  # unquantized values travel as this (default: their own)
         self._codecs: dict[torch.dtype, BlockCodec] = {}
 
@@ -156,7 +164,7 @@ class QuantizedAllGather(_Alloc):
         return codec
 
 
-class HierarchicalReduceScatter(_Alloc):
+class HierarchicalReduceScatter(_UnitComm):
     """qgZ for one FSDP unit (see module doc): a two-hop all-to-all of packed rows, SUM only."""
 
     def __init__(
@@ -168,10 +176,7 @@ class HierarchicalReduceScatter(_Alloc):
         error_feedback: bool = False,
         error_decay: float = 0.8,
     ) -> None:
-        self.segments = list(segments)
-        self.groups = groups
-        self.bits = bits
-        self.block = block
+        super().__init__(segments, groups, bits, block)
         self.error_feedback = error_feedback
         self.error_decay = error_decay
         self._errors: dict[str, torch.Tensor] = {}
