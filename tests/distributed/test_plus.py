@@ -296,3 +296,24 @@ def test_weight_gather_of_uneven_shards_small_and_mixed_dtype_units(tmp_path: Pa
     # Two dtypes in one unit arrive as bytes: passed through exactly.
     for name, p in result["originals"]["mixed"].items():
         assert torch.equal(result["gathered"]["mixed"][name], p), name
+
+
+def test_eight_ranks_as_two_nodes_of_four(tmp_path: Path) -> None:
+    """All three techniques on 8 ranks as 2 nodes of 4: the two-hop reduction's in-node hop spans
+    4 ranks, hpZ keeps a 4-rank copy, and only the forward gathers and one packed row of
+    gradients per unit leave the node."""
+    base = {"dp_shard_size": 8, "node_size": 4}
+    cases = _cases(base, {"plain": {}, "all": FSDP_CASES["all"] | {"hpz_partition_size": 4}})
+    runs = launch(8, "plus_scenarios.train", {"cases": cases}, tmp_path)[0]
+    plain, quant = runs["plain"], runs["all"]
+    units = plain["units"]
+    w8, w4 = _widths(units, 8), _widths(units, 4)
+    gathers = quant["summary"]["all_gather"]
+    assert gathers["dp_shard:x8"] == {"count": len(units), "bytes": w8}  # forward only, INT8
+    assert gathers["hpz:in4"]["count"] == len(units)  # backward, inside the node
+    assert quant["summary"]["all_to_all"]["zeropp_plus_cross:x2"]["bytes"] == 2 * w4
+    # Cross-node bytes sent: the INT8 shard to the 4 ranks of the other node, one INT4 row of
+    # gradients, and the step's 12 bytes of scalars (all-reduced over 8: 2 x 12 x 4/8).
+    assert quant["sent"]["cross_node"] == pytest.approx(4 * w8 + w4 + 12)
+    assert quant["sent"]["cross_node"] < 0.15 * plain["sent"]["cross_node"]
+    assert 1e-6 < _max_param_diff(quant, plain) < 1.5e-2
