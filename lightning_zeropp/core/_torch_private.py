@@ -120,11 +120,8 @@ def wait_gathered(runtime: Any, stage: Any) -> None:
 def unsharded_params(module: FSDPModule) -> list[Any]:
     """FSDP's unsharded parameter objects of one unit (their data may be freed)."""
     group = module._get_fsdp_state()._fsdp_param_group
-    return [
-        p._unsharded_param
-        for p in (group.fsdp_params if group else ())
-        if hasattr(p, "_unsharded_param")
-    ]
+    params = (getattr(p, "_unsharded_param", None) for p in (group.fsdp_params if group else ()))
+    return [p for p in params if p is not None]
 
 
 def run_post_backward(root: FSDPModule) -> None:
@@ -137,12 +134,17 @@ def run_post_backward(root: FSDPModule) -> None:
     state._root_post_backward_final_callback()
 
 
+def _param_groups(module: FSDPModule) -> list[Any]:
+    """FSDP's parameter groups of one unit (one, unless parameters were given per-param meshes)."""
+    return module._get_fsdp_state()._fsdp_param_groups
+
+
 def fsdp_unit_shards(module: FSDPModule) -> list[tuple[int, int]]:
     """(padded shard elements, parameter dims) of each parameter of one FSDP unit, in the order
     FSDP lays them out in its all-gather and reduce-scatter buffers."""
     return [
         (p.padded_sharded_param_size.numel(), len(p._orig_size))
-        for group in module._get_fsdp_state()._fsdp_param_groups
+        for group in _param_groups(module)
         for p in group.fsdp_params
     ]
 
@@ -179,14 +181,14 @@ def post_forward_mesh(mesh: DeviceMesh | None) -> Iterator[None]:
 
 def offload_policies(module: FSDPModule) -> list[Any]:
     """The offload policy of each parameter group of one FSDP unit."""
-    return [group.offload_policy for group in module._get_fsdp_state()._fsdp_param_groups]
+    return [group.offload_policy for group in _param_groups(module)]
 
 
 def defer_post_forward_reshard(module: FSDPModule) -> None:
     """Keep the post-forward copy's mesh of a unit built with integer `reshard_after_forward`,
     but hide it from FSDP, whose post-forward hook would otherwise reshard after every forward:
     a schedule that releases weights itself decides when (`release_to_post_forward_copy`)."""
-    for group in module._get_fsdp_state()._fsdp_param_groups:
+    for group in _param_groups(module):
         group._lzpp_post_forward_mesh_info = group.post_forward_mesh_info
         group.post_forward_mesh_info = None
 
@@ -194,7 +196,7 @@ def defer_post_forward_reshard(module: FSDPModule) -> None:
 def release_to_post_forward_copy(module: FSDPModule) -> None:
     """Release a gathered unit to its post-forward copy (each rank keeps 1/k of the weights; the
     next gather runs over those k ranks), as FSDP's own post-forward reshard does."""
-    for group in module._get_fsdp_state()._fsdp_param_groups:
+    for group in _param_groups(module):
         info = getattr(group, "_lzpp_post_forward_mesh_info", None)
         if info is not None and group.is_unsharded:
             group.post_forward_mesh_info = info  # the next gather reads it (core.runtime)
@@ -205,7 +207,7 @@ def release_to_post_forward_copy(module: FSDPModule) -> None:
 
 def hide_post_forward_mesh(module: FSDPModule) -> None:
     """Hide a deferred unit's post-forward mesh from FSDP again (`defer_post_forward_reshard`)."""
-    for group in module._get_fsdp_state()._fsdp_param_groups:
+    for group in _param_groups(module):
         if hasattr(group, "_lzpp_post_forward_mesh_info"):
             group.post_forward_mesh_info = None
 
@@ -248,16 +250,12 @@ def local_chunk(tensor: Any) -> tuple[slice, ...]:
 
 def unsharded_parameter_bytes(module: nn.Module) -> int:
     """Bytes of FSDP unsharded (gathered) parameters currently allocated under `module`."""
-    total = 0
-    for m in module.modules():
-        if not isinstance(m, FSDPModule):
-            continue
-        group = m._get_fsdp_state()._fsdp_param_group
-        for fsdp_param in group.fsdp_params if group else ():
-            param = getattr(fsdp_param, "_unsharded_param", None)
-            if param is not None:
-                total += param.untyped_storage().size()
-    return total
+    return sum(
+        p.untyped_storage().size()
+        for m in module.modules()
+        if isinstance(m, FSDPModule)
+        for p in unsharded_params(m)
+    )
 
 
 def default_store() -> Any:

@@ -100,15 +100,30 @@ def _new_group(members: list[int], timeout: timedelta | None, desc: str) -> Proc
 
 class _UnitComm:
     """What both comms hold: the unit's segments, the node split of its shard groups, the bit
-    width (None: unquantized) and the block size; FSDP allocates their buffers through them."""
+    width (None: unquantized), the block size and the codec per buffer dtype (built once, not
+    per call); FSDP allocates their buffers through them."""
 
     def __init__(
-        self, segments: Sequence[Segment], groups: NodeGroups, bits: int | None, block: int
+        self,
+        segments: Sequence[Segment],
+        groups: NodeGroups,
+        bits: int | None,
+        block: int,
+        wire_dtype: torch.dtype | None = None,
     ) -> None:
         self.segments = list(segments)
         self.groups = groups
         self.bits = bits
         self.block = block
+        self.wire_dtype = wire_dtype  # unquantized values travel as this (default: their own)
+        self._codecs: dict[torch.dtype, BlockCodec] = {}
+
+    def codec(self, dtype: torch.dtype) -> BlockCodec:
+        """The codec for buffers of `dtype` (unquantized values travel as `wire_dtype`)."""
+        if dtype not in self._codecs:
+            wire = self.wire_dtype or dtype
+            self._codecs[dtype] = BlockCodec(self.segments, wire, self.bits, self.block)
+        return self._codecs[dtype]
 
     def allocate(
         self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
@@ -127,9 +142,7 @@ class QuantizedAllGather(_UnitComm):
         block: int,
         wire_dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__(segments, groups, bits, block)
-        self.wire_dtype = wire_dtype  # unquantized values travel as this (default: their own)
-        self._codecs: dict[torch.dtype, BlockCodec] = {}
+        super().__init__(segments, groups, bits, block, wire_dtype)
 
     def __call__(
         self,
@@ -142,26 +155,18 @@ class QuantizedAllGather(_UnitComm):
             return dist.all_gather_single(
                 output_tensor, input_tensor, group=group, async_op=async_op
             )
-        codec = self._codec(input_tensor)
+        codec = self.codec(input_tensor.dtype)
+        if codec.width_elements != input_tensor.numel():
+            raise AssertionError(
+                f"qwZ: FSDP's all-gather input has {input_tensor.numel()} elements, the unit's "
+                f"parameter shards {codec.width_elements}"
+            )
         # The input is a view into the output: pack it before anything is written there.
         packed = codec.encode(input_tensor.view(1, -1))
         gathered = packed.new_empty((group.size(), codec.width_bytes))
         dist.all_gather_single(gathered, packed, group=group)
         codec.decode(gathered, out=output_tensor.view(group.size(), -1))
         return None
-
-    def _codec(self, input_tensor: torch.Tensor) -> BlockCodec:
-        dtype = input_tensor.dtype
-        if dtype not in self._codecs:
-            wire = self.wire_dtype or dtype
-            self._codecs[dtype] = BlockCodec(self.segments, wire, self.bits, self.block)
-        codec = self._codecs[dtype]
-        if codec.width_elements != input_tensor.numel():
-            raise AssertionError(
-                f"qwZ: FSDP's all-gather input has {input_tensor.numel()} elements, the unit's "
-                f"parameter shards {codec.width_elements}"
-            )
-        return codec
 
 
 class HierarchicalReduceScatter(_UnitComm):
@@ -194,7 +199,7 @@ class HierarchicalReduceScatter(_UnitComm):
         split = self.groups.split(group)
         if split is None:
             raise AssertionError(f"qgZ: {dist.get_process_group_ranks(group)} is no shard group")
-        codec = BlockCodec(self.segments, input_tensor.dtype, self.bits, self.block)
+        codec = self.codec(input_tensor.dtype)
         width = codec.width_elements
         if split.nodes * split.local * width != input_tensor.numel():
             raise AssertionError(

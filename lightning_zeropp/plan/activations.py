@@ -32,7 +32,7 @@ from torch import nn
 from lightning_zeropp.core._torch_private import fused_attention, storage_identity
 from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.placement import stage_ids_for_rank
-from lightning_zeropp.core.split import plan_blocks, split_model
+from lightning_zeropp.plan.memory import split_stages
 
 __all__ = ["stage_activation_bytes", "task_orders", "activation_peaks", "meta_stages"]
 
@@ -91,11 +91,9 @@ def _fused_attention() -> Iterator[None]:
 
 def meta_stages(model: nn.Module, config: ZeroPPConfig) -> list[nn.Module]:
     """The stage modules the engine would build (a resolved config), in the compute dtype."""
+    stages = split_stages(model, config)
     if config.num_stages == 1:
         stages = [copy.deepcopy(model)]  # cast below: leave the caller's model as it is
-    else:
-        plan = plan_blocks(model, config.num_stages, config.split_points)
-        stages = split_model(model, plan, range(config.num_stages), "stack")
     if config.param_dtype is not None:  # computed in the mixed-precision dtype, as FSDP2 runs it
         stages = [stage.to(config.param_dtype) for stage in stages]
     return stages

@@ -30,20 +30,11 @@ from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.placement import rank_of_stage, schedule_style, stage_ids_for_rank
 from lightning_zeropp.core.split import find_blocks, plan_blocks
 from lightning_zeropp.plan.activations import meta_stages
+from lightning_zeropp.plan.memory import unit_shapes
 
 __all__ = ["predict_comm"]
 
 Summary = dict[str, dict[str, dict[str, int]]]
-
-
-def _units(stage: nn.Module, container: str, names: list[str]) -> list[list[tuple[int, ...]]]:
-    """Parameter shapes of each FSDP unit of a stage module: its blocks (`names` in
-    `container`, as the whole model's plan names them), then the rest."""
-    holder = stage.get_submodule(container) if container else stage
-    blocks = [[tuple(p.shape) for p in holder._modules[n].parameters()] for n in names]
-    inside = {id(p) for n in names for p in holder._modules[n].parameters()}
-    rest = [tuple(p.shape) for p in stage.parameters() if id(p) not in inside]
-    return [*blocks, *([rest] if rest else [])]
 
 
 def _padded_shard(shapes: list[tuple[int, ...]], shards: int) -> int:
@@ -79,7 +70,11 @@ def predict_comm(
         pp_rank = rank // cfg.dp_size
         summary: Summary = {}
         for stage in stage_ids_for_rank(style, pp_rank, cfg.pp_size, cfg.num_chunks):
-            shapes = _units(stages[stage], container, blocks[stage])
+            block_shapes, rest = unit_shapes(stages[stage], container, blocks[stage])
+            shapes = [
+                *block_shapes,
+                *([rest] if rest else []),
+            ]  # a unit without parameters: no gather
             units = [_padded_shard(u, cfg.dp_shard_size) for u in shapes]
             if cfg.dp_shard_size > 1:
                 _add(summary, "all_gather", "dp_shard", gathers[stage] * len(units),

@@ -33,7 +33,13 @@ from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.placement import schedule_style, stage_ids_for_rank
 from lightning_zeropp.core.split import find_blocks, plan_blocks, split_model
 
-__all__ = ["RankMemoryPlan", "predict_memory", "stage_parameter_shapes"]
+__all__ = [
+    "RankMemoryPlan",
+    "predict_memory",
+    "split_stages",
+    "stage_parameter_shapes",
+    "unit_shapes",
+]
 
 ParamShape = tuple[tuple[int, ...], int]  # (shape, bytes per element)
 
@@ -54,28 +60,33 @@ class RankMemoryPlan:
         return self.parameters + self.gradients + self.optimizer_state
 
 
+def split_stages(model: nn.Module, config: ZeroPPConfig) -> list[nn.Module]:
+    """The stage modules the engine builds from `model` (a resolved config), in their own dtype;
+    the model itself when there is one stage."""
+    if config.num_stages == 1:
+        return [model]
+    plan = plan_blocks(model, config.num_stages, config.split_points)
+    return split_model(model, plan, range(config.num_stages), "stack")
+
+
 def stage_parameter_shapes(model: nn.Module, config: ZeroPPConfig) -> list[list[ParamShape]]:
-    """Each stage's parameters as the engine splits `model` (a resolved config); FSDP units of a
-    stage in order: each block, then everything else (embeddings, norms, head)."""
-    num_stages = config.num_stages
-    if num_stages == 1:
-        return [_shapes(model)]
-    plan = plan_blocks(model, num_stages, config.split_points)
-    stages = split_model(model, plan, range(num_stages), "stack")
-    return [_shapes(stage) for stage in stages]
+    """Each stage's parameters as the engine splits `model` (a resolved config)."""
+    return [
+        [(tuple(p.shape), p.element_size()) for p in stage.parameters()]
+        for stage in split_stages(model, config)
+    ]
 
 
-def _shapes(module: nn.Module) -> list[ParamShape]:
-    return [(tuple(p.shape), p.element_size()) for p in module.parameters()]
+Shapes = list[tuple[int, ...]]
 
 
-def _units(model: nn.Module) -> list[int]:
-    """Elements of each FSDP unit of a one-stage model: every block, then the rest."""
-    container, names = find_blocks(model)
-    holder = model.get_submodule(container) if container else model
-    blocks = [sum(p.numel() for p in holder._modules[n].parameters()) for n in names]
-    rest = sum(p.numel() for p in model.parameters()) - sum(blocks)
-    return [*blocks, rest]
+def unit_shapes(stage: nn.Module, container: str, names: list[str]) -> tuple[list[Shapes], Shapes]:
+    """Parameter shapes of a stage's FSDP units: each of its blocks (`names` in `container`, as
+    the whole model's block plan names them), and the stage root's own (everything else)."""
+    holder = stage.get_submodule(container) if container else stage
+    blocks = [[tuple(p.shape) for p in holder._modules[n].parameters()] for n in names]
+    inside = {id(p) for n in names for p in holder._modules[n].parameters()}
+    return blocks, [tuple(p.shape) for p in stage.parameters() if id(p) not in inside]
 
 
 def local_numel(shape: Sequence[int], shards: int, index: int) -> int:
@@ -136,7 +147,9 @@ def _gathered_peak(
 ) -> int:
     if cfg.num_stages == 1:
         bytes_per = compute or next(model.parameters()).element_size()
-        *blocks, root = [n * bytes_per for n in _units(model)]
+        block_shapes, root_shapes = unit_shapes(model, *find_blocks(model))
+        blocks = [sum(math.prod(s) for s in b) * bytes_per for b in block_shapes]
+        root = sum(math.prod(s) for s in root_shapes) * bytes_per
         if cfg.num_microbatches > 1:  # accumulation keeps each backward's weights gathered
             return root + sum(blocks)
         if device_type != "cuda":
