@@ -8,9 +8,14 @@ resolves it (`ZeroPPConfig`), so its figures are those of the run it predicts.
 
 from lightning_zeropp.plan.activations import activation_peaks, stage_activation_bytes
 from lightning_zeropp.plan.comm import predict_comm
+from lightning_zeropp.plan.hardware import Hardware
 from lightning_zeropp.plan.memory import RankMemoryPlan, predict_memory, stage_parameter_shapes
+from lightning_zeropp.plan.steptime import StepTimePlan, predict_step_time
 
 __all__ = [
+    "Hardware",
+    "StepTimePlan",
+    "predict_step_time",
     "RankMemoryPlan",
     "activation_peaks",
     "predict_comm",

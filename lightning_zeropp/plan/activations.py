@@ -112,6 +112,8 @@ def task_orders(config: ZeroPPConfig) -> dict[int, Order]:
 
     cls, style = SCHEDULES[config.schedule]
     assert cls is not None
+    if style == "single":
+        return {r: _single_stage_order(config, r) for r in range(config.pp_size)}
     orders = {}
     for rank in range(config.pp_size):
         ids = stage_ids_for_rank(style, rank, config.pp_size, config.num_chunks)
@@ -123,6 +125,19 @@ def task_orders(config: ZeroPPConfig) -> dict[int, Order]:
             if a is not None and a.computation_type.value in ("F", "B", "I", "W")
         ]
     return orders
+
+
+def _single_stage_order(config: ZeroPPConfig, rank: int) -> Order:
+    """GPipe's and 1F1B's order as their `_step_microbatches` runs it (their `pipeline_order` is
+    only a drawing, and 1F1B's numbers the last rank's micro-batches from 1)."""
+    m = config.num_microbatches
+    if config.schedule == "gpipe":
+        return [("F", rank, i) for i in range(m)] + [("B", rank, i) for i in range(m)]
+    warmup = min(m, config.pp_size - rank)  # torch's 1F1B: one more than the textbook's
+    order: Order = [("F", rank, i) for i in range(warmup)]
+    for i in range(m - warmup):
+        order += [("B", rank, i), ("F", rank, warmup + i)]
+    return order + [("B", rank, i) for i in range(m - warmup, m)]
 
 
 def _stand_in(stage: int, rank: int, config: ZeroPPConfig) -> SimpleNamespace:

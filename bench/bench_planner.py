@@ -1,0 +1,388 @@
+"""The step-time model against measurement: predicted vs measured step time on CPU gloo ranks.
+
+    python bench/bench_planner.py [--steps 4] [--warmup 2] [--rows fsdp_m1,1f1b,...]
+
+Calibration first, on this machine (what the model is told; no step time is fitted):
+- compute: (a) the rate of one 1024^3 fp32 matmul on one thread ("matmul rate"), and (b) each
+  stage's forward and backward of one micro-batch, timed on real tensors on one thread in this
+  process ("profiled stages", the planner's `stage_seconds`);
+- links: 2 gloo ranks time all-gathers, reduce-scatters and send/recv of 64 KiB..4 MiB, and a
+  least-squares line gives latency and bandwidth;
+- memory bandwidth: a large copy (the optimizer step streams the state).
+Then each row trains the GPT of `bench_layouts.py` on fresh gloo ranks (one thread each; 2 ranks
+on 2 cores, and 4-rank rows where two ranks share a core, told to the model as half the rate) and
+its median step is compared with `plan.predict_step_time` under both compute calibrations.
+Writes bench/results/planner.md and planner.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import launch_ranks, machine  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = Path(os.environ.get("BENCH_RESULTS", ROOT / "bench" / "results"))
+MODEL = {"vocab_size": 256, "seq_len": 128, "dim": 256, "num_heads": 4, "num_layers": 8}
+GLOBAL_BATCH = 16
+PG_TIMEOUT = datetime.timedelta(seconds=120)
+SIZES = [2**12, 2**14, 2**16, 2**18, 2**20, 2**22]  # calibration message bytes
+Layout = dict[str, Any]
+ROWS: dict[str, tuple[int, Layout]] = {
+    "fsdp_m1": (2, {"dp_shard_size": 2}),
+    "fsdp_m4": (2, {"dp_shard_size": 2, "num_microbatches": 4}),
+    "gpipe": (2, {"pp_size": 2, "schedule": "gpipe", "num_microbatches": 4}),
+    "1f1b": (2, {"pp_size": 2, "schedule": "1f1b", "num_microbatches": 4}),
+    "1f1b_m8": (2, {"pp_size": 2, "schedule": "1f1b", "num_microbatches": 8}),
+    "interleaved": (2, {"pp_size": 2, "schedule": "interleaved_1f1b", "num_microbatches": 4}),
+    "zbv": (2, {"pp_size": 2, "schedule": "zbv", "num_microbatches": 4}),
+    "zeropp": (2, {"pp_size": 2, "schedule": "zeropp", "num_microbatches": 4}),
+    "zeropp_u4_m8": (
+        2,
+        {"pp_size": 2, "schedule": "zeropp", "num_microbatches": 8, "unit_size": 4},
+    ),
+    "4r_1f1b": (4, {"pp_size": 2, "dp_shard_size": 2, "schedule": "1f1b", "num_microbatches": 4}),
+    "4r_zeropp": (
+        4,
+        {"pp_size": 2, "dp_shard_size": 2, "schedule": "zeropp", "num_microbatches": 4},
+    ),
+}
+
+
+def row_timeout_s(steps: int, warmup: int) -> float:
+    return 120.0 + 20.0 * (warmup + steps)
+
+
+# ---------------------------------------------------------------------------------------- ranks
+def calibrate_rank(out: Path) -> None:
+    """Time gloo all-gather, reduce-scatter and send/recv between 2 ranks at each size."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=PG_TIMEOUT)
+    rank = dist.get_rank()
+    times: dict[str, list[float]] = {"all_gather": [], "reduce_scatter": [], "p2p": []}
+    for size in SIZES:
+        shard = torch.ones(size // 4)
+        full = torch.empty(2 * shard.numel())
+        for name, fn in (
+            ("all_gather", lambda f=full, s=shard: dist.all_gather_into_tensor(f, s)),
+            ("reduce_scatter", lambda f=full, s=shard: dist.reduce_scatter_tensor(s, f)),
+            ("p2p", lambda s=shard: dist.send(s, 1) if rank == 0 else dist.recv(s, 0)),
+        ):
+            samples = []
+            for _ in range(7):
+                dist.barrier()
+                start = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - start)
+            times[name].append(statistics.median(samples[2:]))
+    (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "times": times}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def overhead_rank(out: Path) -> None:
+    """The engine's fixed cost per task, on one rank at a size where compute is small: a step of
+    8 micro-batches minus a step of 1, less 7 bare forward+backward passes, per FSDP unit-task."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
+    from lightning_zeropp.models import GPT, GPTConfig
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=PG_TIMEOUT)
+    seq = 8
+    tokens = torch.randint(0, MODEL["vocab_size"], (8, seq + 1))
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    steps = {}
+    for m in (1, 8):
+        torch.manual_seed(0)
+        config = ZeroPPConfig(dp_shard_size=1, num_microbatches=m, reshard_after_forward=False)
+        engine = ZeroPPEngine(
+            GPT(GPTConfig(**MODEL)), config, split="stack",
+            loss_fn=lambda logits, t: F.cross_entropy(logits.flatten(0, 1), t.flatten()),
+        )  # fmt: skip
+        rows = x[: m * 1], y[: m * 1]  # one row per micro-batch
+        samples = []
+        for _ in range(12):
+            start = time.perf_counter()
+            engine.train_step(rows[0], target=rows[1])
+            samples.append(time.perf_counter() - start)
+        steps[m] = statistics.median(samples[2:])
+    model = GPT(GPTConfig(**MODEL))
+    bare = []
+    for _ in range(12):
+        start = time.perf_counter()
+        F.cross_entropy(model(x[:1]).flatten(0, 1), y[:1].flatten()).backward()
+        bare.append(time.perf_counter() - start)
+    per_pair = (steps[8] - steps[1]) / 7 - statistics.median(bare[2:])
+    units = MODEL["num_layers"] + 1  # each block, and the root
+    result = {"steps": steps, "bare": statistics.median(bare[2:]), "per_task_pair": per_pair,
+              "unit_overhead_s": per_pair / (2 * units)}  # fmt: skip
+    (out / "rank0.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def train_rank(row: str, steps: int, warmup: int, out: Path) -> None:
+    """One rank of one row: train, time each step (slowest rank), write this rank's JSON."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
+    from lightning_zeropp.core.timeline import StepRecorder
+    from lightning_zeropp.models import GPT, GPTConfig
+    from lightning_zeropp.plan.hardware import measure_optimizer_rate
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=PG_TIMEOUT)
+    world, layout = ROWS[row]
+    # calibration on every rank at once, so each sees the contention it trains under
+    dist.barrier()
+    profile = profile_stages(world, layout)
+    optimizer_rate = measure_optimizer_rate()
+    config = ZeroPPConfig(**layout).resolve(world)
+    cfg = GPTConfig(**MODEL)
+    torch.manual_seed(0)
+    micro = GLOBAL_BATCH // config.dp_size // config.num_microbatches
+    example = (torch.zeros(micro, cfg.seq_len, dtype=torch.long),)
+    engine = ZeroPPEngine(
+        GPT(cfg),
+        config,
+        loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()),
+        split="stack",
+        example_args=example,
+    )
+    opt = torch.optim.AdamW(list(engine.parameters()), lr=1e-3)
+    tokens = torch.randint(0, cfg.vocab_size, (GLOBAL_BATCH, cfg.seq_len + 1))
+    per = GLOBAL_BATCH // config.dp_size
+    rows = slice(engine.dims.dp_rank * per, (engine.dims.dp_rank + 1) * per)
+    x, y = tokens[rows, :-1].contiguous(), tokens[rows, 1:].contiguous()
+    times, optimizer, warmup_optimizer = [], [], []
+    for i in range(warmup + steps):
+        dist.barrier()
+        start = time.perf_counter()
+        engine.train_step(x, target=y)
+        mid = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+            optimizer.append(time.perf_counter() - mid)
+        elif i > 0:  # the calibration: optimizer steps of the untimed steps (not the first)
+            warmup_optimizer.append(time.perf_counter() - mid)
+    with StepRecorder(engine) as recorder:  # one more step, recorded (not timed): where time went
+        engine.train_step(x, target=y)
+    opt.zero_grad(set_to_none=True)
+    spent: dict[str, float] = {}
+    for i in recorder.timeline.intervals:
+        key = f"{i.lane}:{i.kind}"
+        spent[key] = spent.get(key, 0.0) + i.end - i.start
+    slowest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    rank = dist.get_rank()
+    result = {
+        "rank": rank, "times": slowest.tolist(), "optimizer": optimizer,
+        "profile": profile, "optimizer_rate": optimizer_rate,
+        "warmup_optimizer": warmup_optimizer, "recorded": spent,
+        "recorded_step": recorder.timeline.end(),
+    }  # fmt: skip
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------- driver
+def fit_line(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
+    """seconds = latency + bytes / bandwidth, least squares in relative error (so the small
+    messages set the latency and the large ones the bandwidth); returns (latency, bandwidth)."""
+    w = [1.0 / t**2 for t in seconds]
+    sw = sum(w)
+    mx = sum(wi * x for wi, x in zip(w, sizes, strict=True)) / sw
+    my = sum(wi * y for wi, y in zip(w, seconds, strict=True)) / sw
+    slope = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, sizes, seconds, strict=True)) / sum(
+        wi * (x - mx) ** 2 for wi, x in zip(w, sizes, strict=True)
+    )
+    return max(my - slope * mx, 0.0), 1.0 / slope
+
+
+def profile_stages(world: int, layout: Layout) -> list[tuple[float, float]]:
+    """Forward and backward seconds of one micro-batch per stage, on real tensors, one thread."""
+    import torch
+    import torch.nn.functional as F
+
+    from lightning_zeropp.core import ZeroPPConfig
+    from lightning_zeropp.models import GPT, GPTConfig
+    from lightning_zeropp.plan.memory import split_stages
+
+    config = ZeroPPConfig(**layout).resolve(world)
+    torch.manual_seed(0)
+    stages = split_stages(GPT(GPTConfig(**MODEL)), config)
+    rows = GLOBAL_BATCH // config.dp_size // config.num_microbatches
+    tokens = torch.randint(0, MODEL["vocab_size"], (rows, MODEL["seq_len"]))
+    out, x = [], tokens
+    for index, stage in enumerate(stages):
+        fwd, bwd = [], []
+        for _ in range(5):
+            inp = x.detach().requires_grad_() if x.is_floating_point() else x
+            start = time.perf_counter()
+            y = stage(inp)
+            loss = (
+                F.cross_entropy(y.flatten(0, 1), tokens.flatten())
+                if index == len(stages) - 1
+                else None
+            )
+            mid = time.perf_counter()
+            if loss is not None:
+                loss.backward()
+            else:
+                y.backward(torch.ones_like(y))
+            fwd.append(mid - start)
+            bwd.append(time.perf_counter() - mid)
+        out.append((statistics.median(fwd[1:]), statistics.median(bwd[1:])))
+        x = y.detach()
+    return out
+
+
+def predict(
+    world: int, layout: Layout, hw: Any, stage_seconds: Any, optimizer_s: float | None
+) -> float:
+    import torch
+
+    from lightning_zeropp.core import ZeroPPConfig
+    from lightning_zeropp.models import GPT, GPTConfig
+    from lightning_zeropp.plan import predict_step_time
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**MODEL))
+    plan = predict_step_time(
+        model, ZeroPPConfig(**layout), world, GLOBAL_BATCH, MODEL["seq_len"], hw,
+        stage_seconds=stage_seconds, optimizer_seconds=optimizer_s,
+    )  # fmt: skip
+    return plan.step_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker == "calibrate":
+        calibrate_rank(Path(args.out))
+        return
+    if args.worker == "overhead":
+        overhead_rank(Path(args.out))
+        return
+    if args.worker:
+        train_rank(args.worker, args.steps, args.warmup, Path(args.out))
+        return
+    import torch
+
+    from lightning_zeropp.plan.hardware import (
+        Hardware,
+        measure_matmul_rate,
+        measure_memory_bandwidth,
+    )
+
+    torch.set_num_threads(1)
+    started = time.monotonic()
+    calib = launch_ranks(__file__, "calibrate", 2, [], 120.0)[0]["times"]
+    links = {name: fit_line(SIZES, seconds) for name, seconds in calib.items()}
+    # one hop of a 2-rank ring moves one shard each way: per-hop latency and bandwidth
+    overhead = launch_ranks(__file__, "overhead", 1, [], 180.0)[0]
+    print("engine overhead:", overhead)
+    links["all_reduce"] = links["reduce_scatter"]  # not used: no HSDP row here
+    latency, bandwidth = links["p2p"]
+    rate = measure_matmul_rate()
+    memory = measure_memory_bandwidth()
+    rows = []
+    for name in [r for r in args.rows.split(",") if r]:
+        world, layout = ROWS[name]
+        share = 2 / max(world, 2)  # ranks per core: 4 ranks on 2 cores get half each
+        t0 = time.monotonic()
+        ranks = launch_ranks(__file__, name, world, ["--steps", str(args.steps), "--warmup", str(args.warmup)], row_timeout_s(args.steps, args.warmup))  # fmt: skip
+        measured = statistics.median(ranks[0]["times"])
+        hw = Hardware(
+            flops_per_s=rate * share, intra_node_Bps=bandwidth, inter_node_Bps=bandwidth,
+            node_size=world, latency_s=latency, memory_Bps=memory * share, overlap=False,
+            optimizer_Bps=min(r["optimizer_rate"] for r in ranks), collectives=links,
+            unit_overhead_s=overhead["unit_overhead_s"] / share,
+        )  # fmt: skip
+        optimizer_s = max(statistics.median(r["warmup_optimizer"]) for r in ranks)
+        # each stage as the slowest rank timed it, all ranks timing at once
+        profiled = [
+            tuple(max(r["profile"][s][i] for r in ranks) for i in range(2))
+            for s in range(len(ranks[0]["profile"]))
+        ]
+        by_rate = predict(world, layout, hw, None, None)
+        by_profile = predict(world, layout, hw, profiled, optimizer_s)
+        rows.append({
+            "row": name, "world": world, "layout": layout, "measured_s": measured,
+            "times_s": ranks[0]["times"], "predicted_profiled_s": by_profile,
+            "predicted_matmul_rate_s": by_rate, "stage_seconds": profiled,
+            "optimizer_measured_s": max(statistics.median(r["optimizer"]) for r in ranks),
+            "optimizer_rate_Bps": hw.optimizer_rate,
+            "recorded": [{**r["recorded"], "step": r["recorded_step"]} for r in ranks],
+        })  # fmt: skip
+        print(f"{name}: measured {measured:.3f}s, predicted {by_profile:.3f}s (profiled) "
+              f"{by_rate:.3f}s (matmul rate) [{time.monotonic() - t0:.0f}s]")  # fmt: skip
+    meta = {
+        "machine": machine(), "model": MODEL, "global_batch": GLOBAL_BATCH,
+        "steps": args.steps, "warmup": args.warmup, "matmul_rate_flops": rate,
+        "memory_Bps": memory, "links": links, "latency_s": latency, "bandwidth_Bps": bandwidth,
+        "wall_s": round(time.monotonic() - started, 1), "overhead": overhead,
+    }  # fmt: skip
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "planner.json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+    write_markdown(meta, rows, RESULTS / "planner.md")
+    print((RESULTS / "planner.md").read_text())
+
+
+def write_markdown(meta: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> None:
+    m = meta["machine"]
+    lines = [
+        "# Step-time model vs measured step, CPU gloo ranks",
+        "",
+        f"- Machine: {m['cpu']}, {m['cores']} cores; one thread per rank",
+        f"- Date: {m['date']}; torch {m['torch']}; commit {m['commit']}",
+        f"- Model: GPT {meta['model']}, fp32, global batch {meta['global_batch']}, AdamW; "
+        f"{meta['warmup']} warm-up and {meta['steps']} timed steps per row (median of the slowest rank)",
+        f"- Calibration: matmul {meta['matmul_rate_flops'] / 1e9:.1f} GFLOP/s per thread; gloo "
+        f"latency {meta['latency_s'] * 1e6:.0f} us and {meta['bandwidth_Bps'] / 1e9:.2f} GB/s per "
+        f"hop (fit over 64 KiB..4 MiB); memory copy {meta['memory_Bps'] / 1e9:.1f} GB/s",
+        "",
+        "| Row | Ranks | Layout | Measured (s) | Predicted, profiled stages (s) | Error | "
+        "Predicted, matmul rate (s) | Error |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        e1 = r["predicted_profiled_s"] / r["measured_s"] - 1
+        e2 = r["predicted_matmul_rate_s"] / r["measured_s"] - 1
+        layout = ", ".join(f"{k}={v}" for k, v in r["layout"].items())
+        lines.append(
+            f"| {r['row']} | {r['world']} | {layout} | {r['measured_s']:.3f} | "
+            f"{r['predicted_profiled_s']:.3f} | {e1:+.1%} | {r['predicted_matmul_rate_s']:.3f} | {e2:+.1%} |"
+        )
+    path.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

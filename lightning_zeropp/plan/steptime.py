@@ -1,0 +1,271 @@
+"""Step time per layout, predicted: FLOPs and bytes from the model on the meta device, rates from
+`Hardware`, and the schedule's own programs replayed by `plan.simulate`.
+
+- Compute: each stage's forward FLOPs per FSDP unit (counted by torch's `FlopCounterMode` on meta
+  tensors, the loss on the last stage), a backward twice its forward (exact for the matmuls that
+  dominate), plus the forward again where a stage recomputes; seconds = FLOPs / rate. Measured
+  per-stage seconds (`stage_seconds`) may replace the rate, split over units by their FLOPs.
+- Collectives: ring all-gathers and reduce-scatters over `dp_shard` of each unit's padded shard
+  ((k - 1) hops of latency plus a shard each), HSDP's all-reduce over `dp_replicate`, and stage
+  boundaries as one message each way; a group spanning nodes runs at the cross-node rate.
+- Which task gathers and which reduces: `plan.comm`'s counts, placed where the runtime does them
+  (torch's schedules gather a stage at its first forward and reduce after its last gradient
+  task; FSDP alone gathers at the first forward and at every backward; ZeroPP follows its lowered
+  plan, `core.schedule.zeropp_plans`).
+- The optimizer step updates each rank's shard at `Hardware.optimizer_rate` (by default AdamW
+  streaming its state once: 28 bytes per fp32 parameter).
+
+Not modelled (they raise): ZeRO++'s collectives, resharding after forward under a pipeline.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_zeropp.core.config import ZeroPPConfig
+from lightning_zeropp.core.placement import rank_of_stage, schedule_style
+from lightning_zeropp.core.split import find_blocks, plan_blocks
+from lightning_zeropp.plan.activations import _lm_loss, meta_stages, task_orders
+from lightning_zeropp.plan.comm import _boundary_bytes, _padded_shard
+from lightning_zeropp.plan.hardware import Hardware
+from lightning_zeropp.plan.memory import predict_memory, unit_shapes
+from lightning_zeropp.plan.simulate import Op, RankTimeline, StageCost, simulate
+
+__all__ = ["StepTimePlan", "predict_step_time", "programs_for", "stage_flops"]
+
+
+@dataclass(frozen=True)
+class StepTimePlan:
+    """A predicted training step."""
+
+    step_s: float
+    optimizer_s: float
+    ranks: dict[int, RankTimeline]  # by pipeline rank
+    model_flops: float  # forward + backward FLOPs of the whole global batch (no recompute)
+    world_size: int
+    peak_flops_per_s: float
+
+    @property
+    def bubble(self) -> float:
+        """Largest fraction of the step (before the optimizer) a rank's compute lane is idle:
+        the pipeline bubble plus exposed communication."""
+        end = max(line.end for line in self.ranks.values())
+        return max(1.0 - line.compute / end for line in self.ranks.values()) if end else 0.0
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops / (self.step_s * self.world_size * self.peak_flops_per_s)
+
+
+def stage_flops(
+    stages: Sequence[nn.Module],
+    container: str,
+    blocks: Sequence[Sequence[str]],
+    rows: int,
+    seq: int,
+) -> list[list[float]]:
+    """Forward FLOPs of one micro-batch per stage and unit: [the stage's own (non-block) part,
+    then each block], on meta stages."""
+    out: list[list[float]] = []
+    x: Any = torch.zeros(rows, seq, dtype=torch.long, device="meta")
+    tokens = x
+    for index, stage in enumerate(stages):
+        counter = FlopCounterMode(display=False)
+        holder = stage.get_submodule(container) if container else stage
+        marks = _BlockFlops(counter, [holder._modules[n] for n in blocks[index]])
+        with torch.no_grad(), counter:
+            y = stage(x)
+            if index == len(stages) - 1:
+                _lm_loss(y, tokens)
+        marks.remove()
+        total = float(counter.get_total_flops())
+        out.append([total - sum(marks.flops), *marks.flops])
+        x = y
+    return out
+
+
+class _BlockFlops:
+    """FLOPs counted while each of `modules` ran forward (hooks around each)."""
+
+    def __init__(self, counter: FlopCounterMode, modules: list[nn.Module]) -> None:
+        self.flops = [0.0] * len(modules)
+        self._counter = counter
+        self._handles = []
+        for i, module in enumerate(modules):
+            self._handles.append(module.register_forward_pre_hook(self._mark(i, -1.0)))
+            self._handles.append(module.register_forward_hook(self._mark(i, 1.0)))
+
+    def _mark(self, index: int, sign: float) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            self.flops[index] += sign * self._counter.get_total_flops()
+
+        return hook
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def programs_for(cfg: ZeroPPConfig) -> dict[int, list[Op]]:
+    """Each pipeline rank's tasks for a resolved config, flagged where they gather and reduce."""
+    if cfg.schedule == "zeropp":
+        return _zeropp_programs(cfg)
+    if cfg.num_stages == 1:
+        m = cfg.num_microbatches
+        again = bool(cfg.reshard_after_forward)  # the backward gathers what forward released
+        ops = []
+        for mb in range(m):
+            ops.append(Op("F", 0, mb, gather=mb == 0))
+            ops.append(Op("B", 0, mb, gather=again, reduce=mb == m - 1))
+        return {0: ops}
+    programs = {}
+    for rank, order in task_orders(cfg).items():
+        first = {s: min(i for i, t in enumerate(order) if t[1] == s) for _, s, _ in order}
+        last = {s: max(i for i, t in enumerate(order) if t[1] == s and t[0] in "BW") for _, s, _ in order}  # fmt: skip
+        programs[rank] = [
+            Op(k, s, mb, gather=i == first[s], reduce=i == last[s])
+            for i, (k, s, mb) in enumerate(order)
+        ]
+    return programs
+
+
+def _zeropp_programs(cfg: ZeroPPConfig) -> dict[int, list[Op]]:
+    from lightning_zeropp.core.schedule import zeropp_plans
+
+    programs = {}
+    for rank, plan in zeropp_plans(cfg).items():
+        ops: list[Op] = []
+        pending: set[int] = set()
+        for step in plan:
+            if step.kind == "gather":
+                pending.add(step.stage)
+            elif step.kind == "compute":
+                t = step.task
+                assert t is not None
+                ops.append(Op(t.kind, t.stage, t.microbatch, gather=t.stage in pending))
+                pending.discard(t.stage)
+            elif step.kind == "reduce":
+                ops[-1] = Op(**{**ops[-1].__dict__, "reduce": True})
+        last = {op.stage: i for i, op in enumerate(ops) if op.kind in "BW"}
+        for i in last.values():  # the end-of-step reduction
+            ops[i] = Op(**{**ops[i].__dict__, "reduce": True})
+        programs[rank] = ops
+    return programs
+
+
+def predict_step_time(
+    model: nn.Module,
+    config: ZeroPPConfig,
+    world_size: int,
+    global_batch: int,
+    seq_len: int,
+    hardware: Hardware,
+    *,
+    stage_seconds: Sequence[tuple[float, float]] | None = None,
+    optimizer_seconds: float | None = None,
+    optimizer: str = "adamw",
+) -> StepTimePlan:
+    """Predict one training step of `model` (meta device) under `config` on `hardware`.
+
+    `stage_seconds`: measured (forward, backward) seconds of one micro-batch per stage, to use
+    instead of FLOPs / `hardware.flops_per_s`; `optimizer_seconds`: a measured optimizer step,
+    instead of the shard at `hardware.optimizer_rate`."""
+    cfg = config.resolve(world_size)
+    if cfg.quantized_weights or cfg.quantized_gradients or cfg.hpz_partition_size:
+        raise NotImplementedError("ZeRO++'s collectives are not in the step-time model yet")
+    if cfg.pp_size > 1 and cfg.reshard_after_forward:
+        raise NotImplementedError("resharding after forward under a pipeline is not modelled")
+    stages = meta_stages(model, cfg)
+    container, names = find_blocks(model)
+    if cfg.num_stages > 1:
+        plan = plan_blocks(model, cfg.num_stages, cfg.split_points)
+        blocks = [[plan.names[i] for i in r] for r in plan.ranges]
+    else:
+        blocks = [names]
+    rows = global_batch // cfg.dp_size // cfg.num_microbatches
+    flops = stage_flops(stages, container, blocks, rows, seq_len)
+    style = schedule_style(cfg.schedule)
+    where = {s: rank_of_stage(style, s, cfg.pp_size) for s in range(cfg.num_stages)}
+    boundary = _boundary_bytes(stages, rows, seq_len)
+    costs = []
+    for s, stage in enumerate(stages):
+        seconds = _unit_seconds(flops[s], hardware, stage_seconds[s] if stage_seconds else None)
+        gather, reduce = _collective_seconds(stage, container, blocks[s], cfg, hardware, where[s])
+        nxt = where.get(s + 1, where[s])
+        lat, link = hardware.hop("p2p", *sorted((where[s] * cfg.dp_size, nxt * cfg.dp_size)))
+        costs.append(
+            StageCost(
+                forward=tuple(f for f, _ in seconds),
+                backward=tuple(b for _, b in seconds),
+                gather=gather,
+                reduce=reduce,
+                send=lat + boundary[s] / link,
+                recompute=cfg.recomputes(s),
+                overhead=hardware.unit_overhead_s * len(seconds),
+            )
+        )
+    lines = simulate(programs_for(cfg), costs, where, hardware.overlap)
+    memory = predict_memory(model, cfg, world_size, optimizer)
+    optimizer_s = (
+        optimizer_seconds
+        if optimizer_seconds is not None
+        else max(m.parameters for m in memory) / hardware.optimizer_rate
+    )
+    total_forward = sum(map(sum, flops)) * cfg.num_microbatches * cfg.dp_size
+    return StepTimePlan(
+        step_s=max(line.end for line in lines.values()) + optimizer_s,
+        optimizer_s=optimizer_s,
+        ranks=lines,
+        model_flops=3.0 * total_forward,
+        world_size=world_size,
+        peak_flops_per_s=hardware.peak_flops_per_s or hardware.flops_per_s,
+    )
+
+
+def _unit_seconds(
+    flops: list[float], hardware: Hardware, measured: tuple[float, float] | None
+) -> list[tuple[float, float]]:
+    if measured is None:
+        return [(f / hardware.flops_per_s, 2.0 * f / hardware.flops_per_s) for f in flops]
+    total = sum(flops) or 1.0
+    return [(measured[0] * f / total, measured[1] * f / total) for f in flops]
+
+
+def _collective_seconds(
+    stage: nn.Module,
+    container: str,
+    names: list[str],
+    cfg: ZeroPPConfig,
+    hardware: Hardware,
+    pp_rank: int,
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """All-gather and reduce-scatter seconds of each unit, in the order `stage_flops` lists them
+    (the stage's own part first); empty when nothing is sharded."""
+    k, r = cfg.dp_shard_size, cfg.dp_replicate_size
+    block_shapes, rest = unit_shapes(stage, container, names)
+    if k == 1 and r == 1:
+        return (), ()
+    compute = torch.empty((), dtype=cfg.param_dtype).element_size() if cfg.param_dtype else 4
+    reduce_dtype = cfg.reduce_dtype or (torch.float32 if cfg.param_dtype else None)
+    red = torch.empty((), dtype=reduce_dtype).element_size() if reduce_dtype else compute
+    first = pp_rank * cfg.dp_size
+    ag_lat, ag_bw = hardware.hop("all_gather", first, first + k - 1)
+    rs_lat, rs_bw = hardware.hop("reduce_scatter", first, first + k - 1)
+    ar_lat, ar_bw = hardware.hop("all_reduce", first, first + cfg.dp_size - 1)
+    gathers, reduces = [], []
+    for shapes in [rest, *block_shapes]:
+        numel = _padded_shard(shapes, k) if shapes else 0
+        ring = k - 1 if numel else 0  # ring hops; a unit without parameters moves nothing
+        gathers.append(ring * (ag_lat + numel * compute / ag_bw))
+        rs = ring * (rs_lat + numel * red / rs_bw)
+        if r > 1 and numel:  # HSDP: a ring all-reduce of the reduced shard over the replicas
+            rs += 2 * (r - 1) * (ar_lat + math.ceil(numel / r) * red / ar_bw)
+        reduces.append(rs)
+    return tuple(gathers), tuple(reduces)
