@@ -169,6 +169,7 @@ class SavedActivations:
 
     def __init__(self) -> None:
         self._live: dict[int, int] = {}  # storage pointer -> bytes
+        self._aliases: dict[int, int] = {}  # storage pointer -> saved aliases still held
         self.live = 0
         self.peak = 0
         self._hooks: Any = None
@@ -186,16 +187,19 @@ class SavedActivations:
             self._hooks.__exit__(*exc)
             self._hooks = None
 
-    def _saved(self, key: int, nbytes: int, tensor: torch.Tensor) -> None:
-        if key in self._live:
-            return
-        self._live[key] = nbytes
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(tensor, self._release, key)
+    def _saved(self, key: int, nbytes: int, alias: torch.Tensor) -> None:
+        if key not in self._live:
+            self._live[key] = nbytes
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+        self._aliases[key] = self._aliases.get(key, 0) + 1
+        weakref.finalize(alias, self._release, key)  # autograd drops it with the saved tensor
 
     def _release(self, key: int) -> None:
-        self.live -= self._live.pop(key, 0)
+        self._aliases[key] -= 1
+        if not self._aliases[key]:
+            del self._aliases[key]
+            self.live -= self._live.pop(key, 0)
 
 
 def _pack_for_all(tensor: torch.Tensor) -> torch.Tensor:
@@ -212,7 +216,13 @@ def _pack_for_all(tensor: torch.Tensor) -> torch.Tensor:
         key, nbytes = storage.data_ptr(), storage.nbytes()
     except RuntimeError:  # other wrapper subclasses have no storage of their own
         return tensor
-    if key:
-        for tracker in SavedActivations._active:
-            tracker._saved(key, nbytes, tensor)
-    return tensor
+    if not key:
+        return tensor
+    # Autograd keeps what the hook returns. The tensor itself would keep its grad_fn, and a saved
+    # output then holds its own node: a cycle that only running the node breaks. Split backward
+    # (I with retain_graph, then W over the weight paths) never runs the nodes of the input path,
+    # so their saved tensors leaked for good. A detached alias shares the storage, not the node.
+    alias = tensor.detach()
+    for tracker in SavedActivations._active:
+        tracker._saved(key, nbytes, alias)
+    return alias

@@ -11,10 +11,11 @@ held at once. This is what `core.memory.SavedActivations` measures in a run's st
 Attention is counted as fused kernels save it (inputs, output, a log-sum-exp row), not as the
 math path the meta device would take (the whole attention matrix).
 
-Not modelled yet (they raise): activation recomputation, and split backward (ZeroPP's default
-`split_backward=True`, torch's zero-bubble schedules): runs hold more between an input-gradient
-task and its weight-gradient task than the forward saved (up to 1.4x in a 4-rank test), and
-what exactly is not yet accounted for.
+Split backward (ZeroPP's default, torch's zero-bubble schedules) holds a micro-batch's saved
+bytes from its F to its W: the I runs with `retain_graph`, and the W frees the graph. (The
+intermediate gradients the I keeps for its W are not saved tensors and are not counted here.)
+
+Not modelled yet (it raises): activation recomputation.
 """
 
 from __future__ import annotations
@@ -160,18 +161,12 @@ def activation_peaks(
     if cfg.pp_size == 1 and cfg.num_stages == 1:
         return {0: per_stage[0]}  # micro-batches run one after another
     peaks = {}
-    orders = task_orders(cfg)
-    if any(kind in "IW" for order in orders.values() for kind, _, _ in order):
-        raise NotImplementedError(
-            f"schedule={cfg.schedule!r} splits backward into input- and weight-gradient tasks, "
-            "whose activation memory is not modelled yet (use split_backward=False for ZeroPP)."
-        )
-    for rank, order in orders.items():
+    for rank, order in task_orders(cfg).items():
         live = peak = 0
         for kind, stage, _ in order:
             if kind == "F":
                 live += per_stage[stage]
-            elif kind == "B":
+            elif kind in "BW":  # I keeps the graph for its W
                 live -= per_stage[stage]
             peak = max(peak, live)
         peaks[rank] = peak

@@ -38,3 +38,20 @@ def test_saved_activations_count_what_backward_keeps_not_the_weights() -> None:
         del out  # the graph and what it saved go with it
         assert outer.live == 0
     assert inner.peak == outer.peak == 768
+
+
+def test_saved_activations_leave_no_graph_behind_when_a_backward_retains_it() -> None:
+    # Split backward's input-gradient task runs with retain_graph and its weight task never runs
+    # the input path's nodes (here: the attention and the activation). With the tensor itself
+    # returned by the pack hook, a saved output held its own node and leaked for good.
+    from lightning_zeropp.models import GPT, GPTConfig
+
+    block = GPT(GPTConfig(vocab_size=16, seq_len=8, dim=16, num_heads=2, num_layers=1)).blocks[0]
+    with SavedActivations() as saved:
+        for _ in range(3):
+            x = torch.randn(2, 8, 16, requires_grad=True)
+            y = block(x)
+            held = saved.live
+            torch.autograd.grad(y, x, torch.ones_like(y), retain_graph=True)
+            del x, y
+            assert held > 0 and saved.live == 0
