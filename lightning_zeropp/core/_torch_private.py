@@ -238,6 +238,18 @@ def fused_attention(
     )[0]
 
 
+def fused_attention_flops() -> dict[Any, Any]:
+    """`FlopCounterMode(custom_mapping=...)` for `fused_attention`'s CPU kernel, which torch's
+    counter does not know: the two matmuls of attention (scores, then weighted values)."""
+    import torch
+
+    def flops(q: Any, k: Any, v: Any, *_: Any, **__: Any) -> int:
+        b, h, s, d = q
+        return 2 * b * h * s * k[-2] * d + 2 * b * h * s * k[-2] * v[-1]
+
+    return {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: flops}
+
+
 def local_chunk(tensor: Any) -> tuple[slice, ...]:
     """Where this rank's part of `tensor` lies in the whole tensor (all of it when it is not a
     DTensor): the index that cuts this rank's rows out of a whole copy."""

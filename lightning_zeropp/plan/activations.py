@@ -1,8 +1,8 @@
 """Activation memory per rank, predicted: bytes saved for backward at the busiest moment.
 
 Per stage, the bytes one micro-batch's forward saves for backward (weights excluded, each storage
-once) are counted by running that stage on the meta device: shapes only, no compute, so a 70B
-model costs nothing to measure. The last stage's count includes the loss (token cross-entropy).
+once) come from `plan.profile` (the model run once on the meta device, block by block: shapes
+only, so a 70B model costs nothing to measure); the last stage's include the loss.
 
 Then each pipeline rank's task order (torch's schedules' own `pipeline_order`, or ZeroPP's unit
 order) is replayed: a forward adds its stage's bytes, a full backward (B) or a weight-gradient
@@ -15,79 +15,72 @@ Split backward (ZeroPP's default, torch's zero-bubble schedules) holds a micro-b
 bytes from its F to its W: the I runs with `retain_graph`, and the W frees the graph. (The
 intermediate gradients the I keeps for its W are not saved tensors and are not counted here.)
 
-Not modelled yet (it raises): activation recomputation.
+Recomputation: a recomputing stage's blocks save their inputs only (counted with the engine's
+own checkpoint wrapping); while one block runs backward it holds its activations again
+(`recompute_transients`), which saved-tensor tracking does not see and the peak adds.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Callable, Iterator
 from types import SimpleNamespace
-from typing import Any
 
-import torch
-import torch.nn.functional as F
 from torch import nn
 
-from lightning_zeropp.core._torch_private import fused_attention, storage_identity
 from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.placement import stage_ids_for_rank
+from lightning_zeropp.core.split import find_blocks, plan_blocks
 from lightning_zeropp.plan.memory import split_stages
+from lightning_zeropp.plan.profile import Part, profile_model
 
-__all__ = ["stage_activation_bytes", "task_orders", "activation_peaks", "meta_stages"]
+__all__ = [
+    "activation_peaks",
+    "meta_stages",
+    "recompute_transients",
+    "stage_activation_bytes",
+    "stage_parts",
+    "stage_ranges",
+    "task_orders",
+]
 
 Order = list[tuple[str, int, int]]  # (kind F/B/I/W, stage, micro-batch)
 
 
-def _lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
+def stage_ranges(model: nn.Module, config: ZeroPPConfig) -> list[range]:
+    """Each stage's block indices (a resolved config)."""
+    if config.num_stages == 1:
+        return [range(len(find_blocks(model)[1]))]
+    return list(plan_blocks(model, config.num_stages, config.split_points).ranges)
+
+
+def stage_parts(model: nn.Module, config: ZeroPPConfig, rows: int, seq_len: int) -> list[Part]:
+    """One micro-batch of `rows` x `seq_len` tokens on each stage (a resolved config; `model` on
+    the meta device): saved bytes (recomputing stages: their blocks' inputs), FLOPs, output."""
+    profile = profile_model(model, rows, seq_len, config.param_dtype)
+    n = config.num_stages
+    return [
+        profile.stage(r, s == 0, s == n - 1, config.recomputes(s))
+        for s, r in enumerate(stage_ranges(model, config))
+    ]
 
 
 def stage_activation_bytes(
-    model: nn.Module,
-    config: ZeroPPConfig,
-    rows: int,
-    seq_len: int,
-    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] = _lm_loss,
+    model: nn.Module, config: ZeroPPConfig, rows: int, seq_len: int
 ) -> list[int]:
-    """Bytes one micro-batch of `rows` x `seq_len` tokens saves in each stage (a resolved config;
-    `model` on the meta device)."""
-    if config.activation_checkpointing != "none":
-        raise NotImplementedError("activation recomputation is not modelled yet")
-    num_stages = config.num_stages
-    stages = meta_stages(model, config)
-    tokens = torch.zeros(rows, seq_len, dtype=torch.long, device="meta")
-    x: Any = tokens
-    out = []
-    for index, stage in enumerate(stages):
-        saved: dict[int, int] = {}
-        params = {storage_identity(p) for p in stage.parameters()}
-
-        def pack(t: torch.Tensor, saved: dict[int, int] = saved, params: set = params) -> Any:
-            key = storage_identity(t)
-            if key not in params:
-                saved.setdefault(key, t.untyped_storage().nbytes())
-            return t
-
-        with _fused_attention(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            y = stage(x)
-            if index == num_stages - 1:
-                loss_fn(y, tokens)
-        out.append(sum(saved.values()))
-        x = y.detach().requires_grad_()
-    return out
+    """Bytes one micro-batch saves in each stage (see `stage_parts`)."""
+    return [part.saved for part in stage_parts(model, config, rows, seq_len)]
 
 
-@contextlib.contextmanager
-def _fused_attention() -> Iterator[None]:
-    """Count attention as the fused kernels of real runs save it (`_torch_private.fused_attention`)."""
-    original = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = fused_attention
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = original
+def recompute_transients(
+    model: nn.Module, config: ZeroPPConfig, rows: int, seq_len: int
+) -> list[int]:
+    """Per stage, what recomputing holds on top of the saved bytes while a block runs backward:
+    the largest block's own saved bytes (0 for a stage that does not recompute)."""
+    profile = profile_model(model, rows, seq_len, config.param_dtype)
+    return [
+        max((profile.blocks[i].saved for i in r), default=0) if config.recomputes(s) else 0
+        for s, r in enumerate(stage_ranges(model, config))
+    ]
 
 
 def meta_stages(model: nn.Module, config: ZeroPPConfig) -> list[nn.Module]:
@@ -152,21 +145,32 @@ def _stand_in(stage: int, rank: int, config: ZeroPPConfig) -> SimpleNamespace:
 
 
 def activation_peaks(
-    model: nn.Module, config: ZeroPPConfig, world_size: int, global_batch: int, seq_len: int
+    model: nn.Module,
+    config: ZeroPPConfig,
+    world_size: int,
+    global_batch: int,
+    seq_len: int,
+    *,
+    recompute_transient: bool = True,
 ) -> dict[int, int]:
-    """Each pipeline rank's peak saved-activation bytes in a step of `global_batch` rows."""
+    """Each pipeline rank's peak activation bytes in a step of `global_batch` rows: the saved
+    bytes, plus (`recompute_transient`) what a recomputing block holds during its backward."""
     cfg = config.resolve(world_size)
     rows = global_batch // cfg.dp_size // cfg.num_microbatches
     per_stage = stage_activation_bytes(model, cfg, rows, seq_len)
+    extra = recompute_transients(model, cfg, rows, seq_len)
+    extra = extra if recompute_transient else [0] * len(extra)
     if cfg.pp_size == 1 and cfg.num_stages == 1:
-        return {0: per_stage[0]}  # micro-batches run one after another
+        return {0: per_stage[0] + extra[0]}  # micro-batches run one after another
     peaks = {}
     for rank, order in task_orders(cfg).items():
         live = peak = 0
         for kind, stage, _ in order:
             if kind == "F":
                 live += per_stage[stage]
-            elif kind in "BW":  # I keeps the graph for its W
+            elif kind in "BI":  # a recomputing block's activations exist again for a moment
+                peak = max(peak, live + extra[stage])
+            if kind in "BW":  # I keeps the graph for its W
                 live -= per_stage[stage]
             peak = max(peak, live)
         peaks[rank] = peak

@@ -21,16 +21,14 @@ the engine's few scalar collectives (the loss, two agreement flags), which are l
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.placement import rank_of_stage, schedule_style, stage_ids_for_rank
-from lightning_zeropp.core.split import find_blocks, plan_blocks
-from lightning_zeropp.plan.activations import meta_stages
-from lightning_zeropp.plan.memory import unit_shapes
+from lightning_zeropp.plan.activations import meta_stages, stage_parts
+from lightning_zeropp.plan.memory import stage_blocks, unit_shapes
 
 __all__ = ["predict_comm"]
 
@@ -52,17 +50,12 @@ def predict_comm(
     if cfg.quantized_weights or cfg.quantized_gradients or cfg.hpz_partition_size:
         raise NotImplementedError("ZeRO++'s collectives are not modelled here yet")
     stages = meta_stages(model, cfg)
-    container, names = find_blocks(model)
-    if cfg.num_stages > 1:
-        plan = plan_blocks(model, cfg.num_stages, cfg.split_points)
-        blocks = [[plan.names[i] for i in r] for r in plan.ranges]
-    else:
-        blocks = [names]
+    container, blocks = stage_blocks(model, cfg)
     compute = torch.empty((), dtype=cfg.param_dtype).element_size() if cfg.param_dtype else 4
     reduce_dtype = cfg.reduce_dtype or (torch.float32 if cfg.param_dtype else None)
     reduce = torch.empty((), dtype=reduce_dtype).element_size() if reduce_dtype else compute
     rows = global_batch // cfg.dp_size // cfg.num_microbatches
-    boundary = _boundary_bytes(stages, rows, seq_len)
+    boundary = [part.output for part in stage_parts(model, cfg, rows, seq_len)]
     gathers, reductions = _gathers_and_reductions(cfg)
     style = schedule_style(cfg.schedule)
     out = {}
@@ -99,17 +92,6 @@ def _add(summary: Summary, kind: str, axis: str, count: int, nbytes: int) -> Non
     entry = summary.setdefault(kind, {}).setdefault(axis, {"count": 0, "bytes": 0})
     entry["count"] += count
     entry["bytes"] += nbytes
-
-
-def _boundary_bytes(stages: list[nn.Module], rows: int, seq_len: int) -> list[int]:
-    """Bytes of each stage's output for one micro-batch (what crosses to the next stage)."""
-    x: Any = torch.zeros(rows, seq_len, dtype=torch.long, device="meta")
-    sizes = []
-    with torch.no_grad():
-        for stage in stages:
-            x = stage(x)
-            sizes.append(x.numel() * x.element_size())
-    return sizes
 
 
 def _gathers_and_reductions(cfg: ZeroPPConfig) -> tuple[dict[int, int], dict[int, int]]:

@@ -37,6 +37,7 @@ __all__ = [
     "RankMemoryPlan",
     "predict_memory",
     "split_stages",
+    "stage_blocks",
     "stage_parameter_shapes",
     "unit_shapes",
 ]
@@ -67,6 +68,15 @@ def split_stages(model: nn.Module, config: ZeroPPConfig) -> list[nn.Module]:
         return [model]
     plan = plan_blocks(model, config.num_stages, config.split_points)
     return split_model(model, plan, range(config.num_stages), "stack")
+
+
+def stage_blocks(model: nn.Module, config: ZeroPPConfig) -> tuple[str, list[list[str]]]:
+    """The blocks' container in `model` and each stage's block names (a resolved config)."""
+    container, names = find_blocks(model)
+    if config.num_stages == 1:
+        return container, [names]
+    plan = plan_blocks(model, config.num_stages, config.split_points)
+    return container, [[plan.names[i] for i in r] for r in plan.ranges]
 
 
 def stage_parameter_shapes(model: nn.Module, config: ZeroPPConfig) -> list[list[ParamShape]]:

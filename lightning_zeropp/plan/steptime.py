@@ -1,8 +1,8 @@
 """Step time per layout, predicted: FLOPs and bytes from the model on the meta device, rates from
 `Hardware`, and the schedule's own programs replayed by `plan.simulate`.
 
-- Compute: each stage's forward FLOPs per FSDP unit (counted by torch's `FlopCounterMode` on meta
-  tensors, the loss on the last stage), a backward twice its forward (exact for the matmuls that
+- Compute: each stage's forward FLOPs per FSDP unit (`plan.profile`: torch's `FlopCounterMode`
+  on meta tensors, the loss on the last stage), a backward twice its forward (exact for the matmuls that
   dominate), plus the forward again where a stage recomputes; seconds = FLOPs / rate. Measured
   per-stage seconds (`stage_seconds`) may replace the rate, split over units by their FLOPs.
 - Collectives: ring all-gathers and reduce-scatters over `dp_shard` of each unit's padded shard
@@ -21,21 +21,19 @@ Not modelled (they raise): ZeRO++'s collectives, resharding after forward under 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.placement import rank_of_stage, schedule_style
-from lightning_zeropp.core.split import find_blocks, plan_blocks
-from lightning_zeropp.plan.activations import _lm_loss, meta_stages, task_orders
-from lightning_zeropp.plan.comm import _boundary_bytes, _padded_shard
+from lightning_zeropp.plan.activations import meta_stages, stage_parts, stage_ranges, task_orders
+from lightning_zeropp.plan.comm import _padded_shard
 from lightning_zeropp.plan.hardware import Hardware
-from lightning_zeropp.plan.memory import predict_memory, unit_shapes
+from lightning_zeropp.plan.memory import predict_memory, stage_blocks, unit_shapes
+from lightning_zeropp.plan.profile import profile_model
 from lightning_zeropp.plan.simulate import Op, RankTimeline, StageCost, simulate
 
 __all__ = ["StepTimePlan", "predict_step_time", "programs_for", "stage_flops"]
@@ -64,53 +62,18 @@ class StepTimePlan:
         return self.model_flops / (self.step_s * self.world_size * self.peak_flops_per_s)
 
 
-def stage_flops(
-    stages: Sequence[nn.Module],
-    container: str,
-    blocks: Sequence[Sequence[str]],
-    rows: int,
-    seq: int,
-) -> list[list[float]]:
+def stage_flops(model: nn.Module, cfg: ZeroPPConfig, rows: int, seq: int) -> list[list[float]]:
     """Forward FLOPs of one micro-batch per stage and unit: [the stage's own (non-block) part,
-    then each block], on meta stages."""
-    out: list[list[float]] = []
-    x: Any = torch.zeros(rows, seq, dtype=torch.long, device="meta")
-    tokens = x
-    for index, stage in enumerate(stages):
-        counter = FlopCounterMode(display=False)
-        holder = stage.get_submodule(container) if container else stage
-        marks = _BlockFlops(counter, [holder._modules[n] for n in blocks[index]])
-        with torch.no_grad(), counter:
-            y = stage(x)
-            if index == len(stages) - 1:
-                _lm_loss(y, tokens)
-        marks.remove()
-        total = float(counter.get_total_flops())
-        out.append([total - sum(marks.flops), *marks.flops])
-        x = y
+    then each block] (`plan.profile`, on the meta device)."""
+    profile = profile_model(model, rows, seq, cfg.param_dtype)
+    n = cfg.num_stages
+    out = []
+    for s, blocks in enumerate(stage_ranges(model, cfg)):
+        own = (profile.before.flops if s == 0 else 0.0) + (
+            profile.after.flops if s == n - 1 else 0.0
+        )
+        out.append([own, *(profile.blocks[i].flops for i in blocks)])
     return out
-
-
-class _BlockFlops:
-    """FLOPs counted while each of `modules` ran forward (hooks around each)."""
-
-    def __init__(self, counter: FlopCounterMode, modules: list[nn.Module]) -> None:
-        self.flops = [0.0] * len(modules)
-        self._counter = counter
-        self._handles = []
-        for i, module in enumerate(modules):
-            self._handles.append(module.register_forward_pre_hook(self._mark(i, -1.0)))
-            self._handles.append(module.register_forward_hook(self._mark(i, 1.0)))
-
-    def _mark(self, index: int, sign: float) -> Callable[..., None]:
-        def hook(*_: Any) -> None:
-            self.flops[index] += sign * self._counter.get_total_flops()
-
-        return hook
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
 
 
 def programs_for(cfg: ZeroPPConfig) -> dict[int, list[Op]]:
@@ -183,17 +146,12 @@ def predict_step_time(
     if cfg.pp_size > 1 and cfg.reshard_after_forward:
         raise NotImplementedError("resharding after forward under a pipeline is not modelled")
     stages = meta_stages(model, cfg)
-    container, names = find_blocks(model)
-    if cfg.num_stages > 1:
-        plan = plan_blocks(model, cfg.num_stages, cfg.split_points)
-        blocks = [[plan.names[i] for i in r] for r in plan.ranges]
-    else:
-        blocks = [names]
+    container, blocks = stage_blocks(model, cfg)
     rows = global_batch // cfg.dp_size // cfg.num_microbatches
-    flops = stage_flops(stages, container, blocks, rows, seq_len)
+    flops = stage_flops(model, cfg, rows, seq_len)
     style = schedule_style(cfg.schedule)
     where = {s: rank_of_stage(style, s, cfg.pp_size) for s in range(cfg.num_stages)}
-    boundary = _boundary_bytes(stages, rows, seq_len)
+    boundary = [part.output for part in stage_parts(model, cfg, rows, seq_len)]
     costs = []
     for s, stage in enumerate(stages):
         seconds = _unit_seconds(flops[s], hardware, stage_seconds[s] if stage_seconds else None)

@@ -11,20 +11,41 @@ from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
 from lightning_zeropp.core.comm import CommCounter, mesh_axis_namer
 from lightning_zeropp.core.memory import SavedActivations, model_state_bytes
 from lightning_zeropp.models import GPT, GPTConfig
+from lightning_zeropp.models.hf import build_causal_lm
 from tests.distributed.common import lm_loss
 
 # An odd vocabulary and row counts that 4 ranks do not divide: uneven and empty shards.
 MODEL = GPTConfig(vocab_size=63, seq_len=16, dim=36, num_heads=2, num_layers=8)
+# A tiny Llama (grouped-query attention, SwiGLU, RMSNorm, rotary), untied as pipelines need.
+LLAMA = {
+    "vocab_size": 63, "hidden_size": 32, "intermediate_size": 72, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32,
+}  # fmt: skip
+
+
+def hf_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    return lm_loss(output.logits, target)
+
+
 GLOBAL_BATCH = 16
 
 
 def measure(layouts: list[dict[str, Any]], optimizer: str = "adamw") -> list[dict[str, Any]]:
     """Per layout: this rank's model-state bytes after one update, and the gathered peak."""
     out = []
-    for layout in layouts:
+    for settings in layouts:
+        layout = {k: v for k, v in settings.items() if k != "model"}
         config = ZeroPPConfig(**layout).resolve(dist.get_world_size())
         torch.manual_seed(0)
-        engine = ZeroPPEngine(GPT(MODEL), config, loss_fn=lm_loss, split="stack")
+        if settings.get("model") == "llama":  # a plain HF model, cut at its decoder layers' calls
+            rows = GLOBAL_BATCH // config.dp_size // config.num_microbatches
+            example = (torch.zeros(rows, MODEL.seq_len, dtype=torch.long),)
+            engine = ZeroPPEngine(
+                build_causal_lm("llama", **LLAMA), config, loss_fn=hf_loss, split="call",
+                example_args=example,
+            )  # fmt: skip
+        else:
+            engine = ZeroPPEngine(GPT(MODEL), config, loss_fn=lm_loss, split="stack")
         params = list(engine.parameters())
         opt = (
             torch.optim.AdamW(params, lr=1e-3)

@@ -1,6 +1,7 @@
 """The planner's memory per rank against what CPU runs allocate: model state to the byte (the
 issue asks for 5%; it is exact arithmetic, so anything less than exact is a bug), gathered
-weights within 5%, steady-state saved activations within 2% (the issue asks 15%), and each
+weights within 5%, steady-state saved activations within 2% (3% with recomputation; the issue
+asks 15%), and each
 step's all-gathers, reduce-scatters, sends and receives (calls and bytes) exactly as counted."""
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ import torch
 
 from lightning_zeropp.core import ZeroPPConfig
 from lightning_zeropp.models import GPT
+from lightning_zeropp.models.hf import build_causal_lm
 from lightning_zeropp.plan import activation_peaks, predict_comm, predict_memory
 from tests.distributed.launch import launch
-from tests.distributed.plan_scenarios import GLOBAL_BATCH, MODEL
+from tests.distributed.plan_scenarios import GLOBAL_BATCH, LLAMA, MODEL
 
 pytestmark = pytest.mark.distributed
 
@@ -42,7 +44,36 @@ LAYOUTS = [
     {"pp_size": 2, "dp_shard_size": 2, "schedule": "zeropp", "num_microbatches": 4},
     {"pp_size": 2, "dp_replicate_size": 2, "num_microbatches": 2, "param_dtype": "bf16"},
     {"pp_size": 4, "num_microbatches": 4},
+    {"pp_size": 2, "dp_shard_size": 2, "num_microbatches": 4, "activation_checkpointing": True},
+    {
+        "pp_size": 2,
+        "dp_shard_size": 2,
+        "schedule": "zeropp",
+        "num_microbatches": 4,
+        "activation_checkpointing": "except_last",
+    },
+    {"dp_shard_size": 4, "activation_checkpointing": True},
+    {"model": "llama", "pp_size": 2, "dp_shard_size": 2, "num_microbatches": 4},
+    {
+        "model": "llama",
+        "pp_size": 2,
+        "dp_shard_size": 2,
+        "schedule": "zeropp",
+        "num_microbatches": 4,
+    },
+    {"model": "llama", "dp_shard_size": 4, "num_microbatches": 2},
 ]
+
+
+def _model(layout: dict) -> torch.nn.Module:
+    with torch.device("meta"):
+        if layout.get("model") == "llama":
+            return build_causal_lm("llama", **LLAMA)
+        return GPT(MODEL)
+
+
+def _config(layout: dict) -> ZeroPPConfig:
+    return ZeroPPConfig(**{k: v for k, v in layout.items() if k != "model"})
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +84,8 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict]]:
 
 @pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[str(x) for x in LAYOUTS])
 def test_memory_per_rank_is_predicted(measured, index: int) -> None:
-    with torch.device("meta"):
-        model = GPT(MODEL)
-    predicted = predict_memory(model, ZeroPPConfig(**LAYOUTS[index]), 4, device_type="cpu")
+    model = _model(LAYOUTS[index])
+    predicted = predict_memory(model, _config(LAYOUTS[index]), 4, device_type="cpu")
     for rank, ranks in enumerate(measured):
         got, want = ranks[index], predicted[rank]
         for key in ("parameters", "gradients", "optimizer_state"):
@@ -66,20 +96,23 @@ def test_memory_per_rank_is_predicted(measured, index: int) -> None:
 @pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[str(x) for x in LAYOUTS])
 def test_activation_peaks_are_predicted(measured, index: int) -> None:
     layout = LAYOUTS[index]
-    with torch.device("meta"):
-        model = GPT(MODEL)
-    config = ZeroPPConfig(**layout).resolve(4)
-    peaks = activation_peaks(model, ZeroPPConfig(**layout), 4, GLOBAL_BATCH, MODEL.seq_len)
+    model = _model(layout)
+    config = _config(layout).resolve(4)
+    # saved-tensor tracking does not see a recomputing block's transient activations
+    peaks = activation_peaks(
+        model, _config(layout), 4, GLOBAL_BATCH, MODEL.seq_len, recompute_transient=False
+    )
     for rank, ranks in enumerate(measured):
         want = peaks[rank // config.dp_size]
-        assert want == pytest.approx(ranks[index]["activation_peak"], rel=0.02), rank
+        # recomputation: torch's checkpoint keeps a little of its own beside the block inputs
+        rel = 0.03 if config.activation_checkpointing != "none" else 0.02
+        assert want == pytest.approx(ranks[index]["activation_peak"], rel=rel), rank
 
 
 @pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[str(x) for x in LAYOUTS])
 def test_step_communication_is_predicted(measured, index: int) -> None:
-    with torch.device("meta"):
-        model = GPT(MODEL)
-    predicted = predict_comm(model, ZeroPPConfig(**LAYOUTS[index]), 4, GLOBAL_BATCH, MODEL.seq_len)
+    model = _model(LAYOUTS[index])
+    predicted = predict_comm(model, _config(LAYOUTS[index]), 4, GLOBAL_BATCH, MODEL.seq_len)
     kinds = ("all_gather", "reduce_scatter", "send", "recv")
     for rank, ranks in enumerate(measured):
         got = {k: v for k, v in ranks[index]["comm"].items() if k in kinds}

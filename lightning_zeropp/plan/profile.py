@@ -1,0 +1,212 @@
+"""One micro-batch of a model, measured on the meta device block by block: what each block saves
+for backward (as it runs, and as it runs recomputed), its forward FLOPs and the size of its output,
+and the same for the work before the first block (embeddings) and after the last (norm, head,
+loss).
+
+The whole model runs once (shapes only, no compute), with hooks around each block attributing
+what happens inside it; stages cut at block boundaries, so a stage's figures are sums of its
+blocks', plus the work before the blocks on the first stage and after them on the last. This needs
+no stage modules that run on their own, so any model with a block list works: the bundled GPT,
+HF `*ForCausalLM` (which the engine cuts with split="call"), litgpt.
+
+Saved bytes count each storage once, weights excluded, attention as fused kernels save it
+(`meta_forward`). A recomputed block saves what torch's non-reentrant checkpoint keeps (its
+inputs), counted by wrapping the blocks as the engine does (`core.shard`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_zeropp.core._torch_private import (
+    fused_attention,
+    fused_attention_flops,
+    storage_identity,
+)
+from lightning_zeropp.core.shard import apply_activation_checkpointing
+from lightning_zeropp.core.split import find_blocks
+
+__all__ = ["ModelProfile", "Part", "lm_loss", "meta_forward", "profile_model"]
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Token cross-entropy, the loss the planner assumes (computed in fp32)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
+
+
+@contextlib.contextmanager
+def meta_forward() -> Iterator[None]:
+    """Run a model on the meta device as a real run would: attention through the fused kernels
+    (`_torch_private.fused_attention`: what they save, not the math path's whole matrix), and
+    HF's packed-sequence probe answered "not packed" (it reads values, which meta tensors do not
+    have; a batch of input ids alone is never packed)."""
+    original = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = fused_attention
+    masking = sys.modules.get("transformers.masking_utils")
+    probe = getattr(masking, "find_packed_sequence_indices", None)
+    if probe is not None:
+        masking.find_packed_sequence_indices = lambda position_ids: None  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+        if probe is not None:
+            masking.find_packed_sequence_indices = probe  # type: ignore[union-attr]
+
+
+@dataclass(frozen=True)
+class Part:
+    """One piece of a micro-batch's forward."""
+
+    saved: int  # bytes saved for backward
+    saved_recomputed: int  # ... when the piece is a checkpointed block (its inputs)
+    flops: float  # forward FLOPs (backward: twice these)
+    output: int  # bytes of what it returns (what crosses to the next stage after it)
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    before: Part  # embeddings and whatever runs before the first block
+    blocks: list[Part]
+    after: Part  # final norm, head and loss
+
+    def stage(self, blocks: range, first: bool, last: bool, recompute: bool) -> Part:
+        """A stage holding `blocks` (and the parts before and after them when first / last)."""
+        parts = [*([self.before] if first else []), *[self.blocks[i] for i in blocks]]
+        parts += [self.after] if last else []
+        chosen = [self.blocks[i] for i in blocks]
+        saved = sum(p.saved_recomputed if recompute else p.saved for p in chosen)
+        saved += (self.before.saved if first else 0) + (self.after.saved if last else 0)
+        return Part(
+            saved=saved,
+            saved_recomputed=saved,
+            flops=sum(p.flops for p in parts),
+            output=parts[-1].output,
+        )
+
+
+@functools.lru_cache(maxsize=32)  # a search prices many layouts of one model and batch
+def profile_model(
+    model: nn.Module,
+    rows: int,
+    seq_len: int,
+    dtype: torch.dtype | None = None,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] = lm_loss,
+) -> ModelProfile:
+    """Profile one micro-batch of `rows` x `seq_len` token ids through `model` (meta device),
+    computed in `dtype` when given (mixed precision)."""
+    model = copy.deepcopy(model)
+    if dtype is not None:
+        model = model.to(dtype)
+    container, names = find_blocks(model)
+    holder = model.get_submodule(container) if container else model
+    blocks = [holder._modules[n] for n in names]
+    plain = _run(model, blocks, rows, seq_len, loss_fn)
+    apply_activation_checkpointing(holder, names)
+    recomputed = _run(model, blocks, rows, seq_len, loss_fn)
+    parts = [
+        Part(saved=s, saved_recomputed=r, flops=f, output=o)
+        for s, r, f, o in zip(
+            plain.saved[1:-1], recomputed.saved[1:-1], plain.flops[1:-1], plain.output[1:-1],
+            strict=True,
+        )
+    ]  # fmt: skip
+    return ModelProfile(
+        before=Part(plain.saved[0], plain.saved[0], plain.flops[0], plain.output[0]),
+        blocks=parts,
+        after=Part(plain.saved[-1], plain.saved[-1], plain.flops[-1], plain.output[-1]),
+    )
+
+
+@dataclass
+class _Tally:
+    """Per piece (before, each block, after): saved bytes, FLOPs, output bytes."""
+
+    saved: list[int]
+    flops: list[float]
+    output: list[int]
+
+
+def _run(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    rows: int,
+    seq_len: int,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+) -> _Tally:
+    n = len(blocks)
+    tally = _Tally([0] * (n + 2), [0.0] * (n + 2), [0] * (n + 2))
+    piece = [0]  # 0: before the blocks; i + 1: inside block i; n + 1: after them
+    params = {storage_identity(p) for p in model.parameters()}
+    seen: set[int] = set()
+    counter = FlopCounterMode(display=False, custom_mapping=fused_attention_flops())
+    flops_at = [0.0]
+
+    def move_to(index: int) -> None:
+        total = float(counter.get_total_flops())
+        tally.flops[piece[0]] += total - flops_at[0]
+        flops_at[0] = total
+        piece[0] = index
+
+    def enter(i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            if i == 0:
+                tally.output[0] = _nbytes(args)  # the first block's input: the embeddings
+            move_to(i + 1)
+
+        return hook
+
+    def leave(i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            tally.output[i + 1] = _nbytes(output)
+            move_to(n + 1)  # until the next block starts, work belongs after the blocks
+
+        return hook
+
+    def pack(t: torch.Tensor) -> Any:
+        key = storage_identity(t)
+        if key not in params and key not in seen:
+            seen.add(key)
+            tally.saved[piece[0]] += t.untyped_storage().nbytes()
+        return t
+
+    handles = []
+    for i, block in enumerate(blocks):
+        handles.append(block.register_forward_pre_hook(enter(i)))
+        handles.append(block.register_forward_hook(leave(i)))
+    tokens = torch.zeros(rows, seq_len, dtype=torch.long, device="meta")
+    try:
+        with (
+            counter,
+            meta_forward(),
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        ):
+            out = model(tokens)
+            logits = getattr(out, "logits", out)
+            tally.output[n + 1] = _nbytes(logits)
+            loss_fn(logits, tokens)
+            move_to(n + 1)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return tally
+
+
+def _nbytes(value: Any) -> int:
+    """Bytes of the first tensor in `value` (a block's hidden state comes first)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (tuple, list)) and value:
+        return _nbytes(value[0])
+    return 0
