@@ -252,9 +252,9 @@ def plan_summary(cfg: DictConfig, plan: Plan, num_params: int) -> str:
         if z.quantized_weights == "int8":
             weight_bytes = 1 + 4 / z.quant_block_size
         moved = num_params / z.pp_size * weight_bytes * (z.dp_shard_size - 1) / z.dp_shard_size
+        via = ("NVLink" if inside else "InfiniBand") if cluster.accelerator == "gpu" else "gloo"
         lines.append(
-            f"one stage all-gather: {moved / 1e9:.2f} GB over "
-            f"{'NVLink' if inside else 'InfiniBand'} at {link} GB/s = "
+            f"one stage all-gather: {moved / 1e9:.2f} GB over {via} at {link} GB/s = "
             f"{1e3 * moved / (link * 1e9):.1f} ms"
         )
     return "\n".join(lines)

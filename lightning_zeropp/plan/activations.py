@@ -22,7 +22,7 @@ own checkpoint wrapping); while one block runs backward it holds its activations
 
 from __future__ import annotations
 
-import copy
+import functools
 from types import SimpleNamespace
 
 from torch import nn
@@ -30,12 +30,10 @@ from torch import nn
 from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.placement import stage_ids_for_rank
 from lightning_zeropp.core.split import find_blocks, plan_blocks
-from lightning_zeropp.plan.memory import split_stages
 from lightning_zeropp.plan.profile import Part, profile_model
 
 __all__ = [
     "activation_peaks",
-    "meta_stages",
     "recompute_transients",
     "stage_activation_bytes",
     "stage_parts",
@@ -83,16 +81,6 @@ def recompute_transients(
     ]
 
 
-def meta_stages(model: nn.Module, config: ZeroPPConfig) -> list[nn.Module]:
-    """The stage modules the engine would build (a resolved config), in the compute dtype."""
-    stages = split_stages(model, config)
-    if config.num_stages == 1:
-        stages = [copy.deepcopy(model)]  # cast below: leave the caller's model as it is
-    if config.param_dtype is not None:  # computed in the mixed-precision dtype, as FSDP2 runs it
-        stages = [stage.to(config.param_dtype) for stage in stages]
-    return stages
-
-
 def task_orders(config: ZeroPPConfig) -> dict[int, Order]:
     """Every pipeline rank's compute tasks in order, as its schedule runs them."""
     if config.schedule == "zeropp":
@@ -108,17 +96,29 @@ def task_orders(config: ZeroPPConfig) -> dict[int, Order]:
     assert cls is not None
     if style == "single":
         return {r: _single_stage_order(config, r) for r in range(config.pp_size)}
-    orders = {}
-    for rank in range(config.pp_size):
-        ids = stage_ids_for_rank(style, rank, config.pp_size, config.num_chunks)
-        stages = [_stand_in(s, rank, config) for s in ids]
-        schedule = cls(stages[0] if style == "single" else stages, config.num_microbatches)
-        orders[rank] = [
+    return _multi_stage_orders(
+        config.schedule, config.pp_size, config.num_chunks, config.num_microbatches
+    )
+
+
+@functools.lru_cache(maxsize=256)  # torch plans every rank's order at construction: slow at scale
+def _multi_stage_orders(schedule: str, pp: int, v: int, m: int) -> dict[int, Order]:
+    from lightning_zeropp.core.schedule import SCHEDULES
+
+    cls, style = SCHEDULES[schedule]
+    assert cls is not None
+    stand_in = ZeroPPConfig(pp_size=pp, num_chunks=v, num_microbatches=m, schedule=schedule)
+    stand_in = stand_in.resolve(pp)
+    stages = [_stand_in(s, 0, stand_in) for s in stage_ids_for_rank(style, 0, pp, v)]
+    order = cls(stages, m).pipeline_order  # every rank's, planned by rank 0's instance
+    return {
+        rank: [
             (a.computation_type.value, a.stage_index, a.microbatch_index)
-            for a in schedule.pipeline_order[rank]
+            for a in order[rank]
             if a is not None and a.computation_type.value in ("F", "B", "I", "W")
         ]
-    return orders
+        for rank in range(pp)
+    }
 
 
 def _single_stage_order(config: ZeroPPConfig, rank: int) -> Order:

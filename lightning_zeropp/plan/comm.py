@@ -27,8 +27,8 @@ from torch import nn
 
 from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.placement import rank_of_stage, schedule_style, stage_ids_for_rank
-from lightning_zeropp.plan.activations import meta_stages, stage_parts
-from lightning_zeropp.plan.memory import stage_blocks, unit_shapes
+from lightning_zeropp.plan.activations import stage_parts
+from lightning_zeropp.plan.memory import stage_units
 
 __all__ = ["predict_comm"]
 
@@ -49,8 +49,7 @@ def predict_comm(
         raise NotImplementedError("resharding after forward under a pipeline is not modelled")
     if cfg.quantized_weights or cfg.quantized_gradients or cfg.hpz_partition_size:
         raise NotImplementedError("ZeRO++'s collectives are not modelled here yet")
-    stages = meta_stages(model, cfg)
-    container, blocks = stage_blocks(model, cfg)
+    stages = stage_units(model, cfg)
     compute = torch.empty((), dtype=cfg.param_dtype).element_size() if cfg.param_dtype else 4
     reduce_dtype = cfg.reduce_dtype or (torch.float32 if cfg.param_dtype else None)
     reduce = torch.empty((), dtype=reduce_dtype).element_size() if reduce_dtype else compute
@@ -63,7 +62,7 @@ def predict_comm(
         pp_rank = rank // cfg.dp_size
         summary: Summary = {}
         for stage in stage_ids_for_rank(style, pp_rank, cfg.pp_size, cfg.num_chunks):
-            block_shapes, rest = unit_shapes(stages[stage], container, blocks[stage])
+            block_shapes, rest = stages[stage].blocks, stages[stage].rest
             shapes = [
                 *block_shapes,
                 *([rest] if rest else []),

@@ -59,32 +59,35 @@ class Hardware:
         return replace(self, flops_per_s=flops_per_s)
 
     @classmethod
-    def from_cluster(
-        cls,
-        cluster: Mapping[str, Any],
-        flops_per_s: float,
-        *,
-        memory_bytes: int | None = None,
-        peak_flops_per_s: float | None = None,
-        memory_Bps: float = 3.35e12,
-    ) -> Hardware:
-        """From a `conf/cluster/` mapping (`devices`, `bandwidth_GBps.intra_node/inter_node`)."""
+    def from_cluster(cls, cluster: Mapping[str, Any], dtype: str = "bf16") -> Hardware:
+        """From a `conf/cluster/` mapping: `devices` per node, `bandwidth_GBps` (intra_node,
+        inter_node), and its `planner` block (`peak_tflops` by dtype, `efficiency`,
+        `memory_GiB`, `memory_bandwidth_GBps`, `latency_us`, `unit_overhead_us`); `dtype` is the
+        compute dtype."""
+        name = cluster.get("name")
         bandwidth = cluster.get("bandwidth_GBps") or {}
+        figures = cluster.get("planner") or {}
         intra, inter = bandwidth.get("intra_node"), bandwidth.get("inter_node")
-        if intra is None:
+        peak = (figures.get("peak_tflops") or {}).get(dtype)
+        if intra is None or peak is None:
             raise ValueError(
-                f"cluster {cluster.get('name')!r} gives no bandwidth_GBps.intra_node; the step-time "
-                "model needs it (measure it, or give it in the cluster file)."
+                f"cluster {name!r} gives no bandwidth_GBps.intra_node or planner.peak_tflops."
+                f"{dtype}; the planner needs both (see conf/cluster/h100_4x8.yaml)."
             )
+        peak_flops = float(peak) * 1e12
         return cls(
-            flops_per_s=flops_per_s,
+            flops_per_s=peak_flops * float(figures.get("efficiency", 0.5)),
             intra_node_Bps=float(intra) * GB,
             inter_node_Bps=float(inter if inter is not None else intra) * GB,
             node_size=int(cluster["devices"]),
-            memory_Bps=memory_Bps,
+            latency_s=float(figures.get("latency_us", 10)) * 1e-6,
+            unit_overhead_s=float(figures.get("unit_overhead_us", 0)) * 1e-6,
+            memory_Bps=float(figures.get("memory_bandwidth_GBps", 2000)) * GB,
             overlap=cluster.get("accelerator", "gpu") != "cpu",
-            peak_flops_per_s=peak_flops_per_s,
-            memory_bytes=memory_bytes,
+            peak_flops_per_s=peak_flops,
+            memory_bytes=int(float(figures["memory_GiB"]) * 2**30)
+            if figures.get("memory_GiB")
+            else None,
         )
 
 

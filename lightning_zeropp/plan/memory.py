@@ -22,6 +22,7 @@ A shard group of one rank still gathers (FSDP2 keeps its unsharded copy apart).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ __all__ = [
     "split_stages",
     "stage_blocks",
     "stage_parameter_shapes",
-    "unit_shapes",
+    "stage_units",
 ]
 
 ParamShape = tuple[tuple[int, ...], int]  # (shape, bytes per element)
@@ -79,24 +80,48 @@ def stage_blocks(model: nn.Module, config: ZeroPPConfig) -> tuple[str, list[list
     return container, [[plan.names[i] for i in r] for r in plan.ranges]
 
 
-def stage_parameter_shapes(model: nn.Module, config: ZeroPPConfig) -> list[list[ParamShape]]:
-    """Each stage's parameters as the engine splits `model` (a resolved config)."""
-    return [
-        [(tuple(p.shape), p.element_size()) for p in stage.parameters()]
-        for stage in split_stages(model, config)
-    ]
-
-
 Shapes = list[tuple[int, ...]]
 
 
-def unit_shapes(stage: nn.Module, container: str, names: list[str]) -> tuple[list[Shapes], Shapes]:
-    """Parameter shapes of a stage's FSDP units: each of its blocks (`names` in `container`, as
-    the whole model's block plan names them), and the stage root's own (everything else)."""
-    holder = stage.get_submodule(container) if container else stage
-    blocks = [[tuple(p.shape) for p in holder._modules[n].parameters()] for n in names]
-    inside = {id(p) for n in names for p in holder._modules[n].parameters()}
-    return blocks, [tuple(p.shape) for p in stage.parameters() if id(p) not in inside]
+@dataclass(frozen=True)
+class StageUnits:
+    """A stage's parameters as the engine splits the model: all of them, and by FSDP unit."""
+
+    params: list[ParamShape]
+    blocks: list[Shapes]  # each block's parameter shapes
+    rest: Shapes  # the stage root's own (everything outside its blocks)
+
+
+def stage_units(model: nn.Module, config: ZeroPPConfig) -> list[StageUnits]:
+    """Each stage's parameters and FSDP units (a resolved config); cached per model and cut,
+    since a search asks for the same ones many times."""
+    points = tuple(config.split_points) if config.split_points else None
+    return _stage_units(model, config.num_stages, points)
+
+
+@functools.lru_cache(maxsize=64)
+def _stage_units(
+    model: nn.Module, num_stages: int, points: tuple[int, ...] | None
+) -> list[StageUnits]:
+    cut = ZeroPPConfig(
+        pp_size=num_stages, dp_shard_size=1, split_points=list(points) if points else None
+    )
+    cfg = cut.resolve(num_stages)
+    container, blocks = stage_blocks(model, cfg)
+    out = []
+    for stage, names in zip(split_stages(model, cfg), blocks, strict=True):
+        holder = stage.get_submodule(container) if container else stage
+        units = [[tuple(p.shape) for p in holder._modules[n].parameters()] for n in names]
+        inside = {id(p) for n in names for p in holder._modules[n].parameters()}
+        rest = [tuple(p.shape) for p in stage.parameters() if id(p) not in inside]
+        params = [(tuple(p.shape), p.element_size()) for p in stage.parameters()]
+        out.append(StageUnits(params, units, rest))
+    return out
+
+
+def stage_parameter_shapes(model: nn.Module, config: ZeroPPConfig) -> list[list[ParamShape]]:
+    """Each stage's parameters as the engine splits `model` (a resolved config)."""
+    return [units.params for units in stage_units(model, config)]
 
 
 def local_numel(shape: Sequence[int], shards: int, index: int) -> int:
@@ -126,13 +151,25 @@ def predict_memory(
     )
     style = schedule_style(cfg.schedule)
     full = [sum(math.prod(s) * (compute_bytes or b) for s, b in stage) for stage in stages]
+    peaks = {
+        r: _gathered_peak(
+            model, cfg, stage_ids_for_rank(style, r, cfg.pp_size, cfg.num_chunks), full,
+            compute_bytes, device_type,
+        )
+        for r in range(cfg.pp_size)
+    }  # fmt: skip
     out = []
+    shard_bytes: dict[tuple[int, int], int] = {}  # replicas hold the same shards
     for rank in range(world_size):
         pp_rank, shard = divmod(rank, cfg.dp_replicate_size * cfg.dp_shard_size)
         shard %= cfg.dp_shard_size
         ids = stage_ids_for_rank(style, pp_rank, cfg.pp_size, cfg.num_chunks)
         held = [(s, b) for i in ids for s, b in stages[i]]
-        params = sum(local_numel(s, cfg.dp_shard_size, shard) * b for s, b in held)
+        if (pp_rank, shard) not in shard_bytes:
+            shard_bytes[pp_rank, shard] = sum(
+                local_numel(s, cfg.dp_shard_size, shard) * b for s, b in held
+            )
+        params = shard_bytes[pp_rank, shard]
         state = 2 * params + 4 * len(held) if optimizer != "sgd" else 0
         out.append(
             RankMemoryPlan(
@@ -140,7 +177,7 @@ def predict_memory(
                 parameters=params,
                 gradients=params,
                 optimizer_state=state,
-                gathered_peak=_gathered_peak(model, cfg, ids, full, compute_bytes, device_type),
+                gathered_peak=peaks[pp_rank],
                 on_host=cfg.cpu_offload,
             )
         )
@@ -157,7 +194,8 @@ def _gathered_peak(
 ) -> int:
     if cfg.num_stages == 1:
         bytes_per = compute or next(model.parameters()).element_size()
-        block_shapes, root_shapes = unit_shapes(model, *find_blocks(model))
+        (units,) = stage_units(model, cfg)
+        block_shapes, root_shapes = units.blocks, units.rest
         blocks = [sum(math.prod(s) for s in b) * bytes_per for b in block_shapes]
         root = sum(math.prod(s) for s in root_shapes) * bytes_per
         if cfg.num_microbatches > 1:  # accumulation keeps each backward's weights gathered

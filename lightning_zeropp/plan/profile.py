@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import sys
 from collections.abc import Callable, Iterator
@@ -96,7 +97,6 @@ class ModelProfile:
         )
 
 
-@functools.lru_cache(maxsize=32)  # a search prices many layouts of one model and batch
 def profile_model(
     model: nn.Module,
     rows: int,
@@ -105,7 +105,38 @@ def profile_model(
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] = lm_loss,
 ) -> ModelProfile:
     """Profile one micro-batch of `rows` x `seq_len` token ids through `model` (meta device),
-    computed in `dtype` when given (mixed precision)."""
+    computed in `dtype` when given (mixed precision).
+
+    Every figure is affine in the rows (per-row tensors, plus a few that do not depend on them,
+    such as rotary tables), so the model runs at 1 and 2 rows and the rest is extrapolated; a
+    search then prices every micro-batch size from two runs."""
+    one, two = (_profile(model, r, seq_len, dtype, loss_fn) for r in (1, 2))
+    if rows in (1, 2):
+        return one if rows == 1 else two
+
+    def at(a: Part, b: Part) -> Part:
+        return Part(
+            *(
+                x + (y - x) * (rows - 1)
+                for x, y in zip(dataclasses.astuple(a), dataclasses.astuple(b), strict=True)
+            )
+        )
+
+    return ModelProfile(
+        before=at(one.before, two.before),
+        blocks=[at(a, b) for a, b in zip(one.blocks, two.blocks, strict=True)],
+        after=at(one.after, two.after),
+    )
+
+
+@functools.lru_cache(maxsize=32)  # a search prices many layouts of one model
+def _profile(
+    model: nn.Module,
+    rows: int,
+    seq_len: int,
+    dtype: torch.dtype | None,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+) -> ModelProfile:
     model = copy.deepcopy(model)
     if dtype is not None:
         model = model.to(dtype)

@@ -29,10 +29,10 @@ from torch import nn
 
 from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.placement import rank_of_stage, schedule_style
-from lightning_zeropp.plan.activations import meta_stages, stage_parts, stage_ranges, task_orders
+from lightning_zeropp.plan.activations import stage_parts, stage_ranges, task_orders
 from lightning_zeropp.plan.comm import _padded_shard
 from lightning_zeropp.plan.hardware import Hardware
-from lightning_zeropp.plan.memory import predict_memory, stage_blocks, unit_shapes
+from lightning_zeropp.plan.memory import StageUnits, predict_memory, stage_units
 from lightning_zeropp.plan.profile import profile_model
 from lightning_zeropp.plan.simulate import Op, RankTimeline, StageCost, simulate
 
@@ -90,8 +90,12 @@ def programs_for(cfg: ZeroPPConfig) -> dict[int, list[Op]]:
         return {0: ops}
     programs = {}
     for rank, order in task_orders(cfg).items():
-        first = {s: min(i for i, t in enumerate(order) if t[1] == s) for _, s, _ in order}
-        last = {s: max(i for i, t in enumerate(order) if t[1] == s and t[0] in "BW") for _, s, _ in order}  # fmt: skip
+        first: dict[int, int] = {}
+        last: dict[int, int] = {}
+        for i, (kind, stage, _) in enumerate(order):
+            first.setdefault(stage, i)
+            if kind in "BW":
+                last[stage] = i
         programs[rank] = [
             Op(k, s, mb, gather=i == first[s], reduce=i == last[s])
             for i, (k, s, mb) in enumerate(order)
@@ -145,8 +149,7 @@ def predict_step_time(
         raise NotImplementedError("ZeRO++'s collectives are not in the step-time model yet")
     if cfg.pp_size > 1 and cfg.reshard_after_forward:
         raise NotImplementedError("resharding after forward under a pipeline is not modelled")
-    stages = meta_stages(model, cfg)
-    container, blocks = stage_blocks(model, cfg)
+    stages = stage_units(model, cfg)
     rows = global_batch // cfg.dp_size // cfg.num_microbatches
     flops = stage_flops(model, cfg, rows, seq_len)
     style = schedule_style(cfg.schedule)
@@ -155,7 +158,7 @@ def predict_step_time(
     costs = []
     for s, stage in enumerate(stages):
         seconds = _unit_seconds(flops[s], hardware, stage_seconds[s] if stage_seconds else None)
-        gather, reduce = _collective_seconds(stage, container, blocks[s], cfg, hardware, where[s])
+        gather, reduce = _collective_seconds(stage, cfg, hardware, where[s])
         nxt = where.get(s + 1, where[s])
         lat, link = hardware.hop("p2p", *sorted((where[s] * cfg.dp_size, nxt * cfg.dp_size)))
         costs.append(
@@ -197,9 +200,7 @@ def _unit_seconds(
 
 
 def _collective_seconds(
-    stage: nn.Module,
-    container: str,
-    names: list[str],
+    stage: StageUnits,
     cfg: ZeroPPConfig,
     hardware: Hardware,
     pp_rank: int,
@@ -207,7 +208,7 @@ def _collective_seconds(
     """All-gather and reduce-scatter seconds of each unit, in the order `stage_flops` lists them
     (the stage's own part first); empty when nothing is sharded."""
     k, r = cfg.dp_shard_size, cfg.dp_replicate_size
-    block_shapes, rest = unit_shapes(stage, container, names)
+    block_shapes, rest = stage.blocks, stage.rest
     if k == 1 and r == 1:
         return (), ()
     compute = torch.empty((), dtype=cfg.param_dtype).element_size() if cfg.param_dtype else 4

@@ -8,11 +8,10 @@ import torch
 
 from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.placement import rank_of_stage, schedule_style
-from lightning_zeropp.core.split import find_blocks, plan_blocks
 from lightning_zeropp.models import GPT, GPTConfig
 from lightning_zeropp.plan import Hardware, predict_comm, predict_step_time
-from lightning_zeropp.plan.activations import meta_stages, task_orders
-from lightning_zeropp.plan.memory import unit_shapes
+from lightning_zeropp.plan.activations import task_orders
+from lightning_zeropp.plan.memory import stage_units
 from lightning_zeropp.plan.simulate import Op, StageCost, simulate
 from lightning_zeropp.plan.steptime import programs_for
 
@@ -116,13 +115,8 @@ def test_programs_gather_and_reduce_as_often_as_the_comm_prediction(layout: dict
     with torch.device("meta"):
         model = GPT(GPTConfig(vocab_size=64, seq_len=16, dim=32, num_heads=2, num_layers=4))
     cfg = ZeroPPConfig(**layout).resolve(4)
-    container, _ = find_blocks(model)
-    plan = plan_blocks(model, cfg.num_stages, None) if cfg.num_stages > 1 else None
-    units = []  # FSDP units with parameters, per stage
-    for s, stage in enumerate(meta_stages(model, cfg)):
-        names = [plan.names[i] for i in plan.ranges[s]] if plan else find_blocks(model)[1]
-        blocks, rest = unit_shapes(stage, container, names)
-        units.append(len(blocks) + bool(rest))
+    # FSDP units with parameters, per stage
+    units = [len(u.blocks) + bool(u.rest) for u in stage_units(model, cfg)]
     for rank, program in programs_for(cfg).items():
         comm = predict_comm(model, ZeroPPConfig(**layout), 4, 48, 16)[rank * cfg.dp_size]
         assert (

@@ -1,0 +1,140 @@
+"""`python -m lightning_zeropp.plan model=llama_7b cluster=h100_4x8 [key=value ...]`: the fastest
+layouts that fit, with memory per rank, predicted step time and MFU, and the best one written as
+a `conf/parallel/` file.
+
+Keys (besides Hydra's `model=` and `cluster=` groups and any `model.*` / `cluster.*` override):
+  global_batch=256   rows per step (sequences)
+  seq_len=2048       tokens per row (default: data.seq_len)
+  dtype=bf16         compute dtype (param_dtype; gradients reduced in fp32)
+  optimizer=adamw    adamw or sgd
+  micro_batch=null   rows per micro-batch (null: any)
+  top=10             layouts printed
+  write=auto         the parallel/ file for the best layout (auto: conf/parallel/auto_<model>_<cluster>.yaml; none: skip)
+
+The model is built on the meta device from its config (no weights, no download); the cluster's
+bandwidths and `planner` figures (peak TFLOP/s, the sustained share of it, memory) come from its
+`conf/cluster/` file. Every figure is a prediction: see README "The planner".
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+DEFAULTS: dict[str, Any] = {
+    "global_batch": 256, "seq_len": None, "dtype": "bf16", "optimizer": "adamw",
+    "micro_batch": None, "top": 10, "write": "auto",
+}  # fmt: skip
+GiB = 2**30
+
+
+def split_args(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """The planner's own keys, and the rest as Hydra overrides."""
+    import yaml
+
+    own, hydra = dict(DEFAULTS), []
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key in DEFAULTS:
+            own[key] = yaml.safe_load(value)
+        else:
+            hydra.append(arg)
+    return own, hydra
+
+
+def main(argv: list[str]) -> int:
+    import torch
+    import yaml
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from lightning_zeropp.plan.hardware import Hardware
+    from lightning_zeropp.plan.search import as_parallel_config, enumerate_layouts, search
+
+    own, overrides = split_args(argv)
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    seq_len = int(own["seq_len"] or cfg.data.seq_len)
+    if own["seq_len"]:
+        cfg.data.seq_len = seq_len  # the bundled GPT's position table follows it
+    cluster = OmegaConf.to_container(cfg.cluster, resolve=True)
+    assert isinstance(cluster, dict)
+    world = int(cluster["devices"]) * int(cluster["num_nodes"])
+    dtype = own["dtype"] if cluster["accelerator"] == "gpu" else "fp32"
+    hardware = Hardware.from_cluster(cluster, dtype)
+    with torch.device("meta"):
+        model = instantiate(cfg.model.net)
+    base = {"param_dtype": dtype if dtype != "fp32" else None}
+    layouts = [
+        s
+        for s in enumerate_layouts(
+            world, _num_blocks(model), own["global_batch"], hardware.node_size, base
+        )
+        if own["micro_batch"] is None
+        or own["global_batch"] // (world // s["pp_size"]) // s["num_microbatches"]
+        == own["micro_batch"]
+    ]
+    print(
+        f"{cfg.model.name} on {cluster['name']} ({world} ranks), global batch "
+        f"{own['global_batch']} x {seq_len} tokens, {dtype}: pricing {len(layouts)} layouts ...",
+        flush=True,
+    )
+    best = search(
+        model, world, own["global_batch"], seq_len, hardware, layouts=layouts,
+        optimizer=own["optimizer"], top=own["top"],
+    )  # fmt: skip
+    if not best:
+        print(
+            f"No layout fits {hardware.memory_bytes / GiB:.0f} GiB per rank; try a smaller "
+            "global_batch, more devices, or cpu_offload."
+        )
+        return 1
+    tokens = own["global_batch"] * seq_len
+    print(f"{'#':>2} {'step (s)':>9} {'MFU':>6} {'tokens/s':>10} {'GiB/rank':>9}  layout")
+    for i, c in enumerate(best):
+        print(
+            f"{i + 1:>2} {c.step_s:>9.3f} {c.step.mfu:>6.1%} {tokens / c.step_s:>10.0f} "
+            f"{c.memory_bytes / GiB:>9.1f}  {describe(c.settings)}"
+        )
+    if own["write"] != "none":
+        name = f"auto_{cfg.model.name}_{cluster['name']}"
+        path = Path(own["write"] if own["write"] != "auto" else CONF / "parallel" / f"{name}.yaml")
+        chosen = as_parallel_config(best[0], world)
+        header = (
+            f"# Chosen by `python -m lightning_zeropp.plan {' '.join(argv)}` for {cfg.model.name} "
+            f"on {cluster['name']}:\n# predicted {best[0].step_s:.3f} s a step, MFU "
+            f"{best[0].step.mfu:.1%}, {best[0].memory_bytes / GiB:.1f} GiB per rank (a prediction, "
+            "not a measurement).\n"
+        )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(header + yaml.safe_dump(chosen, sort_keys=False))
+        print(f"wrote {path} (use it as parallel={path.stem} when it sits in conf/parallel/)")
+    return 0
+
+
+def _num_blocks(model: Any) -> int:
+    from lightning_zeropp.core.split import find_blocks
+
+    return len(find_blocks(model)[1])
+
+
+def describe(settings: dict[str, Any]) -> str:
+    s = settings
+    text = f"pp {s['pp_size']} x rep {s['dp_replicate_size']} x shard {s['dp_shard_size']}"
+    if s["pp_size"] > 1:
+        text += f", {s['schedule']}"
+        if "num_chunks" in s:
+            text += f" v={s['num_chunks']}"
+        if "unit_size" in s:
+            text += f" U={s['unit_size']}"
+    text += f", {s['num_microbatches']} micro-batches"
+    if s.get("activation_checkpointing", "none") != "none":
+        text += f", recompute {s['activation_checkpointing']}"
+    return text
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,212 @@
+"""The layout search: every layout of a world that fits each rank's memory, ranked by predicted
+step time.
+
+A layout is pp x dp_replicate x dp_shard, a schedule (FSDP alone when pp is 1; 1F1B, interleaved
+1F1B, ZB-V, ZeroPP with its chunks v and unit U), a micro-batch count and recomputation; the
+compute and reduce dtypes and the optimizer are the caller's (`base`). Memory per rank
+(`rank_memory`) is the planner's model state, gathered weights and activations (with a
+recomputing block's transient) plus the unsharded gradients FSDP accumulates between the
+micro-batches of a step (torch's schedules and ZeroPP with per-step reduction keep every stage of
+the rank; ZeroPP reducing per unit or micro-batch, one stage; FSDP alone with one micro-batch,
+one unit) in the reduce dtype. That last term is arithmetic from FSDP2's behaviour, not yet
+checked against a run; the other terms are (tests/distributed/test_planner.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_zeropp.core.config import ZeroPPConfig
+from lightning_zeropp.core.placement import schedule_style, stage_ids_for_rank
+from lightning_zeropp.core.split import find_blocks
+from lightning_zeropp.plan.activations import activation_peaks
+from lightning_zeropp.plan.hardware import Hardware
+from lightning_zeropp.plan.memory import predict_memory, stage_parameter_shapes
+from lightning_zeropp.plan.steptime import StepTimePlan, predict_step_time
+
+__all__ = ["Candidate", "enumerate_layouts", "rank_memory", "search"]
+
+RECOMPUTE = ("none", "except_last", "all")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A layout that fits, with its predictions."""
+
+    settings: dict[str, Any]  # ZeroPPConfig keyword arguments
+    memory_bytes: int  # the most any rank needs
+    step: StepTimePlan
+
+    @property
+    def step_s(self) -> float:
+        return self.step.step_s
+
+
+def rank_memory(
+    model: nn.Module,
+    config: ZeroPPConfig,
+    world_size: int,
+    global_batch: int,
+    seq_len: int,
+    optimizer: str = "adamw",
+    device_type: str = "cuda",
+) -> list[dict[str, int]]:
+    """Every rank's predicted peak bytes by kind, and their sum ("total")."""
+    cfg = config.resolve(world_size)
+    states = predict_memory(model, cfg, world_size, optimizer, device_type)
+    acts = activation_peaks(model, cfg, world_size, global_batch, seq_len)
+    grads = _gradient_buffers(model, cfg)
+    out = []
+    for plan in states:
+        pp_rank = plan.rank // cfg.dp_size
+        entry = {
+            "model_state": 0 if plan.on_host else plan.model_state,
+            "gathered_weights": plan.gathered_peak,
+            "activations": acts[pp_rank],
+            "gradient_buffers": grads[pp_rank],
+        }
+        entry["total"] = sum(entry.values())
+        out.append(entry)
+    return out
+
+
+def _gradient_buffers(model: nn.Module, cfg: ZeroPPConfig) -> dict[int, int]:
+    reduce = cfg.reduce_dtype or (torch.float32 if cfg.param_dtype else None)
+    shapes = stage_parameter_shapes(model, cfg)
+    full = [sum(math.prod(s) * (_size(reduce) or b) for s, b in stage) for stage in shapes]
+    style = schedule_style(cfg.schedule)
+    out = {}
+    for rank in range(cfg.pp_size):
+        ids = stage_ids_for_rank(style, rank, cfg.pp_size, cfg.num_chunks)
+        if cfg.num_stages == 1 and cfg.num_microbatches == 1:
+            out[rank] = _largest_unit(model, reduce)  # reduced unit by unit as backward runs
+        elif cfg.schedule == "zeropp" and cfg.grad_reduce != "step":
+            out[rank] = max(full[i] for i in ids)
+        else:
+            out[rank] = sum(full[i] for i in ids)
+    return out
+
+
+def _size(dtype: torch.dtype | None) -> int | None:
+    return torch.empty((), dtype=dtype).element_size() if dtype else None
+
+
+def _largest_unit(model: nn.Module, dtype: torch.dtype | None) -> int:
+    container, names = find_blocks(model)
+    holder = model.get_submodule(container) if container else model
+    return max(
+        sum(p.numel() * (_size(dtype) or p.element_size()) for p in holder._modules[n].parameters())
+        for n in names
+    )
+
+
+def enumerate_layouts(
+    world_size: int,
+    num_blocks: int,
+    global_batch: int,
+    node_size: int,
+    base: dict[str, Any] | None = None,
+    max_microbatches: int = 64,
+) -> Iterator[dict[str, Any]]:
+    """Every layout of the search space, as ZeroPPConfig keyword arguments (each resolves)."""
+    base = dict(base or {})
+    for pp in _divisors(world_size):
+        if pp > num_blocks:
+            continue
+        dp = world_size // pp
+        if global_batch % dp:
+            continue
+        rows = global_batch // dp
+        for shard in _divisors(dp):
+            if shard > node_size and shard != dp:  # a shard group spanning nodes: only whole dp
+                continue
+            sizes = {"pp_size": pp, "dp_shard_size": shard, "dp_replicate_size": dp // shard}
+            for m, (schedule, extra), recompute in itertools.product(
+                [m for m in _divisors(rows) if m <= max_microbatches],
+                _schedules(pp, num_blocks, rows),
+                RECOMPUTE,
+            ):
+                if recompute == "except_last" and schedule != "zeropp":
+                    continue
+                if extra.get("unit_size", 0) > m:
+                    continue
+                settings = {**base, **sizes, "num_microbatches": m, "schedule": schedule, **extra}
+                settings["activation_checkpointing"] = recompute
+                try:
+                    ZeroPPConfig(**settings).resolve(world_size)
+                except ValueError:
+                    continue  # e.g. too few micro-batches for the schedule
+                yield settings
+
+
+def _schedules(pp: int, num_blocks: int, rows: int) -> list[tuple[str, dict[str, Any]]]:
+    if pp == 1:
+        return [("1f1b", {})]
+    out: list[tuple[str, dict[str, Any]]] = [("1f1b", {})]
+    if 2 * pp <= num_blocks:
+        out += [("interleaved_1f1b", {"num_chunks": 2}), ("zbv", {})]
+    for v in (2, 4):
+        if v * pp <= num_blocks:
+            out += [("zeropp", {"num_chunks": v, "unit_size": u}) for u in (pp, 2 * pp, 4 * pp)]
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def search(
+    model: nn.Module,
+    world_size: int,
+    global_batch: int,
+    seq_len: int,
+    hardware: Hardware,
+    *,
+    base: dict[str, Any] | None = None,
+    optimizer: str = "adamw",
+    top: int = 10,
+    layouts: Sequence[dict[str, Any]] | None = None,
+) -> list[Candidate]:
+    """The `top` fastest layouts whose every rank fits `hardware.memory_bytes` (all of them
+    when it is None), fastest first. `layouts` replaces the enumerated space."""
+    num_blocks = len(find_blocks(model)[1])
+    space = layouts or list(
+        enumerate_layouts(world_size, num_blocks, global_batch, hardware.node_size, base)
+    )
+    device = "cuda" if hardware.overlap else "cpu"
+    found = []
+    for settings in space:
+        config = ZeroPPConfig(**settings)
+        memory = max(
+            r["total"]
+            for r in rank_memory(
+                model, config, world_size, global_batch, seq_len, optimizer, device
+            )
+        )
+        if hardware.memory_bytes is not None and memory > hardware.memory_bytes:
+            continue
+        step = predict_step_time(
+            model, config, world_size, global_batch, seq_len, hardware, optimizer=optimizer
+        )
+        found.append(Candidate(settings, memory, step))
+    found.sort(key=lambda c: (c.step_s, c.memory_bytes))
+    return found[:top]
+
+
+def as_parallel_config(candidate: Candidate, world_size: int) -> dict[str, Any]:
+    """The candidate as a `conf/parallel/` mapping (every key a ZeroPPConfig setting)."""
+    cfg = ZeroPPConfig(**candidate.settings).resolve(world_size)
+    keys = [f.name for f in dataclasses.fields(ZeroPPConfig)]
+    out = {k: getattr(cfg, k) for k in keys}
+    for key in ("param_dtype", "reduce_dtype"):
+        if out[key] is not None:
+            out[key] = str(out[key]).replace("torch.", "")
+    return out

@@ -1,0 +1,103 @@
+"""The layout search and its command line: only layouts that fit, fastest first, and a written
+layout the recipes accept."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lightning_zeropp.core.config import ZeroPPConfig
+from lightning_zeropp.models import GPT, GPTConfig
+from lightning_zeropp.plan import Hardware
+from lightning_zeropp.plan.search import enumerate_layouts, rank_memory, search
+
+WORLD, BATCH, SEQ = 8, 16, 32
+
+
+def _model() -> torch.nn.Module:
+    with torch.device("meta"):
+        return GPT(GPTConfig(vocab_size=512, seq_len=SEQ, dim=64, num_heads=2, num_layers=8))
+
+
+def _hardware(memory: int | None) -> Hardware:
+    return Hardware(
+        flops_per_s=1e11, intra_node_Bps=1e9, inter_node_Bps=1e8, node_size=4,
+        latency_s=1e-5, memory_Bps=1e10, memory_bytes=memory,
+    )  # fmt: skip
+
+
+def test_layouts_cover_the_world_and_all_resolve() -> None:
+    layouts = list(enumerate_layouts(WORLD, 8, BATCH, 4))
+    shapes = {(s["pp_size"], s["dp_replicate_size"], s["dp_shard_size"]) for s in layouts}
+    assert all(pp * rep * shard == WORLD for pp, rep, shard in shapes)
+    assert {s["schedule"] for s in layouts} == {"1f1b", "interleaved_1f1b", "zbv", "zeropp"}
+    assert (1, 1, 8) in shapes  # FSDP over the whole world: a shard group may span nodes
+    assert (1, 1, 2) not in {(p, r, s) for p, r, s in shapes if r * s != WORLD // p}
+
+
+def test_search_returns_only_layouts_that_fit_fastest_first() -> None:
+    model = _model()
+    layouts = list(enumerate_layouts(WORLD, 8, BATCH, 4))[::7]  # a spread, to keep it quick
+    need = {
+        i: max(r["total"] for r in rank_memory(model, ZeroPPConfig(**s), WORLD, BATCH, SEQ))
+        for i, s in enumerate(layouts)
+    }
+    budget = sorted(need.values())[len(need) // 2]  # about half of them fit
+    found = search(model, WORLD, BATCH, SEQ, _hardware(budget), layouts=layouts, top=100)
+    fits = {i for i, n in need.items() if n <= budget}
+    assert 0 < len(found) == len(fits) < len(layouts)
+    assert all(c.memory_bytes <= budget for c in found)
+    assert [c.step_s for c in found] == sorted(c.step_s for c in found)
+    everything = search(model, WORLD, BATCH, SEQ, _hardware(None), layouts=layouts, top=100)
+    assert len(everything) == len(layouts)
+    assert found[0].step_s == min(c.step_s for c in everything if c.memory_bytes <= budget)
+
+
+def test_no_layout_fits_a_budget_below_every_layout() -> None:
+    layouts = list(enumerate_layouts(WORLD, 8, BATCH, 4))[:20]
+    assert search(_model(), WORLD, BATCH, SEQ, _hardware(1000), layouts=layouts) == []
+
+
+def test_the_command_line_writes_a_layout_the_recipes_accept(tmp_path: Path, capsys) -> None:
+    from lightning_zeropp.plan.__main__ import main
+    from recipes.recipe_config import check_config
+    from tests.unit.test_conf import compose_config
+
+    out = tmp_path / "chosen.yaml"
+    assert main(["global_batch=32", "top=3", f"write={out}"]) == 0
+    printed = capsys.readouterr().out
+    assert "gpt_tiny on cpu4 (4 ranks)" in printed
+    ranked = [
+        line.split()[0] for line in printed.splitlines() if "pp " in line and " x rep " in line
+    ]
+    assert ranked == ["1", "2", "3"]
+    chosen = yaml.safe_load(out.read_text())
+    ZeroPPConfig(**chosen).resolve(4)
+    (Path("conf/parallel") / "zz_test_chosen.yaml").write_text(out.read_text())
+    try:
+        cfg = compose_config(["parallel=zz_test_chosen"])
+        assert check_config(cfg).zeropp.pp_size == chosen["pp_size"]
+    finally:
+        (Path("conf/parallel") / "zz_test_chosen.yaml").unlink()
+
+
+def test_the_command_line_names_a_budget_nothing_fits(capsys) -> None:
+    from lightning_zeropp.plan.__main__ import main
+
+    assert main(["global_batch=32", "write=none", "cluster.planner.memory_GiB=1e-6"]) == 1
+    assert "No layout fits" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bad", ["cluster=cpu4", "cluster=h100_1x8"])
+def test_cluster_files_give_the_planner_what_it_needs(bad: str) -> None:
+    from tests.unit.test_conf import compose_config
+
+    cluster = dict(compose_config([bad]).cluster)
+    hw = Hardware.from_cluster(cluster, "fp32" if cluster["accelerator"] == "cpu" else "bf16")
+    assert hw.flops_per_s > 0 and hw.memory_bytes and hw.node_size == cluster["devices"]
+    cluster.pop("planner")
+    with pytest.raises(ValueError, match="planner.peak_tflops"):
+        Hardware.from_cluster(cluster)
