@@ -9,7 +9,8 @@ on an id they share (see conf/config.yaml). Only global rank 0 writes Hydra's fi
 `rank_zero_overrides` turns off `.hydra/` and the job log file for every other rank, whoever
 launched it (torchrun, SLURM's srun, or Lightning re-running the script for its other ranks).
 
-Hydra and OmegaConf stay in `recipes/` and `conf/`; the library never imports them.
+Hydra and OmegaConf stay in `recipes/` and `conf/` (and the planner's command line,
+`python -m lightning_zeropp.plan`); importing the library never imports them.
 """
 
 from __future__ import annotations
@@ -123,6 +124,9 @@ def check_config(cfg: DictConfig) -> Plan:
     world = _check_cluster(cfg.cluster)
     _check_trainer(cfg.trainer)
     parallel = parallel_settings(cfg.parallel, world)
+    auto = parallel.pop("auto", None)
+    if auto is not None:
+        parallel = auto_layout(cfg, world, parallel, auto)
     zeropp = _resolve(parallel, world, cfg)
     _positive_int("data.seq_len", cfg.data.seq_len)
     check_model_facts(cfg, zeropp)
@@ -147,7 +151,7 @@ def parallel_settings(parallel: DictConfig, world_size: int) -> dict[str, Any]:
     """
     settings = OmegaConf.to_container(parallel, resolve=True)
     assert isinstance(settings, dict)
-    fields = [f.name for f in dataclasses.fields(ZeroPPConfig)]
+    fields = [f.name for f in dataclasses.fields(ZeroPPConfig)] + ["auto"]
     unknown = sorted(set(settings) - set(fields))
     if unknown:
         raise ValueError(
@@ -292,6 +296,58 @@ def _check_trainer(trainer: DictConfig) -> None:
             "bf16 keep trainer.precision=32-true and set parallel.param_dtype=bf16 (FSDP2 mixed "
             "precision, gradients reduced in fp32)."
         )
+
+
+def auto_layout(
+    cfg: DictConfig, world: int, settings: dict[str, Any], auto: Mapping[str, Any]
+) -> dict[str, Any]:
+    """`parallel=auto`: the layout the planner predicts fastest among those that fit the
+    cluster's memory, for `auto.global_batch_size` rows a step in micro-batches of
+    `trainer.micro_batch_size`. Every rank computes the same answer (figures from the cluster
+    file, nothing measured), before any process group exists."""
+    import torch
+    from hydra.utils import instantiate
+
+    from lightning_zeropp.core.split import find_blocks
+    from lightning_zeropp.plan import Hardware
+    from lightning_zeropp.plan.search import enumerate_layouts, search
+
+    rows = auto.get("global_batch_size")
+    _positive_int("parallel.auto.global_batch_size", rows)
+    micro = cfg.trainer.micro_batch_size
+    base = {k: v for k, v in settings.items() if v is not None and k not in _LAYOUT_KEYS}
+    cluster = OmegaConf.to_container(cfg.cluster, resolve=True)
+    assert isinstance(cluster, dict)
+    dtype = {None: "fp32", "bf16": "bf16", "fp16": "fp16"}.get(base.get("param_dtype"), "fp32")
+    hardware = Hardware.from_cluster(cluster, dtype)
+    with torch.device("meta"):
+        model = instantiate(cfg.model.net)
+    layouts = [
+        s
+        for s in enumerate_layouts(
+            world, len(find_blocks(model)[1]), rows, hardware.node_size, base
+        )
+        if rows // (world // s["pp_size"]) // s["num_microbatches"] == micro
+    ]
+    best = search(
+        model, world, rows, cfg.data.seq_len, hardware, layouts=layouts, top=1,
+        optimizer=cfg.trainer.optimizer,
+    )  # fmt: skip
+    if not best:
+        raise ValueError(
+            f"parallel=auto: no layout of {len(layouts)} trains {rows} rows a step in micro-batches "
+            f"of trainer.micro_batch_size={micro} within {cluster['name']}'s memory "
+            f"({(hardware.memory_bytes or 0) / 2**30:.1f} GiB per rank): lower "
+            "parallel.auto.global_batch_size or trainer.micro_batch_size, or add devices."
+        )
+    return best[0].settings
+
+
+# The keys parallel=auto chooses (the others in the parallel group are kept as given).
+_LAYOUT_KEYS = (
+    "pp_size", "dp_shard_size", "dp_replicate_size", "num_microbatches", "schedule", "num_chunks",
+    "unit_size", "activation_checkpointing", "split_backward",
+)  # fmt: skip
 
 
 def _resolve(parallel: dict[str, Any], world: int, cfg: DictConfig) -> ZeroPPConfig:

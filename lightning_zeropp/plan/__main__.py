@@ -47,9 +47,16 @@ def split_args(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
 def main(argv: list[str]) -> int:
     import torch
     import yaml
-    from hydra import compose, initialize_config_dir
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
+
+    try:
+        from hydra import compose, initialize_config_dir
+        from hydra.utils import instantiate
+        from omegaconf import OmegaConf
+    except ImportError as err:
+        raise SystemExit(
+            f"the planner's command line reads conf/ with Hydra ({err}); install it with "
+            "pip install 'lightning-zeropp[hydra]'"
+        ) from None
 
     from lightning_zeropp.plan.hardware import Hardware
     from lightning_zeropp.plan.search import as_parallel_config, enumerate_layouts, search

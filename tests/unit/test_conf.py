@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_zeropp import ZeroPPConfig
 from recipes.recipe_config import (
+    _LAYOUT_KEYS,
     CONF_DIR,
     check_config,
     check_model_facts,
@@ -74,7 +75,7 @@ def test_groups_are_all_there():
     assert {p.name for p in CONF_DIR.iterdir() if p.is_dir()} == set(GROUPS)
     assert set(LLAMA_SIZES) | {"gpt_tiny", "llama_tiny", "hf_local"} == set(options("model"))
     assert {"cpu4", "cpu8", "h100_1x8", "h100_4x8", "h100_16x8"} == set(options("cluster"))
-    assert {"zeropp", "zeropp_plus", "pp_1f1b", "fsdp", "ddp"} == set(options("parallel"))
+    assert {"zeropp", "zeropp_plus", "pp_1f1b", "fsdp", "ddp", "auto"} == set(options("parallel"))
     assert {"markov", "text_file", "hf_disk"} == set(options("data"))
 
 
@@ -94,7 +95,11 @@ def test_every_config_composes_and_validates(choice):
 @pytest.mark.parametrize("cluster", options("cluster"))
 @pytest.mark.parametrize("parallel", options("parallel"))
 def test_every_parallel_recipe_fits_every_cluster(parallel, cluster):
-    cfg = compose_config([f"parallel={parallel}", f"cluster={cluster}"])
+    overrides = [f"parallel={parallel}", f"cluster={cluster}"]
+    if parallel == "auto":  # the bundled 8-block model: 4 rows a rank leaves the planner room
+        world = compose_config([f"cluster={cluster}"]).cluster
+        overrides.append(f"parallel.auto.global_batch_size={16 * world.devices * world.num_nodes}")
+    cfg = compose_config(overrides)
     z = check_config(cfg).zeropp
     world = cfg.cluster.devices * cfg.cluster.num_nodes
     assert z.pp_size * z.dp_replicate_size * z.dp_shard_size == world
@@ -113,6 +118,9 @@ def test_parallel_groups_hold_exactly_the_zeropp_settings():
     fields = {f.name for f in dataclasses.fields(ZeroPPConfig)}
     for name in options("parallel"):
         keys = set(yaml.safe_load((CONF_DIR / "parallel" / f"{name}.yaml").read_text()))
+        if name == "auto":  # the layout is the planner's; the rest is kept as given
+            assert "auto" in keys and keys - {"auto"} <= fields - set(_LAYOUT_KEYS), keys
+            continue
         assert keys == fields, (
             f"parallel/{name}.yaml: missing {fields - keys}, extra {keys - fields}"
         )

@@ -101,3 +101,27 @@ def test_cluster_files_give_the_planner_what_it_needs(bad: str) -> None:
     cluster.pop("planner")
     with pytest.raises(ValueError, match="planner.peak_tflops"):
         Hardware.from_cluster(cluster)
+
+
+def test_parallel_auto_takes_the_searchs_best_and_says_when_nothing_fits() -> None:
+    from recipes.recipe_config import check_config
+    from tests.unit.test_conf import compose_config
+
+    plan = check_config(compose_config(["parallel=auto"]))
+    assert plan.global_batch_size == 32 and plan.micro_batch_size == 4
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=256, seq_len=64, dim=128, num_heads=4, num_layers=8))
+    cluster = dict(compose_config([]).cluster)
+    layouts = [
+        s
+        for s in enumerate_layouts(4, 8, 32, 4)
+        if 32 // (4 // s["pp_size"]) // s["num_microbatches"] == 4
+    ]
+    (best,) = search(
+        model, 4, 32, 64, Hardware.from_cluster(cluster, "fp32"), layouts=layouts, top=1
+    )
+    chosen = ZeroPPConfig(**best.settings).resolve(4)
+    for key in ("pp_size", "dp_shard_size", "schedule", "num_chunks", "num_microbatches"):
+        assert getattr(plan.zeropp, key) == getattr(chosen, key), key
+    with pytest.raises(ValueError, match="parallel=auto: no layout"):
+        check_config(compose_config(["parallel=auto", "cluster.planner.memory_GiB=1e-6"]))
