@@ -9,13 +9,13 @@
   ((k - 1) hops of latency plus a shard each), HSDP's all-reduce over `dp_replicate`, and stage
   boundaries as one message each way; a group spanning nodes runs at the cross-node rate.
 - Which task gathers and which reduces: `plan.comm`'s counts, placed where the runtime does them
-  (torch's schedules gather a stage at its first forward and reduce after its last gradient
-  task; FSDP alone gathers at the first forward and at every backward; ZeroPP follows its lowered
-  plan, `core.schedule.zeropp_plans`).
+  (`programs_for`: FSDP gathers a stage's units when a task reaches them ungathered, reshards
+  after forward when told to, and reduces after the stage's last gradient task; ZeroPP follows
+  its lowered plan, `core.schedule.zeropp_plans`).
 - The optimizer step updates each rank's shard at `Hardware.optimizer_rate` (by default AdamW
   streaming its state once: 28 bytes per fp32 parameter).
 
-Not modelled (they raise): ZeRO++'s collectives, resharding after forward under a pipeline.
+Not modelled (it raises): ZeRO++'s collectives.
 """
 
 from __future__ import annotations
@@ -80,26 +80,22 @@ def programs_for(cfg: ZeroPPConfig) -> dict[int, list[Op]]:
     """Each pipeline rank's tasks for a resolved config, flagged where they gather and reduce."""
     if cfg.schedule == "zeropp":
         return _zeropp_programs(cfg)
-    if cfg.num_stages == 1:
-        m = cfg.num_microbatches
-        again = bool(cfg.reshard_after_forward)  # the backward gathers what forward released
-        ops = []
-        for mb in range(m):
-            ops.append(Op("F", 0, mb, gather=mb == 0))
-            ops.append(Op("B", 0, mb, gather=again, reduce=mb == m - 1))
-        return {0: ops}
     programs = {}
+    reshard = bool(cfg.reshard_after_forward)
     for rank, order in task_orders(cfg).items():
-        first: dict[int, int] = {}
-        last: dict[int, int] = {}
-        for i, (kind, stage, _) in enumerate(order):
-            first.setdefault(stage, i)
-            if kind in "BW":
-                last[stage] = i
-        programs[rank] = [
-            Op(k, s, mb, gather=i == first[s], reduce=i == last[s])
-            for i, (k, s, mb) in enumerate(order)
-        ]
+        last = {stage: i for i, (kind, stage, _) in enumerate(order) if kind in "BW"}
+        gathered: set[int] = set()
+        ops = []
+        for i, (kind, stage, mb) in enumerate(order):
+            # FSDP gathers a unit that is not gathered when a forward or backward reaches it; it
+            # reshards after forward when told to, and keeps a backward's weights until the next
+            # forward (gradient accumulation): FSDP alone gathers M + 1 times a step.
+            gather = kind != "W" and stage not in gathered
+            gathered.add(stage)
+            if kind == "F" and reshard:
+                gathered.discard(stage)
+            ops.append(Op(kind, stage, mb, gather=gather, reduce=i == last[stage]))
+        programs[rank] = ops
     return programs
 
 
@@ -147,8 +143,6 @@ def predict_step_time(
     cfg = config.resolve(world_size)
     if cfg.quantized_weights or cfg.quantized_gradients or cfg.hpz_partition_size:
         raise NotImplementedError("ZeRO++'s collectives are not in the step-time model yet")
-    if cfg.pp_size > 1 and cfg.reshard_after_forward:
-        raise NotImplementedError("resharding after forward under a pipeline is not modelled")
     stages = stage_units(model, cfg)
     rows = global_batch // cfg.dp_size // cfg.num_microbatches
     flops = stage_flops(model, cfg, rows, seq_len)
