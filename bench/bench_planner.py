@@ -304,6 +304,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     started = time.monotonic()
+    where = machine()  # before this run writes its results (they would read as uncommitted)
     calib = launch_ranks(__file__, "calibrate", 2, [], 120.0)[0]["times"]
     links = {name: fit_line(SIZES, seconds) for name, seconds in calib.items()}
     # one hop of a 2-rank ring moves one shard each way: per-hop latency and bandwidth
@@ -345,7 +346,7 @@ def main() -> None:
         print(f"{name}: measured {measured:.3f}s, predicted {by_profile:.3f}s (profiled) "
               f"{by_rate:.3f}s (matmul rate) [{time.monotonic() - t0:.0f}s]")  # fmt: skip
     meta = {
-        "machine": machine(), "model": MODEL, "global_batch": GLOBAL_BATCH,
+        "machine": where, "model": MODEL, "global_batch": GLOBAL_BATCH,
         "steps": args.steps, "warmup": args.warmup, "matmul_rate_flops": rate,
         "memory_Bps": memory, "links": links, "latency_s": latency, "bandwidth_Bps": bandwidth,
         "wall_s": round(time.monotonic() - started, 1), "overhead": overhead,
