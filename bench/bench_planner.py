@@ -18,6 +18,7 @@ Writes bench/results/planner.md and planner.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -56,6 +57,10 @@ ROWS: dict[str, tuple[int, Layout]] = {
         {"pp_size": 2, "dp_shard_size": 2, "schedule": "zeropp", "num_microbatches": 4},
     ),
 }
+
+
+# Rows whose every collective and message crosses the emulated link (2 nodes of 1 rank).
+EMULATED = ("fsdp_m1", "fsdp_m4", "1f1b", "zeropp", "zbv")
 
 
 def row_timeout_s(steps: int, warmup: int) -> float:
@@ -282,6 +287,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument(
+        "--emulated",
+        type=float,
+        default=None,
+        metavar="MBIT",
+        help="2 ranks on 2 emulated nodes joined by a MBIT link (needs root)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -296,71 +308,98 @@ def main() -> None:
         return
     import torch
 
-    from lightning_zeropp.plan.hardware import (
-        Hardware,
-        measure_matmul_rate,
-        measure_memory_bandwidth,
-    )
+    from lightning_zeropp.plan.hardware import measure_matmul_rate, measure_memory_bandwidth
 
     torch.set_num_threads(1)
     started = time.monotonic()
     where = machine()  # before this run writes its results (they would read as uncommitted)
-    calib = launch_ranks(__file__, "calibrate", 2, [], 120.0)[0]["times"]
-    links = {name: fit_line(SIZES, seconds) for name, seconds in calib.items()}
-    # one hop of a 2-rank ring moves one shard each way: per-hop latency and bandwidth
-    overhead = launch_ranks(__file__, "overhead", 1, [], 180.0)[0]
-    print("engine overhead:", overhead)
-    links["all_reduce"] = links["reduce_scatter"]  # not used: no HSDP row here
-    latency, bandwidth = links["p2p"]
-    rate = measure_matmul_rate()
-    memory = measure_memory_bandwidth()
-    rows = []
-    for name in [r for r in args.rows.split(",") if r]:
-        world, layout = ROWS[name]
-        share = 2 / max(world, 2)  # ranks per core: 4 ranks on 2 cores get half each
-        t0 = time.monotonic()
-        ranks = launch_ranks(__file__, name, world, ["--steps", str(args.steps), "--warmup", str(args.warmup)], row_timeout_s(args.steps, args.warmup))  # fmt: skip
-        measured = statistics.median(ranks[0]["times"])
-        hw = Hardware(
-            flops_per_s=rate * share, intra_node_Bps=bandwidth, inter_node_Bps=bandwidth,
-            node_size=world, latency_s=latency, memory_Bps=memory * share, overlap=False,
-            optimizer_Bps=min(r["optimizer_rate"] for r in ranks), collectives=links,
-            unit_overhead_s=overhead["unit_overhead_s"] / share,
-        )  # fmt: skip
-        optimizer_s = max(statistics.median(r["warmup_optimizer"]) for r in ranks)
-        # each stage as the slowest rank timed it, all ranks timing at once
-        profiled = [
-            tuple(max(r["profile"][s][i] for r in ranks) for i in range(2))
-            for s in range(len(ranks[0]["profile"]))
-        ]
-        by_rate = predict(world, layout, hw, None, None)
-        by_profile = predict(world, layout, hw, profiled, optimizer_s)
-        rows.append({
-            "row": name, "world": world, "layout": layout, "measured_s": measured,
-            "times_s": ranks[0]["times"], "predicted_profiled_s": by_profile,
-            "predicted_matmul_rate_s": by_rate, "stage_seconds": profiled,
-            "optimizer_measured_s": max(statistics.median(r["optimizer"]) for r in ranks),
-            "optimizer_rate_Bps": hw.optimizer_rate,
-            "recorded": [{**r["recorded"], "step": r["recorded_step"]} for r in ranks],
-        })  # fmt: skip
-        print(f"{name}: measured {measured:.3f}s, predicted {by_profile:.3f}s (profiled) "
-              f"{by_rate:.3f}s (matmul rate) [{time.monotonic() - t0:.0f}s]")  # fmt: skip
+    names = [r for r in args.rows.split(",") if r]
+    placement, suffix = None, ""
+    if args.emulated:
+        from netns import EmulatedCluster, unavailable
+
+        why = unavailable()
+        if why:
+            raise SystemExit(f"--emulated: {why}")
+        names = [n for n in names if ROWS[n][0] == 2 and n in EMULATED]
+        placement = EmulatedCluster(nodes=2, ranks_per_node=1, inter_mbit=args.emulated)
+        suffix = "_emulated"
+    with placement or contextlib.nullcontext():
+        calib = launch_ranks(__file__, "calibrate", 2, [], 300.0, placement=placement)[0]["times"]
+        links = {name: fit_line(SIZES, seconds) for name, seconds in calib.items()}
+        links["all_reduce"] = links["reduce_scatter"]  # not used: no HSDP row here
+        overhead = launch_ranks(__file__, "overhead", 1, [], 180.0)[0]
+        print("links:", links, "engine overhead:", overhead, flush=True)
+        rate, memory = measure_matmul_rate(), measure_memory_bandwidth()
+        rows = [run_row(name, args, placement, links, overhead, rate, memory) for name in names]
     meta = {
         "machine": where, "model": MODEL, "global_batch": GLOBAL_BATCH,
         "steps": args.steps, "warmup": args.warmup, "matmul_rate_flops": rate,
-        "memory_Bps": memory, "links": links, "latency_s": latency, "bandwidth_Bps": bandwidth,
-        "wall_s": round(time.monotonic() - started, 1), "overhead": overhead,
+        "memory_Bps": memory, "links": links, "wall_s": round(time.monotonic() - started, 1),
+        "overhead": overhead, "emulated_mbit": args.emulated,
     }  # fmt: skip
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "planner.json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
-    write_markdown(meta, rows, RESULTS / "planner.md")
-    print((RESULTS / "planner.md").read_text())
+    out = RESULTS / f"planner{suffix}.json"
+    out.write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+    write_markdown(meta, rows, RESULTS / f"planner{suffix}.md")
+    print((RESULTS / f"planner{suffix}.md").read_text())
+
+
+def run_row(
+    name: str,
+    args: argparse.Namespace,
+    placement: Any,
+    links: dict[str, tuple[float, float]],
+    overhead: dict[str, Any],
+    rate: float,
+    memory: float,
+) -> dict[str, Any]:
+    """Train one row, then predict it from the calibration and the ranks' own stage times."""
+    from lightning_zeropp.plan.hardware import Hardware
+
+    world, layout = ROWS[name]
+    share = 2 / max(world, 2)  # ranks per core: 4 ranks on 2 cores get half each
+    t0 = time.monotonic()
+    extra = ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+    ranks = launch_ranks(__file__, name, world, extra, row_timeout_s(args.steps, args.warmup) * 3,
+                         placement=placement)  # fmt: skip
+    measured = statistics.median(ranks[0]["times"])
+    latency, bandwidth = links["p2p"]
+    hw = Hardware(
+        flops_per_s=rate * share, intra_node_Bps=bandwidth, inter_node_Bps=bandwidth,
+        node_size=world, latency_s=latency, memory_Bps=memory * share, overlap=False,
+        optimizer_Bps=min(r["optimizer_rate"] for r in ranks), collectives=links,
+        unit_overhead_s=overhead["unit_overhead_s"] / share,
+    )  # fmt: skip
+    optimizer_s = max(statistics.median(r["warmup_optimizer"]) for r in ranks)
+    # each stage as the slowest rank timed it, all ranks timing at once
+    profiled = [
+        tuple(max(r["profile"][s][i] for r in ranks) for i in range(2))
+        for s in range(len(ranks[0]["profile"]))
+    ]
+    by_rate = predict(world, layout, hw, None, None)
+    by_profile = predict(world, layout, hw, profiled, optimizer_s)
+    print(f"{name}: measured {measured:.3f}s, predicted {by_profile:.3f}s (profiled) "
+          f"{by_rate:.3f}s (matmul rate) [{time.monotonic() - t0:.0f}s]", flush=True)  # fmt: skip
+    return {
+        "row": name, "world": world, "layout": layout, "measured_s": measured,
+        "times_s": ranks[0]["times"], "predicted_profiled_s": by_profile,
+        "predicted_matmul_rate_s": by_rate, "stage_seconds": profiled,
+        "optimizer_measured_s": max(statistics.median(r["optimizer"]) for r in ranks),
+        "optimizer_rate_Bps": hw.optimizer_rate,
+        "recorded": [{**r["recorded"], "step": r["recorded_step"]} for r in ranks],
+    }  # fmt: skip
 
 
 def write_markdown(meta: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> None:
     m = meta["machine"]
     lines = [
-        "# Step-time model vs measured step, CPU gloo ranks",
+        "# Step-time model vs measured step, CPU gloo ranks"
+        + (
+            f" on 2 emulated nodes ({meta['emulated_mbit']:g} Mbit/s link)"
+            if meta.get("emulated_mbit")
+            else ""
+        ),
         "",
         f"- Machine: {m['cpu']}, {m['cores']} cores; one thread per rank",
         f"- Date: {m['date']}; torch {m['torch']}; commit {m['commit']}",
