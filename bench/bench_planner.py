@@ -214,16 +214,11 @@ def train_rank(row: str, steps: int, warmup: int, out: Path) -> None:
 
 # ---------------------------------------------------------------------------------------- driver
 def fit_line(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
-    """seconds = latency + bytes / bandwidth, least squares in relative error (so the small
-    messages set the latency and the large ones the bandwidth); returns (latency, bandwidth)."""
-    w = [1.0 / t**2 for t in seconds]
-    sw = sum(w)
-    mx = sum(wi * x for wi, x in zip(w, sizes, strict=True)) / sw
-    my = sum(wi * y for wi, y in zip(w, seconds, strict=True)) / sw
-    slope = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, sizes, seconds, strict=True)) / sum(
-        wi * (x - mx) ** 2 for wi, x in zip(w, sizes, strict=True)
-    )
-    return max(my - slope * mx, 0.0), 1.0 / slope
+    """seconds = latency + bytes / bandwidth: the bandwidth from the two largest messages (the
+    sustained rate, past any burst the link allows), the latency from the smallest; returns
+    (latency, bandwidth)."""
+    bandwidth = (sizes[-1] - sizes[-2]) / max(seconds[-1] - seconds[-2], 1e-9)
+    return max(seconds[0] - sizes[0] / bandwidth, 0.0), bandwidth
 
 
 def profile_stages(world: int, layout: Layout) -> list[tuple[float, float]]:
@@ -415,8 +410,8 @@ def write_markdown(meta: dict[str, Any], rows: list[dict[str, Any]], path: Path)
         f"- Model: GPT {meta['model']}, fp32, global batch {meta['global_batch']}, AdamW; "
         f"{meta['warmup']} warm-up and {meta['steps']} timed steps per row (median of the slowest rank)",
         f"- Calibration: matmul {meta['matmul_rate_flops'] / 1e9:.1f} GFLOP/s per thread; memory "
-        f"copy {meta['memory_Bps'] / 1e9:.1f} GB/s; gloo, fitted over 4 KiB..4 MiB (latency, "
-        "bandwidth a hop): "
+        f"copy {meta['memory_Bps'] / 1e9:.1f} GB/s; gloo (latency from the smallest message, "
+        "bandwidth from the two largest, a hop): "
         + "; ".join(
             f"{k} {lat * 1e6:.0f} us, {bw / 1e9:.2f} GB/s"
             for k, (lat, bw) in meta["links"].items()

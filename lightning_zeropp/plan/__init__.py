@@ -1,6 +1,12 @@
-"""The planner: what a layout costs before it runs (`plan.memory`: model state and gathered
-weights per rank; `plan.activations`: saved activations per pipeline rank; `plan.comm`: each
-step's collectives and messages per rank).
+"""The planner: what a layout costs before it runs, and which layout to run.
+
+- `plan.profile`: the model on the meta device, block by block (saved bytes, FLOPs, outputs);
+- `plan.memory`, `plan.activations`: model state, gathered weights and activations per rank;
+- `plan.comm`: each step's collectives and messages per rank;
+- `plan.simulate`, `plan.steptime`: a step replayed per rank against its dependencies, priced
+  by `plan.hardware`;
+- `plan.megatron`: Megatron-style TP x PP x DP, priced the same way, for comparisons;
+- `plan.search`: the layouts that fit, fastest first; `python -m lightning_zeropp.plan`.
 
 It reads the model the way the engine splits it (`core.split`) and the layout the way the engine
 resolves it (`ZeroPPConfig`), so its figures are those of the run it predicts.
@@ -9,17 +15,24 @@ resolves it (`ZeroPPConfig`), so its figures are those of the run it predicts.
 from lightning_zeropp.plan.activations import activation_peaks, stage_activation_bytes
 from lightning_zeropp.plan.comm import predict_comm
 from lightning_zeropp.plan.hardware import Hardware
+from lightning_zeropp.plan.megatron import ThreeD, predict_3d
 from lightning_zeropp.plan.memory import RankMemoryPlan, predict_memory, stage_parameter_shapes
+from lightning_zeropp.plan.search import Candidate, rank_memory, search
 from lightning_zeropp.plan.steptime import StepTimePlan, predict_step_time
 
 __all__ = [
+    "Candidate",
     "Hardware",
-    "StepTimePlan",
-    "predict_step_time",
     "RankMemoryPlan",
+    "StepTimePlan",
+    "ThreeD",
     "activation_peaks",
+    "predict_3d",
     "predict_comm",
     "predict_memory",
+    "predict_step_time",
+    "rank_memory",
+    "search",
     "stage_activation_bytes",
     "stage_parameter_shapes",
 ]

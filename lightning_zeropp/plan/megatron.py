@@ -32,7 +32,7 @@ from lightning_zeropp.core.placement import rank_of_stage, schedule_style, stage
 from lightning_zeropp.core.split import find_blocks, plan_blocks
 from lightning_zeropp.plan.activations import task_orders
 from lightning_zeropp.plan.hardware import Hardware
-from lightning_zeropp.plan.profile import profile_model
+from lightning_zeropp.plan.profile import ModelProfile, profile_model
 from lightning_zeropp.plan.simulate import StageCost, simulate
 from lightning_zeropp.plan.steptime import programs_for
 
@@ -142,7 +142,7 @@ def _memory(
     stage_saved: list[float],
     tp: int,
     dp: int,
-    profile: object,
+    profile: ModelProfile,
     recompute: bool,
 ) -> int:
     style = schedule_style(cfg.schedule)
@@ -157,7 +157,6 @@ def _memory(
             peak = max(peak, live)
             live -= stage_saved[stage] if kind in "BW" else 0.0
         if recompute:  # one block's activations exist again while it runs backward
-            blocks = profile.blocks  # type: ignore[attr-defined]
-            peak += max(b.saved for b in blocks) / tp
+            peak += max(b.saved for b in profile.blocks) / tp
         worst = max(worst, int(state + peak))
     return worst
