@@ -112,9 +112,10 @@ def machine() -> dict[str, Any]:
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
+    dirty = subprocess.run(  # results written by earlier runs are not code changes
+        ["git", "status", "--porcelain", "--", ".", ":!bench/results"],
+        cwd=ROOT, capture_output=True, text=True,
+    ).stdout.strip()  # fmt: skip
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
