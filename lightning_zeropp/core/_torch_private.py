@@ -270,6 +270,22 @@ def unsharded_parameter_bytes(module: nn.Module) -> int:
     )
 
 
+def unsharded_gradient_bytes(module: nn.Module) -> int:
+    """Bytes of FSDP's unsharded gradients under `module` not yet reduce-scattered: those autograd
+    wrote into the unsharded parameters, and those FSDP accumulates in the reduce dtype."""
+    total = 0
+    for m in module.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        group = m._get_fsdp_state()._fsdp_param_group
+        for p in group.fsdp_params if group else ():
+            param = getattr(p, "_unsharded_param", None)
+            for grad in (getattr(param, "grad", None), p.unsharded_accumulated_grad):
+                if grad is not None:
+                    total += grad.numel() * grad.element_size()
+    return total
+
+
 def default_store() -> Any:
     """The c10d store the default process group rendezvoused on (shared by every rank)."""
     from torch.distributed.distributed_c10d import _get_default_store
@@ -277,7 +293,7 @@ def default_store() -> Any:
     return _get_default_store()
 
 
-__all__ += ["default_store"]
+__all__ += ["default_store", "unsharded_gradient_bytes"]
 
 
 def group_timeout(group: Any) -> timedelta | None:

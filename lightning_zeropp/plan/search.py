@@ -5,11 +5,9 @@ A layout is pp x dp_replicate x dp_shard, a schedule (FSDP alone when pp is 1; 1
 1F1B, ZB-V, ZeroPP with its chunks v and unit U), a micro-batch count and recomputation; the
 compute and reduce dtypes and the optimizer are the caller's (`base`). Memory per rank
 (`rank_memory`) is the planner's model state, gathered weights and activations (with a
-recomputing block's transient) plus the unsharded gradients FSDP accumulates between the
-micro-batches of a step (torch's schedules and ZeroPP with per-step reduction keep every stage of
-the rank; ZeroPP reducing per unit or micro-batch, one stage; FSDP alone with one micro-batch,
-one unit) in the reduce dtype. That last term is arithmetic from FSDP2's behaviour, not yet
-checked against a run; the other terms are (tests/distributed/test_planner.py).
+recomputing block's transient) plus the unsharded gradients FSDP holds until their
+reduce-scatter (`gradient_buffers`). Every term is checked against runs
+(tests/distributed/test_planner.py).
 """
 
 from __future__ import annotations
@@ -25,14 +23,13 @@ import torch
 from torch import nn
 
 from lightning_zeropp.core.config import ZeroPPConfig
-from lightning_zeropp.core.placement import schedule_style, stage_ids_for_rank
 from lightning_zeropp.core.split import find_blocks
 from lightning_zeropp.plan.activations import activation_peaks
 from lightning_zeropp.plan.hardware import Hardware
 from lightning_zeropp.plan.memory import predict_memory, stage_parameter_shapes
-from lightning_zeropp.plan.steptime import StepTimePlan, predict_step_time
+from lightning_zeropp.plan.steptime import StepTimePlan, predict_step_time, programs_for
 
-__all__ = ["Candidate", "enumerate_layouts", "rank_memory", "search"]
+__all__ = ["Candidate", "enumerate_layouts", "gradient_buffers", "rank_memory", "search"]
 
 RECOMPUTE = ("none", "except_last", "all")
 
@@ -63,7 +60,7 @@ def rank_memory(
     cfg = config.resolve(world_size)
     states = predict_memory(model, cfg, world_size, optimizer, device_type)
     acts = activation_peaks(model, cfg, world_size, global_batch, seq_len)
-    grads = _gradient_buffers(model, cfg)
+    grads = gradient_buffers(model, cfg)
     out = []
     for plan in states:
         pp_rank = plan.rank // cfg.dp_size
@@ -78,34 +75,30 @@ def rank_memory(
     return out
 
 
-def _gradient_buffers(model: nn.Module, cfg: ZeroPPConfig) -> dict[int, int]:
+def gradient_buffers(model: nn.Module, cfg: ZeroPPConfig) -> dict[int, int]:
+    """Per pipeline rank, the most unsharded gradient bytes FSDP holds at once in a step (a
+    resolved config): a stage's buffer lives from its first gradient task (B or W) until the
+    reduce-scatter after its last one, or an early one (`programs_for` places them as the
+    runtime does), in the reduce dtype."""
     reduce = cfg.reduce_dtype or (torch.float32 if cfg.param_dtype else None)
     shapes = stage_parameter_shapes(model, cfg)
-    full = [sum(math.prod(s) * (_size(reduce) or b) for s, b in stage) for stage in shapes]
-    style = schedule_style(cfg.schedule)
+    size = [sum(math.prod(s) * (_size(reduce) or b) for s, b in stage) for stage in shapes]
     out = {}
-    for rank in range(cfg.pp_size):
-        ids = stage_ids_for_rank(style, rank, cfg.pp_size, cfg.num_chunks)
-        if cfg.num_stages == 1 and cfg.num_microbatches == 1:
-            out[rank] = _largest_unit(model, reduce)  # reduced unit by unit as backward runs
-        elif cfg.schedule == "zeropp" and cfg.grad_reduce != "step":
-            out[rank] = max(full[i] for i in ids)
-        else:
-            out[rank] = sum(full[i] for i in ids)
+    for rank, program in programs_for(cfg).items():
+        live: set[int] = set()
+        peak = 0
+        for op in program:
+            if op.kind in "BW":
+                live.add(op.stage)
+                peak = max(peak, sum(size[s] for s in live))
+            if op.reduce:
+                live.discard(op.stage)
+        out[rank] = peak
     return out
 
 
 def _size(dtype: torch.dtype | None) -> int | None:
     return torch.empty((), dtype=dtype).element_size() if dtype else None
-
-
-def _largest_unit(model: nn.Module, dtype: torch.dtype | None) -> int:
-    container, names = find_blocks(model)
-    holder = model.get_submodule(container) if container else model
-    return max(
-        sum(p.numel() * (_size(dtype) or p.element_size()) for p in holder._modules[n].parameters())
-        for n in names
-    )
 
 
 def enumerate_layouts(

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
+from lightning_zeropp.core._torch_private import unsharded_gradient_bytes
 from lightning_zeropp.core.comm import CommCounter, mesh_axis_namer
 from lightning_zeropp.core.memory import SavedActivations, model_state_bytes
 from lightning_zeropp.models import GPT, GPTConfig
@@ -59,14 +60,51 @@ def measure(layouts: list[dict[str, Any]], optimizer: str = "adamw") -> list[dic
         opt.step()
         opt.zero_grad()
         # The first step's peaks include torch's shape inference; the second is the steady state.
-        with SavedActivations() as saved, CommCounter(mesh_axis_namer(engine.dims.mesh)) as comm:
+        grads = _GradientPeak(engine)
+        with (
+            SavedActivations() as saved,
+            CommCounter(mesh_axis_namer(engine.dims.mesh)) as comm,
+            grads,
+        ):
             engine.train_step(x, target=x)
         out.append(
             {
                 **model_state_bytes(params, opt),
                 "gathered_peak": engine.gathered_peak,
                 "activation_peak": saved.peak,
+                "gradient_peak": grads.peak,
                 "comm": comm.summary(),
             }
         )
     return out
+
+
+class _GradientPeak:
+    """The most unsharded gradient bytes a rank holds after any of its compute tasks: what FSDP
+    accumulates over a step's micro-batches until the reduce-scatter."""
+
+    NAMES = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+
+    def __init__(self, engine: ZeroPPEngine) -> None:
+        self.engine = engine
+        self.peak = 0
+
+    def __enter__(self) -> _GradientPeak:
+        for stage in self.engine.stages:
+            for name in self.NAMES:
+                stage.__dict__[name] = self._wrap(getattr(stage, name))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for stage in self.engine.stages:
+            for name in self.NAMES:
+                stage.__dict__.pop(name, None)
+
+    def _wrap(self, method: Any) -> Any:
+        def sampled(*args: Any, **kwargs: Any) -> Any:
+            out = method(*args, **kwargs)
+            held = sum(unsharded_gradient_bytes(s.submod) for s in self.engine.stages)
+            self.peak = max(self.peak, held)
+            return out
+
+        return sampled

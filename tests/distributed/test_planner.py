@@ -13,6 +13,7 @@ from lightning_zeropp.core import ZeroPPConfig
 from lightning_zeropp.models import GPT
 from lightning_zeropp.models.hf import build_causal_lm
 from lightning_zeropp.plan import activation_peaks, predict_comm, predict_memory
+from lightning_zeropp.plan.search import gradient_buffers
 from tests.distributed.launch import launch
 from tests.distributed.plan_scenarios import GLOBAL_BATCH, LLAMA, MODEL
 
@@ -117,3 +118,13 @@ def test_step_communication_is_predicted(measured, index: int) -> None:
     for rank, ranks in enumerate(measured):
         got = {k: v for k, v in ranks[index]["comm"].items() if k in kinds}
         assert got == predicted[rank], rank
+
+
+@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[str(x) for x in LAYOUTS])
+def test_gradient_buffers_are_predicted(measured, index: int) -> None:
+    layout = LAYOUTS[index]
+    config = _config(layout).resolve(4)
+    predicted = gradient_buffers(_model(layout), config)
+    for rank, ranks in enumerate(measured):
+        got, want = ranks[index]["gradient_peak"], predicted[rank // config.dp_size]
+        assert want == pytest.approx(got, rel=0.05), rank
