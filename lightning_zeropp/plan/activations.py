@@ -107,8 +107,9 @@ def _multi_stage_orders(schedule: str, pp: int, v: int, m: int) -> dict[int, Ord
 
     cls, style = SCHEDULES[schedule]
     assert cls is not None
-    stand_in = ZeroPPConfig(pp_size=pp, num_chunks=v, num_microbatches=m, schedule=schedule)
-    stand_in = stand_in.resolve(pp)
+    stand_in = ZeroPPConfig(
+        pp_size=pp, num_chunks=v, num_microbatches=m, schedule=schedule, node_size=pp
+    ).resolve(pp)  # node_size given: not the launcher's LOCAL_WORLD_SIZE
     stages = [_stand_in(s, 0, stand_in) for s in stage_ids_for_rank(style, 0, pp, v)]
     order = cls(stages, m).pipeline_order  # every rank's, planned by rank 0's instance
     return {

@@ -76,7 +76,7 @@ def predict_3d(
     schedule = "interleaved_1f1b" if num_chunks > 1 else "1f1b"
     cfg = ZeroPPConfig(
         pp_size=pp, dp_shard_size=1, num_chunks=num_chunks if num_chunks > 1 else None,
-        num_microbatches=m, schedule=schedule, reshard_after_forward=False,
+        num_microbatches=m, schedule=schedule, reshard_after_forward=False, node_size=pp,
     ).resolve(pp)  # fmt: skip
     profile = profile_model(model, rows, seq_len, torch.bfloat16)
     container, names = find_blocks(model)

@@ -104,7 +104,10 @@ def _stage_units(
     model: nn.Module, num_stages: int, points: tuple[int, ...] | None
 ) -> list[StageUnits]:
     cut = ZeroPPConfig(
-        pp_size=num_stages, dp_shard_size=1, split_points=list(points) if points else None
+        pp_size=num_stages,
+        dp_shard_size=1,
+        split_points=list(points) if points else None,
+        node_size=num_stages,  # given: not the launcher's LOCAL_WORLD_SIZE
     )
     cfg = cut.resolve(num_stages)
     container, blocks = stage_blocks(model, cfg)

@@ -110,7 +110,8 @@ def enumerate_layouts(
     max_microbatches: int = 64,
 ) -> Iterator[dict[str, Any]]:
     """Every layout of the search space, as ZeroPPConfig keyword arguments (each resolves)."""
-    base = dict(base or {})
+    # ranks per node: the planned cluster's, not the launcher's LOCAL_WORLD_SIZE
+    base = {"node_size": node_size, **(base or {})}
     for pp in _divisors(world_size):
         if pp > num_blocks:
             continue

@@ -125,3 +125,16 @@ def test_parallel_auto_takes_the_searchs_best_and_says_when_nothing_fits() -> No
         assert getattr(plan.zeropp, key) == getattr(chosen, key), key
     with pytest.raises(ValueError, match="parallel=auto: no layout"):
         check_config(compose_config(["parallel=auto", "cluster.planner.memory_GiB=1e-6"]))
+
+
+def test_the_planner_ignores_the_launchers_ranks_per_node(monkeypatch) -> None:
+    # Under torchrun every process sees LOCAL_WORLD_SIZE; the planner's own stand-in configs
+    # (stage cuts, torch's orders) must not take it for theirs, nor the planned layouts.
+    from recipes.recipe_config import check_config
+    from tests.unit.test_conf import compose_config
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    plan = check_config(compose_config(["parallel=auto"]))
+    assert plan.zeropp.pp_size * plan.zeropp.dp_size == 4
+    layouts = list(enumerate_layouts(WORLD, 8, BATCH, 4))[:12]
+    assert search(_model(), WORLD, BATCH, SEQ, _hardware(None), layouts=layouts)
