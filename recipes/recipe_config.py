@@ -308,6 +308,7 @@ def auto_layout(
     import torch
     from hydra.utils import instantiate
 
+    from lightning_zeropp.core.config import parse_dtype
     from lightning_zeropp.core.split import find_blocks
     from lightning_zeropp.plan import Hardware
     from lightning_zeropp.plan.search import enumerate_layouts, search
@@ -318,7 +319,8 @@ def auto_layout(
     base = {k: v for k, v in settings.items() if v is not None and k not in _LAYOUT_KEYS}
     cluster = OmegaConf.to_container(cfg.cluster, resolve=True)
     assert isinstance(cluster, dict)
-    dtype = {None: "fp32", "bf16": "bf16", "fp16": "fp16"}.get(base.get("param_dtype"), "fp32")
+    computes = parse_dtype(base.get("param_dtype"), "parallel.param_dtype")
+    dtype = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(computes, "fp32")
     hardware = Hardware.from_cluster(cluster, dtype)
     with torch.device("meta"):
         model = instantiate(cfg.model.net)
@@ -329,6 +331,13 @@ def auto_layout(
         )
         if rows // (world // s["pp_size"]) // s["num_microbatches"] == micro
     ]
+    if not layouts:
+        raise ValueError(
+            f"parallel=auto: {rows} rows a step (parallel.auto.global_batch_size) do not split "
+            f"into micro-batches of trainer.micro_batch_size={micro} on {world} ranks in any "
+            "layout; use a multiple of micro_batch_size x the data-parallel size (e.g. "
+            f"{micro * world})."
+        )
     best = search(
         model, world, rows, cfg.data.seq_len, hardware, layouts=layouts, top=1,
         optimizer=cfg.trainer.optimizer,

@@ -31,7 +31,7 @@ GiB = 2**30
 
 
 def split_args(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
-    """The planner's own keys, and the rest as Hydra overrides."""
+    """The planner's own keys (checked), and the rest as Hydra overrides."""
     import yaml
 
     own, hydra = dict(DEFAULTS), []
@@ -41,10 +41,24 @@ def split_args(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
             own[key] = yaml.safe_load(value)
         else:
             hydra.append(arg)
+    for key in ("global_batch", "top"):
+        if not isinstance(own[key], int) or isinstance(own[key], bool) or own[key] < 1:
+            raise SystemExit(f"{key}={own[key]!r} must be a positive integer.")
+    for key in ("seq_len", "micro_batch"):
+        value = own[key]
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value < 1
+        ):
+            raise SystemExit(f"{key}={value!r} must be a positive integer (or null).")
+    if own["dtype"] not in ("bf16", "fp16", "fp32"):
+        raise SystemExit(f"dtype={own['dtype']!r} is not priced; use bf16, fp16 or fp32.")
     return own, hydra
 
 
 def main(argv: list[str]) -> int:
+    if {"-h", "--help"} & set(argv):
+        print(__doc__)
+        return 0
     import torch
     import yaml
 
@@ -74,6 +88,8 @@ def main(argv: list[str]) -> int:
     hardware = Hardware.from_cluster(cluster, dtype)
     with torch.device("meta"):
         model = instantiate(cfg.model.net)
+    if dtype != own["dtype"]:
+        print(f"({cluster['name']} is a CPU cluster: pricing fp32, not {own['dtype']})")
     base = {"param_dtype": dtype if dtype != "fp32" else None}
     layouts = [
         s
@@ -89,6 +105,13 @@ def main(argv: list[str]) -> int:
         f"{own['global_batch']} x {seq_len} tokens, {dtype}: pricing {len(layouts)} layouts ...",
         flush=True,
     )
+    if not layouts:
+        print(
+            f"No layout splits global_batch={own['global_batch']} over {world} ranks"
+            + (f" in micro-batches of {own['micro_batch']} rows" if own["micro_batch"] else "")
+            + "; use a global batch with more factors in common with the world size."
+        )
+        return 1
     best = search(
         model, world, own["global_batch"], seq_len, hardware, layouts=layouts,
         optimizer=own["optimizer"], top=own["top"],
@@ -110,15 +133,21 @@ def main(argv: list[str]) -> int:
         name = f"auto_{cfg.model.name}_{cluster['name']}"
         path = Path(own["write"] if own["write"] != "auto" else CONF / "parallel" / f"{name}.yaml")
         chosen = as_parallel_config(best[0], world)
+        micro = own["global_batch"] // (world // chosen["pp_size"]) // chosen["num_microbatches"]
         header = (
             f"# Chosen by `python -m lightning_zeropp.plan {' '.join(argv)}` for {cfg.model.name} "
             f"on {cluster['name']}:\n# predicted {best[0].step_s:.3f} s a step, MFU "
             f"{best[0].step.mfu:.1%}, {best[0].memory_bytes / GiB:.1f} GiB per rank (a prediction, "
-            "not a measurement).\n"
+            "not a measurement),\n# for a global batch of "
+            f"{own['global_batch']} x {seq_len} tokens: train it with trainer.micro_batch_size="
+            f"{micro} data.seq_len={seq_len}.\n"
         )
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(header + yaml.safe_dump(chosen, sort_keys=False))
-        print(f"wrote {path} (use it as parallel={path.stem} when it sits in conf/parallel/)")
+        print(
+            f"wrote {path}: train it as parallel={path.stem} trainer.micro_batch_size={micro} "
+            f"data.seq_len={seq_len} (the batch it was priced for) when it sits in conf/parallel/"
+        )
     return 0
 
 

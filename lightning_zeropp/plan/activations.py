@@ -30,7 +30,7 @@ from torch import nn
 from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.placement import stage_ids_for_rank
 from lightning_zeropp.core.split import find_blocks, plan_blocks
-from lightning_zeropp.plan.profile import Part, profile_model
+from lightning_zeropp.plan.profile import Part, micro_batch_rows, profile_model
 
 __all__ = [
     "activation_peaks",
@@ -157,7 +157,7 @@ def activation_peaks(
     """Each pipeline rank's peak activation bytes in a step of `global_batch` rows: the saved
     bytes, plus (`recompute_transient`) what a recomputing block holds during its backward."""
     cfg = config.resolve(world_size)
-    rows = global_batch // cfg.dp_size // cfg.num_microbatches
+    rows = micro_batch_rows(global_batch, cfg.dp_size, cfg.num_microbatches)
     per_stage = stage_activation_bytes(model, cfg, rows, seq_len)
     extra = recompute_transients(model, cfg, rows, seq_len)
     extra = extra if recompute_transient else [0] * len(extra)

@@ -29,6 +29,7 @@ from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.placement import rank_of_stage, schedule_style, stage_ids_for_rank
 from lightning_zeropp.plan.activations import stage_parts
 from lightning_zeropp.plan.memory import stage_units
+from lightning_zeropp.plan.profile import micro_batch_rows
 
 __all__ = ["predict_comm"]
 
@@ -53,7 +54,7 @@ def predict_comm(
     compute = torch.empty((), dtype=cfg.param_dtype).element_size() if cfg.param_dtype else 4
     reduce_dtype = cfg.reduce_dtype or (torch.float32 if cfg.param_dtype else None)
     reduce = torch.empty((), dtype=reduce_dtype).element_size() if reduce_dtype else compute
-    rows = global_batch // cfg.dp_size // cfg.num_microbatches
+    rows = micro_batch_rows(global_batch, cfg.dp_size, cfg.num_microbatches)
     boundary = [part.output for part in stage_parts(model, cfg, rows, seq_len)]
     gathers, reductions = _gathers_and_reductions(cfg)
     style = schedule_style(cfg.schedule)

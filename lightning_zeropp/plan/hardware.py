@@ -31,7 +31,8 @@ class Hardware:
     memory_Bps: float = 2e12  # device memory bandwidth (the optimizer step streams the state)
     overlap: bool = True  # collectives on their own stream, overlapping compute (GPUs)
     peak_flops_per_s: float | None = None  # for MFU; default `flops_per_s`
-    memory_bytes: int | None = None  # per rank, for the search
+    memory_bytes: int | None = None  # per rank, for the search (what a run may use of it)
+    dtype: str | None = None  # the compute dtype `flops_per_s` is for ("bf16", "fp32", ...)
     optimizer_Bps: float | None = None  # parameter bytes the optimizer updates per second;
     # default: AdamW streaming its state once (`memory_Bps` / 7: 28 bytes moved per fp32 parameter)
 
@@ -68,13 +69,20 @@ class Hardware:
         bandwidth = cluster.get("bandwidth_GBps") or {}
         figures = cluster.get("planner") or {}
         intra, inter = bandwidth.get("intra_node"), bandwidth.get("inter_node")
-        peak = (figures.get("peak_tflops") or {}).get(dtype)
-        if intra is None or peak is None:
+        peaks = figures.get("peak_tflops") or {}
+        if intra is None or not peaks:
             raise ValueError(
-                f"cluster {name!r} gives no bandwidth_GBps.intra_node or planner.peak_tflops."
-                f"{dtype}; the planner needs both (see conf/cluster/h100_4x8.yaml)."
+                f"cluster {name!r} gives no bandwidth_GBps.intra_node or planner.peak_tflops; the "
+                "planner needs both (see conf/cluster/h100_4x8.yaml)."
             )
-        peak_flops = float(peak) * 1e12
+        if peaks.get(dtype) is None:
+            raise ValueError(
+                f"cluster {name!r} gives no planner.peak_tflops.{dtype}; it has "
+                f"{sorted(k for k, v in peaks.items() if v is not None)}."
+            )
+        peak_flops = float(peaks[dtype]) * 1e12
+        memory = figures.get("memory_GiB")
+        usable = float(figures.get("usable_fraction", 1.0))  # context, fragmentation, buffers
         return cls(
             flops_per_s=peak_flops * float(figures.get("efficiency", 0.5)),
             intra_node_Bps=float(intra) * GB,
@@ -85,9 +93,8 @@ class Hardware:
             memory_Bps=float(figures.get("memory_bandwidth_GBps", 2000)) * GB,
             overlap=cluster.get("accelerator", "gpu") != "cpu",
             peak_flops_per_s=peak_flops,
-            memory_bytes=int(float(figures["memory_GiB"]) * 2**30)
-            if figures.get("memory_GiB")
-            else None,
+            memory_bytes=int(float(memory) * 2**30 * usable) if memory else None,
+            dtype=dtype,
         )
 
 

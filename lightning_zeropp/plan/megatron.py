@@ -32,7 +32,7 @@ from lightning_zeropp.core.placement import rank_of_stage, schedule_style, stage
 from lightning_zeropp.core.split import find_blocks, plan_blocks
 from lightning_zeropp.plan.activations import task_orders
 from lightning_zeropp.plan.hardware import Hardware
-from lightning_zeropp.plan.profile import ModelProfile, profile_model
+from lightning_zeropp.plan.profile import ModelProfile, micro_batch_rows, profile_model
 from lightning_zeropp.plan.simulate import StageCost, simulate
 from lightning_zeropp.plan.steptime import programs_for
 
@@ -70,9 +70,13 @@ def predict_3d(
     """Predict one bf16 AdamW step of `model` (meta device) under TP x PP x DP."""
     if world_size % (tp * pp):
         raise ValueError(f"tp {tp} x pp {pp} does not divide a world of {world_size}")
+    if hardware.dtype not in (None, "bf16", "fp16"):
+        raise ValueError(
+            f"the 3D model prices bf16 compute; hardware is priced for {hardware.dtype}"
+        )
     dp = world_size // (tp * pp)
     m = num_microbatches or pp
-    rows = global_batch // dp // m
+    rows = micro_batch_rows(global_batch, dp, m)
     schedule = "interleaved_1f1b" if num_chunks > 1 else "1f1b"
     cfg = ZeroPPConfig(
         pp_size=pp, dp_shard_size=1, num_chunks=num_chunks if num_chunks > 1 else None,

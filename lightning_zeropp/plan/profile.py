@@ -38,7 +38,18 @@ from lightning_zeropp.core._torch_private import (
 from lightning_zeropp.core.shard import apply_activation_checkpointing
 from lightning_zeropp.core.split import find_blocks
 
-__all__ = ["ModelProfile", "Part", "lm_loss", "meta_forward", "profile_model"]
+__all__ = ["ModelProfile", "Part", "lm_loss", "meta_forward", "micro_batch_rows", "profile_model"]
+
+
+def micro_batch_rows(global_batch: int, dp_size: int, num_microbatches: int) -> int:
+    """Rows of one micro-batch; a global batch the layout cannot split evenly is refused (a
+    prediction for a batch that would not run is no prediction)."""
+    if global_batch < 1 or global_batch % (dp_size * num_microbatches):
+        raise ValueError(
+            f"global_batch={global_batch} does not split into {dp_size} data-parallel ranks x "
+            f"{num_microbatches} micro-batches; use a multiple of {dp_size * num_microbatches}."
+        )
+    return global_batch // (dp_size * num_microbatches)
 
 
 def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -172,8 +172,10 @@ def search(
     """The `top` fastest layouts whose every rank fits `hardware.memory_bytes` (all of them
     when it is None), fastest first. `layouts` replaces the enumerated space."""
     num_blocks = len(find_blocks(model)[1])
-    space = layouts or list(
-        enumerate_layouts(world_size, num_blocks, global_batch, hardware.node_size, base)
+    space = (
+        layouts
+        if layouts is not None
+        else list(enumerate_layouts(world_size, num_blocks, global_batch, hardware.node_size, base))
     )
     device = "cuda" if hardware.overlap else "cpu"
     found = []

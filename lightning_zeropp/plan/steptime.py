@@ -33,7 +33,7 @@ from lightning_zeropp.plan.activations import stage_parts, stage_ranges, task_or
 from lightning_zeropp.plan.comm import _padded_shard
 from lightning_zeropp.plan.hardware import Hardware
 from lightning_zeropp.plan.memory import StageUnits, predict_memory, stage_units
-from lightning_zeropp.plan.profile import profile_model
+from lightning_zeropp.plan.profile import micro_batch_rows, profile_model
 from lightning_zeropp.plan.simulate import Op, RankTimeline, StageCost, simulate
 
 __all__ = ["StepTimePlan", "predict_step_time", "programs_for", "stage_flops"]
@@ -141,10 +141,17 @@ def predict_step_time(
     instead of FLOPs / `hardware.flops_per_s`; `optimizer_seconds`: a measured optimizer step,
     instead of the shard at `hardware.optimizer_rate`."""
     cfg = config.resolve(world_size)
+    computes = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(cfg.param_dtype)
+    if hardware.dtype is not None and stage_seconds is None and hardware.dtype != computes:
+        raise ValueError(
+            f"the hardware's rate is for {hardware.dtype} but the layout computes in {computes} "
+            f"(param_dtype={cfg.param_dtype}); use Hardware.from_cluster(cluster, {computes!r}) "
+            f"or set param_dtype."
+        )
     if cfg.quantized_weights or cfg.quantized_gradients or cfg.hpz_partition_size:
         raise NotImplementedError("ZeRO++'s collectives are not in the step-time model yet")
     stages = stage_units(model, cfg)
-    rows = global_batch // cfg.dp_size // cfg.num_microbatches
+    rows = micro_batch_rows(global_batch, cfg.dp_size, cfg.num_microbatches)
     flops = stage_flops(model, cfg, rows, seq_len)
     style = schedule_style(cfg.schedule)
     where = {s: rank_of_stage(style, s, cfg.pp_size) for s in range(cfg.num_stages)}

@@ -138,3 +138,37 @@ def test_the_planner_ignores_the_launchers_ranks_per_node(monkeypatch) -> None:
     assert plan.zeropp.pp_size * plan.zeropp.dp_size == 4
     layouts = list(enumerate_layouts(WORLD, 8, BATCH, 4))[:12]
     assert search(_model(), WORLD, BATCH, SEQ, _hardware(None), layouts=layouts)
+
+
+def test_a_batch_no_layout_splits_is_refused_not_replaced(capsys) -> None:
+    # An empty filtered space is an answer (nothing fits), not a cue to search everything: a
+    # batch of 6 rows in micro-batches of 4 must not train 24 rows instead.
+    from lightning_zeropp.plan.__main__ import main
+    from recipes.recipe_config import check_config
+    from tests.unit.test_conf import compose_config
+
+    assert search(_model(), WORLD, BATCH, SEQ, _hardware(None), layouts=[]) == []
+    with pytest.raises(ValueError, match="do not split into micro-batches"):
+        check_config(compose_config(["parallel=auto", "parallel.auto.global_batch_size=6"]))
+    assert main(["global_batch=32", "micro_batch=3", "write=none"]) == 1
+    assert "No layout splits global_batch=32" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="global_batch='abc' must be a positive integer"):
+        main(["global_batch=abc"])
+
+
+def test_predictions_refuse_what_would_not_run_or_is_priced_for_another_dtype() -> None:
+    from lightning_zeropp.plan import activation_peaks, predict_step_time
+
+    model = _model()
+    with pytest.raises(ValueError, match="global_batch=15 does not split"):
+        activation_peaks(model, ZeroPPConfig(dp_shard_size=2), 2, 15, SEQ)
+    bf16 = Hardware(flops_per_s=1e12, intra_node_Bps=1e9, inter_node_Bps=1e9, node_size=2,
+                    dtype="bf16")  # fmt: skip
+    with pytest.raises(ValueError, match="rate is for bf16 but the layout computes in fp32"):
+        predict_step_time(model, ZeroPPConfig(dp_shard_size=2), 2, 16, SEQ, bf16)
+    assert (
+        predict_step_time(
+            model, ZeroPPConfig(dp_shard_size=2, param_dtype="bf16"), 2, 16, SEQ, bf16
+        ).step_s
+        > 0
+    )
