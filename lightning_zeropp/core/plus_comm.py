@@ -132,17 +132,8 @@ class _UnitComm:
 
 
 class QuantizedAllGather(_UnitComm):
-    """qwZ for one FSDP unit: `segments` are its parameters' padded shards (see module doc)."""
-
-    def __init__(
-        self,
-        segments: Sequence[Segment],
-        groups: NodeGroups,
-        bits: int | None,
-        block: int,
-        wire_dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__(segments, groups, bits, block, wire_dtype)
+    """qwZ for one FSDP unit: `segments` are its parameters' padded shards (see module doc); it
+    takes `_UnitComm`'s arguments as they are."""
 
     def __call__(
         self,
