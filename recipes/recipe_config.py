@@ -324,13 +324,11 @@ def auto_layout(
     hardware = Hardware.from_cluster(cluster, dtype)
     with torch.device("meta"):
         model = instantiate(cfg.model.net)
-    layouts = [
-        s
-        for s in enumerate_layouts(
-            world, len(find_blocks(model)[1]), rows, hardware.node_size, base
+    layouts = list(
+        enumerate_layouts(
+            world, len(find_blocks(model)[1]), rows, hardware.node_size, base, micro_batch=micro
         )
-        if rows // (world // s["pp_size"]) // s["num_microbatches"] == micro
-    ]
+    )
     if not layouts:
         raise ValueError(
             f"parallel=auto: {rows} rows a step (parallel.auto.global_batch_size) do not split "

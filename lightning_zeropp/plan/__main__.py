@@ -91,15 +91,12 @@ def main(argv: list[str]) -> int:
     if dtype != own["dtype"]:
         print(f"({cluster['name']} is a CPU cluster: pricing fp32, not {own['dtype']})")
     base = {"param_dtype": dtype if dtype != "fp32" else None}
-    layouts = [
-        s
-        for s in enumerate_layouts(
-            world, _num_blocks(model), own["global_batch"], hardware.node_size, base
+    layouts = list(
+        enumerate_layouts(
+            world, _num_blocks(model), own["global_batch"], hardware.node_size, base,
+            micro_batch=own["micro_batch"],
         )
-        if own["micro_batch"] is None
-        or own["global_batch"] // (world // s["pp_size"]) // s["num_microbatches"]
-        == own["micro_batch"]
-    ]
+    )  # fmt: skip
     print(
         f"{cfg.model.name} on {cluster['name']} ({world} ranks), global batch "
         f"{own['global_batch']} x {seq_len} tokens, {dtype}: pricing {len(layouts)} layouts ...",

@@ -29,7 +29,7 @@ from torch import nn
 
 from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.placement import stage_ids_for_rank
-from lightning_zeropp.core.split import find_blocks, plan_blocks
+from lightning_zeropp.plan.memory import stage_ranges
 from lightning_zeropp.plan.profile import Part, micro_batch_rows, profile_model
 
 __all__ = [
@@ -37,18 +37,10 @@ __all__ = [
     "recompute_transients",
     "stage_activation_bytes",
     "stage_parts",
-    "stage_ranges",
     "task_orders",
 ]
 
 Order = list[tuple[str, int, int]]  # (kind F/B/I/W, stage, micro-batch)
-
-
-def stage_ranges(model: nn.Module, config: ZeroPPConfig) -> list[range]:
-    """Each stage's block indices (a resolved config)."""
-    if config.num_stages == 1:
-        return [range(len(find_blocks(model)[1]))]
-    return list(plan_blocks(model, config.num_stages, config.split_points).ranges)
 
 
 def stage_parts(model: nn.Module, config: ZeroPPConfig, rows: int, seq_len: int) -> list[Part]:

@@ -29,9 +29,10 @@ from torch import nn
 
 from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.placement import rank_of_stage, schedule_style, stage_ids_for_rank
-from lightning_zeropp.core.split import find_blocks, plan_blocks
+from lightning_zeropp.core.split import find_blocks
 from lightning_zeropp.plan.activations import task_orders
 from lightning_zeropp.plan.hardware import Hardware
+from lightning_zeropp.plan.memory import stage_ranges
 from lightning_zeropp.plan.profile import ModelProfile, micro_batch_rows, profile_model
 from lightning_zeropp.plan.simulate import StageCost, simulate
 from lightning_zeropp.plan.steptime import programs_for
@@ -88,11 +89,7 @@ def predict_3d(
     block_params = [sum(p.numel() for p in holder._modules[n].parameters()) for n in names]
     total_params = sum(p.numel() for p in model.parameters())
     root_params = total_params - sum(block_params)
-    ranges = (
-        plan_blocks(model, cfg.num_stages, None).ranges
-        if cfg.num_stages > 1
-        else [range(len(names))]
-    )
+    ranges = stage_ranges(model, cfg)
     rate = hardware.flops_per_s
     act_bytes = profile.blocks[0].output  # one block's input: b x s x h in bf16
     intra = hardware.link(0, tp - 1)

@@ -40,6 +40,7 @@ __all__ = [
     "split_stages",
     "stage_blocks",
     "stage_parameter_shapes",
+    "stage_ranges",
     "stage_units",
 ]
 
@@ -71,13 +72,17 @@ def split_stages(model: nn.Module, config: ZeroPPConfig) -> list[nn.Module]:
     return split_model(model, plan, range(config.num_stages), "stack")
 
 
+def stage_ranges(model: nn.Module, config: ZeroPPConfig) -> list[range]:
+    """Each stage's block indices (a resolved config)."""
+    if config.num_stages == 1:
+        return [range(len(find_blocks(model)[1]))]
+    return list(plan_blocks(model, config.num_stages, config.split_points).ranges)
+
+
 def stage_blocks(model: nn.Module, config: ZeroPPConfig) -> tuple[str, list[list[str]]]:
     """The blocks' container in `model` and each stage's block names (a resolved config)."""
     container, names = find_blocks(model)
-    if config.num_stages == 1:
-        return container, [names]
-    plan = plan_blocks(model, config.num_stages, config.split_points)
-    return container, [[plan.names[i] for i in r] for r in plan.ranges]
+    return container, [[names[i] for i in r] for r in stage_ranges(model, config)]
 
 
 Shapes = list[tuple[int, ...]]

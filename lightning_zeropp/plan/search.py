@@ -108,8 +108,10 @@ def enumerate_layouts(
     node_size: int,
     base: dict[str, Any] | None = None,
     max_microbatches: int = 64,
+    micro_batch: int | None = None,
 ) -> Iterator[dict[str, Any]]:
-    """Every layout of the search space, as ZeroPPConfig keyword arguments (each resolves)."""
+    """Every layout of the search space, as ZeroPPConfig keyword arguments (each resolves);
+    with `micro_batch`, only those whose micro-batches have that many rows."""
     # ranks per node: the planned cluster's, not the launcher's LOCAL_WORLD_SIZE
     base = {"node_size": node_size, **(base or {})}
     for pp in _divisors(world_size):
@@ -124,7 +126,11 @@ def enumerate_layouts(
                 continue
             sizes = {"pp_size": pp, "dp_shard_size": shard, "dp_replicate_size": dp // shard}
             for m, (schedule, extra), recompute in itertools.product(
-                [m for m in _divisors(rows) if m <= max_microbatches],
+                [
+                    m
+                    for m in _divisors(rows)
+                    if m <= max_microbatches and micro_batch in (None, rows // m)
+                ],
                 _schedules(pp, num_blocks, rows),
                 RECOMPUTE,
             ):

@@ -29,10 +29,10 @@ from torch import nn
 
 from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.placement import rank_of_stage, schedule_style
-from lightning_zeropp.plan.activations import stage_parts, stage_ranges, task_orders
+from lightning_zeropp.plan.activations import stage_parts, task_orders
 from lightning_zeropp.plan.comm import _padded_shard
 from lightning_zeropp.plan.hardware import Hardware
-from lightning_zeropp.plan.memory import StageUnits, predict_memory, stage_units
+from lightning_zeropp.plan.memory import StageUnits, predict_memory, stage_ranges, stage_units
 from lightning_zeropp.plan.profile import micro_batch_rows, profile_model
 from lightning_zeropp.plan.simulate import Op, RankTimeline, StageCost, simulate
 
