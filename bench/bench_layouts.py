@@ -56,7 +56,7 @@ def run_rank(row: str, steps: int, warmup: int, out: Path) -> None:
     from torch.distributed.tensor import DTensor
 
     from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
-    from lightning_zeropp.core.comm import CommCounter, mesh_axis_namer
+    from lightning_zeropp.core.measure.comm import CommCounter, mesh_axis_namer
     from lightning_zeropp.models import GPT, GPTConfig
 
     # A rank still running near the row's deadline prints where it is stuck into its log.
@@ -257,7 +257,7 @@ def write_markdown(meta: dict[str, Any], rows: list[dict[str, Any]], path: Path)
         "",
         "Traffic per step and rank, by collective kind and mesh axis (CommCounter convention: "
         "all-gather counts the input shard, reduce-scatter the full input, all-reduce the tensor, "
-        "send/recv the message; see `lightning_zeropp/core/comm.py`). DDP's axis is the whole "
+        "send/recv the message; see `lightning_zeropp/core/measure/comm.py`). DDP's axis is the whole "
         "world (dp=4).",
         "",
         "| Layout | Kind | Axis | Calls (max over ranks) | MiB (mean over ranks) | MiB (max) |",

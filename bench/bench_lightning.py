@@ -211,7 +211,7 @@ def run_rank(
 
 def _module_class(row: str, lit_gpt: type) -> type:
     """LitGPT itself, or (fsdp row) LitGPT with the `configure_model` ModelParallelStrategy needs:
-    FSDP2 exactly as ZeroPP shards a stage (`core.shard.shard_stage`), one unit per Block + root."""
+    FSDP2 exactly as ZeroPP shards a stage (`core.shard.fsdp.shard_stage`), one unit per Block + root."""
     if row != "fsdp":
         return lit_gpt
 
@@ -331,11 +331,11 @@ PROFILE_ITEMS: list[tuple[str, str, tuple[str, ...], str]] = [
     ("          waiting for FSDP all-gathers in the runtime (_assert_unsharded)", "torch/distributed/pipelining/schedules.py", ("_assert_unsharded",), "ct"),
     ("          stage perform_reduce_grad (gradient reduce-scatter, end of step)", "torch/distributed/pipelining/stage.py", ("perform_reduce_grad",), "ct"),
     ("          ZeroPP: scheduled loss (the user's training_step, per micro-batch)", "lightning_zeropp/lightning/", ("_scheduled_loss", "scheduled_loss"), "ct"),
-    ("          ZeroPP: call-split stage forward (the model's own forward, stubs)", "lightning_zeropp/core/call_stages.py", ("run",), "ct"),
+    ("          ZeroPP: call-split stage forward (the model's own forward, stubs)", "lightning_zeropp/core/split/call_stages.py", ("run",), "ct"),
     ("        ZeroPP: _broadcast_loss", "lightning_zeropp/core/engine.py", ("_broadcast_loss",), "ct"),
     ("      ZeroPP: LogRecorder.replay (log values to every stage)", "lightning_zeropp/lightning/logging.py", ("replay",), "ct"),
     ("        broadcast_object_list", "torch/distributed/distributed_c10d.py", ("broadcast_object_list",), "ct"),
-    ("      ZeroPP: StepGrads take + apply", "lightning_zeropp/core/grads.py", ("__init__", "apply"), "ct"),
+    ("      ZeroPP: StepGrads take + apply", "lightning_zeropp/core/step/grads.py", ("__init__", "apply"), "ct"),
     ("    LitGPT.training_step (all calls)", "lightning_zeropp/models/lit_gpt.py", ("training_step",), "ct"),
     ("      LightningModule.log (Lightning's, sync_dist all-reduce inside)", "lightning/pytorch/core/module.py", ("log",), "ct"),
     ("  backward: autograd engine (run_backward, with FSDP / DDP hooks; ZeroPP: inside the schedule)", "~", ("<method 'run_backward' of 'torch._C._EngineBase' objects>",), "ct"),

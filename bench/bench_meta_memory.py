@@ -109,9 +109,9 @@ def worker(row: str, out: Path, weights: str, cap: int) -> None:
     from transformers import AutoModelForCausalLM
 
     from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
-    from lightning_zeropp.core.materialize import empty_parameters
-    from lightning_zeropp.core.memory import host_peak_bytes
-    from lightning_zeropp.core.shard import local_shard
+    from lightning_zeropp.core.measure.memory import host_peak_bytes
+    from lightning_zeropp.core.shard.fsdp import local_shard
+    from lightning_zeropp.core.weights.materialize import empty_parameters
 
     dist.init_process_group("gloo")
     baseline = _rss()

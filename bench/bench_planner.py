@@ -81,7 +81,7 @@ def train_rank(row: str, steps: int, warmup: int, out: Path) -> None:
     import torch.nn.functional as F
 
     from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
-    from lightning_zeropp.core.timeline import StepRecorder
+    from lightning_zeropp.core.measure.timeline import StepRecorder
     from lightning_zeropp.models import GPT, GPTConfig
     from lightning_zeropp.plan.hardware import measure_optimizer_rate
 

@@ -13,7 +13,7 @@ Interleaved1F1B (v = 2, no resharding); FSDP2 alone; and a 3-D baseline: tensor 
 Per row and step: median time (slowest rank), collective bytes per kind and mesh axis (mean over
 ranks), peak memory per rank split into parameters, gradients, optimizer state (local shards),
 gathered weights and tensors saved for backward (activations), and the bubble fraction measured
-from the rank timelines (`core.timeline`). Written to bench/results/zeropp.md and .json.
+from the rank timelines (`core.measure.timeline`). Written to bench/results/zeropp.md and .json.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def run_rank(row: str, world: int, steps: int, warmup: int, out: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from lightning_zeropp.core.memory import model_state_bytes
+    from lightning_zeropp.core.measure.memory import model_state_bytes
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
@@ -129,7 +129,7 @@ def run_rank(row: str, world: int, steps: int, warmup: int, out: Path) -> None:
         dist.barrier()
         start = time.perf_counter()
         if i == warmup + steps:  # one extra step counts the traffic (counting never skews timing)
-            from lightning_zeropp.core.comm import CommCounter
+            from lightning_zeropp.core.measure.comm import CommCounter
 
             with CommCounter(job["namer"]) as counter:
                 loss = job["step"](x, y)
@@ -180,8 +180,8 @@ def _engine_job(layout: dict[str, Any], world: int) -> dict[str, Any]:
     import torch
 
     from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
-    from lightning_zeropp.core.comm import mesh_axis_namer
-    from lightning_zeropp.core.timeline import StepRecorder
+    from lightning_zeropp.core.measure.comm import mesh_axis_namer
+    from lightning_zeropp.core.measure.timeline import StepRecorder
     from lightning_zeropp.models import GPT, GPTConfig
 
     torch.manual_seed(0)
@@ -221,8 +221,8 @@ def _tp_job(sizes: dict[str, int]) -> dict[str, Any]:
         parallelize_module,
     )
 
-    from lightning_zeropp.core.comm import mesh_axis_namer
-    from lightning_zeropp.core.timeline import StepRecorder
+    from lightning_zeropp.core.measure.comm import mesh_axis_namer
+    from lightning_zeropp.core.measure.timeline import StepRecorder
     from lightning_zeropp.models import GPT, GPTConfig
 
     class HeadParallelAttention(nn.Module):
@@ -299,7 +299,7 @@ def _tp_job(sizes: dict[str, int]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------- driver
 def summarize(world: int, row: str, ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    from lightning_zeropp.core.timeline import Timeline, bubble_fraction
+    from lightning_zeropp.core.measure.timeline import Timeline, bubble_fraction
 
     spec = rows_for(world)[row]
     comm: dict[str, float] = {}
@@ -352,8 +352,8 @@ def _gathered_bytes(rank: dict[str, Any]) -> int:
 def expectations(rows: list[dict[str, Any]]) -> list[str]:
     """The issue's expected ratios against what was measured."""
     from lightning_zeropp.core import ZeroPPConfig
-    from lightning_zeropp.core.timeline import bubble_fraction
-    from lightning_zeropp.core.zeropp_schedule import bubble_formula
+    from lightning_zeropp.core.measure.timeline import bubble_fraction
+    from lightning_zeropp.core.schedule.zeropp import bubble_formula
     from lightning_zeropp.viz import planned_timelines
 
     lines = []

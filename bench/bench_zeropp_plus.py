@@ -12,7 +12,7 @@ plain and with qwZ + qgZ) on 4 nodes of 1 rank, where each stage's shard group s
 
 Per row: median step time (slowest rank, after a barrier), bytes per step and rank sent across
 and inside nodes as the kernel counted them on the links (TCP/IP included), and as the
-collectives' own accounting gives them (`core.traffic`, one extra counted step). Writes
+collectives' own accounting gives them (`core.measure.traffic`, one extra counted step). Writes
 `bench/results/zeropp_plus.{md,json}`. Without root or namespaces it says so and exits 0.
 """
 
@@ -64,8 +64,8 @@ def run_rank(row: str, steps: int, warmup: int, out: Path) -> None:
     import torch.nn.functional as F
 
     from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
-    from lightning_zeropp.core.comm import CommCounter
-    from lightning_zeropp.core.traffic import NodeTraffic
+    from lightning_zeropp.core.measure.comm import CommCounter
+    from lightning_zeropp.core.measure.traffic import NodeTraffic
     from lightning_zeropp.models import GPT, GPTConfig
     from lightning_zeropp.models.data import MarkovLanguage
 

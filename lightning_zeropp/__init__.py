@@ -15,7 +15,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
-from lightning_zeropp.core.materialize import empty_parameters, init_weights
+from lightning_zeropp.core.weights.materialize import empty_parameters, init_weights
 
 if TYPE_CHECKING:
     from lightning_zeropp.lightning import ZeroPPStrategy

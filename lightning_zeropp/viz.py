@@ -7,7 +7,7 @@ writes, from one command:
   dependency simulator (forward 1, input grad 1, weight grad 1, full backward 2 time units), with a
   lane for gathers (UNSHARD), releases (RESHARD), sends, receives and early reduce-scatters;
 - `measured.png` and `trace.json`: a real step of the bundled GPT on CPU gloo ranks (pp x
-  dp_shard processes), recorded by `core.timeline.StepRecorder`; open the trace in
+  dp_shard processes), recorded by `core.measure.timeline.StepRecorder`; open the trace in
   chrome://tracing or https://ui.perfetto.dev (one process per rank, compute and comm threads);
 - the bubble fractions (planned, the design's formula, measured) on stdout and in `summary.json`.
 
@@ -24,10 +24,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from lightning_zeropp.core.config import ZeroPPConfig
-from lightning_zeropp.core.schedule import zeropp_orders, zeropp_plans
-from lightning_zeropp.core.timeline import Interval, Timeline, bubble_fraction
-from lightning_zeropp.core.zeropp_schedule import DURATIONS, bubble_formula, simulate
+from lightning_zeropp.core.measure.timeline import Interval, Timeline, bubble_fraction
+from lightning_zeropp.core.schedule.build import zeropp_orders, zeropp_plans
+from lightning_zeropp.core.schedule.zeropp import DURATIONS, bubble_formula, simulate
+from lightning_zeropp.core.settings.config import ZeroPPConfig
 
 __all__ = ["planned_timelines", "draw_gantt", "write_chrome_trace", "main"]
 
@@ -52,7 +52,7 @@ GATHER, RELEASE, MARK = 0.3, 0.06, 0.04  # planned widths, in forward-task units
 
 def planned_timelines(config: ZeroPPConfig) -> list[Timeline]:
     """Each pipeline rank's planned actions (a resolved `schedule="zeropp"` config): the lowered
-    plans the runtime runs (`core.schedule.zeropp_plans`), timed by the schedule simulator."""
+    plans the runtime runs (`core.schedule.build.zeropp_plans`), timed by the schedule simulator."""
     orders = zeropp_orders(config)
     assert config.num_microbatches is not None
     sim = simulate(orders, config.num_stages, config.num_microbatches, DURATIONS)
@@ -175,7 +175,7 @@ def _measured_rank(rank: int, world: int, port: int, layout: dict[str, Any], out
     import torch.nn.functional as F
 
     from lightning_zeropp.core.engine import ZeroPPEngine
-    from lightning_zeropp.core.timeline import StepRecorder
+    from lightning_zeropp.core.measure.timeline import StepRecorder
     from lightning_zeropp.models import GPT, GPTConfig, TokenDataset
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

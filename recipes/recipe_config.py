@@ -308,8 +308,8 @@ def auto_layout(
     import torch
     from hydra.utils import instantiate
 
-    from lightning_zeropp.core.config import parse_dtype
-    from lightning_zeropp.core.split import find_blocks
+    from lightning_zeropp.core.settings.config import parse_dtype
+    from lightning_zeropp.core.split.blocks import find_blocks
     from lightning_zeropp.plan import Hardware
     from lightning_zeropp.plan.search import enumerate_layouts, search
 

@@ -6,7 +6,7 @@
     )
 
 and the loop stays as it is (see `ZeroPPAccelerator`). Settings left out of the plugin come from
-`ZEROPP_*` environment variables (`lightning_zeropp.core.env`). `prepare_pipeline` is the
+`ZEROPP_*` environment variables (`lightning_zeropp.core.settings.env`). `prepare_pipeline` is the
 lower-level entry (the loop calls `engine.step(batch)` with its own `loss_fn`). Needs the
 `accelerate` extra.
 """
@@ -17,7 +17,7 @@ from lightning_zeropp.accelerate.optim import PipelineScheduler
 from lightning_zeropp.accelerate.pipeline_model import PipelineModel, PipelineOutput
 from lightning_zeropp.accelerate.plugin import prepare_pipeline
 from lightning_zeropp.accelerate.zeropp_plugin import ZeroPPPlugin
-from lightning_zeropp.core.env import CONFIG_VARS, SPLIT_VAR, config_from_env
+from lightning_zeropp.core.settings.env import CONFIG_VARS, SPLIT_VAR, config_from_env
 
 __all__ = [
     "CONFIG_VARS",

@@ -46,9 +46,9 @@ from torch.utils.data import DataLoader
 from lightning_zeropp.accelerate.pipeline_model import NUM_ITEMS, PipelineModel, accepts_num_items
 from lightning_zeropp.accelerate.plugin import prepare_pipeline
 from lightning_zeropp.accelerate.zeropp_plugin import ZeroPPPlugin
-from lightning_zeropp.core import commit
-from lightning_zeropp.core.export import full_state_dict
-from lightning_zeropp.core.grads import clip_grad_norm_
+from lightning_zeropp.core.step.grads import clip_grad_norm_
+from lightning_zeropp.core.weights import commit
+from lightning_zeropp.core.weights.export import full_state_dict
 from lightning_zeropp.models.hf_loss import disable_kv_cache
 
 __all__ = ["ZeroPPAccelerator"]
@@ -183,7 +183,7 @@ class ZeroPPAccelerator(Accelerator):
 
     # ------------------------------------------------------------------------- state
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kw: Any):
-        """`Accelerator.save_state`, committed atomically (`core.commit`).
+        """`Accelerator.save_state`, committed atomically (`core.weights.commit`).
 
         A named `output_dir` always holds a complete state (the previous one until the new one
         is). Under `ProjectConfiguration(automatic_checkpoint_naming=True)` the state is written

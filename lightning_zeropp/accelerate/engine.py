@@ -21,10 +21,10 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from lightning_zeropp.accelerate.data import Unpack, check_loader, shard_loader, widen_loader
-from lightning_zeropp.core import checkpoint as ckpt
-from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.engine import ZeroPPEngine
 from lightning_zeropp.core.mesh import ParallelDims
+from lightning_zeropp.core.settings.config import ZeroPPConfig
+from lightning_zeropp.core.weights import checkpoint as ckpt
 
 __all__ = ["CHECKPOINT_DIR", "ZeroPPAccelerateEngine"]
 

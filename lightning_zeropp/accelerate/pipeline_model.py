@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zeropp.accelerate.engine import ZeroPPAccelerateEngine
-from lightning_zeropp.core.schedule import eval_microbatches
+from lightning_zeropp.core.schedule.build import eval_microbatches
 from lightning_zeropp.models.hf_loss import (
     NUM_ITEMS,
     accepts_num_items,

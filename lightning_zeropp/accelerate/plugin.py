@@ -45,11 +45,11 @@ from lightning_zeropp.accelerate.optim import (
     rebuild_optimizer,
     retarget_scheduler,
 )
-from lightning_zeropp.core import env
-from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.engine import LossFn, ZeroPPEngine
-from lightning_zeropp.core.materialize import InitFn
-from lightning_zeropp.core.split import SplitMethod
+from lightning_zeropp.core.settings import env
+from lightning_zeropp.core.settings.config import ZeroPPConfig
+from lightning_zeropp.core.split.methods import SplitMethod
+from lightning_zeropp.core.weights.materialize import InitFn
 from lightning_zeropp.models.hf_loss import disable_kv_cache
 
 __all__ = ["prepare_pipeline"]

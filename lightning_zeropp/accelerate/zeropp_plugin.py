@@ -2,7 +2,7 @@
 
 Like `FullyShardedDataParallelPlugin`, whose unset fields come from `FSDP_*` variables that
 `accelerate launch` exports, every setting left unset here comes from its `ZEROPP_*` variable
-(see `lightning_zeropp.core.env`), then from `ZeroPPConfig`'s defaults. Settings are
+(see `lightning_zeropp.core.settings.env`), then from `ZeroPPConfig`'s defaults. Settings are
 `ZeroPPConfig`'s fields (`pp_size=2`, `schedule="interleaved_1f1b"`, ...); a misspelt one fails
 at construction, with the closest name.
 """
@@ -14,10 +14,10 @@ import difflib
 from pathlib import Path
 from typing import Any
 
-from lightning_zeropp.core import env
-from lightning_zeropp.core.config import ZeroPPConfig
-from lightning_zeropp.core.materialize import InitFn
-from lightning_zeropp.core.split import SplitMethod
+from lightning_zeropp.core.settings import env
+from lightning_zeropp.core.settings.config import ZeroPPConfig
+from lightning_zeropp.core.split.methods import SplitMethod
+from lightning_zeropp.core.weights.materialize import InitFn
 
 __all__ = ["ZeroPPPlugin"]
 

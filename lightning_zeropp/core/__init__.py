@@ -1,10 +1,23 @@
-"""The core: pure torch. Knows nothing of Lightning, Accelerate or Hydra."""
+"""The core: pure torch. Knows nothing of Lightning, Accelerate, transformers or Hydra.
 
-from lightning_zeropp.core.config import ZeroPPConfig
-from lightning_zeropp.core.engine import ZeroPPEngine
-from lightning_zeropp.core.failure import FailureBoard, PeerFailedError, describe_rank
-from lightning_zeropp.core.mesh import ParallelDims, build_mesh
-from lightning_zeropp.core.schedule import SCHEDULES
+Rooms, in build order (each imports only rooms below it; `docs/architecture.md` has the map):
+`settings/` -> `schedule/` -> `mesh.py`, `shard/` -> `split/`, `step/`, `measure/` ->
+`weights/` -> `engine.py`; `_torch_private.py` is the one home of torch's private names.
+"""
+
+from lightning_zeropp.core import _moved
+
+_moved.install()  # old flat paths (lightning_zeropp.core.config, ...) keep importing
+
+from lightning_zeropp.core.engine import ZeroPPEngine  # noqa: E402
+from lightning_zeropp.core.mesh import ParallelDims, build_mesh  # noqa: E402
+from lightning_zeropp.core.schedule.build import SCHEDULES  # noqa: E402
+from lightning_zeropp.core.settings.config import ZeroPPConfig  # noqa: E402
+from lightning_zeropp.core.step.failure import (  # noqa: E402
+    FailureBoard,
+    PeerFailedError,
+    describe_rank,
+)
 
 __all__ = ["SCHEDULES", "ParallelDims", "ZeroPPConfig", "ZeroPPEngine", "build_mesh"]
 __all__ += ["FailureBoard", "PeerFailedError", "describe_rank"]

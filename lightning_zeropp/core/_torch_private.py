@@ -58,7 +58,7 @@ PipelineSchedule = _PipelineSchedule
 
 class ShapeInferenceStage(PipelineStage):
     """torch's `PipelineStage` calling `after_forward_inference()` once its first-step forward
-    shape inference (`_prepare_forward_infra`) has run (`core.runtime.LeanStage`)."""
+    shape inference (`_prepare_forward_infra`) has run (`core.schedule.runtime.LeanStage`)."""
 
     def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -85,7 +85,7 @@ def on_scheduled_loss(schedule: _PipelineSchedule, wrapper: Callable[..., Any]) 
     schedule._compute_loss = routed  # type: ignore[method-assign]
 
 
-# The schedule runtime's private names and state, for `core.runtime`.
+# The schedule runtime's private names and state, for `core.schedule.runtime`.
 Action = _Action
 ScheduleRuntime = _PipelineScheduleRuntime
 add_reduce_grad = _add_reduce_grad

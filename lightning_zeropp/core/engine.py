@@ -20,20 +20,55 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from lightning_zeropp.core._torch_private import on_scheduled_loss
-from lightning_zeropp.core.batch import (
+from lightning_zeropp.core.measure.comm import (
+    PLUS_AXES,
+    CommCounter,
+    flatten_summary,
+    mesh_axis_namer,
+)
+from lightning_zeropp.core.measure.memory import (
+    GatheredPeak,
+    SavedActivations,
+    format_report,
+    measure,
+)
+from lightning_zeropp.core.mesh import ParallelDims, build_mesh
+from lightning_zeropp.core.schedule.build import (
+    build_eval_schedule,
+    build_schedule,
+    eval_microbatches,
+)
+from lightning_zeropp.core.schedule.runtime import LeanStage
+from lightning_zeropp.core.settings.config import ZeroPPConfig
+from lightning_zeropp.core.settings.placement import (
+    rank_of_stage,
+    schedule_style,
+    stage_ids_for_rank,
+)
+from lightning_zeropp.core.shard.fsdp import apply_activation_checkpointing, shard_stage
+from lightning_zeropp.core.shard.plus import Plus
+from lightning_zeropp.core.split.blocks import BlockPlan, find_blocks, plan_blocks
+from lightning_zeropp.core.split.call_plan import CallInputs
+from lightning_zeropp.core.split.call_stages import flatten_outputs, restore_output
+from lightning_zeropp.core.split.methods import (
+    SplitMethod,
+    check_no_tied_parameters,
+    resolve_split,
+    split_model,
+)
+from lightning_zeropp.core.split.modules import merge_stage_modules
+from lightning_zeropp.core.split.tied import TiedWeights, tied_groups
+from lightning_zeropp.core.step.batch import (
     ShapeGuard,
     agree_on_step,
     batch_size,
     check_divisible,
     shape_key,
 )
-from lightning_zeropp.core.call_split import CallInputs
-from lightning_zeropp.core.call_stages import flatten_outputs, restore_output
-from lightning_zeropp.core.comm import PLUS_AXES, CommCounter, flatten_summary, mesh_axis_namer
-from lightning_zeropp.core.config import ZeroPPConfig
-from lightning_zeropp.core.failure import FailureBoard, describe_rank
-from lightning_zeropp.core.grads import StepGrads, clip_grad_norm_
-from lightning_zeropp.core.materialize import (
+from lightning_zeropp.core.step.failure import FailureBoard, describe_rank
+from lightning_zeropp.core.step.grads import StepGrads, clip_grad_norm_
+from lightning_zeropp.core.step.nonfinite import NonFiniteWatch
+from lightning_zeropp.core.weights.materialize import (
     InitFn,
     Source,
     default_init,
@@ -41,25 +76,6 @@ from lightning_zeropp.core.materialize import (
     has_meta,
     real_to,
 )
-from lightning_zeropp.core.memory import GatheredPeak, SavedActivations, format_report, measure
-from lightning_zeropp.core.mesh import ParallelDims, build_mesh
-from lightning_zeropp.core.modules import merge_stage_modules
-from lightning_zeropp.core.nonfinite import NonFiniteWatch
-from lightning_zeropp.core.placement import rank_of_stage, schedule_style, stage_ids_for_rank
-from lightning_zeropp.core.plus import Plus
-from lightning_zeropp.core.runtime import LeanStage
-from lightning_zeropp.core.schedule import build_eval_schedule, build_schedule, eval_microbatches
-from lightning_zeropp.core.shard import apply_activation_checkpointing, shard_stage
-from lightning_zeropp.core.split import (
-    BlockPlan,
-    SplitMethod,
-    check_no_tied_parameters,
-    find_blocks,
-    plan_blocks,
-    resolve_split,
-    split_model,
-)
-from lightning_zeropp.core.tied import TiedWeights, tied_groups
 
 __all__ = ["ZeroPPEngine", "LossFn"]
 
@@ -89,9 +105,9 @@ class ZeroPPEngine:
         dims: an existing mesh for this config (default: build one).
         count_comms: record every training step's collectives (`last_comms`, `comm_metrics`).
         init: `init(module)` per module for a meta-device model (default: the model's own
-            `_init_weights`, else `reset_parameters()`); see `core.materialize`.
+            `_init_weights`, else `reset_parameters()`); see `core.weights.materialize`.
         load_from: a distributed checkpoint or a safetensors file / directory to read this
-            rank's shards from (`core.load`), after sharding; the whole model is never read.
+            rank's shards from (`core.weights.load`), after sharding; the whole model is never read.
     """
 
     def __init__(
@@ -304,7 +320,7 @@ class ZeroPPEngine:
         self, optimizers: Sequence[torch.optim.Optimizer] = (), title: str = "now"
     ) -> str:
         """Collective: every rank's parameter, gradient and optimizer-state bytes and measured
-        peaks (`core.memory`), one line per rank, the same text on every rank."""
+        peaks (`core.measure.memory`), one line per rank, the same text on every rank."""
         mine = measure(
             self.module, optimizers, self.device, self._gathered_peak, self._activation_peak
         )

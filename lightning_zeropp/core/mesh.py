@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_zeropp.core._torch_private import group_timeout, mesh_group_options
-from lightning_zeropp.core.config import ZeroPPConfig
+from lightning_zeropp.core.settings.config import ZeroPPConfig
 
 __all__ = ["ParallelDims", "build_mesh", "build_partition_mesh", "describe_rank", "world_timeout"]
 
@@ -86,7 +86,7 @@ def build_mesh(config: ZeroPPConfig, device_type: str) -> ParallelDims:
 
 def build_partition_mesh(size: int, device_type: str) -> DeviceMesh:
     """A (world / size, size) mesh: dimension "hpz" groups `size` consecutive ranks (hpZ's small
-    partitions, `core.plus`), created by every rank alike with the world's timeout."""
+    partitions, `core.shard.plus`), created by every rank alike with the world's timeout."""
     world = dist.get_world_size()
     names = ("hpz_replicate", "hpz")
     override = None

@@ -1,14 +1,14 @@
 """Lightning checkpoints under `ZeroPPStrategy`: sharded directories or one full file.
 
 `state_dict_type="sharded"` (default): `trainer.save_checkpoint(path)` writes a distributed
-checkpoint directory (`core.checkpoint`): the model under the LightningModule's own names (e.g.
+checkpoint directory (`core.weights.checkpoint`): the model under the LightningModule's own names (e.g.
 `model.blocks.0.attn.qkv.weight`) as `model`, each optimizer flattened as `optimizer_<i>`, and
 Lightning's other keys in `meta.pt`. That is the layout Lightning's FSDP checkpoints have, so
 Lightning's own `python -m lightning.pytorch.utilities.consolidate_checkpoint PATH` turns it into
 one file that `MyModule.load_from_checkpoint` reads.
 
 `state_dict_type="full"`: one ordinary Lightning checkpoint file, written by global rank 0
-(`core.export` gathers the model and each optimizer): `state_dict` keyed exactly as the
+(`core.weights.export` gathers the model and each optimizer): `state_dict` keyed exactly as the
 LightningModule's `state_dict()` in one process, `optimizer_states` as one-process
 `optimizer.state_dict()`s (plus each group's `param_names`), and the usual Lightning keys.
 
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_zeropp.core import checkpoint as ckpt
+from lightning_zeropp.core.weights import checkpoint as ckpt
 
 __all__ = ["STATE_DICT_TYPES", "check_state_dict_type", "load_full_file"]
 

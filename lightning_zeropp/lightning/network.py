@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
-from lightning_zeropp.core.batch import batch_size, take_rows
+from lightning_zeropp.core.step.batch import batch_size, take_rows
 from lightning_zeropp.lightning.redirect import first_batch
 from lightning_zeropp.lightning.steps import StepRunner
 

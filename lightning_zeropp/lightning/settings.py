@@ -15,14 +15,14 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
-from lightning_zeropp.core import env
-from lightning_zeropp.core.config import ZeroPPConfig
+from lightning_zeropp.core.settings import env
+from lightning_zeropp.core.settings.config import ZeroPPConfig
 
 __all__ = ["check_trained", "config_from_arguments", "resolve_config"]
 
 
 def config_from_arguments(**settings: Any) -> tuple[ZeroPPConfig, str]:
-    """The config from the strategy's arguments over the `ZEROPP_*` variables (`core.env`), and
+    """The config from the strategy's arguments over the `ZEROPP_*` variables (`core.settings.env`), and
     the variables it took (described, "" for none)."""
     given = {k: v for k, v in settings.items() if v is not None}
     used = {var: field for var, field in env.CONFIG_VARS.items() if field not in given}

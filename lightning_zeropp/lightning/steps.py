@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
-from lightning_zeropp.core.batch import batch_size, take_rows
-from lightning_zeropp.core.call_adapter import CallAdapter
 from lightning_zeropp.core.engine import ZeroPPEngine
-from lightning_zeropp.core.grads import StepGrads
-from lightning_zeropp.core.schedule import eval_microbatches
+from lightning_zeropp.core.schedule.build import eval_microbatches
+from lightning_zeropp.core.split.call_adapter import CallAdapter
+from lightning_zeropp.core.step.batch import batch_size, take_rows
+from lightning_zeropp.core.step.grads import StepGrads
 from lightning_zeropp.lightning.logging import LogRecorder
 from lightning_zeropp.lightning.redirect import Captured, StandIn
 

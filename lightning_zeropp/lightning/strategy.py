@@ -30,17 +30,18 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_zeropp.core import checkpoint as ckpt
-from lightning_zeropp.core import commit, env, export
-from lightning_zeropp.core.async_checkpoint import AsyncCheckpointer
-from lightning_zeropp.core.call_adapter import CallAdapter, get_call_adapter
-from lightning_zeropp.core.call_split import meta_copy
 from lightning_zeropp.core.engine import ZeroPPEngine
-from lightning_zeropp.core.grads import StepGrads
-from lightning_zeropp.core.layout import describe_layout
-from lightning_zeropp.core.materialize import InitFn, empty_parameters
+from lightning_zeropp.core.measure.layout import describe_layout
 from lightning_zeropp.core.mesh import ParallelDims, build_mesh
-from lightning_zeropp.core.split import SplitMethod, check_split
+from lightning_zeropp.core.settings import env
+from lightning_zeropp.core.split.call_adapter import CallAdapter, get_call_adapter
+from lightning_zeropp.core.split.call_plan import meta_copy
+from lightning_zeropp.core.split.methods import SplitMethod, check_split
+from lightning_zeropp.core.step.grads import StepGrads
+from lightning_zeropp.core.weights import checkpoint as ckpt
+from lightning_zeropp.core.weights import commit, export
+from lightning_zeropp.core.weights.async_checkpoint import AsyncCheckpointer
+from lightning_zeropp.core.weights.materialize import InitFn, empty_parameters
 from lightning_zeropp.lightning import checkpointing, network, resume, settings
 from lightning_zeropp.lightning.steps import StepRunner
 from lightning_zeropp.models.hf_loss import (
@@ -78,7 +79,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
     schedule, num_chunks, param_dtype, reduce_dtype, activation_checkpointing,
     reshard_after_forward, split_points, unit_size, split_backward, grad_reduce, nonfinite, and
     ZeRO++'s quantized_weights, hpz_partition_size, quantized_gradients, gradient_error_feedback,
-    quant_block_size, cpu_offload, node_size: `core.plus_settings`). One
+    quant_block_size, cpu_offload, node_size: `core.settings.plus`). One
     left out (None) takes its `ZEROPP_*` variable when set, else `ZeroPPConfig`'s default; one
     given wins over its variable, as with Accelerate's `ZeroPPPlugin`. Plus:
         split: "auto" (default: "call" unless the model names another), "call" (the network's
@@ -98,7 +99,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
             takes either (see `lightning_zeropp.lightning.checkpointing`).
         async_save: save sharded checkpoints in the background: the step waits only for a copy
             of the state in host memory, and the checkpoint is published under its name when
-            every rank has written it (`core.async_checkpoint`); a save waits for the last one.
+            every rank has written it (`core.weights.async_checkpoint`); a save waits for the last one.
         load_from: weights to start from, read by each rank for its own shards only: a
             distributed checkpoint (any layout) or safetensors (a file, or an HF model
             directory). With a network built in `configure_model` (or under
@@ -106,7 +107,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
             device, the whole model never exists in one process.
         init: `init(module)` per module for a network built on the meta device without
             `load_from` (default: the network's own `_init_weights`, else each module's
-            `reset_parameters()`; see `lightning_zeropp.core.materialize`).
+            `reset_parameters()`; see `lightning_zeropp.core.weights.materialize`).
 
     `accumulate_grad_batches=k` means what it means in Lightning: the update uses the mean
     gradient over k consecutive (global) batches. The pipeline's micro-batches are a separate,

@@ -11,14 +11,14 @@ The adapter between `transformers` and the library; the core never imports trans
   `model(input_ids).logits` works unchanged under `ZeroPPStrategy`.
 - `export_hf(path, state_dict, config)` writes a consolidated HF directory (`config.json` +
   `model.safetensors`) that `AutoModelForCausalLM.from_pretrained(path)` loads; the state dict comes
-  from `ZeroPPStrategy.full_state_dict()` or `core.export.full_state_dict(...)`.
+  from `ZeroPPStrategy.full_state_dict()` or `core.weights.export.full_state_dict(...)`.
 
 Two ways in. A plain `AutoModelForCausalLM` (no preparation) is cut by the call split: it takes
-`attention_mask` and `position_ids`, keeps tied embeddings tied (`core.tied`), and its loss is
+`attention_mask` and `position_ids`, keeps tied embeddings tied (`core.split.tied`), and its loss is
 HF's own, token-weighted through `models.hf_loss`. A model passed through `prepare_causal_lm` is
 cut by `split="trace"` with one micro-batch of `input_ids` as the example: the stages keep HF's
 names (`model.layers.3.mlp.up_proj.weight`, `lm_head.weight`); the rotary cos/sin and causal mask
-the first stage computes travel with the hidden states (relayed by `core.chain` past two stages).
+the first stage computes travel with the hidden states (relayed by `core.split.chain` past two stages).
 A traced graph takes fixed-length `input_ids` only (mark padding in `labels` with -100) and
 cannot keep a tied weight's copies apart, so tied models must be untied there. `split="stack"`
 does not apply: HF's decoder forward calls `embed_tokens`, `norm` and `lm_head` unconditionally
@@ -36,10 +36,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_zeropp.core.call_adapter import CallAdapter, set_call_adapter
-from lightning_zeropp.core.export import save_consolidated
-from lightning_zeropp.core.materialize import empty_parameters
-from lightning_zeropp.core.split import SPLIT_ATTR, find_blocks
+from lightning_zeropp.core.split.blocks import find_blocks
+from lightning_zeropp.core.split.call_adapter import CallAdapter, set_call_adapter
+from lightning_zeropp.core.split.methods import SPLIT_ATTR
+from lightning_zeropp.core.weights.export import save_consolidated
+from lightning_zeropp.core.weights.materialize import empty_parameters
 
 __all__ = [
     "FAMILIES",
@@ -75,7 +76,7 @@ def build_causal_lm(
     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)`. `tie_word_embeddings`
     defaults to False (pipeline stages cannot share the embedding with `lm_head`). `empty`:
     parameters on the meta device, initialized by each rank on its own shards at setup (HF's
-    `_init_weights`, see `core.materialize`).
+    `_init_weights`, see `core.weights.materialize`).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -223,7 +224,7 @@ def export_hf(path: str | Path, state_dict: dict[str, torch.Tensor], config: Any
 
     A tied model (`config.tie_word_embeddings`) is written as `save_pretrained` writes it: the
     first name of each tied weight only, after checking its pipelined copies (embedding on the
-    first stage, head on the last, `core.tied`) are equal.
+    first stage, head on the last, `core.split.tied`) are equal.
     """
     config = copy.deepcopy(config)
     config.use_cache = True  # turned off for tracing only; generation wants it back

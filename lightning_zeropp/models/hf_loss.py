@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_zeropp.core.call_adapter import CallAdapter
+from lightning_zeropp.core.split.call_adapter import CallAdapter
 
 __all__ = [
     "IGNORE_INDEX",

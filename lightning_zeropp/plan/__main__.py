@@ -149,7 +149,7 @@ def main(argv: list[str]) -> int:
 
 
 def _num_blocks(model: Any) -> int:
-    from lightning_zeropp.core.split import find_blocks
+    from lightning_zeropp.core.split.blocks import find_blocks
 
     return len(find_blocks(model)[1])
 

@@ -7,7 +7,7 @@ only, so a 70B model costs nothing to measure); the last stage's include the los
 Then each pipeline rank's task order (torch's schedules' own `pipeline_order`, or ZeroPP's unit
 order) is replayed: a forward adds its stage's bytes, a full backward (B) or a weight-gradient
 task (W) frees them (an input-gradient task I keeps the graph for its W), and the peak is the most
-held at once. This is what `core.memory.SavedActivations` measures in a run's steady state.
+held at once. This is what `core.measure.memory.SavedActivations` measures in a run's steady state.
 Attention is counted as fused kernels save it (inputs, output, a log-sum-exp row), not as the
 math path the meta device would take (the whole attention matrix).
 
@@ -27,8 +27,8 @@ from types import SimpleNamespace
 
 from torch import nn
 
-from lightning_zeropp.core.config import ZeroPPConfig
-from lightning_zeropp.core.placement import stage_ids_for_rank
+from lightning_zeropp.core.settings.config import ZeroPPConfig
+from lightning_zeropp.core.settings.placement import stage_ids_for_rank
 from lightning_zeropp.plan.memory import stage_ranges
 from lightning_zeropp.plan.profile import Part, micro_batch_rows, profile_model
 
@@ -76,13 +76,13 @@ def recompute_transients(
 def task_orders(config: ZeroPPConfig) -> dict[int, Order]:
     """Every pipeline rank's compute tasks in order, as its schedule runs them."""
     if config.schedule == "zeropp":
-        from lightning_zeropp.core.schedule import zeropp_orders
+        from lightning_zeropp.core.schedule.build import zeropp_orders
 
         return {
             r: [(t.kind, t.stage, t.microbatch) for t in order]
             for r, order in zeropp_orders(config).items()
         }
-    from lightning_zeropp.core.schedule import SCHEDULES
+    from lightning_zeropp.core.schedule.build import SCHEDULES
 
     cls, style = SCHEDULES[config.schedule]
     assert cls is not None
@@ -95,7 +95,7 @@ def task_orders(config: ZeroPPConfig) -> dict[int, Order]:
 
 @functools.lru_cache(maxsize=256)  # torch plans every rank's order at construction: slow at scale
 def _multi_stage_orders(schedule: str, pp: int, v: int, m: int) -> dict[int, Order]:
-    from lightning_zeropp.core.schedule import SCHEDULES
+    from lightning_zeropp.core.schedule.build import SCHEDULES
 
     cls, style = SCHEDULES[schedule]
     assert cls is not None

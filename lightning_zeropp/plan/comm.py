@@ -1,9 +1,9 @@
-"""Communication per rank and step, predicted: the calls and bytes `core.comm.CommCounter` counts.
+"""Communication per rank and step, predicted: the calls and bytes `core.measure.comm.CommCounter` counts.
 
 - all-gather (dp_shard): one call per FSDP unit (each block of a stage, then the stage's other
   parameters) each time its stage is gathered, of this rank's padded shard in the compute dtype.
   How often: torch's pipeline schedules (no resharding after forward, their default) once per
-  step per stage; ZeroPP once per gather of its plan (`core.schedule.zeropp_plans`); FSDP alone
+  step per stage; ZeroPP once per gather of its plan (`core.schedule.build.zeropp_plans`); FSDP alone
   (pp 1, resharding after forward) M + 1 times for M micro-batches: the first forward, then every
   backward (gradient accumulation keeps a backward's weights gathered, so the next micro-batch's
   forward finds them, and resharding after that forward makes its backward gather again);
@@ -25,8 +25,12 @@ import math
 import torch
 from torch import nn
 
-from lightning_zeropp.core.config import ZeroPPConfig
-from lightning_zeropp.core.placement import rank_of_stage, schedule_style, stage_ids_for_rank
+from lightning_zeropp.core.settings.config import ZeroPPConfig
+from lightning_zeropp.core.settings.placement import (
+    rank_of_stage,
+    schedule_style,
+    stage_ids_for_rank,
+)
 from lightning_zeropp.plan.activations import stage_parts
 from lightning_zeropp.plan.memory import stage_units
 from lightning_zeropp.plan.profile import micro_batch_rows
@@ -98,7 +102,7 @@ def _gathers_and_reductions(cfg: ZeroPPConfig) -> tuple[dict[int, int], dict[int
     """How many times per step each stage is gathered and its gradients reduced."""
     stages = range(cfg.num_stages)
     if cfg.schedule == "zeropp":
-        from lightning_zeropp.core.schedule import zeropp_plans
+        from lightning_zeropp.core.schedule.build import zeropp_plans
 
         gathers, early = dict.fromkeys(stages, 0), dict.fromkeys(stages, 0)
         for plan in zeropp_plans(cfg).values():

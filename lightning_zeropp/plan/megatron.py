@@ -27,9 +27,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_zeropp.core.config import ZeroPPConfig
-from lightning_zeropp.core.placement import rank_of_stage, schedule_style, stage_ids_for_rank
-from lightning_zeropp.core.split import find_blocks
+from lightning_zeropp.core.settings.config import ZeroPPConfig
+from lightning_zeropp.core.settings.placement import (
+    rank_of_stage,
+    schedule_style,
+    stage_ids_for_rank,
+)
+from lightning_zeropp.core.split.blocks import find_blocks
 from lightning_zeropp.plan.activations import task_orders
 from lightning_zeropp.plan.hardware import Hardware
 from lightning_zeropp.plan.memory import stage_ranges

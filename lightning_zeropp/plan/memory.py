@@ -30,9 +30,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_zeropp.core.config import ZeroPPConfig
-from lightning_zeropp.core.placement import schedule_style, stage_ids_for_rank
-from lightning_zeropp.core.split import find_blocks, plan_blocks, split_model
+from lightning_zeropp.core.settings.config import ZeroPPConfig
+from lightning_zeropp.core.settings.placement import schedule_style, stage_ids_for_rank
+from lightning_zeropp.core.split.blocks import find_blocks, plan_blocks
+from lightning_zeropp.core.split.methods import split_model
 
 __all__ = [
     "RankMemoryPlan",

@@ -11,7 +11,7 @@ HF `*ForCausalLM` (which the engine cuts with split="call"), litgpt.
 
 Saved bytes count each storage once, weights excluded, attention as fused kernels save it
 (`meta_forward`). A recomputed block saves what torch's non-reentrant checkpoint keeps (its
-inputs), counted by wrapping the blocks as the engine does (`core.shard`).
+inputs), counted by wrapping the blocks as the engine does (`core.shard.fsdp`).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from lightning_zeropp.core._torch_private import (
     fused_attention_flops,
     storage_identity,
 )
-from lightning_zeropp.core.shard import apply_activation_checkpointing
-from lightning_zeropp.core.split import find_blocks
+from lightning_zeropp.core.shard.fsdp import apply_activation_checkpointing
+from lightning_zeropp.core.split.blocks import find_blocks
 
 __all__ = ["ModelProfile", "Part", "lm_loss", "meta_forward", "micro_batch_rows", "profile_model"]
 

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_zeropp.core.config import ZeroPPConfig
-from lightning_zeropp.core.split import find_blocks
+from lightning_zeropp.core.settings.config import ZeroPPConfig
+from lightning_zeropp.core.split.blocks import find_blocks
 from lightning_zeropp.plan.activations import activation_peaks
 from lightning_zeropp.plan.hardware import Hardware
 from lightning_zeropp.plan.memory import predict_memory, stage_parameter_shapes

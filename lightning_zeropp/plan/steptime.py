@@ -11,7 +11,7 @@
 - Which task gathers and which reduces: `plan.comm`'s counts, placed where the runtime does them
   (`programs_for`: FSDP gathers a stage's units when a task reaches them ungathered, reshards
   after forward when told to, and reduces after the stage's last gradient task; ZeroPP follows
-  its lowered plan, `core.schedule.zeropp_plans`).
+  its lowered plan, `core.schedule.build.zeropp_plans`).
 - The optimizer step updates each rank's shard at `Hardware.optimizer_rate` (by default AdamW
   streaming its state once: 28 bytes per fp32 parameter).
 
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_zeropp.core.config import ZeroPPConfig
-from lightning_zeropp.core.placement import rank_of_stage, schedule_style
+from lightning_zeropp.core.settings.config import ZeroPPConfig
+from lightning_zeropp.core.settings.placement import rank_of_stage, schedule_style
 from lightning_zeropp.plan.activations import stage_parts, task_orders
 from lightning_zeropp.plan.comm import _padded_shard
 from lightning_zeropp.plan.hardware import Hardware
@@ -100,7 +100,7 @@ def programs_for(cfg: ZeroPPConfig) -> dict[int, list[Op]]:
 
 
 def _zeropp_programs(cfg: ZeroPPConfig) -> dict[int, list[Op]]:
-    from lightning_zeropp.core.schedule import zeropp_plans
+    from lightning_zeropp.core.schedule.build import zeropp_plans
 
     programs = {}
     for rank, plan in zeropp_plans(cfg).items():

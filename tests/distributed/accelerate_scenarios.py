@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_zeropp.accelerate import prepare_pipeline
-from lightning_zeropp.core.config import ZeroPPConfig
+from lightning_zeropp.core.settings.config import ZeroPPConfig
 from tests.distributed.common import (
     GLOBAL_BATCH,
     MAX_NORM,

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_zeropp.core.shard import local_shard
+from lightning_zeropp.core.shard.fsdp import local_shard
 from tests.distributed.cgroup import memory_cgroup
 
 LAYOUT = {
@@ -53,7 +53,7 @@ def write_weights(config: Any, out: Path) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from lightning_zeropp.core.materialize import empty_parameters
+    from lightning_zeropp.core.weights.materialize import empty_parameters
 
     if (out / "model.safetensors.index.json").is_file():
         return out
@@ -111,7 +111,7 @@ def capped_train(weights: str, cap: int, steps: int) -> dict[str, Any]:
 
     from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
     from lightning_zeropp.core._torch_private import local_chunk
-    from lightning_zeropp.core.materialize import empty_parameters
+    from lightning_zeropp.core.weights.materialize import empty_parameters
 
     group = memory_cgroup(os.environ["RANK"])  # joined by the worker before any import
     cgroups = Path("/proc/self/cgroup").read_text().splitlines()  # "N:memory:/its-group"

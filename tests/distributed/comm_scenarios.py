@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
-from lightning_zeropp.core.comm import CommCounter, mesh_axis_namer
+from lightning_zeropp.core.measure.comm import CommCounter, mesh_axis_namer
 from lightning_zeropp.models import GPT, GPTConfig
 
 # An odd vocabulary makes FSDP2 pad the embedding's and the head's dim-0 shards.

@@ -9,7 +9,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
-from lightning_zeropp.core.comm import CommCounter, mesh_axis_namer
+from lightning_zeropp.core.measure.comm import CommCounter, mesh_axis_namer
 from tests.distributed.common import (
     GLOBAL_BATCH,
     MAX_NORM,

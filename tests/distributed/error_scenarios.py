@@ -67,7 +67,7 @@ def _trace_batch_unlike_example() -> None:
 
 def _meta_unset_on_the_last_stage() -> None:
     # The head gains a parameter of its own that no init sets: only the last stage holds it.
-    from lightning_zeropp.core.materialize import empty_parameters
+    from lightning_zeropp.core.weights.materialize import empty_parameters
 
     with empty_parameters():
         model = GPT(MODEL)
@@ -198,7 +198,7 @@ def _barrier_after_rank0(write: Any) -> None:
 
 
 def _ckpt_of_another_size(work_dir: Path) -> None:
-    from lightning_zeropp.core.checkpoint import save_checkpoint
+    from lightning_zeropp.core.weights.checkpoint import save_checkpoint
 
     path = work_dir / "narrow.ckpt"  # a sharded (DCP) checkpoint of a model of dim 16
     save_checkpoint(path, LitGPT(dataclasses.replace(MODEL, dim=16)), [], {"global_step": 0})

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_zeropp.core._torch_private import default_store
-from lightning_zeropp.core.failure import FailureBoard, describe_rank
+from lightning_zeropp.core.step.failure import FailureBoard, describe_rank
 
 TIMEOUT = timedelta(seconds=300)
 
@@ -147,7 +147,7 @@ def mesh_timeouts(timeout_s: float) -> dict[str, Any]:
     """
     from lightning_zeropp.core import ZeroPPConfig, build_mesh
     from lightning_zeropp.core._torch_private import group_timeout
-    from lightning_zeropp.core.tied import _holder_group
+    from lightning_zeropp.core.split.tied import _holder_group
 
     _init_gloo(timeout_s)
     rank = dist.get_rank()

@@ -13,8 +13,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
-from lightning_zeropp.core.checkpoint import save_checkpoint
-from lightning_zeropp.core.materialize import empty_parameters, init_weights
+from lightning_zeropp.core.weights.checkpoint import save_checkpoint
+from lightning_zeropp.core.weights.materialize import empty_parameters, init_weights
 from lightning_zeropp.models import GPT
 from tests.distributed.common import (
     GLOBAL_BATCH,

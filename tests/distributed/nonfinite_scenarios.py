@@ -1,5 +1,5 @@
 """Non-finite losses on 4 gloo ranks (pp 2 x dp_shard 2, the bundled GPT): where the NaN came
-from, named on every rank, or the step skipped on every rank (`core.nonfinite`)."""
+from, named on every rank, or the step skipped on every rank (`core.step.nonfinite`)."""
 
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
 from lightning_zeropp.core._torch_private import unsharded_gradient_bytes
-from lightning_zeropp.core.comm import CommCounter, mesh_axis_namer
-from lightning_zeropp.core.memory import SavedActivations, model_state_bytes
+from lightning_zeropp.core.measure.comm import CommCounter, mesh_axis_namer
+from lightning_zeropp.core.measure.memory import SavedActivations, model_state_bytes
 from lightning_zeropp.models import GPT, GPTConfig
 from lightning_zeropp.models.hf import build_causal_lm
 from tests.distributed.common import lm_loss

@@ -10,8 +10,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
 from lightning_zeropp.core._torch_private import fsdp_unit_shards, offload_policies
-from lightning_zeropp.core.comm import CommCounter
-from lightning_zeropp.core.traffic import NodeTraffic
+from lightning_zeropp.core.measure.comm import CommCounter
+from lightning_zeropp.core.measure.traffic import NodeTraffic
 from tests.distributed.common import GLOBAL_BATCH, MODEL, lm_loss, make_batches, make_model
 from tests.distributed.core_scenarios import _full, _rows
 
@@ -60,8 +60,8 @@ def reduce_scatter_direct(node_size: int, calls: int, block: int = 32) -> dict[s
     """qgZ's comm called as FSDP calls it, on fixed inputs: every rank's input is the same each
     call, so the exact output of every call is known. Segments: a 2-D shard of 96 elements with
     outliers, then a 1-D shard of 8 (unquantized)."""
-    from lightning_zeropp.core.plus_comm import HierarchicalReduceScatter, NodeGroups
-    from lightning_zeropp.core.quant import BITS, Segment
+    from lightning_zeropp.core.shard.plus_comm import HierarchicalReduceScatter, NodeGroups
+    from lightning_zeropp.core.shard.quant import BITS, Segment
 
     world, rank = dist.get_world_size(), dist.get_rank()
     groups = NodeGroups([list(range(world))], node_size)
@@ -98,8 +98,8 @@ def gather_direct() -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from lightning_zeropp.core.plus import segments_of
-    from lightning_zeropp.core.plus_comm import NodeGroups, QuantizedAllGather
+    from lightning_zeropp.core.shard.plus import segments_of
+    from lightning_zeropp.core.shard.plus_comm import NodeGroups, QuantizedAllGather
 
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))

@@ -1,7 +1,7 @@
 """Tied embeddings (HF `tie_word_embeddings=True`) under pipeline parallelism match one process.
 
 The embedding's copy lives on the first stage and the head's on the last; the engine sums their
-gradients after each step (`core.tied`), so both copies take the one-process update. Each case is
+gradients after each step (`core.split.tied`), so both copies take the one-process update. Each case is
 compared with one process training the tied model on the same global batches (fp32): loss per
 step and every parameter, under both tied names, within 1e-5; the two copies equal.
 """

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from lightning_zeropp.core import ZeroPPConfig
-from lightning_zeropp.core.schedule import zeropp_orders
-from lightning_zeropp.core.timeline import Timeline, bubble_fraction
+from lightning_zeropp.core.measure.timeline import Timeline, bubble_fraction
+from lightning_zeropp.core.schedule.build import zeropp_orders
 from tests.distributed.launch import launch
 
 pytestmark = pytest.mark.distributed

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from lightning_zeropp.core import ZeroPPConfig
-from lightning_zeropp.core.schedule import zeropp_orders
-from lightning_zeropp.core.zeropp_schedule import gather_blocks, units
+from lightning_zeropp.core.schedule.build import zeropp_orders
+from lightning_zeropp.core.schedule.zeropp import gather_blocks, units
 from tests.distributed.conftest import assert_matches_reference, core_results_by_world
 
 pytestmark = pytest.mark.distributed

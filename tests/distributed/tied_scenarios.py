@@ -3,7 +3,7 @@ single-process reference needs to train the same models (importable without a pr
 
 The models are plain `AutoModelForCausalLM.from_config(...)` (no `models.hf` preparation), so the
 engine's default split ("call") pipelines them: the embedding's copy lives on the first stage, the
-head's on the last, and the engine sums their gradients after every step (`core.tied`).
+head's on the last, and the engine sums their gradients after every step (`core.split.tied`).
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def _train(
         opt.zero_grad()
     out = {"losses": losses, "norms": norms, "params": _params(engine.module)}
     if export:
-        from lightning_zeropp.core.export import full_state_dict
+        from lightning_zeropp.core.weights.export import full_state_dict
 
         out["full"] = full_state_dict(engine.module, engine.dims)
     return out
@@ -146,7 +146,7 @@ def _full(p: torch.Tensor) -> torch.Tensor:
 def checkpoint_round_trip(out: str, layout: dict[str, Any], load_layout: dict[str, Any]) -> Any:
     """2 steps, a distributed checkpoint, then a fresh engine (other initial weights, under
     `load_layout`) loads it and takes step 3: the 3 steps of one process."""
-    from lightning_zeropp.core.checkpoint import load_checkpoint, save_checkpoint
+    from lightning_zeropp.core.weights.checkpoint import load_checkpoint, save_checkpoint
 
     batches = make_batches(3)
     engine = _engine("llama", layout)

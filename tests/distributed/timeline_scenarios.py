@@ -7,8 +7,8 @@ from typing import Any
 import torch
 
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
-from lightning_zeropp.core.comm import CommCounter, mesh_axis_namer
-from lightning_zeropp.core.timeline import StepRecorder
+from lightning_zeropp.core.measure.comm import CommCounter, mesh_axis_namer
+from lightning_zeropp.core.measure.timeline import StepRecorder
 from tests.distributed.common import MODEL, lm_loss, make_batches, make_model
 
 

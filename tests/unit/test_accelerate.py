@@ -28,8 +28,8 @@ from lightning_zeropp.accelerate.optim import (
     retarget_scheduler,
 )
 from lightning_zeropp.accelerate.plugin import _check_accelerator, _resolved_config
-from lightning_zeropp.core import env
-from lightning_zeropp.core.config import ZeroPPConfig
+from lightning_zeropp.core.settings import env
+from lightning_zeropp.core.settings.config import ZeroPPConfig
 
 
 # ------------------------------------------------------------------------------ ZEROPP_* variables

@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader
 
 from lightning_zeropp.accelerate import ZeroPPAccelerator, ZeroPPPlugin
 from lightning_zeropp.accelerate.pipeline_model import PipelineOutput, accepts_num_items, loss_of
-from lightning_zeropp.core.config import ZeroPPConfig
+from lightning_zeropp.core.settings.config import ZeroPPConfig
 
 
 def test_unset_settings_come_from_the_environment(monkeypatch):

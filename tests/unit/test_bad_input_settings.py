@@ -7,7 +7,7 @@ import pytest
 
 from lightning_zeropp import ZeroPPConfig, ZeroPPStrategy
 from lightning_zeropp.accelerate.plugin import _resolved_config
-from lightning_zeropp.core import env
+from lightning_zeropp.core.settings import env
 
 
 @pytest.mark.parametrize(
@@ -121,7 +121,7 @@ def test_a_traced_split_of_a_meta_model_is_refused(group):
     import torch
 
     from lightning_zeropp.core.engine import ZeroPPEngine
-    from lightning_zeropp.core.materialize import empty_parameters
+    from lightning_zeropp.core.weights.materialize import empty_parameters
     from lightning_zeropp.models import GPT, GPTConfig
 
     with empty_parameters():

@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_zeropp.core.call_split import CallInputs, CallPlan, plan_calls
-from lightning_zeropp.core.call_stages import build_call_stages
-from lightning_zeropp.core.split import plan_blocks, split_model
+from lightning_zeropp.core.split.blocks import plan_blocks
+from lightning_zeropp.core.split.call_plan import CallInputs, CallPlan, plan_calls
+from lightning_zeropp.core.split.call_stages import build_call_stages
+from lightning_zeropp.core.split.methods import split_model
 from lightning_zeropp.models import GPT, GPTConfig
 
 CPU = torch.device("cpu")

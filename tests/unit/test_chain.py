@@ -5,7 +5,8 @@ import copy
 import torch
 from torch import nn
 
-from lightning_zeropp.core.split import plan_blocks, split_model
+from lightning_zeropp.core.split.blocks import plan_blocks
+from lightning_zeropp.core.split.methods import split_model
 
 
 class SkipModel(nn.Module):

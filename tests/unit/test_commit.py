@@ -1,4 +1,4 @@
-"""Atomic commit (`core.commit`): a crash at any step of a save leaves a complete checkpoint
+"""Atomic commit (`core.weights.commit`): a crash at any step of a save leaves a complete checkpoint
 under the name, or one the next load recovers; temporaries are cleaned; nothing else is touched.
 
 Crashes are simulated by making one filesystem step of `publish` raise, which leaves the
@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_zeropp.core import commit
-from lightning_zeropp.core.checkpoint import load_checkpoint, save_checkpoint
+from lightning_zeropp.core.weights import commit
+from lightning_zeropp.core.weights.checkpoint import load_checkpoint, save_checkpoint
 
 
 def _write(path: Path, text: str) -> Path:
@@ -152,7 +152,7 @@ def test_checkpoint_errors_name_their_cause_in_one_line(tmp_path: Path, group: N
 
 
 def test_a_whole_state_of_another_width_is_named_in_one_line(group: None) -> None:
-    from lightning_zeropp.core.checkpoint import load_full
+    from lightning_zeropp.core.weights.checkpoint import load_full
 
     saved = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)).state_dict()
     wider = nn.Sequential(nn.Linear(4, 16), nn.Linear(16, 2))
@@ -180,7 +180,7 @@ def test_a_checkpoint_left_aside_by_a_kill_loads(tmp_path: Path, group: None, mo
 def test_async_save_writes_the_state_at_the_call_and_commits_it(tmp_path: Path, group: None):
     """The step goes on at once (here: the weights and the optimizer state change right after
     the call); the checkpoint holds the state at the call, under its name only once complete."""
-    from lightning_zeropp.core.async_checkpoint import AsyncCheckpointer
+    from lightning_zeropp.core.weights.async_checkpoint import AsyncCheckpointer
 
     torch.manual_seed(0)
     model = nn.Linear(256, 256)
@@ -211,7 +211,7 @@ def test_async_save_writes_the_state_at_the_call_and_commits_it(tmp_path: Path, 
 
 
 def test_a_failed_async_save_raises_at_the_next_wait(tmp_path: Path, group: None, monkeypatch):
-    from lightning_zeropp.core.async_checkpoint import AsyncCheckpointer
+    from lightning_zeropp.core.weights.async_checkpoint import AsyncCheckpointer
 
     saver, model = AsyncCheckpointer(), nn.Linear(3, 3)
     monkeypatch.setattr(commit, "publish", _raise)

@@ -9,7 +9,7 @@ import struct
 import pytest
 import torch.distributed as dist
 
-from lightning_zeropp.core.failure import FailureBoard, PeerFailedError, _cut_gloo_connections
+from lightning_zeropp.core.step.failure import FailureBoard, PeerFailedError, _cut_gloo_connections
 
 RECORD = "lightning_zeropp/failure/first"
 

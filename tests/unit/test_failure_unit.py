@@ -13,8 +13,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from lightning_zeropp.core import failure
-from lightning_zeropp.core.failure import FailureBoard, PeerFailedError
+from lightning_zeropp.core.step import failure
+from lightning_zeropp.core.step.failure import FailureBoard, PeerFailedError
 
 KEY = "lightning_zeropp/failure"
 

@@ -7,8 +7,9 @@ import json
 import pytest
 import torch
 
-from lightning_zeropp.core.call_adapter import CallAdapter, get_call_adapter, set_call_adapter
-from lightning_zeropp.core.split import find_blocks, plan_blocks, split_model
+from lightning_zeropp.core.split.blocks import find_blocks, plan_blocks
+from lightning_zeropp.core.split.call_adapter import CallAdapter, get_call_adapter, set_call_adapter
+from lightning_zeropp.core.split.methods import split_model
 from lightning_zeropp.models.hf import (
     FAMILIES,
     build_causal_lm,
@@ -238,8 +239,8 @@ def test_call_stages_run_padded_and_unpadded_micro_batches_exactly(example_padde
     micro-batches matches the model, whichever kind the split was checked with."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lightning_zeropp.core.call_split import CallInputs, plan_calls
-    from lightning_zeropp.core.call_stages import build_call_stages
+    from lightning_zeropp.core.split.call_plan import CallInputs, plan_calls
+    from lightning_zeropp.core.split.call_stages import build_call_stages
 
     torch.manual_seed(0)
     config = AutoConfig.for_model("llama", **TINY, use_cache=False)

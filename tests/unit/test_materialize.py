@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_zeropp.core.load import load_weights, weight_source_kind
-from lightning_zeropp.core.materialize import (
+from lightning_zeropp.core.weights.load import load_weights, weight_source_kind
+from lightning_zeropp.core.weights.materialize import (
     check_set,
     default_init,
     empty_parameters,
@@ -181,7 +181,7 @@ def test_load_dcp_reads_this_librarys_checkpoints_and_plain_ones(group, tmp_path
     part is "model." (as an HF model's are) must not be read as nested."""
     import torch.distributed.checkpoint as dcp
 
-    from lightning_zeropp.core.checkpoint import save_checkpoint
+    from lightning_zeropp.core.weights.checkpoint import save_checkpoint
 
     class HFLike(nn.Module):
         def __init__(self) -> None:

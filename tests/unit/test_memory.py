@@ -5,7 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_zeropp.core.memory import SavedActivations, format_report, host_peak_bytes, measure
+from lightning_zeropp.core.measure.memory import (
+    SavedActivations,
+    format_report,
+    host_peak_bytes,
+    measure,
+)
 
 
 def test_measure_counts_parameters_gradients_and_optimizer_state() -> None:

@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from lightning_zeropp.core.config import ZeroPPConfig
-from lightning_zeropp.core.runtime import UnitScheduleRuntime, torch_actions
-from lightning_zeropp.core.schedule import zeropp_orders, zeropp_plans
-from lightning_zeropp.core.zeropp_schedule import Step, Task, lower
+from lightning_zeropp.core.schedule.build import zeropp_orders, zeropp_plans
+from lightning_zeropp.core.schedule.runtime import UnitScheduleRuntime, torch_actions
+from lightning_zeropp.core.schedule.zeropp import Step, Task, lower
+from lightning_zeropp.core.settings.config import ZeroPPConfig
 from lightning_zeropp.viz import planned_timelines
 
 
@@ -104,8 +104,12 @@ def test_the_config_and_the_plan_import_no_schedule_or_runtime() -> None:
     from pathlib import Path
 
     core = Path(__file__).resolve().parents[2] / "lightning_zeropp" / "core"
-    banned = ("lightning_zeropp.core.schedule", "lightning_zeropp.core.runtime", "torch")
-    for name in ("config", "placement", "plus_settings", "zeropp_schedule"):
+    banned = (
+        "lightning_zeropp.core.schedule.build",
+        "lightning_zeropp.core.schedule.runtime",
+        "torch",
+    )
+    for name in ("settings/config", "settings/placement", "settings/plus", "schedule/zeropp"):
         tree = ast.parse((core / f"{name}.py").read_text())
         imported = [
             node.module if isinstance(node, ast.ImportFrom) else alias.name

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_zeropp.core.config import ZeroPPConfig
-from lightning_zeropp.core.traffic import _share
+from lightning_zeropp.core.measure.traffic import _share
+from lightning_zeropp.core.settings.config import ZeroPPConfig
 
 
 def _resolve(world: int = 8, **settings) -> ZeroPPConfig:
@@ -96,7 +96,7 @@ def test_direct_exchange_shares():
 
 
 def test_switches_come_from_zeropp_variables(monkeypatch):
-    from lightning_zeropp.core.env import config_from_env
+    from lightning_zeropp.core.settings.env import config_from_env
 
     monkeypatch.setenv("ZEROPP_QUANTIZED_GRADIENTS", "int4")
     monkeypatch.setenv("ZEROPP_HPZ_PARTITION_SIZE", "4")

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lightning_zeropp.core.quant import BlockCodec, Segment, quantize_error_bound
+from lightning_zeropp.core.shard.quant import BlockCodec, Segment, quantize_error_bound
 
 
 def _heavy_tailed(n: int, seed: int = 0) -> torch.Tensor:

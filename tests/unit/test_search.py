@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from lightning_zeropp.core.config import ZeroPPConfig
+from lightning_zeropp.core.settings.config import ZeroPPConfig
 from lightning_zeropp.models import GPT, GPTConfig
 from lightning_zeropp.plan import Hardware
 from lightning_zeropp.plan.search import enumerate_layouts, rank_memory, search

@@ -4,13 +4,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_zeropp.core.modules import merge_stage_modules
-from lightning_zeropp.core.split import (
-    check_no_tied_parameters,
-    find_blocks,
-    plan_blocks,
-    split_model,
-)
+from lightning_zeropp.core.split.blocks import find_blocks, plan_blocks
+from lightning_zeropp.core.split.methods import check_no_tied_parameters, split_model
+from lightning_zeropp.core.split.modules import merge_stage_modules
 from lightning_zeropp.models import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=32, seq_len=8, dim=16, num_heads=2, num_layers=6)

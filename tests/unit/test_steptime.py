@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_zeropp.core.config import ZeroPPConfig
-from lightning_zeropp.core.placement import rank_of_stage, schedule_style
+from lightning_zeropp.core.settings.config import ZeroPPConfig
+from lightning_zeropp.core.settings.placement import rank_of_stage, schedule_style
 from lightning_zeropp.models import GPT, GPTConfig
 from lightning_zeropp.plan import Hardware, predict_comm, predict_step_time
 from lightning_zeropp.plan.activations import task_orders

@@ -1,4 +1,4 @@
-"""ZeroPPStrategy reads `ZEROPP_*` variables as the Accelerate front does (`core.env`): a setting
+"""ZeroPPStrategy reads `ZEROPP_*` variables as the Accelerate front does (`core.settings.env`): a setting
 left out takes the variable's value, one given in code wins (even when it equals the default), a
 typo is an error, and a bad value from a variable is reported with the variable."""
 
@@ -59,7 +59,7 @@ def test_every_config_setting_is_a_strategy_argument():
     import dataclasses
     import inspect
 
-    from lightning_zeropp.core.config import ZeroPPConfig
+    from lightning_zeropp.core.settings.config import ZeroPPConfig
 
     arguments = set(inspect.signature(ZeroPPStrategy.__init__).parameters)
     missing = {f.name for f in dataclasses.fields(ZeroPPConfig)} - arguments

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_zeropp.core.call_split import CallInputs, plan_calls
-from lightning_zeropp.core.call_stages import build_call_stages
-from lightning_zeropp.core.split import plan_blocks
-from lightning_zeropp.core.tied import tied_groups
+from lightning_zeropp.core.split.blocks import plan_blocks
+from lightning_zeropp.core.split.call_plan import CallInputs, plan_calls
+from lightning_zeropp.core.split.call_stages import build_call_stages
+from lightning_zeropp.core.split.tied import tied_groups
 from lightning_zeropp.models import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, dim=32, num_heads=2, num_layers=4)

@@ -6,8 +6,8 @@ import pytest
 
 from lightning_zeropp import viz
 from lightning_zeropp.core import ZeroPPConfig
-from lightning_zeropp.core.timeline import Interval, Timeline, bubble_fraction
-from lightning_zeropp.core.zeropp_schedule import bubble_formula
+from lightning_zeropp.core.measure.timeline import Interval, Timeline, bubble_fraction
+from lightning_zeropp.core.schedule.zeropp import bubble_formula
 
 pytest.importorskip("matplotlib")
 

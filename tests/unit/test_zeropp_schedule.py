@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from lightning_zeropp.core.zeropp_schedule import (
+from lightning_zeropp.core.schedule.zeropp import (
     Task,
     bubble_formula,
     check_orders,

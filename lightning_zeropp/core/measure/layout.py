@@ -10,7 +10,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_zeropp.core.placement import rank_of_stage
+from lightning_zeropp.core.settings.placement import rank_of_stage
 
 __all__ = ["describe_layout"]
 

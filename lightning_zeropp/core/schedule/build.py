@@ -1,5 +1,5 @@
 """Pipeline schedules by name: torch's schedule classes and ZeroPP's unit schedule, built over a
-rank's stages (placements: `core.placement`)."""
+rank's stages (placements: `core.settings.placement`)."""
 
 from __future__ import annotations
 
@@ -8,15 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed.pipelining as pipelining
 
-from lightning_zeropp.core.placement import (
-    STYLES,
-    Style,
-    rank_of_stage,
-    schedule_style,
-    stage_ids_for_rank,
-)
-from lightning_zeropp.core.plus_settings import hpz_size
-from lightning_zeropp.core.zeropp_schedule import (
+from lightning_zeropp.core.schedule.zeropp import (
     Step,
     Task,
     check_orders,
@@ -24,9 +16,17 @@ from lightning_zeropp.core.zeropp_schedule import (
     rank_order,
     reduce_points,
 )
+from lightning_zeropp.core.settings.placement import (
+    STYLES,
+    Style,
+    rank_of_stage,
+    schedule_style,
+    stage_ids_for_rank,
+)
+from lightning_zeropp.core.settings.plus import hpz_size
 
 if TYPE_CHECKING:
-    from lightning_zeropp.core.config import ZeroPPConfig
+    from lightning_zeropp.core.settings.config import ZeroPPConfig
 
 __all__ = [
     "SCHEDULES",
@@ -90,7 +90,7 @@ def zeropp_orders(config: ZeroPPConfig) -> dict[int, list[Task]]:
 def _build_zeropp(
     config: ZeroPPConfig, stages: list[pipelining.PipelineStage], loss_fn: Callable | None
 ) -> pipelining.schedules._PipelineSchedule:
-    from lightning_zeropp.core.runtime import UnitScheduleRuntime
+    from lightning_zeropp.core.schedule.runtime import UnitScheduleRuntime
 
     assert config.num_microbatches is not None
     return UnitScheduleRuntime(stages, config.num_microbatches, loss_fn, zeropp_plans(config))
@@ -128,7 +128,7 @@ def build_eval_schedule(
     (breadth first, as GPipe does): no backward to interleave, so no minimum micro-batch count,
     and each stage's weights are gathered once.
     """
-    from lightning_zeropp.core.runtime import UnitScheduleRuntime
+    from lightning_zeropp.core.schedule.runtime import UnitScheduleRuntime
 
     assert config.pp_size is not None and config.num_chunks is not None, "resolve() first"
     style = schedule_style(config.schedule)

@@ -18,8 +18,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from lightning_zeropp.core.config import ZeroPPConfig
-from lightning_zeropp.core.plus import Plus
+from lightning_zeropp.core.settings.config import ZeroPPConfig
+from lightning_zeropp.core.shard.plus import Plus
 
 __all__ = ["shard_stage", "apply_activation_checkpointing", "local_shard"]
 
@@ -37,7 +37,7 @@ def shard_stage(
     plus: Plus | None = None,
 ) -> nn.Module:
     """`fully_shard` each block of `stage`, then the stage root, over `dp_mesh`; then ZeRO++'s
-    collectives (`core.plus`) on every unit."""
+    collectives (`core.shard.plus`) on every unit."""
     # When the reduce dtype is not set, reduce in fp32 under low-precision params: summing bf16
     # gradients over many ranks loses the low bits FSDP users expect to keep.
     reduce_dtype = config.reduce_dtype

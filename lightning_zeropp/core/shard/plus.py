@@ -3,7 +3,7 @@
 `Plus.build(mesh, config)` creates the process groups ZeRO++ needs (collective: every rank, in
 one order); `plus.sharding()` is the context `fully_shard` runs in, `plus.options()` its
 `reshard_after_forward` and `offload_policy`, and `plus.install(units)` sets the custom
-collectives of `core.plus_comm` on every unit.
+collectives of `core.shard.plus_comm` on every unit.
 
 hpZ is FSDP2's integer `reshard_after_forward=k`: after forward each rank keeps 1/k of the
 weights (the secondary copy) and backward gathers over those k consecutive ranks, inside a
@@ -12,7 +12,7 @@ node. Where it acts:
   the secondary copy after every forward;
 - `schedule="zeropp"`: the schedule releases a chunk's weights itself; a release after a block of
   forwards whose chunk will run backward later keeps the secondary copy (`zeropp_schedule.lower`,
-  run by `core.runtime.UnitScheduleRuntime`);
+  run by `core.schedule.runtime.UnitScheduleRuntime`);
 - torch's pipeline schedules without resharding (their default) gather once per step and never in
   backward: hpZ has nothing to do there.
 """
@@ -33,15 +33,15 @@ from lightning_zeropp.core._torch_private import (
     fsdp_unit_shards,
     post_forward_mesh,
 )
-from lightning_zeropp.core.config import ZeroPPConfig
 from lightning_zeropp.core.mesh import build_partition_mesh, world_timeout
-from lightning_zeropp.core.plus_comm import (
+from lightning_zeropp.core.settings.config import ZeroPPConfig
+from lightning_zeropp.core.settings.plus import hpz_size
+from lightning_zeropp.core.shard.plus_comm import (
     HierarchicalReduceScatter,
     NodeGroups,
     QuantizedAllGather,
 )
-from lightning_zeropp.core.plus_settings import hpz_size
-from lightning_zeropp.core.quant import BITS, Segment
+from lightning_zeropp.core.shard.quant import BITS, Segment
 
 __all__ = ["Plus", "segments_of"]
 

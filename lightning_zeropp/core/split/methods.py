@@ -4,10 +4,10 @@ Four ways, one result (a list of stage modules whose parameters carry their orig
 checkpoints do not depend on the layout):
 
 - `"call"` (what `"auto"` picks unless the model names another): the model's own forward, cut at
-  its block calls, with no graph capture; any batch shape (see `core.call_split`). Checked once on
+  its block calls, with no graph capture; any batch shape (see `core.split.call_plan`). Checked once on
   the meta device with one example micro-batch; a model it cannot split exactly is refused.
 
-- `"trace"` (default): torch's tracing front end (`torch.distributed.pipelining.pipeline`) with split
+- `"trace"`: torch's tracing front end (`torch.distributed.pipelining.pipeline`) with split
   points at block boundaries. The user's forward is kept exactly as written. Needs one example
   micro-batch of inputs.
 - `"stack"`: no tracing. Each stage is a pruned copy of the model: blocks outside the stage are
@@ -17,25 +17,32 @@ checkpoints do not depend on the layout):
   modules that are `None`.
 - a callable `split_fn(model, stage_index, num_stages, block_ranges) -> nn.Module`: anything else.
 
-Blocks are found automatically: the `ModuleList` / `ModuleDict` / `nn.Sequential` with the most
-children (ties broken by parameter count). Stages get contiguous runs of blocks balanced by block
-parameter count unless `split_points` (the block index each stage after the first starts at) is
-given.
+Which blocks each stage gets is `core.split.blocks`'s `BlockPlan`.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from lightning_zeropp.core.chain import chain_stages
+from lightning_zeropp.core.split.blocks import BlockPlan, num_params
+from lightning_zeropp.core.split.call_plan import plan_calls
+from lightning_zeropp.core.split.call_stages import build_call_stages
+from lightning_zeropp.core.split.chain import chain_stages
 
-__all__ = ["BlockPlan", "SplitFn", "find_blocks", "plan_blocks", "split_model"]
+__all__ = [
+    "SPLIT_ATTR",
+    "SplitFn",
+    "SplitMethod",
+    "check_no_tied_parameters",
+    "check_split",
+    "resolve_split",
+    "split_model",
+]
 
 SplitFn = Callable[[nn.Module, int, int, list[range]], nn.Module]
 SplitMethod = Literal["auto", "call", "trace", "stack"] | SplitFn
@@ -60,67 +67,6 @@ def check_split(method: Any) -> None:
         )
 
 
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
-
-
-@dataclass(frozen=True)
-class BlockPlan:
-    """Where the blocks live and which blocks each stage gets."""
-
-    container: str  # dotted path of the block container ("" when the model itself is one)
-    names: list[str]  # child names of the blocks, in order
-    ranges: list[range]  # per stage: indices into `names`
-
-    def fqn(self, block_index: int) -> str:
-        name = self.names[block_index]
-        return f"{self.container}.{name}" if self.container else name
-
-    def stage_blocks(self, stage: int) -> list[str]:
-        """Fully qualified names of the blocks of one stage."""
-        return [self.fqn(i) for i in self.ranges[stage]]
-
-
-def find_blocks(model: nn.Module) -> tuple[str, list[str]]:
-    """Return (container path, child names) of the model's repeated blocks."""
-    best: tuple[int, int, str] | None = None
-    for path, module in model.named_modules():
-        if not isinstance(module, _CONTAINERS) or len(module) < 2:
-            continue
-        score = (len(module), _num_params(module), path)
-        if best is None or score[:2] > best[:2]:
-            best = score
-    if best is None:
-        raise ValueError(
-            f"cannot split {type(model).__name__} into pipeline stages: it has no ModuleList, "
-            "ModuleDict or nn.Sequential of at least 2 blocks. Put its repeated layers in one, or "
-            "pass split=<callable> that builds each stage."
-        )
-    container = model.get_submodule(best[2])
-    return best[2], list(container._modules.keys())
-
-
-def plan_blocks(
-    model: nn.Module, num_stages: int, split_points: Sequence[int] | None = None
-) -> BlockPlan:
-    """Assign contiguous blocks to `num_stages` stages."""
-    container, names = find_blocks(model)
-    if len(names) < num_stages:
-        raise ValueError(
-            f"{type(model).__name__} has {len(names)} blocks in '{container or '<root>'}' but the "
-            f"layout needs {num_stages} stages (pp_size x num_chunks); lower pp_size or "
-            "num_chunks, or use a model with more blocks."
-        )
-    if split_points is not None:
-        starts = _check_split_points(split_points, num_stages, len(names))
-    else:
-        holder = model.get_submodule(container) if container else model
-        sizes = [_num_params(holder._modules[n]) for n in names]
-        starts = _balanced_starts(sizes, num_stages)
-    bounds = [*starts, len(names)]
-    ranges = [range(bounds[i], bounds[i + 1]) for i in range(num_stages)]
-    return BlockPlan(container=container, names=names, ranges=ranges)
-
-
 def split_model(
     model: nn.Module,
     plan: BlockPlan,
@@ -141,9 +87,6 @@ def split_model(
     if num_stages == 1:
         return [model]
     if method == "call":
-        from lightning_zeropp.core.call_split import plan_calls
-        from lightning_zeropp.core.call_stages import build_call_stages
-
         calls = plan_calls(model, plan, example_args, example_kwargs)
         return build_call_stages(model, calls, stage_ids, call_inputs, device, dtype)
     if callable(method):
@@ -218,7 +161,7 @@ def _drop_outer_modules(model: nn.Module, container: str, first: bool, last: boo
         pos = names.index(part)
         for i, name in enumerate(names):
             child = parent._modules[name]
-            if i == pos or child is None or _num_params(child) == 0:
+            if i == pos or child is None or num_params(child) == 0:
                 continue
             if (i < pos and not first) or (i > pos and not last):
                 parent._modules[name] = None
@@ -229,52 +172,8 @@ def _drop_outer_modules(model: nn.Module, container: str, first: bool, last: boo
             model._parameters[pname] = None
 
 
-def _check_split_points(points: Sequence[int], num_stages: int, num_blocks: int) -> list[int]:
-    starts = [0, *points]
-    increasing = all(a < b for a, b in zip(starts, starts[1:], strict=False))
-    if len(points) != num_stages - 1 or not increasing or starts[-1] >= num_blocks:
-        raise ValueError(
-            f"split_points={list(points)} must list {num_stages - 1} strictly increasing block "
-            f"indices in 1..{num_blocks - 1} (where stages 1..{num_stages - 1} start)."
-        )
-    return starts
-
-
-def _balanced_starts(sizes: list[int], num_stages: int) -> list[int]:
-    """Contiguous partition of `sizes` minimising the largest part (exact, by dynamic programming)."""
-    n = len(sizes)
-    prefix = [0]
-    for s in sizes:
-        prefix.append(prefix[-1] + s)
-    inf = float("inf")
-    # cost[k][i]: best max-part for the first i blocks in k parts; cut[k][i]: start of the k-th part
-    cost = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    cost[0][0] = 0
-    for k in range(1, num_stages + 1):
-        for i in range(k, n - (num_stages - k) + 1):
-            for j in range(k - 1, i):
-                c = max(cost[k - 1][j], prefix[i] - prefix[j])
-                if c < cost[k][i]:
-                    cost[k][i], cut[k][i] = c, j
-    starts, i = [], n
-    for k in range(num_stages, 0, -1):
-        i = cut[k][i]
-        starts.append(i)
-    return starts[::-1]
-
-
-def _num_params(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
-def stage_param_names(stages: Sequence[nn.Module]) -> list[str]:
-    """All parameter names of some stage modules (used to check that none is shared)."""
-    return [n for s in stages for n, _ in s.named_parameters()]
-
-
 def check_no_tied_parameters(model: nn.Module) -> None:
-    """Tied weights are kept in sync by split="call" and "stack" only (see `core.tied`): a traced
+    """Tied weights are kept in sync by split="call" and "stack" only (see `core.split.tied`): a traced
     graph or a user's stage may share the one tensor between stages. Say so before splitting."""
     seen: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):

@@ -1,6 +1,6 @@
 """Checking ZeRO++'s and offload's settings of a `ZeroPPConfig` (called by `resolve`).
 
-The switches (one per technique; `core.plus` applies them):
+The switches (one per technique; `core.shard.plus` applies them):
 - `quantized_weights`: None (FSDP's own all-gather), "int8" (qwZ), "bf16" (weights travel as
   bf16 and are computed with in their own dtype: bf16's gather volume with fp32 compute), or
   "fp" (the same custom collective at full precision: it moves what FSDP's does, and exists to

@@ -4,10 +4,10 @@ Model and optimizer state go through torch's distributed checkpoint (DCP) with t
 parameter names, so a checkpoint written under one layout loads under another. Optimizer state is
 saved flattened (keyed by parameter name): nested per-stage `param_groups` keys would collide across
 pipeline stages. The checkpoint is written to a temporary sibling directory and published under its
-name only after every rank has finished (`core.commit`): the name always holds a complete
+name only after every rank has finished (`core.weights.commit`): the name always holds a complete
 checkpoint, the previous one until the new one is.
 
-`load_full` is the other direction of `core.export`: every rank reads one whole, unsharded state
+`load_full` is the other direction of `core.weights.export`: every rank reads one whole, unsharded state
 (the model's `state_dict()`, an optimizer's one-process `state_dict()`) and keeps its own shards.
 """
 
@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_zeropp.core import commit
+from lightning_zeropp.core.weights import commit
 
 __all__ = ["save_checkpoint", "load_checkpoint", "is_checkpoint", "load_full"]
 

@@ -1,6 +1,6 @@
 """Consolidated export: the whole trained model (and optimizer) as plain state, written by rank 0.
 
-Distributed checkpoints (`core.checkpoint`) stay sharded, for resuming. An export is for the world
+Distributed checkpoints (`core.weights.checkpoint`) stay sharded, for resuming. An export is for the world
 outside: every stage's every shard gathered to global rank 0 as plain CPU tensors keyed by the
 model's original parameter names, then handed to a writer (the HF adapter writes `config.json` +
 `model.safetensors`; the Lightning front writes one ordinary checkpoint file). Everything here is
@@ -25,8 +25,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from lightning_zeropp.core import commit
 from lightning_zeropp.core.mesh import ParallelDims
+from lightning_zeropp.core.weights import commit
 
 __all__ = ["full_optimizer_state_dict", "full_state_dict", "save_consolidated", "save_file"]
 

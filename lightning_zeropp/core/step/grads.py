@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_zeropp.core.shard import local_shard
+from lightning_zeropp.core.shard.fsdp import local_shard
 
 __all__ = ["StepGrads", "clip_grad_norm_", "total_grad_norm"]
 

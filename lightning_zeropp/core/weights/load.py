@@ -32,8 +32,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lightning_zeropp.core._torch_private import local_chunk
-from lightning_zeropp.core.checkpoint import raise_on_every_rank
-from lightning_zeropp.core.shard import local_shard
+from lightning_zeropp.core.shard.fsdp import local_shard
+from lightning_zeropp.core.weights.checkpoint import raise_on_every_rank
 
 __all__ = ["load_weights", "weight_source_kind"]
 

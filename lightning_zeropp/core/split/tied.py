@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_zeropp.core.mesh import ParallelDims, world_timeout
-from lightning_zeropp.core.shard import local_shard
+from lightning_zeropp.core.shard.fsdp import local_shard
 
 __all__ = ["TiedWeights", "tied_groups"]
 

@@ -1,7 +1,7 @@
 """torch's pipelining runtime, adapted: a lean stage and the runtime of ZeroPP's unit schedule.
 
 `LeanStage` holds one stage's gathered weights at a time during torch's first-step shape
-inference. `UnitScheduleRuntime` executes a plan lowered by `core.zeropp_schedule.lower` (the
+inference. `UnitScheduleRuntime` executes a plan lowered by `core.schedule.zeropp.lower` (the
 same lowering the pictures and the planner read) on torch's schedule runtime. Private torch
 names are reached through `core._torch_private` only.
 """
@@ -25,7 +25,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from lightning_zeropp.core import _torch_private as tp
-from lightning_zeropp.core.zeropp_schedule import Step
+from lightning_zeropp.core.schedule.zeropp import Step
 
 __all__ = ["LeanStage", "UnitScheduleRuntime", "torch_actions"]
 
@@ -71,7 +71,7 @@ def torch_actions(steps: Sequence[Step]) -> list[Any]:
 class UnitScheduleRuntime(tp.ScheduleRuntime):
     """torch's schedule runtime executing explicit per-rank task orders (looped stage placement).
 
-    `plans` are the ranks' lowered plans (`core.zeropp_schedule.lower`: compute tasks, gathers,
+    `plans` are the ranks' lowered plans (`core.schedule.zeropp.lower`: compute tasks, gathers,
     releases, early reductions); torch's own passes add the end-of-step reduction and the
     sends/receives.
     Actions with their own implementation:

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lightning_zeropp.core._torch_private import unsharded_parameter_bytes
-from lightning_zeropp.core.shard import local_shard
+from lightning_zeropp.core.shard.fsdp import local_shard
 
 __all__ = [
     "GatheredPeak",

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 
-from lightning_zeropp.core.call_split import CallInputs, CallPlan, meta_copy
+from lightning_zeropp.core.split.call_plan import CallInputs, CallPlan, meta_copy
 
 __all__ = ["build_call_stages", "flatten_outputs", "restore_output"]
 

@@ -1,7 +1,7 @@
 """Asynchronous checkpoints: the step waits only for a copy of the state in host memory.
 
 `AsyncCheckpointer.save` does what `checkpoint.save_checkpoint` does (the same files, the same
-atomic commit under the name, `core.commit`), but through `torch.distributed.checkpoint.async_save`:
+atomic commit under the name, `core.weights.commit`), but through `torch.distributed.checkpoint.async_save`:
 the state is copied to new host tensors before `save` returns (so training may change the
 parameters at once), and written by a background thread. Global rank 0 publishes the checkpoint
 when its write finishes, which is after every rank's (DCP gathers their results before writing
@@ -23,9 +23,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from lightning_zeropp.core import commit
-from lightning_zeropp.core.checkpoint import META_FILE, broadcast_str, checkpoint_state
 from lightning_zeropp.core.mesh import world_timeout
+from lightning_zeropp.core.weights import commit
+from lightning_zeropp.core.weights.checkpoint import META_FILE, broadcast_str, checkpoint_state
 
 __all__ = ["AsyncCheckpointer"]
 

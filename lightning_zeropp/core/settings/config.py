@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from lightning_zeropp.core.placement import STYLES, schedule_style
-from lightning_zeropp.core.plus_settings import resolve_plus
+from lightning_zeropp.core.settings.placement import STYLES, schedule_style
+from lightning_zeropp.core.settings.plus import resolve_plus
 
 __all__ = ["ZeroPPConfig", "parse_dtype", "schedule_name", "RECOMPUTE", "GRAD_REDUCE"]
 
@@ -71,9 +71,9 @@ class ZeroPPConfig:
     right after they are made: ZeroPP's policy). Recomputed stages run a full backward.
 
     `nonfinite`: a NaN or inf training loss raises on every rank naming the step and the stage
-    ("raise", default) or drops that step's gradients on every rank ("skip"); `core.nonfinite`.
+    ("raise", default) or drops that step's gradients on every rank ("skip"); `core.step.nonfinite`.
 
-    ZeRO++ and offload (`core.plus_settings` describes each): `quantized_weights` (qwZ),
+    ZeRO++ and offload (`core.settings.plus` describes each): `quantized_weights` (qwZ),
     `hpz_partition_size` (hpZ), `quantized_gradients` (qgZ), `gradient_error_feedback`,
     `quant_block_size`, `cpu_offload`, and `node_size` (ranks per node).
     """

@@ -4,7 +4,7 @@
 records, on this rank:
 - compute intervals: each forward (F), full backward (B), input-gradient (I) and weight-gradient (W)
   task of each local stage, whatever the schedule (it wraps the stages' own methods);
-- communication: every collective and point-to-point call (see `core.comm.CommCounter`; an
+- communication: every collective and point-to-point call (see `core.measure.comm.CommCounter`; an
   asynchronous call spans its launch, its wait shows up as a gap in compute);
 - memory: the peak bytes of gathered (unsharded) weights, sampled at every task boundary, and the
   peak bytes of tensors saved for backward (activations), tracked by autograd's saved-tensor hooks.
@@ -21,8 +21,8 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_zeropp.core._torch_private import unsharded_parameter_bytes
-from lightning_zeropp.core.comm import CommCounter, CommEvent, mesh_axis_namer
-from lightning_zeropp.core.memory import SavedActivations
+from lightning_zeropp.core.measure.comm import CommCounter, CommEvent, mesh_axis_namer
+from lightning_zeropp.core.measure.memory import SavedActivations
 
 __all__ = ["Interval", "StepRecorder", "Timeline", "bubble_fraction"]
 

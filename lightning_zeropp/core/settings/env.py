@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from lightning_zeropp.core.config import ZeroPPConfig
+from lightning_zeropp.core.settings.config import ZeroPPConfig
 
 __all__ = [
     "CONFIG_VARS",

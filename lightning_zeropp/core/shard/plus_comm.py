@@ -1,7 +1,7 @@
 """ZeRO++'s collectives as FSDP2 custom comms: qwZ's all-gather and qgZ's two-hop reduce-scatter.
 
 FSDP2 calls a unit's comm with its flat buffer: each rank's part is the padded shard of every
-parameter of the unit, concatenated ("segments", `core.quant`). Both comms pack rows with a
+parameter of the unit, concatenated ("segments", `core.shard.quant`). Both comms pack rows with a
 `BlockCodec`, so blocks follow parameter boundaries and 1-D parameters travel unquantized.
 
 - `QuantizedAllGather`: each rank packs its own part (INT8 + fp32 scales; or every value as
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from lightning_zeropp.core.quant import BlockCodec, Segment
+from lightning_zeropp.core.shard.quant import BlockCodec, Segment
 
 __all__ = ["HierarchicalReduceScatter", "NodeGroups", "QuantizedAllGather", "Split"]
 

@@ -31,8 +31,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 
-from lightning_zeropp.core.call_tags import Tagger
-from lightning_zeropp.core.split import BlockPlan
+from lightning_zeropp.core.split.blocks import BlockPlan
+from lightning_zeropp.core.split.tags import Tagger
 
 __all__ = ["CallPlan", "CallInputs", "plan_calls", "meta_copy", "outer_units"]
 
