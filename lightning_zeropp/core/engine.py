@@ -45,6 +45,7 @@ from lightning_zeropp.core.settings.placement import (
     schedule_style,
     stage_ids_for_rank,
 )
+from lightning_zeropp.core.shard.compile import compile_blocks, splits_backward
 from lightning_zeropp.core.shard.fsdp import apply_activation_checkpointing, shard_stage
 from lightning_zeropp.core.shard.plus import Plus
 from lightning_zeropp.core.split.blocks import BlockPlan, find_blocks, plan_blocks
@@ -137,6 +138,12 @@ class ZeroPPEngine:
         self.num_stages = cfg.num_stages
         self._meta = has_meta(model)
         self.plan = _plan(model, self.num_stages, cfg.split_points)
+        if cfg.compile and self.plan is None:
+            raise ValueError(
+                f"compile=True compiles each block of the model, but {type(model).__name__} has "
+                "no blocks (a ModuleList, ModuleDict or nn.Sequential of at least 2 layers); "
+                "compile the model yourself (torch.compile) and leave compile=False."
+            )
         self.split = resolve_split(model, split)
         if self._meta and self.split == "trace" and self.num_stages > 1:
             # Tracing records the device of every value: a meta model's graph runs on meta.
@@ -209,6 +216,10 @@ class ZeroPPEngine:
             real_to(module, self.device)  # the rest is allocated once sharded
         else:
             module.to(self.device)
+        if self.config.compile:  # inside the checkpoint, outside FSDP's hooks
+            cfg = self.config
+            regions = splits_backward(cfg.schedule, cfg.split_backward)
+            compile_blocks(module, blocks, regions=regions)
         if self.config.recomputes(stage_id):
             apply_activation_checkpointing(module, blocks)
         shard_stage(module, blocks, self.dims.dp_mesh, self.config, self._plus)

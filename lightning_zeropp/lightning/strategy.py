@@ -77,7 +77,8 @@ class ZeroPPStrategy(ModelParallelStrategy):
 
     Args mirror `ZeroPPConfig` (pp_size, dp_shard_size, dp_replicate_size, num_microbatches,
     schedule, num_chunks, param_dtype, reduce_dtype, activation_checkpointing,
-    reshard_after_forward, split_points, unit_size, split_backward, grad_reduce, nonfinite, and
+    reshard_after_forward, split_points, unit_size, split_backward, grad_reduce, nonfinite,
+    compile, and
     ZeRO++'s quantized_weights, hpz_partition_size, quantized_gradients, gradient_error_feedback,
     quant_block_size, cpu_offload, node_size: `core.settings.plus`). One
     left out (None) takes its `ZEROPP_*` variable when set, else `ZeroPPConfig`'s default; one
@@ -141,6 +142,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
         quant_block_size: int | None = None,
         cpu_offload: bool | None = None,
         node_size: int | None = None,
+        compile: bool | None = None,
         split: SplitMethod = "auto",
         module_name: str | None = None,
         timeout: datetime.timedelta = datetime.timedelta(minutes=30),
@@ -186,6 +188,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
             quant_block_size=quant_block_size,
             cpu_offload=cpu_offload,
             node_size=node_size,
+            compile=compile,
         )
         self._log_comms = log_comms
         self._load_from, self._init = load_from, init

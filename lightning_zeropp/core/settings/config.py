@@ -76,6 +76,10 @@ class ZeroPPConfig:
     ZeRO++ and offload (`core.settings.plus` describes each): `quantized_weights` (qwZ),
     `hpz_partition_size` (hpZ), `quantized_gradients` (qgZ), `gradient_error_feedback`,
     `quant_block_size`, `cpu_offload`, and `node_size` (ranks per node).
+
+    `compile`: `torch.compile` each block after the model is cut into stages; under schedules
+    that split backward into input- and weight-gradient tasks, the regions between the blocks'
+    weights (`core.shard.compile`).
     """
 
     pp_size: int | None = None
@@ -100,6 +104,7 @@ class ZeroPPConfig:
     quant_block_size: int = 256
     cpu_offload: bool = False
     node_size: int | None = None
+    compile: bool = False
 
     def resolve(self, world_size: int) -> ZeroPPConfig:
         """Return a copy with every default filled in and every setting checked."""
@@ -150,6 +155,8 @@ class ZeroPPConfig:
                 f"grad_reduce={cfg.grad_reduce!r} applies to schedule='zeropp' only (got "
                 f"schedule={cfg.schedule!r}); other schedules reduce once per step."
             )
+        if not isinstance(cfg.compile, bool):
+            raise ValueError(f"compile={self.compile!r} must be True or False.")
         resolve_plus(cfg, world_size)
         return cfg
 

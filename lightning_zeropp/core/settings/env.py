@@ -93,6 +93,7 @@ _PARSERS: dict[str, Callable[[str, str], Any]] = {
     "quant_block_size": _int,
     "cpu_offload": _bool,
     "node_size": _int,
+    "compile": _bool,
 }
 
 # Environment variable -> ZeroPPConfig field.
