@@ -111,11 +111,6 @@ def test_regions_give_eager_gradients_under_split_backward_with_weights_outside_
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
 
-    stats = {k: v - before.get(k, 0) for k, v in compile_stats().items()}
-    # one graph for both blocks (one code object), cut into compiled regions and eager pieces
-    assert stats["graphs"] == 1 and stats["regions"] >= 3 and stats["eager_pieces"] >= 3
-    assert stats["split_runs"] == 4 and not stats.get("fallbacks")
-
     # Which backward ran where: compiled regions in I only (W re-runs no compiled code).
     xr = x.clone().requires_grad_()
     y = compiled(xr)
@@ -126,8 +121,13 @@ def test_regions_give_eager_gradients_under_split_backward_with_weights_outside_
     (dx,), groups = stage_backward_input([y], [dy], [xr], compiled.parameters())
     phase[0] = "W"
     stage_backward_weight(compiled.parameters(), groups)
-    assert len(nodes) == stats["regions"] * 2 // stats["graphs"]  # each block's regions
-    assert ran == ["I"] * len(nodes), ran
+    assert nodes and ran == ["I"] * len(nodes), ran
+
+    stats = {k: v - before.get(k, 0) for k, v in compile_stats().items()}
+    # one graph for both blocks (one code object), cut into compiled regions and eager pieces
+    assert stats["graphs"] == 1 and stats["eager_pieces"] >= 3
+    assert len(nodes) == 2 * stats["regions"] >= 6  # each block's regions
+    assert stats["split_runs"] == 3 * 2 and not stats.get("fallbacks")  # 3 forwards, 2 blocks
 
 
 @pytest.mark.slow  # inductor's code generation: about 15 s on two loaded cores
