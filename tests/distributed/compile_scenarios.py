@@ -20,3 +20,18 @@ def parity(cases: list[dict[str, Any]]) -> dict[str, Any]:
         result["compile"] = {k: v - before.get(k, 0) for k, v in compile_stats().items()}
         out[case["id"]] = result
     return out
+
+
+def fit_hf_cases(cases: list[dict[str, Any]]) -> dict[str, Any]:
+    """`hf_scenarios.fit_hf` (an HF model under `Trainer(strategy=ZeroPPStrategy(...))`) per case,
+    with the compile counters of each."""
+    from tests.distributed.hf_scenarios import fit_hf
+
+    set_compile_threads(1)
+    out = {}
+    for case in cases:
+        before = compile_stats()
+        result = fit_hf(**{k: v for k, v in case.items() if k != "id"})
+        result["compile"] = {k: v - before.get(k, 0) for k, v in compile_stats().items()}
+        out[case["id"]] = result
+    return out
