@@ -27,9 +27,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -252,6 +254,11 @@ def main() -> None:
     if args.row:
         run_row(args.row, args.device, shape, args.steps, args.warmup, Path(args.out))
         return
+    caches = tempfile.mkdtemp(prefix="gpu_1b_inductor_")
+
+    def cache(row: str) -> str:
+        return str(Path(caches) / row)
+
     deadline = time.monotonic() + args.budget_s
     rows, meta = [], {"shape": shape, "steps": args.steps, "warmup": args.warmup}
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -273,14 +280,15 @@ def main() -> None:
             done = subprocess.run(
                 cmd, cwd=ROOT, capture_output=True, text=True,
                 timeout=min(args.row_timeout_s, left),
-                env={**os.environ, "PYTHONPATH": str(ROOT)},
+                # a cache of its own: a row stopped while compiling can leave a truncated kernel,
+                # which a later row sharing the cache would load and fail on
+                env={**os.environ, "PYTHONPATH": str(ROOT), "TORCHINDUCTOR_CACHE_DIR": cache(row)},
             )  # fmt: skip
             failure = None if done.returncode == 0 and out.exists() else done.stderr
         except subprocess.TimeoutExpired:
             failure = f"timed out after {min(args.row_timeout_s, left):.0f} s"
         if failure is not None:
-            last = [ln for ln in str(failure).strip().splitlines() if ln.strip()][-1:] or ["?"]
-            rows.append({"row": row, "error": f"failed: {last[0][:200]}"})
+            rows.append({"row": row, "error": f"failed: {_error_line(str(failure))[:200]}"})
             print(f"{row}: FAILED ({time.monotonic() - t0:.0f} s)\n{str(failure)[-3000:]}")
             write(meta, rows)
             continue
@@ -292,6 +300,13 @@ def main() -> None:
         write(meta, rows)  # after every row: a run stopped later keeps what it measured
     write(meta, rows)
     print((RESULTS / "gpu_1b.md").read_text())
+
+
+def _error_line(log: str) -> str:
+    """The last line of `log` naming an exception (else its last line)."""
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    named = [ln for ln in lines if re.search(r"\b\w*(Error|Exception)\b:", ln)]
+    return (named or lines or ["?"])[-1]
 
 
 def write(meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:

@@ -58,7 +58,9 @@ run_part() {
   fi
   echo "== $name (up to ${limit} s): $*"
   local t0=$(date +%s)
-  timeout --kill-after=15 "$limit" "$@" >"$STATE/$name.log" 2>&1
+  # an inductor cache of its own: a part stopped while compiling can leave a truncated kernel
+  TORCHINDUCTOR_CACHE_DIR=$STATE/inductor_$name \
+    timeout --kill-after=15 "$limit" "$@" >"$STATE/$name.log" 2>&1
   local rc=$?
   echo "$name $rc $(($(date +%s) - t0))" >>"$STATE/status"
   echo "== $name: exit $rc after $(($(date +%s) - t0)) s"
