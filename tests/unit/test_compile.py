@@ -130,6 +130,32 @@ def test_regions_give_eager_gradients_under_split_backward_with_weights_outside_
     assert stats["split_runs"] == 3 * 2 and not stats.get("fallbacks")  # 3 forwards, 2 blocks
 
 
+class ShortLlamaBlock(LlamaBlock):
+    """LlamaBlock under another code object: dynamo's code for LlamaBlock.forward is the other
+    test's (compiled without inductor)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+
+@pytest.mark.slow  # inductor's code generation, twice: about 40 s on two loaded cores
+def test_regions_follow_new_sequence_lengths_with_one_symbolic_graph():
+    """A second length (as batches padded to their longest row bring) recompiles once, with
+    symbolic sizes, cut the same way and as exact; a third reuses it."""
+    torch.manual_seed(2)
+    eager = nn.Sequential(ShortLlamaBlock(), ShortLlamaBlock())
+    compiled = copy.deepcopy(eager)
+    before = compile_stats()
+    compile_blocks(compiled, ["0", "1"], regions=True)
+    for seq in (8, 6, 4):
+        x, dy = torch.randn(2, seq, 32), torch.randn(2, seq, 32)
+        want = _grads(eager, x, dy, split=False)
+        for g, w in zip(_grads(compiled, x, dy, split=True), want, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
+    stats = {k: v - before.get(k, 0) for k, v in compile_stats().items()}
+    assert stats["graphs"] == 2 and stats["split_runs"] == 3 * 2 and not stats.get("fallbacks")
+
+
 @pytest.mark.slow  # inductor's code generation: about 15 s on two loaded cores
 def test_whole_blocks_compile_as_one_graph_with_eager_gradients():
     torch.manual_seed(1)
