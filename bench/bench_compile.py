@@ -76,14 +76,15 @@ def run_rank(row: str, steps: int, warmup: int, out: Path) -> None:
         0, MODEL["vocab_size"], (GLOBAL_BATCH, MODEL["seq_len"] + 1), generator=gen
     )
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    times, losses = [], []
+    times, cpu, losses = [], [], []
     for _ in range(warmup + steps):
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         loss = engine.train_step(x, target=y)
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - cpu_start)
         losses.append(float(loss))
     step_times = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(step_times, op=dist.ReduceOp.MAX)
@@ -91,6 +92,7 @@ def run_rank(row: str, steps: int, warmup: int, out: Path) -> None:
     result = {
         "rank": dist.get_rank(),
         "step_times_s": step_times.tolist(),
+        "cpu_times_s": cpu,
         "losses": losses,
         "compiled_runs_per_step": (stats.get("whole_runs", 0) + stats.get("split_runs", 0))
         / (warmup + steps),
@@ -106,10 +108,14 @@ def run_rank(row: str, steps: int, warmup: int, out: Path) -> None:
 # ---------------------------------------------------------------------------------------- driver
 def summarize(row: str, ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     times = ranks[0]["step_times_s"]
+    # CPU seconds per step, summed over the ranks: the work itself, which a loaded machine's
+    # time-slicing does not stretch (waiting for a core or a message costs none)
+    cpu = [sum(r["cpu_times_s"][i] for r in ranks) for i in range(len(times))]
     return {
         "row": row,
         "first_step_s": times[0],
         "median_step_s": statistics.median(times[warmup:]),
+        "median_cpu_s": statistics.median(cpu[warmup:]),
         "step_times_s": times,
         "final_loss": ranks[0]["losses"][-1],
         "compiled_runs_per_step": min(r["compiled_runs_per_step"] for r in ranks),
@@ -130,9 +136,19 @@ def write_markdown(meta: dict[str, Any], rows: list[dict[str, Any]], path: Path)
         f"AdamW, fp32, split='call'; {meta['steps']} timed steps after {meta['warmup']} warm-up "
         f"(the first compiles); run took {meta['wall_s']} s. `python bench/bench_compile.py`.",
         "",
+        *(
+            [
+                f"**Loaded machine (load average {m['load_average_1m_at_start']:.0f} on "
+                f"{m['cores']} cores): the times below are not comparable.**",
+                "",
+            ]
+            if m["load_average_1m_at_start"] > m["cores"]
+            else []
+        ),
         "| schedule | compiled as | eager step (s) | compiled step (s) | compiled / eager | "
-        "first compiled step (s) | compiled runs / step | loss diff | fallbacks |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "eager CPU s | compiled CPU s | CPU compiled / eager | first compiled step (s) | "
+        "compiled runs / step | loss diff | fallbacks |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for schedule in meta["schedules"]:
         eager, comp = by.get(f"{schedule}:eager"), by.get(f"{schedule}:compiled")
@@ -142,7 +158,9 @@ def write_markdown(meta: dict[str, Any], rows: list[dict[str, Any]], path: Path)
         mode = "regions" if stats.get("split_runs") else "whole blocks"
         out.append(
             f"| {schedule} | {mode} | {eager['median_step_s']:.4f} | {comp['median_step_s']:.4f} | "
-            f"{comp['median_step_s'] / eager['median_step_s']:.3f} | {comp['first_step_s']:.1f} | "
+            f"{comp['median_step_s'] / eager['median_step_s']:.3f} | "
+            f"{eager['median_cpu_s']:.4f} | {comp['median_cpu_s']:.4f} | "
+            f"{comp['median_cpu_s'] / eager['median_cpu_s']:.3f} | {comp['first_step_s']:.1f} | "
             f"{comp['compiled_runs_per_step']:.1f} | "
             f"{abs(comp['final_loss'] - eager['final_loss']):.1e} | {comp['fallbacks']} |"
         )
@@ -151,18 +169,22 @@ def write_markdown(meta: dict[str, Any], rows: list[dict[str, Any]], path: Path)
 
 
 CAVEATS = [
-    "- Two ranks share two CPU cores, often with other work on the machine (see the load "
-    "average): ratios within a few percent of 1 are noise; rerun on a quiet machine.",
-    "- On a CPU, a block of this size spends most of its time in matmuls (MKL/oneDNN either way), "
-    "so compiling gains little here: the figures show that compiled code runs at eager's speed "
-    "or better and costs no extra backward under the split-backward schedules, not what it gains "
-    "on a GPU, where the fused elementwise kernels (norms, attention, rotary, activations) are "
-    "most of what compiling saves (`bench/gpu/run.sh` measures that).",
+    "- Two ranks share two CPU cores: with other work on the machine (a load average above the "
+    "core count) the step times swing by several times between rows doing the same work, and "
+    "their ratio means nothing; rerun on a quiet machine. The CPU columns (CPU seconds per step, "
+    "summed over both ranks, median over the timed steps) count the work itself, which "
+    "time-slicing does not stretch: on a loaded machine read those.",
+    "- On a CPU, a block of this size spends most of its time in matmuls, which are the same "
+    "library calls compiled or not: expect ratios near 1. What the table can show is whether the "
+    "split-backward schedules (regions) cost more than eager, which would point at the cut "
+    "(extra pieces, each with its own call overhead); what compiling gains is a GPU's question "
+    "(`bench/gpu/run.sh`).",
     "- 'regions' (split-backward schedules): every op reading a weight runs eagerly, so "
     "LayerNorm (one op with its scale and bias) and the linears stay eager and the compiled "
     "regions hold the attention, activation and residual arithmetic between them.",
-    "- 'compiled runs / step' counts executions of compiled graphs on the slowest-counting rank "
-    "(one per block and micro-batch forward, including the first step's shape inference).",
+    "- 'compiled runs / step' counts executions of compiled graphs per step on the rank that "
+    "counted fewest (one per block and micro-batch forward, plus the first step's shape "
+    "inference); 0 would mean that nothing compiled ran.",
 ]
 
 
