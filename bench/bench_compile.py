@@ -172,8 +172,9 @@ CAVEATS = [
     "- Two ranks share two CPU cores: with other work on the machine (a load average above the "
     "core count) the step times swing by several times between rows doing the same work, and "
     "their ratio means nothing; rerun on a quiet machine. The CPU columns (CPU seconds per step, "
-    "summed over both ranks, median over the timed steps) count the work itself, which "
-    "time-slicing does not stretch: on a loaded machine read those.",
+    "summed over both ranks, median over the timed steps) count the work itself, which waiting "
+    "for a core does not stretch; cache and memory contention still move them (by up to a third "
+    "between whole-block rows running the same compiled code, on a machine at load 38).",
     "- On a CPU, a block of this size spends most of its time in matmuls, which are the same "
     "library calls compiled or not: expect ratios near 1. What the table can show is whether the "
     "split-backward schedules (regions) cost more than eager, which would point at the cut "
