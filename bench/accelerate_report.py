@@ -11,7 +11,7 @@ import statistics
 from typing import Any
 
 from accelerate_loop import CLIP, LLAMA, LR, PHASES, PP, SEQ, WEIGHT_DECAY, stage_work
-from harness import MIB, machine_lines, med
+from harness import MIB, machine_lines, med, runs_lines
 
 __all__ = ["markdown"]
 
@@ -58,13 +58,7 @@ def markdown(meta: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:
         f"- Loop: AdamW lr {LR} over run_clm's decay / no-decay groups (weight decay "
         f"{WEIGHT_DECAY}), `get_scheduler('cosine')`, clipping at {CLIP}; pipelines: pp {PP} x "
         f"dp_shard 2, 1F1B over FSDP2, {mb} micro-batches, `split='auto'`",
-        f"- {meta['warmup']} warm-up steps, then {meta['steps']} timed steps; runs per row: "
-        f"{meta['repeats']}, each in {world} fresh processes, rows alternating their order; whole "
-        f"script {meta['wall_s']:.0f} s",
-        "",
-        "| Row | Layout |",
-        "|---|---|",
-        *(f"| `{r}` | {titles[r]} |" for r in rows),
+        *runs_lines(meta, world, titles),
         "",
         "## Summary (median over runs)",
         "",

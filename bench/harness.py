@@ -30,7 +30,7 @@ rank), `summed_per_step` (e.g. a step's CPU seconds over all ranks), `load_share
 CPU share of the cores, other processes' share and steal over the timed steps: whether the run
 was disturbed), `med` (the median of a figure over a row's runs). `progress(summary)` is the text
 printed after each run. Markdown helpers: `machine_lines` (the header's machine and date lines),
-`table`.
+`runs_lines` (its steps and runs line and the table of rows), `table`.
 
 Rank side (in harness_rank.py, re-exported here)::
 
@@ -94,6 +94,7 @@ __all__ = [
     "row_timeout_s",
     "rss_figures",
     "run_rows",
+    "runs_lines",
     "slowest",
     "slowest_per_step",
     "start_rank",
@@ -257,6 +258,18 @@ def machine_lines(
         f"{threads} each",
         f"- Date: {m['date']}; {versions}; Python {m['python']}; commit {m['commit']}"
         + (f"; library measured: {library}" if library else ""),
+    ]
+
+
+def runs_lines(meta: dict[str, Any], world: int, titles: dict[str, str]) -> list[str]:
+    """The header's last line (steps, runs per row, the script's wall time), then the rows run:
+    `titles` maps each row's name to what it runs, in the order of the results."""
+    return [
+        f"- {meta['warmup']} warm-up steps, then {meta['steps']} timed steps; runs per row: "
+        f"{meta['repeats']}, each in {world} fresh processes, rows alternating their order; whole "
+        f"script {meta['wall_s']:.0f} s",
+        "",
+        *table(["Row", "Layout"], "ll", ([f"`{r}`", t] for r, t in titles.items())),
     ]
 
 
