@@ -35,7 +35,7 @@ from lightning_zeropp.core.measure.layout import describe_layout
 from lightning_zeropp.core.mesh import ParallelDims, build_mesh
 from lightning_zeropp.core.settings import env
 from lightning_zeropp.core.split.call_adapter import CallAdapter, get_call_adapter
-from lightning_zeropp.core.split.call_plan import meta_copy
+from lightning_zeropp.core.split.copies import meta_copy
 from lightning_zeropp.core.split.methods import SplitMethod, check_split
 from lightning_zeropp.core.step.grads import StepGrads
 from lightning_zeropp.core.weights import checkpoint as ckpt
