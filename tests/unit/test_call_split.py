@@ -397,7 +397,7 @@ REFUSED = [
     (TiedHead, r"its forward reads the parameters of 'emb' outside 'emb' \(linear\)"),
     (
         BareTied,
-        r"its forward reads parameter 'table' \(held outside any submodule\) after and before",
+        r"its forward reads parameter 'table' \(held outside any submodule\) before and after",
     ),
     (BlockIndexTensor, OTHER_ARGS),
     (BlockIndexInt, OTHER_ARGS),
