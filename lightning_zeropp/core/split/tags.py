@@ -45,6 +45,13 @@ class Tagger(TorchFunctionMode):
         self.bare_reads[name] = set()
         self.tag(param, frozenset({("bare", name)}))
 
+    @property
+    def phase(self) -> str:
+        """Where the forward is: "before", "between" (or inside) or "after" the blocks."""
+        if self.after is not None:
+            return "after"
+        return "between" if self.started else "before"
+
     def _read_bare(self, args: Any) -> frozenset[Any]:
         """Record the bare parameters read directly by this call; return the tags to drop."""
         drop = set()
@@ -52,10 +59,7 @@ class Tagger(TorchFunctionMode):
             name = self.bare.get(id(t)) if isinstance(t, torch.Tensor) else None
             if name is None or self.tags.get(id(t), (None,))[0] is not t:
                 continue
-            if self.after is not None:
-                where = "after"
-            else:
-                where = "between" if self.started else "before"
+            where = self.phase
             self.bare_reads[name].add(where)
             if where == "after":
                 drop.add(("bare", name))
