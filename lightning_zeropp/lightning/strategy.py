@@ -26,30 +26,25 @@ import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_zeropp.core.engine import ZeroPPEngine
-from lightning_zeropp.core.measure.layout import describe_layout
 from lightning_zeropp.core.mesh import ParallelDims, build_mesh
 from lightning_zeropp.core.settings import env
-from lightning_zeropp.core.split.call_adapter import CallAdapter, get_call_adapter
-from lightning_zeropp.core.split.copies import meta_copy
 from lightning_zeropp.core.split.methods import SplitMethod, check_split
 from lightning_zeropp.core.step.grads import StepGrads
 from lightning_zeropp.core.weights import checkpoint as ckpt
 from lightning_zeropp.core.weights import commit, export
 from lightning_zeropp.core.weights.async_checkpoint import AsyncCheckpointer
 from lightning_zeropp.core.weights.materialize import InitFn, empty_parameters
-from lightning_zeropp.lightning import checkpointing, network, resume, settings
+from lightning_zeropp.lightning import checkpointing, hooks, resume, settings
+from lightning_zeropp.lightning.build import build_engine
+from lightning_zeropp.lightning.hooks import ShardReads
 from lightning_zeropp.lightning.steps import StepRunner
-from lightning_zeropp.models.hf_loss import (
-    TokenCountAdapter,
-    accepts_num_items,
-    disable_kv_cache,
-    is_causal_lm,
-)
+from lightning_zeropp.lightning.weighting import UNWEIGHTED, GlobalTokenCount
 
 __all__ = ["ZeroPPStrategy"]
 
@@ -70,6 +65,25 @@ class ZeroPPPrecision(Precision):
     @override
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
         self._strategy.engine.clip_grad_norm_(clip_val)
+
+    @override
+    def post_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:
+        with ShardReads(module, "on_after_backward"):
+            return super().post_backward(tensor, module)
+
+    @override
+    def _after_closure(self, model: pl.LightningModule, optimizer: Any) -> None:
+        # Lightning's own, with the hooks' reads of the model checked (`lightning.hooks`).
+        trainer = model.trainer
+        with ShardReads(model, "on_before_optimizer_step"):
+            call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
+            call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
+        self._clip_gradients(
+            model,
+            optimizer,
+            trainer.gradient_clip_val,
+            gradient_clip_algorithm=trainer.gradient_clip_algorithm,
+        )
 
 
 class ZeroPPStrategy(ModelParallelStrategy):
@@ -192,11 +206,12 @@ class ZeroPPStrategy(ModelParallelStrategy):
         self._split = (env.split_from_env() or "auto") if split == "auto" else split
         check_split(self._split)
         self._module_name = module_name
-        self._pipelined: str | None = None  # the LightningModule attribute that was pipelined
         self._dims: ParallelDims | None = None
         self._engine: ZeroPPEngine | None = None
-        self._pending: StepGrads | None = None  # the last training step's, until backward
+        # the last training step's gradients and what they are worth, until backward
+        self._pending: tuple[StepGrads, torch.Tensor | float] | None = None
         self._runner = StepRunner()
+        self._told = False  # whether rank 0 said how the loss is weighted
 
     # ---------------------------------------------------------------- properties
     @property
@@ -279,65 +294,29 @@ class ZeroPPStrategy(ModelParallelStrategy):
                 "ZeroPPStrategy needs automatic optimization: the pipeline schedule runs forward "
                 "and backward together. Remove `self.automatic_optimization = False`."
             )
-        name = network.pipelined_name(module, self._module_name)
-        if self._engine is None or module._modules[name] is not self._engine.module:
-            self._build_engine(module, name, trainer)
+        if self._engine is None or not self._runner.network.installed(self._engine.module):
+            assert self._dims is not None
+            self._engine = build_engine(
+                self._runner,
+                module,
+                trainer,
+                self.zeropp_config,
+                self._dims,
+                split=self._split,
+                module_name=self._module_name,
+                device=self.root_device,
+                count_comms=self._log_comms,
+                init=self._init,
+                load_from=self._load_from,
+                to_device=self.batch_to_device,
+            )
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self.engine.report_memory_after_first_update(self.optimizers, rank_zero_info)
+        hooks.count_pipelines(trainer, self.engine.dims.dp_size)
         self.setup_precision_plugin()
-
-    def _build_engine(self, module: pl.LightningModule, name: str, trainer: pl.Trainer) -> None:
-        """Split, shard and schedule the module's network; put this rank's stages in its place."""
-        # How the user's calls of the network map to stage inputs and outputs (e.g. HF's `labels=`
-        # and `.logits`); read now, since the stages that replace the network do not carry it.
-        runner = self._runner
-        runner.module, runner.attr = module, name
-        net = getattr(module, name)
-        runner.adapter = get_call_adapter(net)
-        if type(runner.adapter) is CallAdapter and accepts_num_items(net):
-            # A plain HF model: padded batches' losses are token means, as in one process.
-            runner.adapter = TokenCountAdapter(shift=is_causal_lm(net))
-        self._pipelined = name
-        disable_kv_cache(net)  # plain HF models: a stage returns tensors only
-        example_args, example_kwargs = self._example(module, trainer)
-        whole = meta_copy(net)  # before sharding: a single stage is sharded in place
-        self._engine = ZeroPPEngine(
-            net,
-            self.zeropp_config,
-            loss_fn=runner.scheduled_loss,
-            probe_loss_fn=runner.probe_loss,
-            split=self._split,
-            example_args=example_args,
-            example_kwargs=example_kwargs,
-            device=self.root_device,
-            dims=self._dims,
-            count_comms=self._log_comms,
-            init=self._init,
-            load_from=self._load_from,
-        )
-        module._modules[name] = self._engine.module
-        runner.engine = self._engine
-        rank_zero_info(describe_layout(self._engine))  # collective: every rank builds the text
-        rank_zero_info(self._engine.memory_report(title="at setup"))  # collective too
-        network.summarize_whole_model(trainer, name, whole)
-        # The example served the split. Lightning's model summary would feed it to this rank's
-        # stages as if they were the whole model, so it goes.
-        module.example_input_array = None
-
-    def _example(
-        self, module: pl.LightningModule, trainer: pl.Trainer
-    ) -> tuple[tuple[Any, ...] | None, dict[str, Any] | None]:
-        """One micro-batch of the network's inputs, for the splits that need one."""
-        cfg = self.zeropp_config
-        if callable(self._split) or self._split == "stack" or cfg.num_stages == 1:
-            return None, None
-        assert cfg.num_microbatches is not None
-        return network.example_microbatch(
-            module, trainer, self._runner, cfg.num_microbatches, self.batch_to_device
-        )
 
     # ---------------------------------------------------------------- steps
     @override
@@ -351,10 +330,23 @@ class ZeroPPStrategy(ModelParallelStrategy):
         if outcome.skipped:  # the step returned None: no gradient from this batch, anywhere
             outcome.grads.discard()
         else:
-            self._pending = outcome.grads
+            self._pending = (outcome.grads, outcome.grad_scale)
+        self._tell_weighting()
         if self._log_comms:
             self.lightning_module.log_dict(self.engine.comm_metrics(), on_step=True, on_epoch=False)
-        return outcome.loss.detach().requires_grad_(True)
+        loss = outcome.loss.detach().requires_grad_(True)
+        return {"loss": loss, **outcome.extras} if outcome.extras else loss
+
+    def _tell_weighting(self) -> None:
+        """Once, on rank 0: a loss the library cannot weight by its items is averaged as given."""
+        runner, cfg = self._runner, self.zeropp_config
+        if self._told or runner.weighted is not False:
+            return
+        self._told = True
+        assert cfg.num_microbatches is not None
+        several = cfg.num_microbatches > 1 or self.engine.dims.dp_size > 1
+        if several and not isinstance(runner.adapter, GlobalTokenCount):
+            rank_zero_info(UNWEIGHTED.format(micro=cfg.num_microbatches))
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -376,7 +368,8 @@ class ZeroPPStrategy(ModelParallelStrategy):
     def _release_gradients(self) -> None:
         assert self.lightning_module is not None
         if self._pending is not None:  # Lightning's mean over accumulate_grad_batches batches
-            self._pending.apply(1.0 / self.lightning_module.trainer.accumulate_grad_batches)
+            grads, scale = self._pending
+            grads.apply(scale / self.lightning_module.trainer.accumulate_grad_batches)
             self._pending = None
 
     # ---------------------------------------------------------------- checkpoints
