@@ -172,7 +172,7 @@ class ZeroPPEngine:
         self._tied = TiedWeights(tied, list(zip(self.stage_ids, modules, strict=True)), self.dims)
         self.module: nn.Module = merge_stage_modules(modules)
         if self._meta or load_from is not None:
-            source = Source(init or default_init(model), load_from, model)
+            source = Source(init or default_init(model), load_from, model, init is not None)
             fill_values(modules, self.module, self.device, self._meta, source, self._tied)
         self._stage_modules = modules
         self._loss_fn = loss_fn
