@@ -201,7 +201,10 @@ def _fit(module: str, layout: dict[str, Any], steps: int = 3) -> dict[str, Any]:
     losses, memory = Losses(), Memory()
     callbacks: list[pl.Callback] = [losses]
     if module == "counting":
-        callbacks += [LearningRateMonitor(), ThroughputMonitor(batch_size_fn=lambda b: len(b[0]), window_size=2)]
+        callbacks += [
+            LearningRateMonitor(),
+            ThroughputMonitor(batch_size_fn=lambda b: len(b[0]), window_size=2),
+        ]
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=_WORLD,
@@ -236,4 +239,3 @@ def _loader(steps: int, batch: int) -> DataLoader:
     x = torch.cat([b[0] for b in batches])
     y = torch.cat([b[1] for b in batches])
     return DataLoader(TensorDataset(x, y), batch_size=batch, drop_last=True)
-
