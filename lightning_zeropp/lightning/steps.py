@@ -23,7 +23,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_map
 
 from lightning_zeropp.core.engine import ZeroPPEngine
 from lightning_zeropp.core.schedule import eval_microbatches
@@ -32,6 +32,15 @@ from lightning_zeropp.core.step.batch import batch_size, take_rows
 from lightning_zeropp.core.step.grads import StepGrads
 from lightning_zeropp.lightning.continuation import Continuation
 from lightning_zeropp.lightning.logging import LogRecorder
+from lightning_zeropp.lightning.microbatches import (
+    check_loss,
+    concat_calls,
+    detached,
+    merge,
+    scalar,
+    sync_random_state,
+    zero,
+)
 from lightning_zeropp.lightning.network import Network
 from lightning_zeropp.lightning.weighting import NUM_ITEMS, WeightWatch, loss_weight
 
@@ -148,7 +157,7 @@ class StepRunner:
                 idle()
         else:
             self.adapter.microbatches = len(step.parts)
-            args, kwargs = self.adapter.stage_inputs(*_concat(step.calls))
+            args, kwargs = self.adapter.stage_inputs(*concat_calls(step.calls))
         target = torch.arange(sum(len(p) for p in step.parts))  # row indices stay on the host
         if step.mode == "train":
             return engine.train_step_deferred(*args, target=target, skip=early, **kwargs)
@@ -159,7 +168,7 @@ class StepRunner:
         assert engine is not None and module is not None
         train = step.mode == "train"
         weights = step.weights if train and step.weights and step.weights[0] is not None else None
-        objects = _merge(step.outputs, averaged=train) if step.outputs else None
+        objects = merge(step.outputs, averaged=train) if step.outputs else None
         replayed = self.recorder.replay(
             module, engine, step.skipped, objects, weights, global_weights=train
         )
@@ -196,22 +205,22 @@ class StepRunner:
         result = event.value
         if step.mode == "predict":
             step.outputs.append(result)
-            return _zero(output, grad=False)
+            return zero(output, grad=False)
         if step.mode == "eval":
             loss = result.get("loss") if isinstance(result, dict) else result
-            scalar = torch.is_tensor(loss) and loss.numel() == 1
-            return _scalar(loss) if scalar else _zero(output, grad=False)
+            one = torch.is_tensor(loss) and loss.numel() == 1
+            return scalar(loss) if one else zero(output, grad=False)
         return self._training_loss(result, output, step, m)
 
     def probe_loss(self, output: Any, rows: torch.Tensor) -> torch.Tensor:
         """The runtime's shape-inference call (not a micro-batch): a zero that backward runs
         through; the user's step is not run for it."""
-        return _zero(output, grad=True)
+        return zero(output, grad=True)
 
     def _training_loss(self, result: Any, output: Any, step: _Step, m: int) -> torch.Tensor:
         if result is None:  # Lightning: skip this batch (here: on every rank)
             step.skipped = True
-            return _zero(output, grad=True)
+            return zero(output, grad=True)
         loss = result
         if isinstance(result, dict):
             if "loss" not in result:
@@ -221,8 +230,8 @@ class StepRunner:
                 )
             loss = result["loss"]
             extras = {k: v for k, v in result.items() if k not in ("loss", NUM_ITEMS)}
-            step.outputs.append(tree_map(_detached, extras))
-        _check_loss(loss)
+            step.outputs.append(tree_map(detached, extras))
+        check_loss(loss)
         weight = loss_weight(result, loss, step.watches[m])
         if step.weights and (step.weights[0] is None) != (weight is None):
             raise ValueError(
@@ -232,9 +241,9 @@ class StepRunner:
             )
         step.weights.append(weight)
         if weight is None:
-            return _scalar(loss)
+            return scalar(loss)
         step.watches[m].note(loss, weight)  # a logged loss is weighted with it
-        return _scalar(loss) * weight
+        return scalar(loss) * weight
 
     # ------------------------------------------------------------------ set-up
     def example(
@@ -303,103 +312,3 @@ def _call_step(fn: Callable[..., Any], batch: Any) -> Any:
 
 def _call_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return module(*args, **kwargs)
-
-
-def sync_random_state(engine: ZeroPPEngine) -> None:
-    """Every rank of a pipeline takes the first stage's random state (the stages' own work, e.g.
-    dropout in their blocks, draws differently on each), so what a step draws before its
-    network call is drawn alike on every stage."""
-    if engine.config.pp_size == 1:
-        return
-    group = engine.dims.pp_group
-    states = [(torch.get_rng_state, torch.set_rng_state)]
-    if engine.device.type == "cuda":
-        states.append((torch.cuda.get_rng_state, torch.cuda.set_rng_state))
-    for get, put in states:
-        state = get().to(engine.device)
-        dist.broadcast(state, group=group, group_src=0)
-        put(state.cpu())
-
-
-def _concat(
-    calls: list[tuple[tuple[Any, ...], dict[str, Any]]],
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The micro-batches' network calls as one call of the whole batch (tensors joined along
-    rows; everything else must be the same in every micro-batch)."""
-    flat = [tree_flatten((tuple(a), dict(k))) for a, k in calls]
-    spec = flat[0][1]
-    if any(s != spec for _, s in flat):
-        raise ValueError(
-            "the step called the network with arguments of another structure in some "
-            "micro-batches of the batch; call it alike for every part of a batch."
-        )
-    leaves = []
-    for parts in zip(*(leaves for leaves, _ in flat), strict=True):
-        first = parts[0]
-        if torch.is_tensor(first) and first.dim() > 0:
-            leaves.append(torch.cat(parts))
-        elif all(
-            (x is first) or (torch.is_tensor(x) and torch.equal(x, first)) or x == first
-            for x in parts
-        ):
-            leaves.append(first)
-        else:
-            raise ValueError(
-                f"the step passed the network {first!r} for one micro-batch and {parts[1]!r} "
-                "for another; a value that is not per row must be the same for the whole batch."
-            )
-    return tree_unflatten(leaves, spec)
-
-
-def _check_loss(loss: Any) -> None:
-    if torch.is_tensor(loss) and loss.numel() == 1 and loss.requires_grad:
-        return
-    if not torch.is_tensor(loss):
-        what = f"{loss!r} ({type(loss).__name__})"
-    elif loss.numel() != 1:
-        what = f"a tensor of shape {tuple(loss.shape)}"
-    else:
-        what = "a tensor that does not require grad"
-    raise ValueError(
-        f"training_step returned {what} as its loss; return a scalar tensor computed "
-        "from the model's output (e.g. loss.mean())."
-    )
-
-
-def _detached(x: Any) -> Any:
-    return x.detach() if torch.is_tensor(x) else x
-
-
-def _scalar(loss: torch.Tensor) -> torch.Tensor:
-    """A one-element loss as a 0-d tensor that is not a view (the zero-bubble schedules detach
-    the last stage's loss in place, which views refuse)."""
-    return loss if loss.dim() == 0 else loss.sum()
-
-
-def _zero(output: Any, grad: bool) -> torch.Tensor:
-    """A zero loss on the output's device; with `grad`, one backward can run through."""
-    tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t)]
-    zero = torch.zeros((), device=tensors[0].device if tensors else "cpu")
-    if grad:
-        return sum((t.sum() * 0.0 for t in tensors if t.requires_grad), zero)
-    return zero
-
-
-def _merge(outputs: list[Any], averaged: bool) -> Any:
-    """Per-micro-batch values as one batch: tensors with rows joined along them, dicts key by
-    key, lists joined; with `averaged`, one-element values averaged (micro-batches have equal
-    rows, so a mean over a micro-batch's rows averages to the batch's)."""
-    if not outputs:
-        return None
-    if all(isinstance(o, dict) for o in outputs):
-        keys = outputs[0].keys()
-        return {k: _merge([o.get(k) for o in outputs], averaged) for k in keys}
-    if all(torch.is_tensor(o) and o.dim() > 0 for o in outputs):
-        return torch.cat(outputs)
-    if not averaged:
-        return [x for o in outputs for x in (o if isinstance(o, list) else [o])]
-    if all(torch.is_tensor(o) and o.dim() == 0 for o in outputs):
-        return torch.stack(outputs).float().mean()
-    if all(isinstance(o, (int, float)) and not isinstance(o, bool) for o in outputs):
-        return sum(outputs) / len(outputs)
-    return [x for o in outputs for x in (o if isinstance(o, list) else [o])]

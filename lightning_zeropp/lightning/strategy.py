@@ -1,16 +1,19 @@
 """`ZeroPPStrategy`: Lightning's words translated to the core, in one place.
 
 How an unmodified LightningModule trains under a pipeline:
-- at setup, the module's network (its single child holding all parameters, e.g. `self.model`, or
-  the child named by `module_name`) is split, sharded and replaced by this rank's stages;
-- `training_step` (the strategy's) runs the whole pipeline schedule for the batch. On the last
-  stage the user's own `training_step` is the loss function: it receives each micro-batch, and
-  `self(x)` / `self.model(x)` inside it return the pipeline's output for that micro-batch. On the
-  first stage the model inputs are found by running `training_step` until it calls the model;
+- at setup, the module's network (its one child holding every trainable parameter, e.g.
+  `self.model`, or else the module itself through its own `forward`: `lightning.network`) is
+  split, sharded and replaced by this rank's stages (`lightning.build`);
+- `training_step` (the strategy's) runs the user's step once per micro-batch, on every rank, up
+  to its network call, and the pipeline schedule on the calls' inputs; on the last stage each
+  micro-batch's step goes on from its network call with the pipeline's output: the loss
+  (`lightning.steps`, `lightning.continuation`), weighted by its items when it is a mean over
+  them (`lightning.weighting`);
 - the gradients the schedule produced are set aside until Lightning's `backward`, because Lightning
   zeroes gradients between `training_step` and `backward`;
-- what the user logs per micro-batch is averaged, sent from the last stage to every stage, and
-  logged on every rank, so rank 0's loggers and `sync_dist=True` see the real values.
+- what the user logs per micro-batch is combined, sent from the last stage to every stage, and
+  logged on every rank, so rank 0's loggers and `sync_dist=True` see the real values
+  (`lightning.logging`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
-from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
@@ -42,48 +44,11 @@ from lightning_zeropp.core.weights.async_checkpoint import AsyncCheckpointer
 from lightning_zeropp.core.weights.materialize import InitFn, empty_parameters
 from lightning_zeropp.lightning import checkpointing, hooks, resume, settings
 from lightning_zeropp.lightning.build import build_engine
-from lightning_zeropp.lightning.hooks import ShardReads
+from lightning_zeropp.lightning.precision import ZeroPPPrecision
 from lightning_zeropp.lightning.steps import StepRunner
 from lightning_zeropp.lightning.weighting import UNWEIGHTED, GlobalTokenCount
 
 __all__ = ["ZeroPPStrategy"]
-
-
-class ZeroPPPrecision(Precision):
-    """fp32 Lightning precision whose backward releases the pipeline's gradients and whose norm
-    clipping uses the global norm over all stages and shards (mixed precision is FSDP2's job:
-    `ZeroPPStrategy(param_dtype="bf16")`)."""
-
-    def __init__(self, strategy: ZeroPPStrategy) -> None:
-        super().__init__()
-        self._strategy = strategy
-
-    @override
-    def backward(self, tensor: torch.Tensor, model: pl.LightningModule, *args: Any, **kwargs: Any):
-        self._strategy._release_gradients()
-
-    @override
-    def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-        self._strategy.engine.clip_grad_norm_(clip_val)
-
-    @override
-    def post_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:
-        with ShardReads(module, "on_after_backward"):
-            return super().post_backward(tensor, module)
-
-    @override
-    def _after_closure(self, model: pl.LightningModule, optimizer: Any) -> None:
-        # Lightning's own, with the hooks' reads of the model checked (`lightning.hooks`).
-        trainer = model.trainer
-        with ShardReads(model, "on_before_optimizer_step"):
-            call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
-            call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
-        self._clip_gradients(
-            model,
-            optimizer,
-            trainer.gradient_clip_val,
-            gradient_clip_algorithm=trainer.gradient_clip_algorithm,
-        )
 
 
 class ZeroPPStrategy(ModelParallelStrategy):

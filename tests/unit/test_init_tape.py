@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_zeropp.core.weights.init_tape import tape_of, targets_by_ref
+from lightning_zeropp.core.weights.init_record import tape_of
+from lightning_zeropp.core.weights.init_tape import targets_by_ref
 from lightning_zeropp.core.weights.materialize import empty_parameters
 from lightning_zeropp.models.gpt import Block, GPTConfig
 

@@ -21,7 +21,6 @@ parameters it touches unreproducible: they are named, never silently given other
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +28,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_zeropp.core._torch_private import local_chunk
@@ -37,12 +35,15 @@ from lightning_zeropp.core.shard.fsdp import local_shard
 
 __all__ = [
     "InitTape",
-    "follow_parameter",
-    "recording",
+    "draws",
+    "get_states",
+    "replay_into",
     "same_states",
+    "set_states",
     "shared_start",
-    "tape_of",
     "targets_by_ref",
+    "tensors",
+    "unrecorded",
 ]
 
 # Calls that draw from a generator (names, as the torch-function mode sees them).
@@ -53,9 +54,10 @@ _DRAWS = {
     "normal", "poisson", "randperm", "dropout",
 }  # fmt: skip
 
-# id(parameter) -> (a weak reference to it, its tape, its ref): parameters hash by identity here
-# (a WeakKeyDictionary would compare tensors by value).
-_TAPES: dict[int, tuple[weakref.ref[torch.Tensor], InitTape, int]] = {}
+
+def draws(name: str) -> bool:
+    """Whether a call of this name draws from a random generator."""
+    return name in _DRAWS or name.startswith("rand")
 
 
 @dataclass(frozen=True)
@@ -105,16 +107,16 @@ class InitTape:
     def _draw_states(self, device: torch.device, start: dict[str, torch.Tensor]) -> dict[int, Any]:
         """Pass 1: every draw again, on scratch tensors; the state before each (by call)."""
         states: dict[int, Any] = {}
-        _set_states(start)
+        set_states(start)
         for i, call in enumerate(self.calls):
             if not call.draws:
                 continue
-            states[i] = _get_states()
+            states[i] = get_states()
             env: dict[int, torch.Tensor] = {}
             args, kwargs = tree_map(_scratch, self._decode(call.args, env, device))
             with torch.no_grad():
                 call.func(*args, **kwargs)
-        states[-1] = _get_states()  # where the eager build left the generators
+        states[-1] = get_states()  # where the eager build left the generators
         return states
 
     def _groups(self, wanted: set[int]) -> list[set[int]]:
@@ -147,11 +149,11 @@ class InitTape:
             if not {self.roots[r] for r in call.refs} & group:
                 continue
             if call.draws:
-                _set_states(states[i])
+                set_states(states[i])
             args, kwargs = self._decode(call.args, env, device)
             with torch.no_grad():
                 out = call.func(*args, **kwargs)
-            for ref, value in zip(call.outs, _tensors(out), strict=False):
+            for ref, value in zip(call.outs, tensors(out), strict=False):
                 if ref >= 0 and ref not in env:
                     env[ref] = value
         for ref in group & set(targets):
@@ -178,128 +180,6 @@ class InitTape:
         return tree_map(value, encoded)
 
 
-class _Recorder(TorchFunctionMode):
-    """Records the calls an `InitTape` needs while a model is built (see the module docstring)."""
-
-    def __init__(self, tape: InitTape) -> None:
-        super().__init__()
-        self.tape = tape
-        self.refs: dict[int, tuple[torch.Tensor, int]] = {}  # id -> (tensor, ref)
-
-    def follow(self, tensor: torch.Tensor, root: int | None = None) -> int:
-        ref = len(self.tape.shapes)
-        self.tape.shapes.append((tensor.shape, tensor.dtype))
-        self.tape.roots[ref] = ref if root is None else root
-        self.refs[id(tensor)] = (tensor, ref)
-        return ref
-
-    def ref_of(self, x: Any) -> int | None:
-        found = self.refs.get(id(x)) if isinstance(x, torch.Tensor) else None
-        return found[1] if found is not None and found[0] is x else None
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        self.record(func, args, kwargs, out)
-        return out
-
-    def record(self, func: Callable[..., Any], args: Any, kwargs: dict[str, Any], out: Any) -> None:
-        name = getattr(func, "__name__", "")
-        leaves = tree_flatten((args, kwargs))[0]
-        refs = {r for r in map(self.ref_of, leaves) if r is not None}
-        draws = name in _DRAWS or name.startswith("rand")
-        if not refs and not draws:
-            return
-        outs = _tensors(out)
-        if refs and not outs and not draws:
-            return  # a query (shape, dim, ...): nothing to replay
-        foreign = any(
-            isinstance(t, torch.Tensor) and t.is_meta and self.ref_of(t) is None for t in leaves
-        )
-        encoded = tree_map(
-            lambda x: _Ref(r) if (r := self.ref_of(x)) is not None else x, (args, kwargs)
-        )
-        root = min((self.tape.roots[r] for r in refs), default=None)
-        out_refs = []
-        for t in outs:
-            known = self.ref_of(t)
-            out_refs.append(known if known is not None else (self.follow(t, root) if refs else -1))
-        self.tape.calls.append(
-            _Call(func, encoded, frozenset(refs), tuple(out_refs), draws, foreign)
-        )
-
-
-_active: list[_Recorder] = []
-
-# `torch.nn.init` functions that do not pass through the torch-function mode as one call (they run
-# their own ops, and some return at once on a meta tensor, or draw as many times as the values they
-# draw require): while recording they are recorded whole, as one call each.
-_WHOLE = (
-    "ones_", "zeros_", "eye_", "dirac_", "xavier_uniform_", "xavier_normal_", "kaiming_normal_",
-    "orthogonal_", "sparse_", "trunc_normal_",
-)  # fmt: skip
-
-
-@contextlib.contextmanager
-def _whole_init_calls() -> Iterator[None]:
-    originals = {name: getattr(nn.init, name) for name in _WHOLE}
-
-    def whole(original: Callable[..., Any]) -> Callable[..., Any]:
-        def call(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            recorder = _active[-1] if _active else None
-            if recorder is None or recorder.ref_of(tensor) is None:
-                return original(tensor, *args, **kwargs)
-            recorder.record(original, (tensor, *args), kwargs, tensor)
-            return tensor
-
-        return call
-
-    for name, original in originals.items():
-        setattr(nn.init, name, whole(original))
-    try:
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(nn.init, name, original)
-
-
-@contextlib.contextmanager
-def recording() -> Iterator[None]:
-    """Record the construction inside on a fresh tape (`empty_parameters` enters it)."""
-    tape = InitTape(start=_get_states())
-    recorder = _Recorder(tape)
-    _active.append(recorder)
-    try:
-        with recorder, _whole_init_calls() if len(_active) == 1 else contextlib.nullcontext():
-            yield
-    finally:
-        _active.remove(recorder)
-        tape.end = _get_states()
-
-
-def follow_parameter(param: torch.Tensor) -> None:
-    """A parameter created on the meta device while recording: the tape follows it."""
-    if _active:
-        recorder = _active[-1]
-        ref = recorder.follow(param)
-        recorder.tape.params.add(ref)
-        key = id(param)
-        _TAPES[key] = (weakref.ref(param, lambda _: _TAPES.pop(key, None)), recorder.tape, ref)
-
-
-def tape_of(model: nn.Module) -> tuple[InitTape, dict[str, int]] | None:
-    """The tape that recorded `model`'s construction and each parameter name's ref in it."""
-    found: dict[str, int] = {}
-    tape = None
-    for name, p in model.named_parameters(remove_duplicate=False):
-        entry = _TAPES.get(id(p))
-        if entry is None or entry[0]() is not p or (tape is not None and entry[1] is not tape):
-            continue
-        tape = entry[1]
-        found[name] = entry[2]
-    return (tape, found) if tape is not None else None
-
-
 def shared_start(tape: InitTape, device: torch.device) -> dict[str, torch.Tensor]:
     """Rank 0's starting states on every rank (replicas must draw alike)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
@@ -320,29 +200,29 @@ def _scratch(x: Any) -> Any:
 
 @contextlib.contextmanager
 def _states_kept() -> Iterator[None]:
-    saved = _get_states()
+    saved = get_states()
     try:
         yield
     finally:
-        _set_states(saved)
+        set_states(saved)
 
 
 def same_states(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _tensors(out: Any) -> list[torch.Tensor]:
+def tensors(out: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
 
 
-def _get_states() -> dict[str, torch.Tensor]:
+def get_states() -> dict[str, torch.Tensor]:
     states = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states["cuda"] = torch.cuda.get_rng_state()
     return states
 
 
-def _set_states(states: dict[str, torch.Tensor]) -> None:
+def set_states(states: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(states["cpu"])
     if "cuda" in states:
         torch.cuda.set_rng_state(states["cuda"])
@@ -358,3 +238,36 @@ def targets_by_ref(
             if name in refs and all(p is not q for q in out.get(refs[name], [])):
                 out.setdefault(refs[name], []).append(p)
     return out
+
+
+def unrecorded(
+    stages: Sequence[nn.Module], refs: dict[str, int]
+) -> Callable[[nn.Module, str, torch.Tensor], bool]:
+    """`materialize`'s `only=`: the tensors the constructor's recorded init does not set."""
+    covered = {
+        (id(module), name)
+        for stage in stages
+        for prefix, module in stage.named_modules()
+        for name in module._parameters
+        if (f"{prefix}.{name}" if prefix else name) in refs
+    }
+    return lambda module, name, tensor: (id(module), name) not in covered
+
+
+def replay_into(
+    stages: Sequence[nn.Module], recorded: tuple[InitTape, dict[str, int]], device: torch.device
+) -> None:
+    """The constructor's init on this rank's shards (`core.weights.init_tape`)."""
+    tape, refs = recorded
+    targets = targets_by_ref(stages, refs)
+    current = get_states()
+    bad, end = tape.replay(targets, device, shared_start(tape, device))
+    if bad:
+        names = sorted(n for n, r in refs.items() if r in bad)
+        raise ValueError(
+            f"the init {type(stages[0]).__name__}'s constructor applies to {names[:4]} cannot "
+            "be replayed on the shards (it computes with a meta tensor that is not a parameter); "
+            "give ZeroPPStrategy / the engine init=fn (called per module) or load_from=..."
+        )
+    if same_states(current, tape.end):  # nothing drew since: continue where eager would be
+        set_states(end)

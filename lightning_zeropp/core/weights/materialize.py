@@ -37,14 +37,8 @@ from lightning_zeropp.core._torch_private import local_chunk
 from lightning_zeropp.core.shard.fsdp import local_shard
 from lightning_zeropp.core.split.tied import TiedWeights
 from lightning_zeropp.core.weights.checkpoint import raise_on_every_rank
-from lightning_zeropp.core.weights.init_tape import (
-    follow_parameter,
-    recording,
-    same_states,
-    shared_start,
-    tape_of,
-    targets_by_ref,
-)
+from lightning_zeropp.core.weights.init_record import follow_parameter, recording, tape_of
+from lightning_zeropp.core.weights.init_tape import replay_into, unrecorded
 from lightning_zeropp.core.weights.load import load_weights
 
 __all__ = [
@@ -166,14 +160,14 @@ def fill_values(
     if meta:
         only = non_persistent if load_from is not None else None
         if recorded is not None:  # the constructor's init, replayed below, sets these
-            only = _not_recorded(stages, recorded[1])
+            only = unrecorded(stages, recorded[1])
         seed = shared_seed(device)
         # A rank whose stages fail raises on every rank (the others would wait in the step).
         raise_on_every_rank(
             _problem(lambda: materialize(stages, device, source.init, seed, only=only))
         )
     if recorded is not None:
-        raise_on_every_rank(_problem(lambda: _replay(stages, recorded, device)))
+        raise_on_every_rank(_problem(lambda: replay_into(stages, recorded, device)))
     if load_from is not None:
         prefix = getattr(source.model, "base_model_prefix", "")
         load_weights(merged, load_from, tied.names(), prefix)
@@ -181,46 +175,6 @@ def fill_values(
         tied.sync_values()
     if meta:
         raise_on_every_rank(_problem(lambda: check_set(stages)))
-
-
-def _not_recorded(
-    stages: Sequence[nn.Module], refs: dict[str, int]
-) -> Callable[[nn.Module, str, torch.Tensor], bool]:
-    """`materialize`'s `only=`: the tensors the constructor's recorded init does not set."""
-    covered = {
-        (id(module), name)
-        for stage in stages
-        for prefix, module in stage.named_modules()
-        for name in module._parameters
-        if (f"{prefix}.{name}" if prefix else name) in refs
-    }
-    return lambda module, name, tensor: (id(module), name) not in covered
-
-
-def _replay(stages: Sequence[nn.Module], recorded: Any, device: torch.device) -> None:
-    """The constructor's init on this rank's shards (`core.weights.init_tape`)."""
-    tape, refs = recorded
-    targets = targets_by_ref(stages, refs)
-    current = _states()
-    bad, end = tape.replay(targets, device, shared_start(tape, device))
-    if bad:
-        names = sorted(n for n, r in refs.items() if r in bad)
-        raise ValueError(
-            f"the init {type(stages[0]).__name__}'s constructor applies to {names[:4]} cannot "
-            "be replayed on the shards (it computes with a meta tensor that is not a parameter); "
-            "give ZeroPPStrategy / the engine init=fn (called per module) or load_from=..."
-        )
-    if same_states(current, tape.end):  # nothing drew since: continue where eager would be
-        torch.set_rng_state(end["cpu"])
-        if "cuda" in end:
-            torch.cuda.set_rng_state(end["cuda"])
-
-
-def _states() -> dict[str, torch.Tensor]:
-    states = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.get_rng_state()
-    return states
 
 
 def _problem(run: Callable[[], None]) -> str | None:
