@@ -34,18 +34,39 @@ pytestmark = pytest.mark.distributed
 PP2 = {"pp_size": 2, "dp_shard_size": 2, "num_microbatches": 4}
 ZEROPP = {**PP2, "schedule": "zeropp", "num_chunks": 2, "unit_size": 2}
 DP, MICRO, STEPS = 2, 4, 3
+# One launch each: the suite's (a module per schedule) and the other three (`slow`: for time).
+SUITE = {"flat": "zeropp", "encoder_head": "zeropp", "counting": "1f1b"}
+LAYOUTS = {"1f1b": PP2, "zeropp": ZEROPP}
 CASES = [
-    {"id": f"{module}-{name}", "module": module, "layout": layout}
+    {"id": f"{module}-{name}", "module": module, "layout": LAYOUTS[name]}
     for module in ("flat", "encoder_head", "counting")
-    for name, layout in (("1f1b", PP2), ("zeropp", ZEROPP))
+    for name in ("1f1b", "zeropp")
 ]
 
 
+def _slow(case_id: str) -> bool:
+    module, name = case_id.split("-")
+    return SUITE[module] != name
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: Any) -> list[dict[str, Any]]:
-    params = {"cases": [dict(c) for c in CASES], "init_process_group": False}
-    out = tmp_path_factory.mktemp("steps")
-    return launch(4, "step_scenarios.fit_cases", params, out, timeout=900)
+def launched(tmp_path_factory: Any) -> Any:
+    """Each launch on first use: {slow?: per-rank results}."""
+    cache: dict[bool, list[dict[str, Any]]] = {}
+
+    def get(slow: bool) -> list[dict[str, Any]]:
+        if slow not in cache:
+            cases = [dict(c) for c in CASES if _slow(c["id"]) == slow]
+            params = {"cases": cases, "init_process_group": False}
+            out = tmp_path_factory.mktemp("steps_slow" if slow else "steps")
+            cache[slow] = launch(4, "step_scenarios.fit_cases", params, out, timeout=900)
+        return cache[slow]
+
+    return get
+
+
+def _params(case_ids: list[str]) -> list[Any]:
+    return [pytest.param(c, marks=[pytest.mark.slow] if _slow(c) else [], id=c) for c in case_ids]
 
 
 def _one_process(module: str) -> dict[str, Any]:
@@ -81,8 +102,10 @@ def _one_process(module: str) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
-def test_module_trains_as_one_process(results: list[dict[str, Any]], case: dict[str, Any]) -> None:
+@pytest.mark.parametrize("case_id", _params([c["id"] for c in CASES]))
+def test_module_trains_as_one_process(launched: Any, case_id: str) -> None:
+    case = next(c for c in CASES if c["id"] == case_id)
+    results = launched(_slow(case_id))
     ref = _one_process(case["module"])
     for rank, r in enumerate(results):
         got = r[case["id"]]
@@ -102,15 +125,16 @@ def test_module_trains_as_one_process(results: list[dict[str, Any]], case: dict[
         torch.testing.assert_close(params[name], want, rtol=0, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zeropp"])
-def test_the_steps_side_effects_happen_once_per_micro_batch(results, schedule) -> None:
+@pytest.mark.parametrize("case_id", _params(["counting-1f1b", "counting-zeropp"]))
+def test_the_steps_side_effects_happen_once_per_micro_batch(launched: Any, case_id: str) -> None:
     """Counting: 8 rows x 16 tokens per rank per trained batch (batch 1 skipped before the
     network), the sum over ranks logged; extra keys reach on_train_batch_end whole; the
     whole-model gradient norm; each parameter group's learning rate; throughput per pipeline."""
+    results = launched(_slow(case_id))
     ref = _one_process("counting")
     per_rank = (GLOBAL_BATCH // DP) * CFG.seq_len
     for r in results:
-        got = r[f"counting-{schedule}"]
+        got = r[case_id]
         assert got["tokens"] == per_rank * (STEPS - 1)
         assert got["logged_tokens"][0] == per_rank * DP and got["logged_tokens"][2] == per_rank * DP
         assert (
@@ -119,7 +143,7 @@ def test_the_steps_side_effects_happen_once_per_micro_batch(results, schedule) -
         torch.testing.assert_close(
             torch.tensor(got["norms"]), torch.tensor(ref["norms"]), rtol=1e-5, atol=1e-6
         )
-    metrics = results[0][f"counting-{schedule}"]["metrics"]
+    metrics = results[0][case_id]["metrics"]
     lrs = [m for m in metrics if "lr-AdamW/pg1" in m]
     assert lrs and all(m["lr-AdamW/pg1"] == m["lr-AdamW/pg2"] == 1e-3 for m in lrs)
     rates = [m for m in metrics if "samples_per_sec" in m and "device/samples_per_sec" in m]
