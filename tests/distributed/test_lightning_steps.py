@@ -146,7 +146,8 @@ def test_the_steps_side_effects_happen_once_per_micro_batch(launched: Any, case_
     metrics = results[0][case_id]["metrics"]
     lrs = [m for m in metrics if "lr-AdamW/pg1" in m]
     assert lrs and all(m["lr-AdamW/pg1"] == m["lr-AdamW/pg2"] == 1e-3 for m in lrs)
-    rates = [m for m in metrics if "samples_per_sec" in m and "device/samples_per_sec" in m]
+    rates = [m for m in metrics if "train/device/samples_per_sec" in m]
     assert rates and all(
-        m["samples_per_sec"] == pytest.approx(DP * m["device/samples_per_sec"]) for m in rates
+        m["train/samples_per_sec"] == pytest.approx(DP * m["train/device/samples_per_sec"])
+        for m in rates
     )
