@@ -93,6 +93,8 @@ class StepRunner:
         micro = engine.config.num_microbatches
         assert micro is not None
         micro = micro if mode == "train" else eval_microbatches(rows, micro)
+        if rows % micro or rows < micro:  # one step for the whole batch: the engine refuses it
+            micro = 1
         step = self._step = _Step(mode, list(torch.arange(rows).tensor_split(micro)))
         last = engine.dims.pp_rank == engine.last_pp_rank
         sync_random_state(engine)
@@ -125,11 +127,7 @@ class StepRunner:
                 raise event.value
             if event.kind == "return":
                 if event.value is not None:
-                    raise ValueError(
-                        f"the step returned without calling the network ({self.network.call}); "
-                        "ZeroPPStrategy feeds the pipeline with what the step passes to it. "
-                        "Return None to skip a batch."
-                    )
+                    raise RuntimeError(_NEVER_CALLED.format(call=self.network.call))
                 early = step.skipped = True
                 continue
             step.calls.append((event.args, event.kwargs or {}))
@@ -271,11 +269,15 @@ class StepRunner:
             continuation.abandon()
         if event.kind == "raise":
             raise event.value
-        if event.kind != "call":
+        if event.kind == "return" and event.value is None:
             raise ValueError(
-                f"the step never called the network ({self.network.call}, directly or through "
-                "self(...)); ZeroPPStrategy feeds the pipeline with what the step passes to it."
+                "the step returned None for the first micro-batch of the first batch before "
+                f"calling the network ({self.network.call}): ZeroPPStrategy learns the network's "
+                "input shapes from that call. Set example_input_array (one micro-batch of the "
+                "network's inputs)."
             )
+        if event.kind != "call":
+            raise RuntimeError(_NEVER_CALLED.format(call=self.network.call))
         self.adapter.microbatches = 1
         return self.adapter.stage_inputs(event.args, event.kwargs or {})
 
@@ -299,6 +301,10 @@ class StepRunner:
         return network(*args, **kwargs)
 
 
+_NEVER_CALLED = (
+    "the step never called the network ({call}, directly or through self(...)); ZeroPPStrategy "
+    "feeds the pipeline with what the step passes to it. Return None to skip a batch."
+)
 _SECOND_CALL = (
     "the step called the network ({call}) more than once for one micro-batch. Under "
     "ZeroPPStrategy the pipeline runs the network once per micro-batch and the step receives "

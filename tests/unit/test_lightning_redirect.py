@@ -11,10 +11,10 @@ from torch import nn
 
 from lightning_zeropp.lightning.continuation import Continuation
 from lightning_zeropp.lightning.hooks import ShardReads
-from lightning_zeropp.lightning.network import Network
-from lightning_zeropp.lightning.redirect import StandIn, attributes_kept
 from lightning_zeropp.lightning.microbatches import merge as _merge
 from lightning_zeropp.lightning.microbatches import scalar as _scalar
+from lightning_zeropp.lightning.network import Network
+from lightning_zeropp.lightning.redirect import StandIn, attributes_kept
 from lightning_zeropp.lightning.weighting import WeightWatch, loss_weight
 
 
