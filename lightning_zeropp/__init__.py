@@ -15,6 +15,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
+from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 from lightning_zeropp.core.weights.materialize import empty_parameters, init_weights
 
 if TYPE_CHECKING:
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ZeroPPConfig",
     "ZeroPPEngine",
+    "ZeroPPLayout",
     "ZeroPPStrategy",
     "empty_parameters",
     "grad_norm",

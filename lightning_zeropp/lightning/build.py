@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_zeropp.core.engine import ZeroPPEngine
 from lightning_zeropp.core.measure.layout import describe_layout
 from lightning_zeropp.core.mesh import ParallelDims, world_timeout
-from lightning_zeropp.core.settings.config import ZeroPPConfig
+from lightning_zeropp.core.settings.config import ZeroPPLayout
 from lightning_zeropp.core.split.call_adapter import CallAdapter, get_call_adapter
 from lightning_zeropp.core.split.copies import meta_copy
 from lightning_zeropp.core.split.methods import SplitMethod
@@ -39,7 +39,7 @@ def build_engine(
     runner: StepRunner,
     module: pl.LightningModule,
     trainer: pl.Trainer,
-    config: ZeroPPConfig,
+    config: ZeroPPLayout,
     dims: ParallelDims,
     *,
     split: SplitMethod,
@@ -93,14 +93,13 @@ def _example(
     runner: StepRunner,
     module: pl.LightningModule,
     trainer: pl.Trainer,
-    config: ZeroPPConfig,
+    config: ZeroPPLayout,
     split: SplitMethod,
     to_device: Callable[[Any], Any],
 ) -> tuple[tuple[Any, ...] | None, dict[str, Any] | None]:
     """One micro-batch of the network's inputs, for the splits that need one."""
     if callable(split) or split == "stack" or config.num_stages == 1:
         return None, None
-    assert config.num_microbatches is not None
     step = {
         TrainerFn.FITTING: module.training_step,
         TrainerFn.VALIDATING: module.validation_step,

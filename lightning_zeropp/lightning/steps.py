@@ -91,7 +91,6 @@ class StepRunner:
         batch, rest = args[0], args[1:]
         rows = batch_size(batch)
         micro = engine.config.num_microbatches
-        assert micro is not None
         micro = micro if mode == "train" else eval_microbatches(rows, micro)
         if rows % micro or rows < micro:  # one step for the whole batch: the engine refuses it
             micro = 1
