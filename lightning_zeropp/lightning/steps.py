@@ -100,7 +100,10 @@ class StepRunner:
         try:
             with self._redirected(), self.recorder.recording(module, engine):
                 with self.recorder.muted(module) if not last else contextlib.nullcontext():
-                    early = self._start(fn, batch, rest, step, last)
+                    early = self._start(fn, batch, rest, step)
+                if not last:  # their losses are the last stage's: what they hold can go now
+                    for continuation in step.steps:
+                        continuation.abandon()
                 loss, grads = self._schedule(step, early)
             outcome = self._finish(step, loss, grads, last)
         finally:
@@ -110,7 +113,7 @@ class StepRunner:
         return outcome
 
     def _start(
-        self, fn: Callable[..., Any], batch: Any, rest: tuple[Any, ...], step: _Step, last: bool
+        self, fn: Callable[..., Any], batch: Any, rest: tuple[Any, ...], step: _Step
     ) -> bool:
         """Run each micro-batch's step up to its network call; True if one returned before it."""
         early = False
