@@ -201,3 +201,28 @@ def test_a_submodule_of_the_pipelined_child_is_not_reachable() -> None:
     stand_in = StandIn(lambda x: x, "model")
     with pytest.raises(AttributeError, match=r"self.model.encoder is not reachable.*module_name"):
         stand_in.encoder  # noqa: B018 - the attribute access is what is tested
+
+
+def test_a_loss_the_library_cannot_weight_is_said_once(monkeypatch) -> None:
+    """A step whose loss carries no weight (not a mean F.cross_entropy, no num_items): rank 0
+    says once that micro-batch losses are averaged as returned, naming num_items."""
+    from types import SimpleNamespace
+
+    from lightning_zeropp.core.split.call_adapter import CallAdapter
+    from lightning_zeropp.lightning import strategy
+
+    said: list[str] = []
+    monkeypatch.setattr(strategy, "rank_zero_info", said.append)
+    fake = SimpleNamespace(
+        _told=False,
+        _runner=SimpleNamespace(weighted=False, adapter=CallAdapter()),
+        zeropp_config=SimpleNamespace(num_microbatches=4),
+        engine=SimpleNamespace(dims=SimpleNamespace(dp_size=2)),
+    )
+    for _ in range(3):
+        strategy.ZeroPPStrategy._tell_weighting(fake)
+    assert len(said) == 1 and "{'loss': loss, 'num_items': n}" in said[0]
+    weighted = SimpleNamespace(**{**vars(fake), "_told": False})
+    weighted._runner = SimpleNamespace(weighted=True, adapter=CallAdapter())
+    strategy.ZeroPPStrategy._tell_weighting(weighted)
+    assert len(said) == 1
