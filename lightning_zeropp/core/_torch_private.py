@@ -43,6 +43,7 @@ __all__ = [
     "run_post_backward",
     "hide_post_forward_mesh",
     "on_scheduled_loss",
+    "is_gathered",
     "unsharded_parameter_bytes",
     "local_chunk",
     "fsdp_unit_shards",
@@ -132,6 +133,11 @@ def unsharded_params(module: FSDPModule) -> list[Any]:
     group = module._get_fsdp_state()._fsdp_param_group
     params = (getattr(p, "_unsharded_param", None) for p in (group.fsdp_params if group else ()))
     return [p for p in params if p is not None]
+
+
+def is_gathered(module: FSDPModule) -> bool:
+    """Whether FSDP holds one unit's parameters unsharded (gathered) now."""
+    return any(group.is_unsharded for group in _param_groups(module))
 
 
 def run_post_backward(root: FSDPModule) -> None:
