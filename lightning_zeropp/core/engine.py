@@ -44,9 +44,10 @@ from lightning_zeropp.core.settings.merge import launcher_node_size
 from lightning_zeropp.core.settings.placement import (
     rank_of_stage,
     schedule_style,
+    splits_backward,
     stage_ids_for_rank,
 )
-from lightning_zeropp.core.shard.compile import compile_blocks, splits_backward
+from lightning_zeropp.core.shard.compile import compile_blocks
 from lightning_zeropp.core.shard.fsdp import apply_activation_checkpointing, shard_stage
 from lightning_zeropp.core.shard.plus import Plus
 from lightning_zeropp.core.split.blocks import BlockPlan, find_blocks, plan_blocks

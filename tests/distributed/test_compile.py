@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_zeropp.core import ZeroPPConfig
-from lightning_zeropp.core.shard.compile import splits_backward
+from lightning_zeropp.core.settings.placement import splits_backward
 from tests.distributed.conftest import assert_matches_reference
 from tests.distributed.launch import launch
 

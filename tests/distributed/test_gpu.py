@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_zeropp.core import ZeroPPConfig
-from lightning_zeropp.core.shard.compile import splits_backward
+from lightning_zeropp.core.settings.placement import splits_backward
 from tests.distributed.common import reference
 from tests.distributed.launch import launch
 

@@ -21,7 +21,8 @@ from lightning_zeropp.core import ZeroPPConfig
 from lightning_zeropp.core import _torch_private as tp
 from lightning_zeropp.core._torch_private import stage_backward_input, stage_backward_weight
 from lightning_zeropp.core.settings.env import config_from_env
-from lightning_zeropp.core.shard.compile import compile_blocks, compile_stats, splits_backward
+from lightning_zeropp.core.settings.placement import splits_backward
+from lightning_zeropp.core.shard.compile import compile_blocks, compile_stats
 from lightning_zeropp.plan.activations import task_orders
 
 

@@ -38,11 +38,7 @@ from torch import fx, nn
 
 from lightning_zeropp.core import _torch_private as tp
 
-__all__ = ["compile_blocks", "compile_stats", "splits_backward", "SPLIT_BACKWARD_SCHEDULES"]
-
-# torch's schedules whose backward is an input-gradient and a weight-gradient task (zeropp's is,
-# with split_backward). A unit test checks this against the schedules' own actions.
-SPLIT_BACKWARD_SCHEDULES = ("interleaved_zb", "zbv", "dualpipev")
+__all__ = ["compile_blocks", "compile_stats"]
 
 # Per process: dynamo graphs compiled ("graphs"), compiled regions and eager pieces of cut graphs
 # ("regions", "eager_pieces"), runs of compiled whole blocks and of cut blocks ("whole_runs",
@@ -54,11 +50,6 @@ _STATS: collections.Counter[str] = collections.Counter()
 def compile_stats() -> dict[str, int]:
     """This process's compile counters (see `_STATS`)."""
     return dict(_STATS)
-
-
-def splits_backward(schedule: str, split_backward: bool | None) -> bool:
-    """Whether a (resolved) schedule runs separate input- and weight-gradient tasks."""
-    return schedule in SPLIT_BACKWARD_SCHEDULES or bool(split_backward)
 
 
 def compile_blocks(stage: nn.Module, block_names: Sequence[str], *, regions: bool) -> None:
