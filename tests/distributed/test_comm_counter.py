@@ -44,10 +44,10 @@ def test_fsdp_step_traffic_is_on_dp_shard(tmp_path: Path) -> None:
         assert summary["all_gather"] == {
             "dp_shard": {"count": 2 * len(units), "bytes": 2 * shard_bytes}
         }
-        # The loss, and the two int32 flags by which the ranks agree whether to rebuild the
-        # step's schedule (a rebuild gathers weights, so all rebuild when any must) and whether
-        # every rank's batch passed its checks.
-        assert summary["all_reduce"] == {"dp_shard": {"count": 2, "bytes": FP32 + 8}}
+        # The loss, and the three int32 flags by which the ranks agree whether to rebuild the
+        # step's schedule (a rebuild gathers weights, so all rebuild when any must), whether
+        # every rank's batch passed its checks, and whether some rank's step skips the batch.
+        assert summary["all_reduce"] == {"dp_shard": {"count": 2, "bytes": FP32 + 12}}
         assert set(summary) == {"all_gather", "reduce_scatter", "all_reduce"}
 
 
