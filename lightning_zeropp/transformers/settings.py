@@ -7,6 +7,7 @@ and what to use instead; options that map onto ZeroPP (`bf16=True`) are mapped, 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -83,6 +84,11 @@ def _problems(args: Any, init: dict[str, Any]) -> list[str]:
             "use_liger_kernel=True patches the model's modules, and its fused loss reads the "
             "head's weights outside the last stage. Drop it."
         )
+    if args.save_on_each_node:
+        found.append(
+            "save_on_each_node=True writes a copy per node; the sharded checkpoint has each rank "
+            "write its own shards into one folder, on a filesystem every rank shares. Drop it."
+        )
     if args.train_sampling_strategy == "batch_rebalance":
         found.append(
             "train_sampling_strategy='batch_rebalance' balances rows over every process; the "
@@ -113,11 +119,7 @@ def plugin_for(plugin: ZeroPPPlugin | None, args: Any) -> ZeroPPPlugin:
             f"{config.param_dtype!r}) disagree; drop one of them."
         )
     reduce = config.reduce_dtype if config.reduce_dtype is not None else torch.float32
-    mapped = dataclasses.replace(config, param_dtype=torch.bfloat16, reduce_dtype=reduce)
-    return ZeroPPPlugin(
-        mapped,
-        split=plugin.split,
-        eval_logits=plugin.eval_logits,
-        load_from=plugin.load_from,
-        init=plugin.init,
-    )
+    mapped = copy.copy(plugin)
+    mapped.config = dataclasses.replace(config, param_dtype=torch.bfloat16, reduce_dtype=reduce)
+    mapped.settings = {}
+    return mapped

@@ -236,6 +236,14 @@ class ZeroPPTrainer(Trainer):
             grad_norm = self._pipeline.engine.core.clip_grad_norm_(float("inf"))
         return grad_norm
 
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """The Trainer's log; its closing metrics also say what re-planning for new batch
+        shapes cost (`core.measure.planning`): schedules built, evicted, seconds."""
+        if "train_runtime" in logs and self._pipeline is not None:
+            stats = self._pipeline.engine.core.planning.summary()
+            logs.update({f"train_{key}": value for key, value in stats.items()})
+        super().log(logs, start_time)
+
     # ------------------------------------------------------------------ checkpoints
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         checkpoint.save(self, trial)
