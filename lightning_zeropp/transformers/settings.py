@@ -32,6 +32,14 @@ def _problems(args: Any, init: dict[str, Any]) -> list[str]:
             "model_init= rebuilds the model for every train() and hyperparameter trial; the "
             "pipeline is built once from one model. Pass model=... instead."
         )
+    if init.get("compute_loss_func") is not None or args.label_smoothing_factor:
+        what = "compute_loss_func=" if init.get("compute_loss_func") else "label_smoothing_factor"
+        found.append(
+            f"{what} computes the loss from the model's logits outside the model, but under a "
+            "pipeline the logits exist only on the last stage, inside the step (not supported "
+            "yet). Use the model's own loss (labels=...), or an Accelerate loop with "
+            "lightning_zeropp.accelerate.prepare_pipeline(..., loss_fn=...)."
+        )
     if args.fp16 or args.fp16_full_eval:
         found.append(
             "fp16 needs a loss scaler, which a pipeline's fused forward and backward does not "

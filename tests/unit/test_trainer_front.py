@@ -29,6 +29,7 @@ REFUSED = [
     ({"train_sampling_strategy": "batch_rebalance"}, "batch_rebalance"),
     ({"save_on_each_node": True}, "save_on_each_node"),
     ({"bf16_full_eval": True}, "bf16_full_eval"),
+    ({"label_smoothing_factor": 0.1}, "label_smoothing_factor"),
 ]
 
 
@@ -64,6 +65,8 @@ def test_fp16_and_model_init_refused(tmp_path):
     with pytest.raises(ValueError, match="bf16=True"):
         ZeroPPTrainer(model=torch.nn.Linear(2, 2), args=args)
     args.fp16 = False
+    with pytest.raises(ValueError, match="compute_loss_func"):
+        ZeroPPTrainer(model=torch.nn.Linear(2, 2), args=args, compute_loss_func=lambda *a, **k: 0)
     with pytest.raises(ValueError, match="model_init"):
         ZeroPPTrainer(args=args, model_init=lambda: torch.nn.Linear(2, 2))
 
