@@ -113,7 +113,6 @@ class ZeroPPAccelerator(Accelerator):
                 f"the numbers unchanged only for causal LMs; {type(model).__name__} is not one. "
                 "Drop seq_buckets."
             )
-        config, _ = plugin.resolved_config()
         holder: list[PipelineModel] = []
         skeleton = _skeleton(model)  # the whole model's structure, for unwrap_model
         engine, opt, loader, sched = prepare_pipeline(
@@ -123,8 +122,7 @@ class ZeroPPAccelerator(Accelerator):
             loaders[0] if loaders else None,
             schedulers[0] if schedulers else None,
             loss_fn=lambda output, target: holder[0].loss_fn(output, target),
-            config=config,
-            split=plugin.resolved_split(),
+            config=plugin.run_settings(),
             unpack=_unpack_call(accepts_num_items(model)),
             per_process_batches=True,
             load_from=plugin.load_from,

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from lightning_zeropp.accelerate.zeropp_plugin import ZeroPPPlugin
-from lightning_zeropp.core.settings.config import parse_dtype
+from lightning_zeropp.core.settings.values import parse_dtype
 
 __all__ = ["check_trainer_arguments", "plugin_for"]
 
@@ -119,15 +119,18 @@ def plugin_for(plugin: ZeroPPPlugin | None, args: Any) -> ZeroPPPlugin:
     plugin = plugin or ZeroPPPlugin()
     if not args.bf16:
         return plugin
-    config, _ = plugin.resolved_config()
-    chosen = parse_dtype(config.param_dtype, "param_dtype")
-    if chosen not in (None, torch.bfloat16):
+    config = plugin.run_settings().config  # what the run gets: code, then ZEROPP_* variables
+    if parse_dtype(config.param_dtype, "param_dtype") not in (None, torch.bfloat16):
         raise ValueError(
-            f"ZeroPPTrainer: TrainingArguments(bf16=True) and ZeroPPPlugin(param_dtype="
-            f"{config.param_dtype!r}) disagree; drop one of them."
+            f"ZeroPPTrainer: TrainingArguments(bf16=True) and param_dtype="
+            f"{config.param_dtype!r} (ZeroPPPlugin or ZEROPP_PARAM_DTYPE) disagree; drop one."
         )
     reduce = config.reduce_dtype if config.reduce_dtype is not None else torch.float32
     mapped = copy.copy(plugin)
-    mapped.config = dataclasses.replace(config, param_dtype=torch.bfloat16, reduce_dtype=reduce)
-    mapped.settings = {}
+    if plugin.config is not None:
+        mapped.config = dataclasses.replace(
+            plugin.config, param_dtype=torch.bfloat16, reduce_dtype=reduce
+        )
+    else:
+        mapped.settings = {**plugin.settings, "param_dtype": torch.bfloat16, "reduce_dtype": reduce}
     return mapped

@@ -75,7 +75,7 @@ def test_bf16_is_fsdp_mixed_precision(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
     args.bf16 = True
     plugin = plugin_for(ZeroPPPlugin(pp_size=2, seq_buckets=8), args)
-    config, _ = plugin.resolved_config()
+    config = plugin.run_settings().config
     assert config.param_dtype == torch.bfloat16 and config.reduce_dtype == torch.float32
     assert config.pp_size == 2 and plugin.seq_buckets == 8
     with pytest.raises(ValueError, match="disagree"):
