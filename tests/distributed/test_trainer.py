@@ -141,6 +141,7 @@ def test_lora_trains_adapters_as_one_process(runs):
     _assert_same_training(got, ref)
     assert got["files"] == ref["files"] and "adapter_model.safetensors" in got["files"]
     _assert_same_weights(got, ref, "adapter")
+    _assert_same_weights(got, ref, "merged")  # merge_and_unload, exported and read back
     start = initial_weights(LORA)
     base = [n for n in start if "lora_" not in n]
     for name in base:  # frozen: exactly as loaded

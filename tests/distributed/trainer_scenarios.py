@@ -46,6 +46,8 @@ def _run_case(case: dict[str, Any], folder: Path, resume: str | None = None) -> 
         out["predict_metrics"] = done["predict"].metrics
     trainer.save_model(str(folder / "final"))
     out.update(_saved(script, folder / "final"))
+    if script.lora:
+        out.update(_merged(trainer, folder / "merged"))
     if plugin is not None:
         out.update(_pipeline_facts(trainer))
     trainer.accelerator.free_memory()
@@ -63,6 +65,18 @@ def _saved(script: Script, folder: Path) -> dict[str, Any]:
         }
     model = AutoModelForCausalLM.from_pretrained(folder)
     return {"weights": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def _merged(trainer: Any, folder: Path) -> dict[str, Any]:
+    """PEFT's merge and export, as a user writes it: the whole model (a collective under
+    ZeroPPTrainer: the trained weights land on the main process), merged there, saved and
+    read back."""
+    whole = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return {}
+    whole.merge_and_unload().save_pretrained(folder)
+    merged = AutoModelForCausalLM.from_pretrained(folder)
+    return {"merged": {k: v.clone() for k, v in merged.state_dict().items()}}
 
 
 def _pipeline_facts(trainer: Any) -> dict[str, Any]:
