@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
 from torch import nn
 from torch.utils.data import DataLoader
@@ -224,6 +225,41 @@ class ZeroPPTrainer(Trainer):
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         finally:
             pipeline.eval_logits = keep
+
+    # ------------------------------------------------------------------ counts over processes
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:
+        """The Trainer's token count of the accumulation window, each row counted once."""
+        with self._summing_over_data_parallel():
+            return super()._get_num_items_in_batch(batch_samples, device)
+
+    def _track_num_input_tokens(self, inputs: dict[str, Any]) -> None:
+        with self._summing_over_data_parallel():
+            super()._track_num_input_tokens(inputs)
+
+    def store_flos(self) -> None:
+        with self._summing_over_data_parallel():
+            super().store_flos()
+
+    @contextlib.contextmanager
+    def _summing_over_data_parallel(self) -> Iterator[None]:
+        """The Trainer sums per-process counts as `accelerator.gather(count).sum()`; the ranks
+        of a pipeline hold the same rows, so the sum is taken over data-parallel ranks only."""
+        if self._pipeline is None:
+            yield
+            return
+        dims = self._pipeline.engine.dims
+
+        def summed(value: torch.Tensor) -> torch.Tensor:
+            total = value.detach().clone()
+            for group in dims.dp_groups:
+                dist.all_reduce(total, group=group)
+            return total.reshape(1)
+
+        self.accelerator.gather = summed  # shadows the method on this instance
+        try:
+            yield
+        finally:
+            del self.accelerator.gather
 
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
         """Clip by the norm over every stage and shard (tied copies counted once)."""

@@ -170,3 +170,44 @@ def test_resume_mid_epoch_continues(runs):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
         assert a["learning_rate"] == pytest.approx(b["learning_rate"], abs=1e-9)
     _assert_same_weights(resumed, full)
+
+
+# Over the suite's time budget: bench/slow_tests.py runs them.
+SLOW_CASES = [
+    # bf16=True is FSDP2 mixed precision (bf16 compute, fp32 reduction), not autocast
+    {"id": "bf16", "plugin": PP, "script": {"args": {**CLIPPED, **EVAL, "bf16": True}}},
+    # padded rows without buckets: a schedule per length seen, the same numbers
+    {
+        "id": "padded-exact",
+        "plugin": {**PP, "schedule": "zeropp", "num_microbatches": 4},
+        "script": PADDED,
+    },
+]
+
+
+@pytest.fixture(scope="module")
+def slow_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("trainer_slow")
+    params = {"cases": SLOW_CASES, "out_dir": str(out)}
+    return launch(4, "trainer_scenarios.run", params, out, timeout=600)
+
+
+@pytest.mark.slow
+def test_bf16_trains_in_fsdp_mixed_precision(slow_runs, runs):
+    got, fp32 = slow_runs[0]["bf16"], runs[0][0]["equal"]
+    assert got["param_dtype"] == "torch.bfloat16"
+    steps, ref = _steps(got["logs"]), _steps(fp32["logs"])
+    assert len(steps) == len(ref) == 4
+    gaps = [abs(a["loss"] - b["loss"]) for a, b in zip(steps, ref, strict=True)]
+    assert max(gaps) < 0.05, gaps  # close to fp32 ...
+    assert max(gaps) > 1e-6, gaps  # ... but computed in bf16
+
+
+@pytest.mark.slow
+def test_padded_rows_without_buckets(slow_runs, runs):
+    """Exact shapes: the same numbers as one process, more schedules than with buckets."""
+    got, one = slow_runs[0]["padded-exact"], runs[1]["padded"]
+    _assert_same_training(got, one)
+    _assert_same_weights(got, one)
+    bucketed = runs[0][0]["padded"]["planning"]["schedules_built"]
+    assert got["planning"]["schedules_built"] > bucketed
