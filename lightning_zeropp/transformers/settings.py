@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
 
 from lightning_zeropp.accelerate.zeropp_plugin import ZeroPPPlugin
 from lightning_zeropp.core.settings.values import parse_dtype
 
-__all__ = ["check_trainer_arguments", "plugin_for"]
+__all__ = ["accelerator_arguments", "check_trainer_arguments", "plugin_for"]
+
+_LOADER_SETTINGS = ("split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler")
 
 
 def check_trainer_arguments(args: Any, init: dict[str, Any]) -> None:
@@ -134,3 +138,31 @@ def plugin_for(plugin: ZeroPPPlugin | None, args: Any) -> ZeroPPPlugin:
     else:
         mapped.settings = {**plugin.settings, "param_dtype": torch.bfloat16, "reduce_dtype": reduce}
     return mapped
+
+
+def accelerator_arguments(args: Any, build: Callable[..., dict[str, Any]]) -> dict[str, Any]:
+    """The keyword arguments the Trainer gives its `Accelerator` (`create_accelerator_and_
+    postprocess`, `build` its `_build_accelerator_args`), for a `ZeroPPAccelerator`: the
+    Trainer accumulates itself (one step per call), no DeepSpeed or dynamo plugin (refused), and
+    no autocast (`bf16=True` is the plugin's `param_dtype`: the stages are not prepared models)."""
+    config = args.accelerator_config
+    grad_acc = dict(config.gradient_accumulation_kwargs or {})
+    if "num_steps" in grad_acc:
+        if args.gradient_accumulation_steps > 1:
+            raise ValueError(
+                "AcceleratorConfig's gradient_accumulation_kwargs['num_steps'] and "
+                "TrainingArguments(gradient_accumulation_steps>1) are both set; keep one."
+            )
+        args.gradient_accumulation_steps = grad_acc["num_steps"]  # as the Trainer does
+    grad_acc["num_steps"] = 1
+    settings = config.to_dict()
+    loaders = DataLoaderConfiguration(**{k: settings[k] for k in _LOADER_SETTINGS})
+    loaders.data_seed = args.data_seed
+    loaders.non_blocking = settings["non_blocking"]
+    kwargs = build(
+        dataloader_config=loaders,
+        gradient_accumulation_plugin=GradientAccumulationPlugin(**grad_acc),
+    )
+    kwargs.update(mixed_precision="no", deepspeed_plugin=None)
+    kwargs.pop("dynamo_plugin", None)
+    return kwargs

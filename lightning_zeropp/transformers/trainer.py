@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
 from torch import nn
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainingArguments
@@ -40,11 +39,13 @@ from lightning_zeropp.accelerate.optim import retarget_scheduler
 from lightning_zeropp.accelerate.pipeline_model import NUM_ITEMS, PipelineModel
 from lightning_zeropp.accelerate.zeropp_plugin import ZeroPPPlugin
 from lightning_zeropp.transformers import checkpoint
-from lightning_zeropp.transformers.settings import check_trainer_arguments, plugin_for
+from lightning_zeropp.transformers.settings import (
+    accelerator_arguments,
+    check_trainer_arguments,
+    plugin_for,
+)
 
 __all__ = ["ZeroPPTrainer"]
-
-_LOADER_SETTINGS = ("split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler")
 
 
 class ZeroPPTrainer(Trainer):
@@ -64,7 +65,6 @@ class ZeroPPTrainer(Trainer):
         check_trainer_arguments(training_args, init)
         self._zeropp_plugin = plugin_for(zeropp_plugin, training_args)
         self._pipeline: PipelineModel | None = None
-        self._resumed_from: str | None = None
         super().__init__(*args, **kwargs)
 
     # ------------------------------------------------------------------ the accelerator
@@ -72,26 +72,7 @@ class ZeroPPTrainer(Trainer):
         """The Trainer's own accelerator settings, on a `ZeroPPAccelerator`: no FSDP or
         DeepSpeed plugin (refused), and mixed precision as FSDP2's (`bf16=True` is mapped onto
         the plugin's `param_dtype`), since the stages are not prepared models to autocast."""
-        config = self.args.accelerator_config
-        grad_acc = dict(config.gradient_accumulation_kwargs or {})
-        if "num_steps" in grad_acc:
-            if self.args.gradient_accumulation_steps > 1:
-                raise ValueError(
-                    "AcceleratorConfig's gradient_accumulation_kwargs['num_steps'] and "
-                    "TrainingArguments(gradient_accumulation_steps>1) are both set; keep one."
-                )
-            self.args.gradient_accumulation_steps = grad_acc["num_steps"]
-        grad_acc["num_steps"] = 1  # the Trainer accumulates itself
-        settings = config.to_dict()
-        loaders = DataLoaderConfiguration(**{k: settings[k] for k in _LOADER_SETTINGS})
-        loaders.data_seed = self.args.data_seed
-        loaders.non_blocking = settings["non_blocking"]
-        kwargs = self._build_accelerator_args(
-            dataloader_config=loaders,
-            gradient_accumulation_plugin=GradientAccumulationPlugin(**grad_acc),
-        )
-        kwargs.update(mixed_precision="no", deepspeed_plugin=None)
-        kwargs.pop("dynamo_plugin", None)  # torch_compile is refused
+        kwargs = accelerator_arguments(self.args, self._build_accelerator_args)
         self.accelerator = ZeroPPAccelerator(zeropp_plugin=self._zeropp_plugin, **kwargs)
         self.gather_function = functools.partial(
             self.accelerator.gather_for_metrics, use_gather_object=self.args.eval_use_gather_object
