@@ -12,14 +12,18 @@ thread each): a global batch of 16 rows, AdamW, cosine schedule, clipping at 1.0
   (FSDP2 over the 4 processes, through Accelerate's plugin);
 - `zeropp_1f1b`: `ZeroPPTrainer(..., zeropp_plugin=ZeroPPPlugin(pp_size=2, num_microbatches=4))`
   (pp 2 x dp_shard 2, 1F1B over FSDP2);
-- `zeropp_unit`: the same with `schedule="zeropp"` (v = 2, U = pp).
+- `zeropp_unit`: the same with `schedule="zeropp"` (v = 2, U = pp);
+- lengths that change every step (rows of 8-64 tokens, each batch padded to its longest row):
+  `ddp_varlen`, `zeropp_varlen` (1F1B, a schedule per length seen) and `zeropp_varlen_buckets`
+  (`seq_buckets=16`: lengths padded to multiples of 16, at most 4 shapes).
 
 Per rank and step (a callback's `on_step_begin` to `on_step_end`, after a barrier): the step,
 split by wrappers this script sets on the Trainer (`get_batch_samples`: fetching the batches
 and counting their tokens; `training_step`: forward and backward; `_clip_grad_norm`; the
 optimizer's `step`) and, in the ZeroPP rows, on the pipeline (`core.train_step_deferred`: the
-schedule itself), plus the collectives of one pipeline step (`count_comms`). Every row runs `--repeats` times in 4 fresh processes, rows
-alternating their order. Results: bench/results/trainer.md and .json (`BENCH_RESULTS=dir`
+schedule itself), plus the collectives of one pipeline step (`count_comms`) and what
+re-planning for new shapes cost the run (`core.planning`). Every row runs `--repeats` times in
+4 fresh processes, rows alternating their order. Results: bench/results/trainer.md and .json (`BENCH_RESULTS=dir`
 writes them elsewhere). The figures of a shared machine move with its load: the header gives
 the load average.
 """
@@ -60,7 +64,12 @@ ROWS = {
     "fsdp": "Trainer: FSDP2 over 4 processes (fsdp='full_shard', version 2)",
     "zeropp_1f1b": "ZeroPPTrainer: pp 2 x dp_shard 2, 1F1B over FSDP2, 4 micro-batches",
     "zeropp_unit": "ZeroPPTrainer: pp 2 x dp_shard 2, schedule='zeropp' (v 2, U 2), 4 micro-batches",
+    # changing lengths: rows of 8-64 tokens, each batch padded to its longest row
+    "ddp_varlen": "Trainer: DDP, rows of 8-64 tokens padded to each batch's longest",
+    "zeropp_varlen": "ZeroPPTrainer (1F1B), rows of 8-64 tokens: a schedule per length seen",
+    "zeropp_varlen_buckets": "ZeroPPTrainer (1F1B), rows of 8-64 tokens, seq_buckets=16",
 }
+VARLEN = {"ddp_varlen", "zeropp_varlen", "zeropp_varlen_buckets"}
 PHASES = {  # name -> what it times
     "fetch": "`get_batch_samples` (the batch, and its token count gathered)",
     "train_step": "`training_step` (forward and backward)",
@@ -90,7 +99,8 @@ def run_rank(row: str, opts: argparse.Namespace, out: Path) -> None:
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **LLAMA))
     g = torch.Generator().manual_seed(1)
     rows = 4 * WORLD * (opts.warmup + opts.steps)
-    lengths = torch.randint(48, 65, (rows,), generator=g)
+    shortest = 8 if row in VARLEN else 48
+    lengths = torch.randint(shortest, 65, (rows,), generator=g)
     data = [{"input_ids": torch.randint(1, 1024, (int(n),), generator=g).tolist()} for n in lengths]
     fsdp = {"fsdp": "full_shard", "fsdp_config": {"version": 2}} if row == "fsdp" else {}
     args = TrainingArguments(
@@ -108,12 +118,14 @@ def run_rank(row: str, opts: argparse.Namespace, out: Path) -> None:
         train_sampling_strategy="sequential",
         **fsdp,
     )
-    collator = DataCollatorForLanguageModeling(_tokenizer(), mlm=False, pad_to_multiple_of=64)
+    pad = None if row in VARLEN else 64  # changing lengths: padded to the longest row only
+    collator = DataCollatorForLanguageModeling(_tokenizer(), mlm=False, pad_to_multiple_of=pad)
     kwargs = {"model": model, "args": args, "train_dataset": data, "data_collator": collator}
     timer = Timer(opts.warmup)
     if row.startswith("zeropp"):
         schedule = "zeropp" if row == "zeropp_unit" else "1f1b"
-        plugin = ZeroPPPlugin(**PIPE, schedule=schedule)
+        buckets = 16 if row == "zeropp_varlen_buckets" else None
+        plugin = ZeroPPPlugin(**PIPE, schedule=schedule, seq_buckets=buckets)
         trainer: Any = ZeroPPTrainer(**kwargs, zeropp_plugin=plugin)
     else:
         trainer = Trainer(**kwargs)
@@ -268,7 +280,6 @@ def write_markdown(meta: dict[str, Any], runs: list[dict[str, Any]], path: Path)
         ]
         return statistics.median(values)  # fmt: skip
 
-    base = med("ddp", "median_step_s") if "ddp" in rows else float("nan")
     m = meta["machine"]
     lines = [
         "# A transformers.Trainer script: plain Trainer (DDP, FSDP2) vs ZeroPPTrainer (CPU gloo)",
@@ -292,18 +303,31 @@ def write_markdown(meta: dict[str, Any], runs: list[dict[str, Any]], path: Path)
         "## Step time (median over runs)",
         "",
         "Step: the slowest rank's time from the step's start (all ranks after a barrier) to the "
-        "Trainer's `on_step_end`, median over the timed steps.",
+        "Trainer's `on_step_end`, median over the timed steps; `/ DDP`: against `ddp` (the "
+        "`_varlen` rows against `ddp_varlen`). Schedules and planning: what re-planning for new "
+        "batch shapes cost the whole run, warm-up included (`train_schedules_built`, "
+        "`train_planning_seconds`: building each schedule and its shape-inference pass).",
         "",
-        "| Row | Median step (s) | Step / `ddp` | Fastest step (s) | Final loss |",
-        "|---|---:|---:|---:|---:|",
+        "| Row | Median step (s) | / DDP | Fastest step (s) | Final loss | Schedules built "
+        "| Evicted | Planning (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         step = med(r, "median_step_s")
+        ref = "ddp_varlen" if r in VARLEN else "ddp"
+        base = med(ref, "median_step_s") if ref in rows else float("nan")
+        plan = next((x["planning"] for x in runs if x["row"] == r and x["planning"]), None)
+        planned = (
+            f"{plan['schedules_built']:.0f} | {plan['schedule_evictions']:.0f} | "
+            f"{plan['planning_seconds']:.2f}"
+            if plan
+            else "- | - | -"
+        )
         lines.append(
             f"| `{r}` | {step:.3f} | {step / base:.2f} | {med(r, 'fastest_step_s'):.3f} | "
-            f"{med(r, 'final_loss'):.4f} |"
+            f"{med(r, 'final_loss'):.4f} | {planned} |"
         )
-    others = [r for r in rows if r != "ddp"]
+    others = [r for r in rows if r not in ("ddp", "ddp_varlen")]
     lines += [
         "",
         "## Where the time goes (ms per step)",
@@ -315,7 +339,7 @@ def write_markdown(meta: dict[str, Any], runs: list[dict[str, Any]], path: Path)
         "and reduce-scatters, the stage-to-stage sends).",
         "",
         "| Call | "
-        + " | ".join([f"`{r}`" for r in rows] + [f"`{r}` - `ddp`" for r in others])
+        + " | ".join([f"`{r}`" for r in rows] + [f"`{r}` - `{_ddp_of(r)}`" for r in others])
         + " |",
         "|---|" + "---:|" * (len(rows) + len(others)),
     ]
@@ -325,11 +349,15 @@ def write_markdown(meta: dict[str, Any], runs: list[dict[str, Any]], path: Path)
         calls = [k for k in ("fetch", "train_step", "clip", "optimizer") if k in _keys(runs, r)]
         table["rest"][r] = 1e3 * med(r, "median_step_s") - sum(table[k][r] for k in calls)
     for name, cells in table.items():
-        diffs = [cells[r] - cells.get("ddp", float("nan")) for r in others]
+        diffs = [cells[r] - cells.get(_ddp_of(r), float("nan")) for r in others]
         values = [_ms(cells[r]) for r in rows] + [_ms(d, signed=True) for d in diffs]
         lines.append(f"| {PHASES.get(name, 'rest')} | " + " | ".join(values) + " |")
     lines += _comm_table(runs, rows)
     path.write_text("\n".join(lines) + "\n")
+
+
+def _ddp_of(row: str) -> str:
+    return "ddp_varlen" if row in VARLEN else "ddp"
 
 
 def _keys(runs: list[dict[str, Any]], row: str) -> set[str]:

@@ -171,7 +171,7 @@ class ZeroPPTrainer(Trainer):
         """The pipeline's loss of the global batch, as one process computes it.
 
         In training, the Trainer counts the labelled tokens of the whole accumulation window
-        (over data-parallel ranks: `ZeroPPAccelerator.gather` counts each row once); each
+        (summed over data-parallel ranks, each row once: `_get_num_items_in_batch`); each
         micro-batch's summed loss is divided by that count, so the step's loss is this batch's
         share of the window's token mean and its gradients add up to the window's. No
         multiplication by the process count: nothing averages gradients over processes.
