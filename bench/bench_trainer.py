@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import os
 import statistics
 import sys
 import time
@@ -41,10 +39,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import launch_ranks, machine  # noqa: E402
+import harness  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = Path(os.environ.get("BENCH_RESULTS", ROOT / "bench" / "results"))
 WORLD = 4
 LLAMA = {
     "vocab_size": 1024,
@@ -73,16 +69,22 @@ VARLEN = {"ddp_varlen", "zeropp_varlen", "zeropp_varlen_buckets"}
 PHASES = {  # name -> what it times
     "fetch": "`get_batch_samples` (the batch, and its token count gathered)",
     "train_step": "`training_step` (forward and backward)",
-    "pipeline": "  of which the pipeline's schedule (`core.train_step_deferred`)",
+    "pipeline": "&nbsp;&nbsp;of which the pipeline's schedule (`core.train_step_deferred`)",
     "clip": "`_clip_grad_norm` (the global norm)",
     "optimizer": "`optimizer.step()`",
 }
 
 
 # ------------------------------------------------------------------------------ one rank
+def row_timeout_s(steps: int) -> float:
+    """Start-up plus a generous 20 s a step (under 2 s on 2 quiet cores)."""
+    return harness.row_timeout_s(steps, start_s=300.0, per_step_s=20.0)
+
+
 def run_rank(row: str, opts: argparse.Namespace, out: Path) -> None:
+    """One rank of one row: the Trainer's warm-up + timed steps; write this rank's JSON."""
+    rank = harness.start_rank(row_timeout_s(opts.warmup + opts.steps))
     import torch
-    import torch.distributed as dist
     from transformers import (
         AutoConfig,
         AutoModelForCausalLM,
@@ -94,7 +96,6 @@ def run_rank(row: str, opts: argparse.Namespace, out: Path) -> None:
 
     from lightning_zeropp.transformers import ZeroPPPlugin, ZeroPPTrainer
 
-    torch.set_num_threads(1)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **LLAMA))
     g = torch.Generator().manual_seed(1)
@@ -104,7 +105,7 @@ def run_rank(row: str, opts: argparse.Namespace, out: Path) -> None:
     data = [{"input_ids": torch.randint(1, 1024, (int(n),), generator=g).tolist()} for n in lengths]
     fsdp = {"fsdp": "full_shard", "fsdp_config": {"version": 2}} if row == "fsdp" else {}
     args = TrainingArguments(
-        output_dir=str(out / f"trainer-{os.environ['RANK']}"),
+        output_dir=str(out / f"trainer-{rank}"),
         per_device_train_batch_size=4,
         max_steps=opts.warmup + opts.steps,
         learning_rate=1e-3,
@@ -121,7 +122,6 @@ def run_rank(row: str, opts: argparse.Namespace, out: Path) -> None:
     pad = None if row in VARLEN else 64  # changing lengths: padded to the longest row only
     collator = DataCollatorForLanguageModeling(_tokenizer(), mlm=False, pad_to_multiple_of=pad)
     kwargs = {"model": model, "args": args, "train_dataset": data, "data_collator": collator}
-    timer = Timer(opts.warmup)
     if row.startswith("zeropp"):
         schedule = "zeropp" if row == "zeropp_unit" else "1f1b"
         buckets = 16 if row == "zeropp_varlen_buckets" else None
@@ -129,57 +129,59 @@ def run_rank(row: str, opts: argparse.Namespace, out: Path) -> None:
         trainer: Any = ZeroPPTrainer(**kwargs, zeropp_plugin=plugin)
     else:
         trainer = Trainer(**kwargs)
+    clock = harness.StepClock(opts.warmup, opts.steps, inner=list(PHASES))
+    # A step starts when the Trainer fetches its batch (before its on_step_begin) and ends at
+    # its on_step_end; the calls in between are timed by wrappers on this trainer.
+    clock.wrap(trainer, "get_batch_samples", "fetch")
+    fetch = trainer.get_batch_samples
+
+    def started(*a: Any, **k: Any) -> Any:
+        clock.start()  # every rank behind a barrier
+        return fetch(*a, **k)
+
+    trainer.get_batch_samples = started
+    clock.wrap(trainer, "_clip_grad_norm", "clip")
+    last = {"loss": 0.0}
+    step_call = trainer.training_step
+
+    def training_step(*a: Any, **k: Any) -> Any:
+        loss = step_call(*a, **k)
+        last["loss"] = loss
+        return loss
+
+    trainer.training_step = training_step
+    clock.wrap(trainer, "training_step", "train_step")
+    comms: list[Any] = []  # each timed step's collectives (pipeline rows)
 
     class Steps(TrainerCallback):
-        def on_step_begin(self, *a: Any, **k: Any) -> None:
-            dist.barrier()  # every rank starts the step together: the slowest rank sets it
-            timer.start()
-
-        def on_pre_optimizer_step(self, *a: Any, **k: Any) -> None:
-            timer.begin("optimizer")
-
-        def on_optimizer_step(self, *a: Any, **k: Any) -> None:
-            timer.end("optimizer")
+        def on_train_begin(self, *a: Any, **k: Any) -> None:  # the optimizer exists
+            clock.wrap(trainer.optimizer, "step", "optimizer")
+            pipeline = getattr(trainer, "pipeline", None)
+            if pipeline is not None:
+                pipeline.engine.core.count_comms = True
+                clock.wrap(pipeline.engine.core, "train_step_deferred", "pipeline")
 
         def on_step_end(self, *a: Any, **k: Any) -> None:
-            timer.stop()
+            timed = clock.timed
+            clock.stop(last["loss"])
             pipeline = getattr(trainer, "pipeline", None)
-            if pipeline is not None and pipeline.engine.core.last_comms:
-                timer.comms = pipeline.engine.core.last_comms
+            if timed and pipeline is not None and pipeline.engine.core.last_comms:
+                comms.append(pipeline.engine.core.last_comms)
 
     trainer.add_callback(Steps())
-    for name, attr in (("fetch", "get_batch_samples"), ("train_step", "training_step")):
-        timer.wrap(trainer, attr, name)
-    timer.wrap(trainer, "_clip_grad_norm", "clip")
-    started = time.perf_counter()
-    original = trainer.get_train_dataloader
-
-    def loader_then_wrap() -> Any:  # the optimizer and pipeline exist once the loader does
-        loader = original()
-        if isinstance(trainer, ZeroPPTrainer):
-            core = trainer.pipeline.engine.core
-            core.count_comms = True
-            timer.wrap(core, "train_step_deferred", "pipeline")
-        return loader
-
-    trainer.get_train_dataloader = loader_then_wrap
-    output = trainer.train()
-    setup_and_train = time.perf_counter() - started
-    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    trainer.train()
+    pipeline = getattr(trainer, "pipeline", None)
     result = {
-        "steps": timer.steps,
-        "phases": timer.phases,
-        "comms": timer.comms,
-        "losses": losses,
-        "train_runtime": output.metrics["train_runtime"],
-        "setup_and_train_s": setup_and_train,
-        "planning": (
-            trainer.pipeline.engine.core.planning.summary()
-            if isinstance(trainer, ZeroPPTrainer)
-            else None
-        ),
+        "rank": rank,
+        "steps": clock.records[opts.warmup :],
+        **clock.result(),
+        "comms": comms,
+        # the Trainer's logged loss (the mean over processes: under DDP each process's
+        # training_step returns its own share of the loss, scaled by the process count)
+        "logged_losses": [log["loss"] for log in trainer.state.log_history if "loss" in log],
+        "planning": pipeline.engine.core.planning.summary() if pipeline is not None else None,
     }
-    (out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(result))
+    harness.finish_rank(out, rank, result)
 
 
 def _tokenizer() -> Any:
@@ -193,224 +195,182 @@ def _tokenizer() -> Any:
     )
 
 
-class Timer:
-    """Step times and wrapped-call times, per step after the warm-up steps."""
-
-    def __init__(self, warmup: int) -> None:
-        self.warmup, self.step = warmup, 0
-        self.steps: list[float] = []
-        self.phases: dict[str, list[float]] = {}
-        self.current: dict[str, float] = {}
-        self.comms: Any = None
-        self._t0 = self._open = 0.0
-
-    def wrap(self, obj: Any, attr: str, name: str) -> None:
-        inner = getattr(obj, attr)
-
-        @functools.wraps(inner)
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self.current[name] = self.current.get(name, 0.0) + time.perf_counter() - t
-
-        setattr(obj, attr, timed)
-
-    def start(self) -> None:
-        self.current = {k: v for k, v in self.current.items() if k == "fetch"}
-        self._t0 = time.perf_counter()
-
-    def stop(self) -> None:
-        elapsed = time.perf_counter() - self._t0
-        self.step += 1
-        if self.step > self.warmup:
-            self.steps.append(elapsed)
-            for k, v in self.current.items():
-                self.phases.setdefault(k, []).append(v)
-        self.current = {}
-
-    def begin(self, name: str) -> None:
-        self._open = time.perf_counter()
-
-    def end(self, name: str) -> None:
-        self.current[name] = self.current.get(name, 0.0) + time.perf_counter() - self._open
-
-
 # ------------------------------------------------------------------------------ the driver
-def summarize(row: str, ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    steps = [max(r["steps"][i] for r in ranks) for i in range(len(ranks[0]["steps"]))]
-    phases = {
-        name: statistics.mean(statistics.median(r["phases"][name]) for r in ranks)
+def summarize(row: str, run: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run of one row: the slowest rank per step, each call's time, the collectives."""
+    per_step = harness.slowest_per_step([x["total"] for x in r["steps"]] for r in ranks)
+    calls = {
+        name: statistics.mean(statistics.median(x[name] for x in r["steps"]) for r in ranks)
         for name in PHASES
-        if all(name in r["phases"] for r in ranks)
     }
-    comms = None
-    if ranks[0]["comms"]:
-        comms = {
-            kind: {
-                axis: {
-                    "count": statistics.mean(r["comms"][kind][axis]["count"] for r in ranks if kind in r["comms"] and axis in r["comms"][kind]),
-                    "MiB": statistics.mean(r["comms"][kind][axis]["bytes"] for r in ranks if kind in r["comms"] and axis in r["comms"][kind]) / 2**20,
-                }
-                for axis in ranks[0]["comms"][kind]
-            }
-            for kind in ranks[0]["comms"]
-        }  # fmt: skip
+    if not row.startswith("zeropp"):
+        calls["pipeline"] = float("nan")  # no pipeline in that row
+    comms = _median_comms(ranks) if ranks[0]["comms"] else None
     return {
         "row": row,
-        "median_step_s": statistics.median(steps),
-        "fastest_step_s": min(steps),
-        "phases_ms": {k: 1e3 * v for k, v in phases.items()},
+        "run": run,
+        "median_step_s": statistics.median(per_step),
+        "fastest_step_s": min(per_step),
+        "calls_ms": {k: 1e3 * v for k, v in calls.items()},
         "comms": comms,
-        "final_loss": ranks[0]["losses"][-1],
-        "setup_and_train_s": max(r["setup_and_train_s"] for r in ranks),
+        "final_loss": ranks[0]["logged_losses"][-1],
         "planning": ranks[0]["planning"],
+        **harness.load_shares(ranks),
     }
 
 
-def write_markdown(meta: dict[str, Any], runs: list[dict[str, Any]], path: Path) -> None:
+def _median_comms(ranks: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per kind and axis, the median over the timed steps of a step's calls and MiB, mean over
+    ranks (steps differ where a new batch shape re-plans: its shape inference gathers too)."""
+    keys = {(k, a) for r in ranks for step in r["comms"] for k, axes in step.items() for a in axes}
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for kind, axis in sorted(keys):
+        for field, unit in (("count", 1), ("bytes", harness.MIB)):
+            value = statistics.mean(
+                statistics.median(s.get(kind, {}).get(axis, {}).get(field, 0) for s in r["comms"])
+                / unit
+                for r in ranks
+            )
+            name = "count" if field == "count" else "MiB"
+            out.setdefault(kind, {}).setdefault(axis, {})[name] = value
+    return out
+
+
+def markdown(meta: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:
     rows = [r for r in ROWS if any(x["row"] == r for x in runs)]
-
-    def med(row: str, key: str, sub: str | None = None) -> float:
-        values = [
-            x[key] if sub is None else x[key].get(sub, float("nan"))
-            for x in runs
-            if x["row"] == row
-        ]
-        return statistics.median(values)  # fmt: skip
-
-    m = meta["machine"]
+    med = functools.partial(harness.med, runs)
     lines = [
         "# A transformers.Trainer script: plain Trainer (DDP, FSDP2) vs ZeroPPTrainer (CPU gloo)",
         "",
-        f"- Machine: {m['cpu']}, {m['cores']} cores, shared with other work (1-minute load "
-        f"average {m['load_average_1m_at_start']:.1f} at the start: figures move with the "
-        "load); 4 gloo ranks, one thread each",
-        f"- Date: {m['date']}; torch {m['torch']}, transformers {meta['transformers']}, "
-        f"Python {m['python']}; commit {m['commit']}",
-        f"- Model: `AutoConfig.for_model('llama', {LLAMA})`, fp32; rows of 48-64 tokens padded "
-        "to 64 by `DataCollatorForLanguageModeling`; per-device batch 4 (global 16); AdamW, "
-        "cosine schedule, clipping at 1.0",
-        f"- {meta['warmup']} warm-up steps, then {meta['steps']} timed steps; {meta['repeats']} "
-        f"runs per row in fresh processes, rows alternating; script {meta['seconds']:.0f} s; "
-        "`python bench/bench_trainer.py`",
-        "",
-        "| Row | Layout |",
-        "|---|---|",
-        *[f"| `{r}` | {ROWS[r]} |" for r in rows],
+        *harness.machine_lines(meta["machine"], WORLD, ["transformers"]),
+        f"- Model: `AutoConfig.for_model('llama', {LLAMA})`, fp32; per-device batch 4 (global "
+        "16); AdamW, cosine schedule, clipping at 1.0; rows of 48-64 tokens padded to 64 by "
+        "`DataCollatorForLanguageModeling` (the `_varlen` rows: 8-64 tokens, each batch padded "
+        "to its longest row); `python bench/bench_trainer.py`",
+        *harness.runs_lines(meta, WORLD, {r: ROWS[r] for r in rows}),
         "",
         "## Step time (median over runs)",
         "",
-        "Step: the slowest rank's time from the step's start (all ranks after a barrier) to the "
-        "Trainer's `on_step_end`, median over the timed steps; `/ DDP`: against `ddp` (the "
-        "`_varlen` rows against `ddp_varlen`). Schedules and planning: what re-planning for new "
-        "batch shapes cost the whole run, warm-up included (`train_schedules_built`, "
-        "`train_planning_seconds`: building each schedule and its shape-inference pass).",
+        "Step: per step the slowest rank's time, from the Trainer fetching the step's batch (all "
+        "ranks after a barrier) to its `on_step_end`, median over the timed steps; `/ DDP`: "
+        "against `ddp` (the `_varlen` rows against `ddp_varlen`). CPU share: the ranks' CPU "
+        "time per core-second over the timed steps (near 1: the cores were theirs); others: "
+        "other processes' share. Schedules and planning: what re-planning for new batch shapes "
+        "cost the whole run, warm-up included (`train_schedules_built`, "
+        "`train_schedule_evictions`, `train_planning_seconds`: building each schedule and its "
+        "shape-inference pass).",
         "",
-        "| Row | Median step (s) | / DDP | Fastest step (s) | Final loss | Schedules built "
-        "| Evicted | Planning (s) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    body = []
     for r in rows:
-        step = med(r, "median_step_s")
-        ref = "ddp_varlen" if r in VARLEN else "ddp"
-        base = med(ref, "median_step_s") if ref in rows else float("nan")
+        base = med(_ddp_of(r), "median_step_s") if _ddp_of(r) in rows else float("nan")
         plan = next((x["planning"] for x in runs if x["row"] == r and x["planning"]), None)
-        planned = (
-            f"{plan['schedules_built']:.0f} | {plan['schedule_evictions']:.0f} | "
-            f"{plan['planning_seconds']:.2f}"
-            if plan
-            else "- | - | -"
+        planned = ["-", "-", "-"]
+        if plan:
+            planned = [
+                f"{plan['schedules_built']:.0f}",
+                f"{plan['schedule_evictions']:.0f}",
+                f"{plan['planning_seconds']:.2f}",
+            ]
+        step = med(r, "median_step_s")
+        body.append(
+            [f"`{r}`", f"{step:.3f}", f"{step / base:.2f}", f"{med(r, 'fastest_step_s'):.3f}"]
+            + [f"{med(r, 'cpu_share'):.2f}", f"{med(r, 'others_share'):.2f}"]
+            + [f"{med(r, 'final_loss'):.4f}", *planned]
         )
-        lines.append(
-            f"| `{r}` | {step:.3f} | {step / base:.2f} | {med(r, 'fastest_step_s'):.3f} | "
-            f"{med(r, 'final_loss'):.4f} | {planned} |"
-        )
+    head = ["Row", "Median step (s)", "/ DDP", "Fastest (s)", "CPU share", "Others"]
+    head += ["Final loss", "Schedules built", "Evicted", "Planning (s)"]
+    lines += harness.table(head, "l" + "r" * (len(head) - 1), body)
     others = [r for r in rows if r not in ("ddp", "ddp_varlen")]
     lines += [
         "",
         "## Where the time goes (ms per step)",
         "",
-        "Per rank the median over the timed steps of each wrapped call, then the mean over the "
-        "ranks, median over runs; `rest`: the step minus the top-level calls (the Trainer's "
+        "Per rank the median over the timed steps of each call, then the mean over the ranks, "
+        "median over runs; `rest`: the step minus the top-level calls (the Trainer's "
         "bookkeeping, logging, the scheduler, callbacks). The ZeroPP rows' `training_step` is "
         "the whole pipeline step (forward and backward of every micro-batch, the FSDP gathers "
-        "and reduce-scatters, the stage-to-stage sends).",
+        "and reduce-scatters, the stage-to-stage sends); the `- ddp` columns say where the "
+        "difference in step time goes.",
         "",
-        "| Call | "
-        + " | ".join([f"`{r}`" for r in rows] + [f"`{r}` - `{_ddp_of(r)}`" for r in others])
-        + " |",
-        "|---|" + "---:|" * (len(rows) + len(others)),
     ]
-    table = {name: {r: med(r, "phases_ms", name) for r in rows} for name in PHASES}
-    table["rest"] = {}
-    for r in rows:
-        calls = [k for k in ("fetch", "train_step", "clip", "optimizer") if k in _keys(runs, r)]
-        table["rest"][r] = 1e3 * med(r, "median_step_s") - sum(table[k][r] for k in calls)
+    table = {n: {r: statistics.median(_call(runs, r, n)) for r in rows} for n in PHASES}
+    table["rest"] = {
+        r: 1e3 * med(r, "median_step_s") - sum(table[n][r] for n in TOP_LEVEL) for r in rows
+    }
+    body = []
     for name, cells in table.items():
         diffs = [cells[r] - cells.get(_ddp_of(r), float("nan")) for r in others]
-        values = [_ms(cells[r]) for r in rows] + [_ms(d, signed=True) for d in diffs]
-        lines.append(f"| {PHASES.get(name, 'rest')} | " + " | ".join(values) + " |")
-    lines += _comm_table(runs, rows)
-    path.write_text("\n".join(lines) + "\n")
+        body.append(
+            [PHASES.get(name, "rest")]
+            + [_ms(cells[r]) for r in rows]
+            + [_ms(d, signed=True) for d in diffs]
+        )
+    head = ["Call", *[f"`{r}`" for r in rows], *[f"`{r}` - `{_ddp_of(r)}`" for r in others]]
+    lines += harness.table(head, "l" + "r" * (len(head) - 1), body)
+    return lines + _comm_table(runs, rows)
+
+
+TOP_LEVEL = ("fetch", "train_step", "clip", "optimizer")
+
+
+def _call(runs: list[dict[str, Any]], row: str, name: str) -> list[float]:
+    return [x["calls_ms"][name] for x in runs if x["row"] == row]
 
 
 def _ddp_of(row: str) -> str:
     return "ddp_varlen" if row in VARLEN else "ddp"
 
 
-def _keys(runs: list[dict[str, Any]], row: str) -> set[str]:
-    return {k for x in runs if x["row"] == row for k in x["phases_ms"]}
-
-
 def _ms(value: float, signed: bool = False) -> str:
-    if value != value:  # NaN: not measured in that row
+    if value != value:  # NaN
         return "-"
     return f"{value:+.1f}" if signed else f"{value:.1f}"
 
 
 def _comm_table(runs: list[dict[str, Any]], rows: list[str]) -> list[str]:
-    lines = ["", "## Collectives of one pipeline step (ZeroPP rows; mean over ranks)", ""]
-    lines += ["| Row | kind | axis | calls | MiB |", "|---|---|---|---:|---:|"]
+    lines = [
+        "",
+        "## Collectives of one pipeline step (ZeroPP rows)",
+        "",
+        "Per kind and mesh axis: the median over the timed steps, mean over the ranks.",
+        "",
+    ]
+    body = []
     for r in rows:
         comms = next((x["comms"] for x in runs if x["row"] == r and x["comms"]), None)
         for kind, axes in (comms or {}).items():
             for axis, v in axes.items():
-                lines.append(f"| `{r}` | {kind} | {axis} | {v['count']:.0f} | {v['MiB']:.2f} |")
-    return lines
+                body.append([f"`{r}`", kind, axis, f"{v['count']:.0f}", f"{v['MiB']:.2f}"])
+    return lines + harness.table(["Row", "Kind", "Axis", "Calls", "MiB"], "lllrr", body)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--rows", default=",".join(ROWS))
-    parser.add_argument("--worker")
-    parser.add_argument("--out")
-    opts = parser.parse_args()
-    if opts.worker:
-        run_rank(opts.worker, opts, Path(opts.out))
+    parser = harness.arg_parser(__doc__, steps=10, warmup=3, repeats=2, rows=",".join(ROWS))
+    args = parser.parse_args()
+    if args.worker:
+        run_rank(args.worker, args, Path(args.out))
         return
-    import transformers
+    harness.check_counts(parser, args)
+    names = harness.pick_rows(parser, args.rows, ROWS)
+    meta: dict[str, Any] = {"machine": harness.machine("transformers", library_only=True)}
+    started = time.monotonic()
 
-    started = time.perf_counter()
-    meta = {"machine": machine(), "transformers": transformers.__version__}
-    rows = opts.rows.split(",")
-    runs = []
-    for repeat in range(opts.repeats):
-        for row in rows if repeat % 2 == 0 else rows[::-1]:
-            args = ["--steps", str(opts.steps), "--warmup", str(opts.warmup)]
-            ranks = launch_ranks(__file__, row, WORLD, args, timeout_s=900)
-            runs.append(summarize(row, ranks))
-            print(f"{row}: median step {runs[-1]['median_step_s']:.3f} s", flush=True)
-    meta.update(steps=opts.steps, warmup=opts.warmup, repeats=opts.repeats)
-    meta["seconds"] = time.perf_counter() - started
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "trainer.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
-    write_markdown(meta, runs, RESULTS / "trainer.md")
-    print((RESULTS / "trainer.md").read_text())
+    def one_run(name: str, run: int) -> dict[str, Any]:
+        total = args.warmup + args.steps
+        ranks = harness.launch(
+            __file__, name, WORLD, row_timeout_s(total), steps=args.steps, warmup=args.warmup
+        )
+        return summarize(name, run, ranks)
+
+    runs = harness.run_rows(
+        names, args.repeats, one_run, lambda r: f"median step {r['median_step_s']:.3f}s"
+    )
+    meta.update(steps=args.steps, warmup=args.warmup, repeats=args.repeats)
+    meta["wall_s"] = time.monotonic() - started
+    print(
+        harness.write_results("trainer", markdown(meta, runs), {**meta, "runs": runs}).read_text()
+    )
 
 
 if __name__ == "__main__":
