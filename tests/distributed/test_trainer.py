@@ -176,6 +176,9 @@ def test_resume_mid_epoch_continues(runs):
 SLOW_CASES = [
     # bf16=True is FSDP2 mixed precision (bf16 compute, fp32 reduction), not autocast
     {"id": "bf16", "plugin": PP, "script": {"args": {**CLIPPED, **EVAL, "bf16": True}}},
+    # a streamed training set (IterableDataset), against DDP
+    {"id": "stream", "plugin": PP, "script": {"iterable": True, "args": CLIPPED}},
+    {"id": "stream-ddp", "plugin": None, "script": {"iterable": True, "args": CLIPPED}},
     # padded rows without buckets: a schedule per length seen, the same numbers
     {
         "id": "padded-exact",
@@ -211,3 +214,10 @@ def test_padded_rows_without_buckets(slow_runs, runs):
     _assert_same_weights(got, one)
     bucketed = runs[0][0]["padded"]["planning"]["schedules_built"]
     assert got["planning"]["schedules_built"] > bucketed
+
+
+@pytest.mark.slow
+def test_streamed_rows_match_ddp(slow_runs):
+    got, ddp = slow_runs[0]["stream"], slow_runs[0]["stream-ddp"]
+    _assert_same_training(got, ddp)
+    _assert_same_weights(got, ddp)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
+from torch.utils.data import IterableDataset
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -54,6 +55,17 @@ class Script:
     init_seed: int = 0
     evaluate_first: bool = False
     predict: bool = False
+    iterable: bool = False  # the training rows as a stream (IterableDataset; needs max_steps)
+
+
+class Stream(IterableDataset):
+    """Rows read in order, as from a streamed dataset."""
+
+    def __init__(self, rows: list[dict[str, list[int]]]) -> None:
+        self.rows = rows
+
+    def __iter__(self) -> Any:
+        return iter(self.rows)
 
 
 def tokenizer() -> PreTrainedTokenizerFast:
@@ -115,7 +127,9 @@ def run(
     """The script. Returns the logs, evaluation and prediction results, and the trainer."""
     tok = tokenizer()
     model = build_model(script)
-    train = texts(script.train_rows, 1, script.rows == "equal")
+    train: Any = texts(script.train_rows, 1, script.rows == "equal")
+    if script.iterable:
+        train = Stream(train)
     evals = texts(script.eval_rows, 2, script.rows == "equal")
     if script.rows == "packed":
         collator: Any = DataCollatorWithFlattening()
