@@ -19,7 +19,7 @@ from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 from lightning_zeropp.core.weights.materialize import empty_parameters, init_weights
 
 if TYPE_CHECKING:
-    from lightning_zeropp.lightning import ZeroPPStrategy
+    from lightning_zeropp.lightning import ZeroPPStrategy, grad_norm
 
 __all__ = [
     "ZeroPPConfig",
@@ -27,6 +27,7 @@ __all__ = [
     "ZeroPPLayout",
     "ZeroPPStrategy",
     "empty_parameters",
+    "grad_norm",
     "init_weights",
 ]
 
@@ -34,10 +35,10 @@ _log = logging.getLogger(__name__)
 
 
 def __getattr__(name: str) -> Any:  # PEP 562: `lightning_zeropp.ZeroPPStrategy` imports Lightning
-    if name == "ZeroPPStrategy":
-        from lightning_zeropp.lightning import ZeroPPStrategy
+    if name in ("ZeroPPStrategy", "grad_norm"):
+        from lightning_zeropp import lightning
 
-        return ZeroPPStrategy
+        return getattr(lightning, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

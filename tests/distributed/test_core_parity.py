@@ -48,6 +48,16 @@ CASES = {
         _case("pp2-dualpipev", pp_size=2, schedule="dualpipev", num_microbatches=4),
         _case("pp2-split-callable", pp_size=2, num_microbatches=2, split="callable"),
         _case("pp2-recompute", pp_size=2, num_microbatches=2, activation_checkpointing=True),
+        # one pipeline rank holding two stages: split backward keeps the weights unsharded
+        # between its input- and weight-gradient tasks (resharding lost the weight gradients)
+        _case("pp1-zbv-dp_shard2", pp_size=1, dp_shard_size=2, schedule="zbv", num_microbatches=2),
+        _case(
+            "pp1-zeropp-dp_shard2",
+            pp_size=1,
+            dp_shard_size=2,
+            schedule="zeropp",
+            num_microbatches=2,
+        ),
     ],
     4: [
         _case("pp2-dp_shard2-1f1b", pp_size=2, dp_shard_size=2, num_microbatches=4),

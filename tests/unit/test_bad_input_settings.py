@@ -84,7 +84,7 @@ def test_lightning_refuses_a_misspelt_variable_even_when_code_sets_everything(mo
 def test_strategy_settings_checked_at_construction():
     with pytest.raises(ValueError, match=r"split='calll' is unknown; use 'auto', 'call'"):
         ZeroPPStrategy(split="calll")
-    from lightning_zeropp.lightning.network import pipelined_name
+    from lightning_zeropp.lightning.network import Network
     from lightning_zeropp.models.lit_gpt import LitGPT
 
     with pytest.raises(ValueError, match=r"optimizer='sgdd' is unknown; use one of"):
@@ -93,7 +93,7 @@ def test_strategy_settings_checked_at_construction():
         ValueError,
         match=r"module_name='modle' is not a submodule of LitGPT, whose submodules with parameters are \['model'\]; pass",
     ):
-        pipelined_name(LitGPT(), "modle")
+        Network.of(LitGPT(), "modle")
 
 
 def test_core_step_mistakes_are_named(group):

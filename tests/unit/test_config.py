@@ -86,3 +86,16 @@ def test_recompute_policy():
 def test_bad_settings_name_the_value(kwargs, world, match):
     with pytest.raises(ValueError, match=match):
         ZeroPPConfig(**kwargs).resolve(world)
+
+
+def test_split_backward_keeps_weights_unsharded_between_its_tasks():
+    """Resharding after forward under split backward lost the weight gradients (silently):
+    those schedules default to no resharding, and refuse it when asked for."""
+    for schedule in ("zbv", "interleaved_zb", "dualpipev", "zeropp"):
+        layout = ZeroPPConfig(pp_size=1, schedule=schedule).resolve(2)
+        assert layout.reshard_after_forward is False, schedule
+        with pytest.raises(ValueError, match="weight gradients would be lost"):
+            ZeroPPConfig(pp_size=2, schedule=schedule, reshard_after_forward=True).resolve(2)
+    full = ZeroPPConfig(pp_size=1, schedule="zeropp", split_backward=False).resolve(2)
+    assert full.reshard_after_forward is True  # a full backward: FSDP's default stands
+    assert ZeroPPConfig(pp_size=2, reshard_after_forward=True).resolve(2).reshard_after_forward

@@ -65,6 +65,10 @@ class ZeroPPConfig:
     ZeRO++ and offload (`core.settings.plus` describes each): `quantized_weights` (qwZ),
     `hpz_partition_size` (hpZ), `quantized_gradients` (qgZ), `gradient_error_feedback`,
     `quant_block_size`, `cpu_offload`, and `node_size` (ranks per node).
+
+    `compile`: `torch.compile` each block after the model is cut into stages; under schedules
+    that split backward into input- and weight-gradient tasks, the regions between the blocks'
+    weights (`core.shard.compile`).
     """
 
     pp_size: int | None = None
@@ -89,6 +93,7 @@ class ZeroPPConfig:
     quant_block_size: int = 256
     cpu_offload: bool = False
     node_size: int | None = None
+    compile: bool = False
 
     def resolve(self, world_size: int, node_size: int | None = None) -> ZeroPPLayout:
         """Every default filled in and every setting checked, for `world_size` processes of which

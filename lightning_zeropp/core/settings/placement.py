@@ -12,7 +12,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-__all__ = ["STYLES", "Style", "schedule_style", "stage_ids_for_rank", "rank_of_stage"]
+__all__ = [
+    "SPLIT_BACKWARD_SCHEDULES",
+    "STYLES",
+    "Style",
+    "rank_of_stage",
+    "schedule_style",
+    "splits_backward",
+    "stage_ids_for_rank",
+]
 
 Style = Literal["single", "looped", "v"]
 
@@ -27,6 +35,16 @@ STYLES: dict[str, Style] = {
     "dualpipev": "v",
     "zeropp": "looped",  # ZeroPP's unit schedule (core.zeropp_schedule)
 }
+
+
+# torch's schedules whose backward is an input-gradient and a weight-gradient task (zeropp's is,
+# with split_backward). A unit test checks this against the schedules' own actions.
+SPLIT_BACKWARD_SCHEDULES = ("interleaved_zb", "zbv", "dualpipev")
+
+
+def splits_backward(schedule: str, split_backward: bool | None) -> bool:
+    """Whether a (resolved) schedule runs separate input- and weight-gradient tasks."""
+    return schedule in SPLIT_BACKWARD_SCHEDULES or bool(split_backward)
 
 
 def schedule_style(name: str) -> Style:

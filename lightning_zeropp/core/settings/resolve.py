@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_zeropp.core.settings.placement import schedule_style
+from lightning_zeropp.core.settings.placement import schedule_style, splits_backward
 from lightning_zeropp.core.settings.plus import resolve_plus
 from lightning_zeropp.core.settings.values import (
     GRAD_REDUCE,
@@ -63,6 +63,7 @@ class ZeroPPLayout:
     quant_block_size: int
     cpu_offload: bool
     node_size: int
+    compile: bool
 
     @property
     def num_stages(self) -> int:
@@ -162,8 +163,20 @@ def _resolve_schedule(cfg: Any) -> None:
 def _resolve_policies(cfg: Any) -> None:
     cfg.param_dtype = parse_dtype(cfg.param_dtype, "param_dtype")
     cfg.reduce_dtype = parse_dtype(cfg.reduce_dtype, "reduce_dtype")
+    split = splits_backward(cfg.schedule, cfg.split_backward)
     if cfg.reshard_after_forward is None:
-        cfg.reshard_after_forward = cfg.pp_size == 1
+        cfg.reshard_after_forward = cfg.pp_size == 1 and not split
+    elif cfg.reshard_after_forward and split:
+        # The input-gradient task would find the weights resharded and hand the weight-gradient
+        # task no parameters: their gradients were silently lost.
+        raise setting_error(
+            ("reshard_after_forward", "schedule", "split_backward"),
+            f"reshard_after_forward=True cannot be combined with schedule={cfg.schedule!r}, "
+            "which splits backward into input- and weight-gradient tasks: the weights are "
+            "resharded between them and the weight gradients would be lost. Leave "
+            "reshard_after_forward unset (False for these schedules), or use a schedule with a "
+            "full backward ('1f1b', 'interleaved_1f1b'; for 'zeropp', split_backward=False).",
+        )
     cfg.reshard_after_forward = bool(cfg.reshard_after_forward)
     cfg.activation_checkpointing = _resolve_recompute(cfg.activation_checkpointing)
     nonfinite = str(cfg.nonfinite).lower()
@@ -174,6 +187,8 @@ def _resolve_policies(cfg: Any) -> None:
             "stage named) or 'skip' (drop the step's gradients on every rank).",
         )
     cfg.nonfinite = nonfinite
+    if not isinstance(cfg.compile, bool):
+        raise setting_error("compile", f"compile={cfg.compile!r} must be True or False.")
 
 
 def _default_pp(world_size: int, dp_replicate: int, dp_shard: int | None) -> int:
