@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import re
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,7 @@ from lightning_zeropp.accelerate.zeropp_plugin import ZeroPPPlugin
 from lightning_zeropp.core.step.grads import clip_grad_norm_
 from lightning_zeropp.core.weights import commit
 from lightning_zeropp.core.weights.export import full_state_dict
-from lightning_zeropp.models.hf_loss import disable_kv_cache
+from lightning_zeropp.models.hf_loss import disable_kv_cache, is_causal_lm
 
 __all__ = ["ZeroPPAccelerator"]
 
@@ -106,6 +107,12 @@ class ZeroPPAccelerator(Accelerator):
     ) -> dict[int, Any]:
         disable_kv_cache(model)
         plugin = self.zeropp_plugin
+        if plugin.seq_buckets is not None and not is_causal_lm(model):
+            raise ValueError(
+                f"ZeroPPPlugin(seq_buckets={plugin.seq_buckets!r}) pads sequences, which leaves "
+                f"the numbers unchanged only for causal LMs; {type(model).__name__} is not one. "
+                "Drop seq_buckets."
+            )
         holder: list[PipelineModel] = []
         skeleton = _skeleton(model)  # the whole model's structure, for unwrap_model
         engine, opt, loader, sched = prepare_pipeline(
@@ -123,6 +130,7 @@ class ZeroPPAccelerator(Accelerator):
         )
         pipeline = PipelineModel(engine, skeleton)
         pipeline.eval_logits = plugin.eval_logits
+        pipeline.seq_buckets = plugin.seq_buckets
         holder.append(pipeline)
         self.pipeline, self._skeleton = pipeline, skeleton
         self._dp_order = _dp_order(engine.dims.pp_rank, engine.dims.dp_rank)
@@ -265,7 +273,7 @@ def _unpack_call(token_weighted: bool) -> Any:
     the same block call)."""
 
     def unpack(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
-        if not isinstance(batch, dict):
+        if not isinstance(batch, Mapping):  # HF's BatchEncoding is a Mapping, not a dict
             raise TypeError(
                 f"ZeroPPAccelerator's training loader yields {type(batch).__name__}; it expects "
                 "dict batches called as model(**batch) (HF collators). For other batches use "

@@ -33,6 +33,7 @@ from lightning_zeropp.models.hf_loss import (
     is_causal_lm,
     token_counts,
 )
+from lightning_zeropp.models.packing import Reshaped, SeqBuckets, reshape
 
 __all__ = [
     "NUM_ITEMS",
@@ -93,10 +94,13 @@ class PipelineModel(nn.Module):
         # Causal LMs predict token t+1 at t: the first label of a row is never a target.
         self.shifts = is_causal_lm(original)
         self.eval_logits = True
+        self.seq_buckets: SeqBuckets = None
         self._captured: list[Any] | None = None
 
     # ---------------------------------------------------------------- calls
     def forward(self, *args: Any, **kwargs: Any) -> PipelineOutput:
+        shaped = self._reshaped(args, kwargs)
+        kwargs = shaped.batch
         target = _target_of(args, kwargs)
         if self.training and torch.is_grad_enabled():
             if target is None:
@@ -105,7 +109,18 @@ class PipelineModel(nn.Module):
                     "pipeline computes the loss inside the call and runs the backward with it."
                 )
             return self._train(args, kwargs, target)
-        return self._eval(args, kwargs, target)
+        out = self._eval(args, kwargs, target)
+        if "logits" in out:
+            out["logits"] = shaped.restore(out["logits"])
+        return out
+
+    def _reshaped(self, args: Any, kwargs: dict[str, Any]) -> Reshaped:
+        """A causal LM's keyword batch with packed rows regrouped into as many rows as the
+        micro-batches need and its length padded to a bucket (`models.packing`: exact)."""
+        if args or not self.shifts:
+            return Reshaped(kwargs)
+        assert self.engine.core.config.num_microbatches is not None
+        return reshape(kwargs, self.engine.core.config.num_microbatches, self.seq_buckets)
 
     def _train(self, args: Any, kwargs: dict[str, Any], target: torch.Tensor) -> PipelineOutput:
         core = self.engine.core

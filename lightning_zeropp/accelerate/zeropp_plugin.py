@@ -21,6 +21,7 @@ from lightning_zeropp.core.settings.merge import (
 )
 from lightning_zeropp.core.split.methods import SplitMethod
 from lightning_zeropp.core.weights.materialize import InitFn
+from lightning_zeropp.models.packing import SeqBuckets, check_buckets
 
 __all__ = ["ZeroPPPlugin"]
 
@@ -40,6 +41,11 @@ class ZeroPPPlugin:
             exists in one process.
         init: `init(module)` per module for a model built on the meta device without
             `load_from` (default: the model's own `_init_weights`, else `reset_parameters()`).
+        seq_buckets: for causal LMs, pad each batch's length up to a bucket so that batches of
+            changing length reuse a few pipeline schedules (each new shape builds one): None
+            (default: lengths as they come), "pow2", an int k (multiples of k) or a list of
+            lengths (`lightning_zeropp.models.packing`). Padding is masked out of the loss and
+            attention: the numbers do not change.
         **settings: `ZeroPPConfig` fields; those left out come from `ZEROPP_*` variables.
     """
 
@@ -52,6 +58,7 @@ class ZeroPPPlugin:
         eval_logits: bool = True,
         load_from: str | Path | None = None,
         init: InitFn | None = None,
+        seq_buckets: SeqBuckets = None,
         **settings: Any,
     ) -> None:
         check_names(settings, "ZeroPPPlugin")
@@ -64,6 +71,7 @@ class ZeroPPPlugin:
         self.split = split
         self.eval_logits = eval_logits
         self.load_from, self.init = load_from, init
+        self.seq_buckets = check_buckets(seq_buckets)
 
     def run_settings(self) -> RunSettings:
         """The plugin's settings over the `ZEROPP_*` variables (read now: at `prepare`)."""

@@ -71,11 +71,23 @@ class ShapeInferenceStage(PipelineStage):
     """torch's `PipelineStage` calling `after_forward_inference()` once its first-step forward
     shape inference (`_prepare_forward_infra`) has run (`core.schedule.runtime.LeanStage`)."""
 
+    # Set by the engine: times shape inference (`core.measure.planning.PlanningStats.timed`).
+    inference_clock: Any = None
+
     def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return super()._prepare_forward_infra(*args, **kwargs)
-        finally:
-            self.after_forward_inference()
+        with self._timed():
+            try:
+                return super()._prepare_forward_infra(*args, **kwargs)
+            finally:
+                self.after_forward_inference()
+
+    def _prepare_backward_infra(self, *args: Any, **kwargs: Any) -> Any:
+        with self._timed():
+            return super()._prepare_backward_infra(*args, **kwargs)
+
+    def _timed(self) -> Any:
+        clock = self.inference_clock
+        return clock.timed() if clock is not None else contextlib.nullcontext()
 
     def after_forward_inference(self) -> None:
         """Called after forward shape inference (default: nothing)."""

@@ -32,6 +32,7 @@ from lightning_zeropp.core.measure.memory import (
     format_report,
     measure,
 )
+from lightning_zeropp.core.measure.planning import PlanningStats
 from lightning_zeropp.core.mesh import ParallelDims, build_mesh
 from lightning_zeropp.core.schedule.build import (
     build_eval_schedule,
@@ -188,6 +189,8 @@ class ZeroPPEngine:
         self._probe_loss_fn = probe_loss_fn or loss_fn
         self._in_scheduled_loss = False
         self._schedules: dict[tuple[Any, ...], tuple[Any, list[PipelineStage]]] = {}
+        # Schedules built for new batch shapes, and the time it took (reported by the fronts).
+        self.planning = PlanningStats()
         # The PipelineStages of the last training schedule run (those the next step of the same
         # shapes runs: timelines wrap them).
         self.stages: list[PipelineStage] = []
@@ -430,20 +433,30 @@ class ZeroPPEngine:
         if entry is None:
             if len(self._schedules) >= _MAX_SCHEDULES:
                 self._schedules.pop(next(iter(self._schedules)))
+                self.planning.evicted(_MAX_SCHEDULES)
+            entry = self._build_schedule(mode, microbatches)
+        self._schedules[key] = entry  # most recently used last
+        if mode == "train":
+            self.stages = entry[1]
+        return entry[0]
+
+    def _build_schedule(self, mode: str, microbatches: int) -> tuple[Any, list[PipelineStage]]:
+        """A schedule over fresh stages, whose first step infers their shapes (timed in
+        `planning`, with the building)."""
+        with self.planning.timed():
             stages = [
                 LeanStage(m, s, self.num_stages, self.device, group=self.dims.pp_group)
                 for s, m in zip(self.stage_ids, self._stage_modules, strict=True)
             ]
+            for stage in stages:
+                stage.inference_clock = self.planning
             if mode == "train":
                 schedule = build_schedule(self.config, stages, self._loss)
             else:
                 schedule = build_eval_schedule(self.config, stages, self._loss, microbatches)
             on_scheduled_loss(schedule, self._scheduled_loss)
-            entry = (schedule, stages)
-        self._schedules[key] = entry  # most recently used last
-        if mode == "train":
-            self.stages = entry[1]
-        return entry[0]
+        self.planning.built()
+        return schedule, stages
 
     def _loss(self, output: Any, target: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         fn = self._loss_fn if self._in_scheduled_loss else self._probe_loss_fn

@@ -47,6 +47,7 @@ class Args:
     seed: int = 0  # data order
     init_seed: int = 0  # the model's initial weights
     empty_init: bool = False  # build under init_empty_weights() (the plugin's load_from fills it)
+    lora: bool = False  # PEFT LoRA adapters on the attention and MLP projections
     export_to: str | None = None  # run_clm's closing save_pretrained
     stop_after: int | None = None  # updates, then save_state(save_to) and stop
     resume_from: str | None = None  # load_state, then skip the batches already trained on
@@ -93,7 +94,15 @@ def build_model(args: Args) -> torch.nn.Module:
 
         with init_empty_weights():
             return AutoModelForCausalLM.from_config(config)
-    return AutoModelForCausalLM.from_config(config)
+    model = AutoModelForCausalLM.from_config(config)
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        # init_lora_weights=False: B is not zero, so the adapters change the loss at once
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+        model = get_peft_model(model, lora)
+    return model
 
 
 def train(accelerator: Any, args: Args, save_to: str | None = None) -> dict[str, Any]:
@@ -182,6 +191,10 @@ def train(accelerator: Any, args: Args, save_to: str | None = None) -> dict[str,
         accelerator.save_state(save_to)
     state = accelerator.get_state_dict(model)
     out["params"] = {k: v.detach().clone() for k, v in state.items()}
+    # (not a user's line) which parameters hold optimizer state, and which train
+    names = {p: n for n, p in model.named_parameters()}
+    out["with_state"] = sorted(names[p] for p, s in optimizer.optimizer.state.items() if s)
+    out["frozen"] = sorted(n for p, n in names.items() if not p.requires_grad)
     if args.export_to is not None:
         accelerator.wait_for_everyone()
         unwrapped_model = accelerator.unwrap_model(model)

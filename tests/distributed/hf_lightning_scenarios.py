@@ -18,9 +18,10 @@ from tests.distributed.clm_loop import Args, Texts, build_model, collate
 class CausalLM(pl.LightningModule):
     """As an HF user writes one: the model's own loss, with the collator's mask and labels."""
 
-    def __init__(self, family: str) -> None:
+    def __init__(self, family: str, lora: bool = False) -> None:
         super().__init__()
-        self.model = build_model(Args(family=family))
+        self.model = build_model(Args(family=family, lora=lora))
+        self.lora = lora
         self.losses: list[float] = []
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -34,10 +35,14 @@ class CausalLM(pl.LightningModule):
         self.losses.append(float(self.trainer.callback_metrics["train_loss"]))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.lora:  # every parameter given: the frozen ones must still get no state
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
-def run(family: str, strategy: dict[str, Any] | None, devices: int) -> dict[str, Any]:
+def run(
+    family: str, strategy: dict[str, Any] | None, devices: int, lora: bool = False
+) -> dict[str, Any]:
     torch.manual_seed(0)
     loader = DataLoader(Texts(24, 1), batch_size=8, collate_fn=collate)  # 3 steps, same order
     trainer = pl.Trainer(
@@ -53,13 +58,20 @@ def run(family: str, strategy: dict[str, Any] | None, devices: int) -> dict[str,
         # distributed sampler would shuffle the training data, as Lightning always does).
         use_distributed_sampler=False,
     )
-    module = CausalLM(family)
+    module = CausalLM(family, lora)
     trainer.fit(module, loader)
     if strategy:
         params = trainer.strategy.full_state_dict()
     else:
         params = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
-    return {"losses": module.losses, "params": params}
+    names = {p: n for n, p in module.named_parameters()}
+    optimizer = trainer.optimizers[0]
+    return {
+        "losses": module.losses,
+        "params": params,
+        "with_state": sorted(names[p] for p, s in optimizer.state.items() if s),
+        "frozen": sorted(n for p, n in names.items() if not p.requires_grad),
+    }
 
 
 class OwnLoss(CausalLM):

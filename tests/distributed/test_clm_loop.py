@@ -30,6 +30,8 @@ CASES = [
         "plugin": {**PP, "dp_shard_size": 2, "num_microbatches": 2, "load_from": "<initial>"},
         "args": {"empty_init": True},
     },
+    # PEFT LoRA adapters (init_lora_weights=False) on the attention and MLP projections
+    {"id": "llama-lora", "plugin": PP, "args": {"lora": True, "max_grad_norm": 0.3}},
     {
         "id": "llama-empty-load-zeropp",
         "plugin": {**PP, "schedule": "ZeroPP", "load_from": "<initial>"},
@@ -111,7 +113,8 @@ def _assert_matches(pipe: list[dict], one: dict, case: dict) -> None:
         torch.testing.assert_close(got["loss"], ref["loss"], rtol=0, atol=1e-5)
         torch.testing.assert_close(got["lr"], ref["lr"], rtol=0, atol=1e-9)
         torch.testing.assert_close(got["norm"], ref["norm"], rtol=1e-5, atol=1e-5)
-        assert min(ref["norm"]) > 0.5, "the loop's clipping must be active to guard the scale"
+        clip = case.get("args", {}).get("max_grad_norm", 0.5)
+        assert min(ref["norm"]) > clip, "the loop's clipping must be active to guard the scale"
         torch.testing.assert_close(got["eval_loss"], ref["eval_loss"], rtol=0, atol=1e-5)
         assert sorted(got["eval_ids"]) == sorted(ref["eval_ids"])
     params = pipe[0][case["id"]]["params"]  # the whole model lands on the main process
@@ -130,6 +133,25 @@ def test_matches_one_process(runs, case):
 @pytest.mark.parametrize("case", FAMILY_CASES, ids=[c["id"] for c in FAMILY_CASES])
 def test_other_families_match_one_process(family_runs, case):
     _assert_matches(*family_runs, case)
+
+
+def test_lora_trains_adapters_only(runs):
+    """Frozen base weights stay as built and get no optimizer state on any rank; the adapters
+    train (as one process trains them: test_matches_one_process)."""
+    from tests.distributed.clm_loop import Args, build_model
+
+    pipe, _, _ = runs
+    start = build_model(Args(lora=True)).state_dict()  # the initial weights (init_seed 0)
+    got = pipe[0]["llama-lora"]["params"]
+    assert got.keys() == start.keys()
+    for name, value in start.items():
+        if "lora_" not in name:
+            torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
+    assert any("lora_" in n and not torch.equal(got[n], v) for n, v in start.items())
+    for rank in pipe:
+        result = rank["llama-lora"]
+        assert result["with_state"] and all("lora_" in n for n in result["with_state"])
+        assert result["frozen"] and all("lora_" not in n for n in result["frozen"])
 
 
 def test_learning_rate_as_under_ddp(runs):

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 pytestmark = pytest.mark.distributed
@@ -128,6 +129,39 @@ def test_accelerate_recipe_runs_a_local_hf_model_under_torchrun(tmp_path: Path):
     assert val["step"] == 3 and math.isclose(
         val["val_perplexity"], math.exp(val["val_loss"]), rel_tol=1e-4
     )
+
+
+@pytest.mark.slow
+def test_trainer_recipe_fine_tunes_a_local_hf_model(tmp_path: Path):
+    """recipes/train_hf.py: the Trainer (ZeroPPTrainer) fine-tunes an HF directory read shard by
+    shard, logs falling losses and an evaluation, and saves an HF directory from_pretrained
+    reads."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_zeropp.models.hf import build_causal_lm
+
+    shape = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4}
+    heads = {"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+    build_causal_lm("llama", seed=0, vocab_size=256, **shape, **heads).save_pretrained(
+        tmp_path / "tiny"
+    )
+    overrides = [f"model.net.path={tmp_path / 'tiny'}", "parallel.num_microbatches=4", *QUICK]
+    script = str(ROOT / "recipes" / "train_hf.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4"]
+    result = run([*cmd, script, *overrides], tmp_path)
+    assert result.returncode == 0, result.stdout[-6000:]
+    run_dir = the_run_dir(tmp_path)
+    assert "schedule zeropp" in result.stdout
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [x["loss"] for x in lines if "loss" in x]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses), lines
+    assert losses[-1] < losses[0], losses
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert math.isclose(summary["eval_perplexity"], math.exp(summary["eval_loss"]), rel_tol=1e-6)
+    trained = AutoModelForCausalLM.from_pretrained(run_dir / "model").state_dict()
+    start = AutoModelForCausalLM.from_pretrained(tmp_path / "tiny").state_dict()
+    assert trained.keys() == start.keys()
+    assert not torch.equal(trained["lm_head.weight"], start["lm_head.weight"])
 
 
 def test_bad_override_fails_before_launch_naming_the_key(tmp_path: Path):

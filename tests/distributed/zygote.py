@@ -33,11 +33,17 @@ import torch.distributed.checkpoint  # noqa: E402, F401
 import torch.distributed.pipelining  # noqa: E402, F401
 import torchmetrics  # noqa: E402, F401
 import transformers  # noqa: E402, F401
-from transformers import AutoModelForCausalLM, LlamaForCausalLM  # noqa: E402, F401
+from transformers import (  # noqa: E402, F401
+    AutoModelForCausalLM,
+    LlamaForCausalLM,
+    Trainer,
+    TrainingArguments,
+)
 
 import lightning_zeropp.accelerate  # noqa: E402, F401
 import lightning_zeropp.lightning  # noqa: E402, F401
 import lightning_zeropp.models.hf  # noqa: E402, F401
+import lightning_zeropp.transformers  # noqa: E402, F401
 
 _exit_files: dict[int, str] = {}
 

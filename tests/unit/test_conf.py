@@ -338,3 +338,14 @@ def test_plan_summary_uses_the_documented_bandwidths():
     assert "pp 2 x dp_replicate 1 x dp_shard 16" in text
     moved = 6_738_415_616 / 2 * (1 + 4 / 256) * 15 / 16
     assert f"{moved / 1e9:.2f} GB over InfiniBand at 50 GB/s" in text
+
+
+def test_trainer_recipe_config_composes():
+    """conf/train_hf.yaml (recipes/train_hf.py): the main job's groups with an HF directory and
+    the zeropp layout, plus the `hf` group, checked like every other config."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train_hf", overrides=["model.net.path=/models/some-llama"])
+    assert cfg.model.name == "hf_local" and cfg.parallel.schedule == "zeropp"
+    assert set(cfg.hf) == {"lora", "seq_buckets", "save_steps", "resume_from"}
+    plan = check_config(cfg)
+    assert plan.global_batch_size % plan.world_size == 0  # per-device batches for the Trainer

@@ -23,6 +23,7 @@ FRONTLESS = [
     "lightning_zeropp",
     "lightning_zeropp.core",
     "lightning_zeropp.accelerate",
+    "lightning_zeropp.transformers",
     "lightning_zeropp.plan",  # its command line (__main__) imports Hydra only when run
 ]
 
@@ -79,11 +80,20 @@ from lightning.pytorch.strategies import StrategyRegistry
 print("REGISTERED", "zeropp" in StrategyRegistry)
 """
 
+# transformers is imported by the transformers front only (and by user code): not by the package,
+# its core or the Accelerate front.
+WITHOUT_TRANSFORMERS = """
+import sys
+import lightning_zeropp, lightning_zeropp.core, lightning_zeropp.accelerate, lightning_zeropp.plan
+print("TRANSFORMERS", "transformers" in sys.modules)
+"""
+
 SCRIPTS = {
     **{f"import:{m}": CHECK_IMPORTS.format(module=m, forbidden=FORBIDDEN) for m in FRONTLESS},
     **{f"order:{k}": code + TRAINER for k, code in ORDERS.items()},
     "without-fronts": WITHOUT_FRONTS,
     "failed-registration": FAILED_REGISTRATION,
+    "without-transformers": WITHOUT_TRANSFORMERS,
 }
 
 
@@ -145,6 +155,17 @@ def test_failed_registration_does_not_break_lightning(results: dict[str, Result]
     assert result.returncode == 0, result.describe()
     assert "REGISTERED False" in result.stdout, result.describe()
     assert "could not register Trainer(strategy='zeropp')" in result.stderr, result.describe()
+
+
+def test_transformers_imported_by_its_front_only(results: dict[str, Result]) -> None:
+    result = results["without-transformers"]
+    assert result.returncode == 0, result.describe()
+    assert "TRANSFORMERS False" in result.stdout, result.describe()
+    # Nothing outside the front imports it (it may import the Accelerate front and the core).
+    front = ROOT / "lightning_zeropp" / "transformers"
+    for path in (ROOT / "lightning_zeropp").rglob("*.py"):
+        if front not in path.parents:
+            assert "lightning_zeropp.transformers" not in path.read_text(), path
 
 
 def test_core_dependencies_are_torch_only() -> None:

@@ -64,3 +64,15 @@ def test_both_fronts_rebuild_with_every_field():
     fields = {k: v for k, v in _fields(resumed).items() if k != "sampler"}
     assert fields == {k: v for k, v in _fields(loader).items() if k != "sampler"}
     assert len(resumed) == len(loader) - 2 == len(list(skip_batches(loader, 2)))
+
+
+def test_an_iterable_dataset_rebuilds():
+    """An IterableDataset's loader has torch's stand-in sampler, which its constructor refuses."""
+    from torch.utils.data import IterableDataset
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(10))
+
+    wider = rebuild_loader(DataLoader(Stream(), batch_size=2), batch_size=4)
+    assert next(iter(wider)).tolist() == [0, 1, 2, 3]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 __all__ = ["rebuild_loader"]
 
@@ -37,6 +37,9 @@ def rebuild_loader(loader: DataLoader, **changes: Any) -> DataLoader:
             fields.pop(name, None)
     else:
         fields.pop("batch_sampler", None)
+    if isinstance(loader.dataset, IterableDataset):
+        # Its sampler is the DataLoader's own stand-in, which the constructor refuses back.
+        fields.pop("sampler", None)
     if not fields.get("num_workers"):  # DataLoader refuses these without workers
         for name in _WORKERS_ONLY:
             fields.pop(name, None)

@@ -1,0 +1,148 @@
+"""`ZeroPPTrainer`'s checkpoints: the Trainer's folders, with the model and optimizer sharded.
+
+A `checkpoint-<step>` folder holds what the Trainer's holds (`trainer_state.json`, the
+scheduler, one RNG state per process, the callbacks' state) but the model and optimizer as a
+distributed checkpoint in `zeropp/` (each rank writes its shards; loadable under any layout),
+never gathered into one process. The folder is written under a hidden temporary name and renamed
+into place once every rank has finished (`core.weights.commit`): `get_last_checkpoint` and
+`resume_from_checkpoint=True` never meet a half-written one, and the Trainer's rotation
+(`save_total_limit`) deletes them as its own. `save_model` is different: the whole model, as an
+ordinary HF directory, written by the main process.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import Trainer
+from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
+
+from lightning_zeropp.accelerate.engine import CHECKPOINT_DIR
+from lightning_zeropp.core.weights import checkpoint as ckpt
+from lightning_zeropp.core.weights import commit
+
+__all__ = ["check_resumable", "load", "load_best_model", "save", "save_model"]
+
+_MODEL_ONLY = "model_only"  # in the sharded checkpoint's metadata: saved with save_only_model
+
+
+def save(trainer: Any, trial: Any) -> None:
+    """Collective: `Trainer._save_checkpoint`, sharded and committed atomically."""
+    args, state = trainer.args, trainer.state
+    if trainer.hp_search_backend is None and trial is None:
+        trainer.store_flos()
+    run_dir = Path(trainer._get_output_dir(trial=trial))
+    final = run_dir / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+    tmp = Path(ckpt.broadcast_str(str(commit.temporary(final))))
+    engine = trainer.pipeline.engine
+    if args.save_only_model:
+        meta = {_MODEL_ONLY: True, "world_size": dist.get_world_size()}
+        ckpt.save_checkpoint(tmp / CHECKPOINT_DIR, engine.module, [], meta)
+    else:
+        engine.save(tmp)
+        if args.should_save:
+            torch.save(trainer.lr_scheduler.state_dict(), tmp / SCHEDULER_NAME)
+        trainer._save_rng_state(str(tmp))  # every process its own
+    _record_best(trainer, run_dir, final)
+    if args.should_save:
+        _save_trainer_state(trainer, tmp)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        commit.publish(tmp, final, link=False)  # a real folder: the Trainer lists and deletes it
+    dist.barrier()
+    if args.push_to_hub:
+        trainer._push_from_checkpoint(str(final))
+    if args.should_save:
+        rotate_checkpoints(
+            output_dir=str(run_dir),
+            save_total_limit=args.save_total_limit,
+            best_model_checkpoint=state.best_model_checkpoint,
+            use_mtime=True,
+        )
+
+
+def _record_best(trainer: Any, run_dir: Path, final: Path) -> None:
+    """The Trainer's bookkeeping of the best checkpoint (the folder being written counts)."""
+    args, state = trainer.args, trainer.state
+    strategies = (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST)
+    if args.save_strategy not in strategies or not state.best_global_step:
+        return
+    best = run_dir / f"{PREFIX_CHECKPOINT_DIR}-{state.best_global_step}"
+    if best == final or best.exists():
+        state.best_model_checkpoint = str(best)
+
+
+def _save_trainer_state(trainer: Any, folder: Path) -> None:
+    state = trainer.state
+    for cb in [*trainer.callback_handler.callbacks, trainer.control]:
+        if isinstance(cb, ExportableState):
+            name = cb.__class__.__name__
+            if isinstance(state.stateful_callbacks[name], list):
+                state.stateful_callbacks[name].append(cb.state())
+            else:
+                state.stateful_callbacks[name] = cb.state()
+    state.save_to_json(str(folder / TRAINER_STATE_NAME))
+
+
+def check_resumable(folder: str | os.PathLike[str]) -> None:
+    """Raise on every rank (they share the filesystem) unless `folder` is a ZeroPPTrainer
+    checkpoint that holds optimizer state."""
+    sharded = Path(folder) / CHECKPOINT_DIR
+    if not ckpt.is_checkpoint(sharded):
+        hint = ""
+        if any((Path(folder) / n).is_file() for n in ("model.safetensors", "pytorch_model.bin")):
+            hint = (
+                " It holds a whole model (a plain Trainer's checkpoint): start from its weights "
+                f"with ZeroPPPlugin(load_from={str(folder)!r}) instead of resuming."
+            )
+        raise ValueError(
+            f"resume_from_checkpoint={str(folder)!r} is not a ZeroPPTrainer checkpoint (no "
+            f"sharded state in {sharded}).{hint}"
+        )
+    meta = torch.load(sharded / ckpt.META_FILE, weights_only=False)
+    if meta.get(_MODEL_ONLY):
+        raise ValueError(
+            f"{folder} was saved with save_only_model=True: it holds no optimizer or scheduler "
+            "state to resume from. Start from its weights with ZeroPPPlugin(load_from="
+            f"{str(sharded)!r}), or save without save_only_model."
+        )
+
+
+def load(trainer: Any, folder: str | os.PathLike[str]) -> None:
+    """Collective: the sharded model and optimizer, and the scheduler, of a checkpoint."""
+    check_resumable(folder)
+    trainer.pipeline.engine.load(folder)
+    scheduler = Path(folder) / SCHEDULER_NAME
+    trainer.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+
+def load_best_model(trainer: Any) -> None:
+    """Collective: the model weights of `state.best_model_checkpoint` (load_best_model_at_end)."""
+    sharded = Path(trainer.state.best_model_checkpoint) / CHECKPOINT_DIR
+    engine = trainer.pipeline.engine
+    with engine.core.failures.guard():
+        ckpt.load_checkpoint(sharded, engine.module, [])
+
+
+def save_model(trainer: Any, output_dir: str) -> None:
+    """Collective: the whole model as `save_pretrained` writes it, from the main process."""
+    pipeline = trainer.pipeline
+    if pipeline is None:  # never split: the model still holds its own weights
+        Trainer.save_model(trainer, output_dir)
+        return
+    state = trainer.accelerator.get_state_dict(pipeline)  # {} but on the main process
+    if trainer.args.should_save:
+        os.makedirs(output_dir, exist_ok=True)
+        # The model passed in holds no weights any more (meta): the state dict is the model.
+        trainer.model.save_pretrained(output_dir, state_dict=state, safe_serialization=True)
+        if trainer.processing_class is not None:
+            trainer.processing_class.save_pretrained(output_dir)
+        torch.save(trainer.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+    trainer.accelerator.wait_for_everyone()

@@ -1,0 +1,168 @@
+"""What a `TrainingArguments` asks of a pipeline: the settings it maps to, and what is refused.
+
+Everything here reads the Trainer's arguments only, so every rank refuses the same run, at
+construction, before any collective. A refusal says why the option cannot be pipelined exactly
+and what to use instead; options that map onto ZeroPP (`bf16=True`) are mapped, not refused.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
+
+from lightning_zeropp.accelerate.zeropp_plugin import ZeroPPPlugin
+from lightning_zeropp.core.settings.values import parse_dtype
+
+__all__ = ["accelerator_arguments", "check_trainer_arguments", "plugin_for"]
+
+_LOADER_SETTINGS = ("split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler")
+
+
+def check_trainer_arguments(args: Any, init: dict[str, Any]) -> None:
+    """Raise `ValueError` for what `Trainer(args=args, **init)` does that the pipeline cannot."""
+    for problem in _problems(args, init):
+        raise ValueError(f"ZeroPPTrainer: {problem}")
+
+
+def _problems(args: Any, init: dict[str, Any]) -> list[str]:
+    found = []
+    if init.get("model_init") is not None:
+        found.append(
+            "model_init= rebuilds the model for every train() and hyperparameter trial; the "
+            "pipeline is built once from one model. Pass model=... instead."
+        )
+    if init.get("compute_loss_func") is not None or args.label_smoothing_factor:
+        what = "compute_loss_func=" if init.get("compute_loss_func") else "label_smoothing_factor"
+        found.append(
+            f"{what} computes the loss from the model's logits outside the model, but under a "
+            "pipeline the logits exist only on the last stage, inside the step (not supported "
+            "yet). Use the model's own loss (labels=...), or an Accelerate loop with "
+            "lightning_zeropp.accelerate.prepare_pipeline(..., loss_fn=...)."
+        )
+    if args.fp16 or args.fp16_full_eval:
+        found.append(
+            "fp16 needs a loss scaler, which a pipeline's fused forward and backward does not "
+            "run. Use bf16=True (FSDP2 mixed precision: bf16 compute, fp32 gradient reduction)."
+        )
+    if args.bf16_full_eval:
+        found.append(
+            "bf16_full_eval=True casts the whole model for evaluation; the pipeline evaluates "
+            "with its training precision. Drop it (bf16=True computes evaluation in bf16 too)."
+        )
+    if args.fsdp:
+        found.append(
+            f"fsdp={args.fsdp!r}: ZeroPP shards every pipeline stage with FSDP2 itself. Drop the "
+            "fsdp arguments and set the layout with ZeroPPPlugin(...) or ZEROPP_* variables."
+        )
+    if args.deepspeed:
+        found.append(
+            "deepspeed=...: ZeroPP shards and pipelines the model itself. Drop deepspeed and set "
+            "the layout with ZeroPPPlugin(...) or ZEROPP_* variables."
+        )
+    if args.parallelism_config is not None:
+        found.append(
+            "parallelism_config=... builds Accelerate's own mesh; ZeroPP builds a pp x "
+            "dp_replicate x dp_shard mesh. Drop it and use ZeroPPPlugin(pp_size=..., "
+            "dp_shard_size=..., dp_replicate_size=...)."
+        )
+    if args.torch_compile:
+        found.append(
+            "torch_compile=True compiles the whole model; the pipeline runs stage copies of it. "
+            "Drop torch_compile."
+        )
+    if args.activation_checkpointing or args.gradient_checkpointing:
+        found.append(
+            "activation_checkpointing=True patches the model's layers before the pipeline cuts "
+            "them. Use ZeroPPPlugin(activation_checkpointing=True) (or 'except_last'), which "
+            "recomputes each stage's blocks."
+        )
+    if args.auto_find_batch_size:
+        found.append(
+            "auto_find_batch_size=True rebuilds the training loop on out-of-memory errors, which "
+            "would leave the pipeline's ranks out of step. Set per_device_train_batch_size."
+        )
+    if args.neftune_noise_alpha is not None:
+        found.append(
+            "neftune_noise_alpha hooks the model's input embedding before training; the pipeline "
+            "trains stage copies of it, so the noise would be silently lost. Drop it."
+        )
+    if args.use_liger_kernel:
+        found.append(
+            "use_liger_kernel=True patches the model's modules, and its fused loss reads the "
+            "head's weights outside the last stage. Drop it."
+        )
+    if args.save_on_each_node:
+        found.append(
+            "save_on_each_node=True writes a copy per node; the sharded checkpoint has each rank "
+            "write its own shards into one folder, on a filesystem every rank shares. Drop it."
+        )
+    if args.train_sampling_strategy == "batch_rebalance":
+        found.append(
+            "train_sampling_strategy='batch_rebalance' balances rows over every process; the "
+            "ranks of one pipeline share a batch. Use 'random', 'sequential' or "
+            "'group_by_length'."
+        )
+    if not args.average_tokens_across_devices:
+        found.append(
+            "average_tokens_across_devices=False averages per-process means, but the processes "
+            "of one pipeline share their rows: there is no per-process batch to average. Keep "
+            "the default True: the loss is the global batch's mean over labelled tokens, as "
+            "one process computes it."
+        )
+    return found
+
+
+def plugin_for(plugin: ZeroPPPlugin | None, args: Any) -> ZeroPPPlugin:
+    """The plugin the Trainer's accelerator uses: `plugin` (default: ZEROPP_* variables) with
+    `bf16=True` as FSDP2 mixed precision (bf16 parameters in compute, fp32 reduction)."""
+    plugin = plugin or ZeroPPPlugin()
+    if not args.bf16:
+        return plugin
+    config = plugin.run_settings().config  # what the run gets: code, then ZEROPP_* variables
+    if parse_dtype(config.param_dtype, "param_dtype") not in (None, torch.bfloat16):
+        raise ValueError(
+            f"ZeroPPTrainer: TrainingArguments(bf16=True) and param_dtype="
+            f"{config.param_dtype!r} (ZeroPPPlugin or ZEROPP_PARAM_DTYPE) disagree; drop one."
+        )
+    reduce = config.reduce_dtype if config.reduce_dtype is not None else torch.float32
+    mapped = copy.copy(plugin)
+    if plugin.config is not None:
+        mapped.config = dataclasses.replace(
+            plugin.config, param_dtype=torch.bfloat16, reduce_dtype=reduce
+        )
+    else:
+        mapped.settings = {**plugin.settings, "param_dtype": torch.bfloat16, "reduce_dtype": reduce}
+    return mapped
+
+
+def accelerator_arguments(args: Any, build: Callable[..., dict[str, Any]]) -> dict[str, Any]:
+    """The keyword arguments the Trainer gives its `Accelerator` (`create_accelerator_and_
+    postprocess`, `build` its `_build_accelerator_args`), for a `ZeroPPAccelerator`: the
+    Trainer accumulates itself (one step per call), no DeepSpeed or dynamo plugin (refused), and
+    no autocast (`bf16=True` is the plugin's `param_dtype`: the stages are not prepared models)."""
+    config = args.accelerator_config
+    grad_acc = dict(config.gradient_accumulation_kwargs or {})
+    if "num_steps" in grad_acc:
+        if args.gradient_accumulation_steps > 1:
+            raise ValueError(
+                "AcceleratorConfig's gradient_accumulation_kwargs['num_steps'] and "
+                "TrainingArguments(gradient_accumulation_steps>1) are both set; keep one."
+            )
+        args.gradient_accumulation_steps = grad_acc["num_steps"]  # as the Trainer does
+    grad_acc["num_steps"] = 1
+    settings = config.to_dict()
+    loaders = DataLoaderConfiguration(**{k: settings[k] for k in _LOADER_SETTINGS})
+    loaders.data_seed = args.data_seed
+    loaders.non_blocking = settings["non_blocking"]
+    kwargs = build(
+        dataloader_config=loaders,
+        gradient_accumulation_plugin=GradientAccumulationPlugin(**grad_acc),
+    )
+    kwargs.update(mixed_precision="no", deepspeed_plugin=None)
+    kwargs.pop("dynamo_plugin", None)
+    return kwargs

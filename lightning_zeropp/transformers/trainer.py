@@ -1,0 +1,297 @@
+"""`ZeroPPTrainer`: `transformers.Trainer` training a model pipelined over FSDP2.
+
+    trainer = ZeroPPTrainer(model=model, args=TrainingArguments(...), train_dataset=...,
+                            zeropp_plugin=ZeroPPPlugin(pp_size=2))
+
+is the only changed line of a Trainer script; the Trainer's own loop runs (logging, evaluation,
+callbacks, checkpoints, schedulers, gradient accumulation). What differs, and why:
+- The Trainer's `Accelerator` is a `ZeroPPAccelerator` (`create_accelerator_and_postprocess`).
+  Its `prepare` must see the model, its optimizer and the training loader together, and the
+  Trainer prepares the loader first: so loaders are built unprepared, and the first one needed
+  builds the pipeline (optimizer created on the whole model, as under DDP, then rebuilt over this
+  rank's stages). The model object passed in then holds no weights (its parameters move to the
+  meta device): the trained ones live in the stages, and stale use fails loudly.
+- One `model(**inputs)` in training mode runs a whole pipeline step, forward and backward
+  (`PipelineModel`); its `.loss` is the global batch's loss. `compute_loss` hands the model the
+  Trainer's token count over the whole accumulation window, so the loss and gradients are one
+  process's (the mean over every labelled token of the global batch), with no DDP scaling.
+- Gradient norms (clipping, the logged `grad_norm`) are over every stage and shard.
+- Checkpoints are sharded (`checkpoint.py`) and committed atomically; `save_model` writes an
+  ordinary HF directory (adapters only for a PEFT model, as the Trainer does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader
+from transformers import Trainer, TrainingArguments
+
+from lightning_zeropp.accelerate.accelerator import ZeroPPAccelerator
+from lightning_zeropp.accelerate.optim import retarget_scheduler
+from lightning_zeropp.accelerate.pipeline_model import NUM_ITEMS, PipelineModel
+from lightning_zeropp.accelerate.zeropp_plugin import ZeroPPPlugin
+from lightning_zeropp.transformers import checkpoint
+from lightning_zeropp.transformers.settings import (
+    accelerator_arguments,
+    check_trainer_arguments,
+    plugin_for,
+)
+
+__all__ = ["ZeroPPTrainer"]
+
+
+class ZeroPPTrainer(Trainer):
+    """`transformers.Trainer(...)` whose model is pipelined over FSDP2 (ZeroPP).
+
+    Takes every argument of `Trainer`, plus `zeropp_plugin` (the layout; default: the
+    `ZEROPP_*` environment variables, then the library's defaults). What the Trainer's arguments
+    ask that cannot be pipelined exactly is refused here, on every rank, with the reason.
+    """
+
+    def __init__(self, *args: Any, zeropp_plugin: ZeroPPPlugin | None = None, **kwargs: Any):
+        init = inspect.signature(Trainer.__init__).bind(self, *args, **kwargs).arguments
+        training_args = init.get("args")
+        if training_args is None:  # what the Trainer would build itself
+            training_args = TrainingArguments(output_dir="tmp_trainer")
+            kwargs["args"] = training_args
+        check_trainer_arguments(training_args, init)
+        self._zeropp_plugin = plugin_for(zeropp_plugin, training_args)
+        self._pipeline: PipelineModel | None = None
+        super().__init__(*args, **kwargs)
+
+    # ------------------------------------------------------------------ the accelerator
+    def create_accelerator_and_postprocess(self) -> None:
+        """The Trainer's own accelerator settings, on a `ZeroPPAccelerator`: no FSDP or
+        DeepSpeed plugin (refused), and mixed precision as FSDP2's (`bf16=True` is mapped onto
+        the plugin's `param_dtype`), since the stages are not prepared models to autocast."""
+        kwargs = accelerator_arguments(self.args, self._build_accelerator_args)
+        self.accelerator = ZeroPPAccelerator(zeropp_plugin=self._zeropp_plugin, **kwargs)
+        self.gather_function = functools.partial(
+            self.accelerator.gather_for_metrics, use_gather_object=self.args.eval_use_gather_object
+        )
+        self.is_deepspeed_enabled = False
+        self.is_fsdp_enabled = False
+
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        """The stages go to the device when the pipeline is built; the whole model never does."""
+
+    # ------------------------------------------------------------------ the pipeline
+    @property
+    def pipeline(self) -> PipelineModel | None:
+        """This rank's stages as a model (`PipelineModel`), once built; else None."""
+        return self._pipeline
+
+    def get_train_dataloader(self) -> DataLoader:
+        with self._unprepared_loaders():
+            raw = super().get_train_dataloader()
+        return self._prepared(raw, training=True)
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
+        with self._unprepared_loaders():
+            raw = super().get_eval_dataloader(eval_dataset)
+        return self._prepared(raw)
+
+    def get_test_dataloader(self, test_dataset: Any) -> DataLoader:
+        with self._unprepared_loaders():
+            raw = super().get_test_dataloader(test_dataset)
+        return self._prepared(raw)
+
+    @contextlib.contextmanager
+    def _unprepared_loaders(self) -> Iterator[None]:
+        """The Trainer's loader, built by its own code but not prepared: the pipeline shards
+        loaders over its data-parallel ranks, and needs the training loader to be built."""
+        self.accelerator.prepare = lambda loader: loader  # shadows the method on this instance
+        try:
+            yield
+        finally:
+            del self.accelerator.prepare
+
+    def _prepared(self, raw: DataLoader, training: bool = False) -> DataLoader:
+        if self._pipeline is None:
+            if training or self.train_dataset is None:
+                return self._build_pipeline(raw)
+            with self._unprepared_loaders():
+                example = super().get_train_dataloader()  # the split's example batch
+            self._build_pipeline(example)
+        return self.accelerator.prepare(raw)
+
+    def _build_pipeline(self, loader: DataLoader) -> DataLoader:
+        """Split, shard and schedule the model; rebuild the optimizer (and a scheduler passed
+        in) over this rank's stages; return `loader` sharded over data-parallel ranks."""
+        if self.optimizer is None:
+            self.create_optimizer()  # on the whole model, as under DDP
+        given = self.lr_scheduler if not self._created_lr_scheduler else None
+        whole = self.optimizer
+        pipeline, optimizer, prepared = self.accelerator.prepare(self.model, whole, loader)
+        self.optimizer = optimizer
+        if given is not None:  # the Trainer steps it once per update, as it is
+            self.lr_scheduler = retarget_scheduler(given, whole, optimizer.optimizer)
+        release_weights(self.model)
+        self._pipeline = self.model_wrapped = pipeline
+        return prepared
+
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> Any:
+        if self._pipeline is None:  # evaluation_loop asks after building its loader
+            raise RuntimeError("ZeroPPTrainer: the pipeline is built with the first data loader")
+        return self._pipeline
+
+    def _prepare_for_training(
+        self, max_steps: int, train_dataloader: DataLoader, resume_from_checkpoint: str | None
+    ) -> tuple[PipelineModel, DataLoader]:
+        """The pipeline and the rebuilt optimizer exist (the training loader built them): the
+        scheduler is created on that optimizer, and a checkpoint resumed into both."""
+        assert self._pipeline is not None
+        if self._created_lr_scheduler:
+            self.lr_scheduler = None
+            self._created_lr_scheduler = False
+        self.create_scheduler(num_training_steps=max_steps)
+        self.model_wrapped = self._pipeline
+        self._load_optimizer_and_scheduler(resume_from_checkpoint)
+        for attr in ("model", "optimizer", "lr_scheduler"):
+            setattr(self.callback_handler, attr, getattr(self, attr))
+        self.callback_handler.train_dataloader = train_dataloader
+        return self._pipeline, train_dataloader
+
+    # ------------------------------------------------------------------ steps
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> Any:
+        """The pipeline's loss of the global batch, as one process computes it.
+
+        In training, the Trainer counts the labelled tokens of the whole accumulation window
+        (summed over data-parallel ranks, each row once: `_get_num_items_in_batch`); each
+        micro-batch's summed loss is divided by that count, so the step's loss is this batch's
+        share of the window's token mean and its gradients add up to the window's. No
+        multiplication by the process count: nothing averages gradients over processes.
+        """
+        pipeline = model if isinstance(model, PipelineModel) else self._pipeline
+        assert pipeline is not None
+        window = model.training and num_items_in_batch is not None
+        if window and pipeline.token_weighted:
+            engine = pipeline.engine
+            micro = engine.config.num_microbatches * engine.dims.dp_size
+            inputs = {**inputs, NUM_ITEMS: float(num_items_in_batch) / micro}
+        outputs = pipeline(**inputs)
+        loss = outputs["loss"]
+        if window and not pipeline.token_weighted:
+            # The Trainer leaves the division by the accumulation steps to a model taking the
+            # count; this one returned a batch mean.
+            loss = loss / self.current_gradient_accumulation_steps
+        return (loss, outputs) if return_outputs else loss
+
+    def prediction_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+    ) -> tuple[Any, Any, Any]:
+        pipeline = self._pipeline
+        assert pipeline is not None
+        keep = pipeline.eval_logits
+        pipeline.eval_logits = keep and not prediction_loss_only  # no broadcast nobody reads
+        try:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        finally:
+            pipeline.eval_logits = keep
+
+    # ------------------------------------------------------------------ counts over processes
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:
+        """The Trainer's token count of the accumulation window, each row counted once."""
+        with self._summing_over_data_parallel():
+            return super()._get_num_items_in_batch(batch_samples, device)
+
+    def _track_num_input_tokens(self, inputs: dict[str, Any]) -> None:
+        with self._summing_over_data_parallel():
+            super()._track_num_input_tokens(inputs)
+
+    def store_flos(self) -> None:
+        with self._summing_over_data_parallel():
+            super().store_flos()
+
+    @contextlib.contextmanager
+    def _summing_over_data_parallel(self) -> Iterator[None]:
+        """The Trainer sums per-process counts as `accelerator.gather(count).sum()`; the ranks
+        of a pipeline hold the same rows, so the sum is taken over data-parallel ranks only."""
+        if self._pipeline is None:
+            yield
+            return
+        dims = self._pipeline.engine.dims
+
+        def summed(value: torch.Tensor) -> torch.Tensor:
+            total = value.detach().clone()
+            for group in dims.dp_groups:
+                dist.all_reduce(total, group=group)
+            return total.reshape(1)
+
+        self.accelerator.gather = summed  # shadows the method on this instance
+        try:
+            yield
+        finally:
+            del self.accelerator.gather
+
+    def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
+        """Clip by the norm over every stage and shard (tied copies counted once)."""
+        assert self._pipeline is not None
+        return self._pipeline.engine.core.clip_grad_norm_(self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+        if grad_norm is None:
+            assert self._pipeline is not None
+            grad_norm = self._pipeline.engine.core.clip_grad_norm_(float("inf"))
+        return grad_norm
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """The Trainer's log; its closing metrics also say what re-planning for new batch
+        shapes cost (`core.measure.planning`): schedules built, evicted, seconds."""
+        if "train_runtime" in logs and self._pipeline is not None:
+            stats = self._pipeline.engine.core.planning.summary()
+            logs.update({f"train_{key}": value for key, value in stats.items()})
+        super().log(logs, start_time)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        checkpoint.save(self, trial)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """Checked here, on every rank; loaded once the pipeline exists (`_prepare_for_training`)."""
+        checkpoint.check_resumable(resume_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint_dir: str | None) -> None:
+        """Collective: the sharded model and optimizer, and the scheduler, of a checkpoint."""
+        if checkpoint_dir is not None:
+            checkpoint.load(self, checkpoint_dir)
+
+    def _load_best_model(self) -> None:
+        checkpoint.load_best_model(self)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Collective: an ordinary HF directory (`from_pretrained` reads it) from the main
+        process; a PEFT model's adapters only, as the Trainer writes them."""
+        checkpoint.save_model(self, output_dir or self.args.output_dir)
+
+
+def release_weights(model: nn.Module) -> None:
+    """Move `model`'s parameters to the meta device, in place (tied ones stay tied): its
+    weights were copied into the stages, which train; the model's would go stale."""
+    released: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or param.device.type == "meta":
+                continue
+            if id(param) not in released:
+                meta = torch.empty_like(param, device="meta")
+                released[id(param)] = nn.Parameter(meta, requires_grad=param.requires_grad)
+            module._parameters[name] = released[id(param)]

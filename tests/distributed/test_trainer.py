@@ -1,0 +1,223 @@
+"""A `transformers.Trainer` script (tests/distributed/trainer_script.py) under `ZeroPPTrainer`
+matches the same script under the plain Trainer with DDP on the same 4 gloo ranks (equal-length
+rows), and one process (padded, LoRA and packed rows): loss, gradient norm and learning rate per
+logged step, evaluation, predictions, and the weights `save_model` writes (read back with
+`from_pretrained`). A run resumed from a mid-epoch checkpoint continues as the uninterrupted one.
+One launch of 4 ranks runs every case; one launch of 1 rank runs the references.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.distributed.launch import launch
+from tests.distributed.trainer_scenarios import initial_weights
+
+pytestmark = pytest.mark.distributed
+
+PP = {"pp_size": 2, "num_microbatches": 2}
+CLIPPED = {"max_grad_norm": 0.3, "gradient_accumulation_steps": 2}
+EVAL = {"eval_strategy": "steps", "eval_steps": 2, "lr_scheduler_type": "cosine", "warmup_steps": 1}
+LORA = {"lora": True, "rows": "padded"}
+PACKED = {"rows": "packed", "args": {"optim": "sgd", "learning_rate": 0.5, "max_grad_norm": 0}}
+PADDED = {"rows": "padded", "args": CLIPPED}
+CASES = [
+    # equal rows: the plain Trainer's DDP is exact there, and runs in the same launch.
+    # evaluate() before train() here, eval_on_start there: the plain Trainer under DDP trains
+    # without DDP after an evaluate() (its ranks drift apart: transformers 5.24).
+    {
+        "id": "equal",
+        "plugin": PP,
+        "script": {"evaluate_first": True, "predict": True, "args": {**CLIPPED, **EVAL}},
+    },
+    {
+        "id": "equal-ddp",
+        "plugin": None,
+        "script": {"predict": True, "args": {**CLIPPED, **EVAL, "eval_on_start": True}},
+    },
+    # padded rows against one process; lengths padded to multiples of 8 (two schedules)
+    {
+        "id": "padded",
+        "plugin": {**PP, "schedule": "zeropp", "num_microbatches": 4, "seq_buckets": 8},
+        "script": PADDED,
+    },
+    {"id": "lora", "plugin": PP, "script": LORA},
+    {"id": "packed", "plugin": PP, "script": PACKED},
+    # checkpoints at steps 2 and 4 of a shuffled epoch of 8 steps; a fresh run from other
+    # initial weights resumes from checkpoint-2
+    {
+        "id": "resume",
+        "plugin": PP,
+        "script": {"args": {"save_strategy": "steps", "save_steps": 2}},
+        "resume": {"init_seed": 7},
+    },
+]
+# one process reads the 4 processes' per-device batches at once
+ONE = {"per_device_train_batch_size": 8, "per_device_eval_batch_size": 8}
+REFERENCES = [
+    {"id": case["id"], "plugin": None, "script": {**case["script"], **ONE}}
+    for case in CASES
+    if case["id"] in ("padded", "lora", "packed")
+]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("trainer")
+    four = launch(
+        4,
+        "trainer_scenarios.run",
+        {"cases": CASES, "out_dir": str(out / "four")},
+        out / "four",
+        timeout=600,
+    )
+    one = launch(
+        1,
+        "trainer_scenarios.run",
+        {"cases": REFERENCES, "out_dir": str(out / "one")},
+        out / "one",
+        timeout=600,
+    )
+    return four, one[0]
+
+
+def _steps(logs: list[dict]) -> list[dict]:
+    return [log for log in logs if "loss" in log]
+
+
+def _assert_same_training(got: dict, ref: dict, atol: float = 1e-5) -> None:
+    steps, ref_steps = _steps(got["logs"]), _steps(ref["logs"])
+    assert len(steps) == len(ref_steps) == 4 and got["steps"] == ref["steps"] == 4
+    for a, b in zip(steps, ref_steps, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=atol)
+        assert a["learning_rate"] == pytest.approx(b["learning_rate"], abs=1e-9)
+        if "grad_norm" in b:
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5, abs=1e-5)
+
+
+def _assert_same_weights(got: dict, ref: dict, key: str = "weights") -> None:
+    assert got[key].keys() == ref[key].keys()
+    for name, value in ref[key].items():
+        torch.testing.assert_close(got[key][name], value, rtol=0, atol=1e-5, msg=name)
+
+
+def test_equal_rows_match_ddp(runs):
+    four, _ = runs
+    got, ddp = four[0]["equal"], four[0]["equal-ddp"]
+    _assert_same_training(got, ddp)
+    assert min(s["grad_norm"] for s in _steps(ddp["logs"])) > CLIPPED["max_grad_norm"], (
+        "clipping must act"
+    )
+    for rank in four:  # every rank logs the same numbers (rank 0's reach the loggers)
+        assert _steps(rank["equal"]["logs"]) == _steps(got["logs"])
+    evals = [log for log in got["logs"] if "eval_loss" in log]
+    ddp_evals = [log for log in ddp["logs"] if "eval_loss" in log]
+    assert len(evals) == len(ddp_evals) == 3  # evaluate() before training, steps 2 and 4
+    for a, b in zip(evals, ddp_evals, strict=True):
+        assert a["eval_loss"] == pytest.approx(b["eval_loss"], abs=1e-5)
+        assert a["eval_accuracy"] == pytest.approx(b["eval_accuracy"], abs=1e-9)
+    np.testing.assert_allclose(got["predictions"], ddp["predictions"], atol=1e-5, rtol=0)
+    assert got["predict_metrics"]["test_loss"] == pytest.approx(
+        ddp["predict_metrics"]["test_loss"], abs=1e-5
+    )
+    _assert_same_weights(got, ddp)
+
+
+def test_padded_rows_match_one_process(runs):
+    four, one = runs
+    got = four[0]["padded"]
+    _assert_same_training(got, one["padded"])
+    _assert_same_weights(got, one["padded"])
+    # lengths 3..12 padded to 8 or 16: two training shapes, built once each, plus evaluation
+    assert got["planning"]["schedule_evictions"] == 0
+    assert got["planning"]["schedules_built"] <= 4
+
+
+def test_lora_trains_adapters_as_one_process(runs):
+    four, one = runs
+    got, ref = four[0]["lora"], one["lora"]
+    _assert_same_training(got, ref)
+    assert got["files"] == ref["files"] and "adapter_model.safetensors" in got["files"]
+    _assert_same_weights(got, ref, "adapter")
+    _assert_same_weights(got, ref, "merged")  # merge_and_unload, exported and read back
+    start = initial_weights(LORA)
+    base = [n for n in start if "lora_" not in n]
+    for name in base:  # frozen: exactly as loaded
+        torch.testing.assert_close(got["whole"][name], start[name], rtol=0, atol=0, msg=name)
+    moved = [n for n in start if "lora_" in n and not torch.equal(got["whole"][n], start[n])]
+    assert moved, "the adapters must train"
+    for rank in four:  # optimizer state for adapters only, on every rank
+        facts = rank["lora"]
+        assert facts["with_state"] and all("lora_" in n for n in facts["with_state"])
+        assert facts["frozen"] and all("lora_" not in n for n in facts["frozen"])
+
+
+def test_packed_rows_match_one_process(runs):
+    four, one = runs
+    _assert_same_training(four[0]["packed"], one["packed"])
+    _assert_same_weights(four[0]["packed"], one["packed"])
+
+
+def test_resume_mid_epoch_continues(runs):
+    four, _ = runs
+    full, resumed = four[0]["resume"], four[0]["resume"]["resumed"]
+    full_steps = _steps(full["logs"])
+    again = _steps(resumed["logs"])
+    assert [s["step"] for s in again] == [3, 4] if "step" in again[0] else len(again) == 2
+    for a, b in zip(again, full_steps[2:], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+        assert a["learning_rate"] == pytest.approx(b["learning_rate"], abs=1e-9)
+    _assert_same_weights(resumed, full)
+
+
+# Over the suite's time budget: bench/slow_tests.py runs them.
+SLOW_CASES = [
+    # bf16=True is FSDP2 mixed precision (bf16 compute, fp32 reduction), not autocast
+    {"id": "bf16", "plugin": PP, "script": {"args": {**CLIPPED, **EVAL, "bf16": True}}},
+    # a streamed training set (IterableDataset), against DDP
+    {"id": "stream", "plugin": PP, "script": {"iterable": True, "args": CLIPPED}},
+    {"id": "stream-ddp", "plugin": None, "script": {"iterable": True, "args": CLIPPED}},
+    # padded rows without buckets: a schedule per length seen, the same numbers
+    {
+        "id": "padded-exact",
+        "plugin": {**PP, "schedule": "zeropp", "num_microbatches": 4},
+        "script": PADDED,
+    },
+]
+
+
+@pytest.fixture(scope="module")
+def slow_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("trainer_slow")
+    params = {"cases": SLOW_CASES, "out_dir": str(out)}
+    return launch(4, "trainer_scenarios.run", params, out, timeout=600)
+
+
+@pytest.mark.slow
+def test_bf16_trains_in_fsdp_mixed_precision(slow_runs, runs):
+    got, fp32 = slow_runs[0]["bf16"], runs[0][0]["equal"]
+    assert got["param_dtype"] == "torch.bfloat16"
+    steps, ref = _steps(got["logs"]), _steps(fp32["logs"])
+    assert len(steps) == len(ref) == 4
+    gaps = [abs(a["loss"] - b["loss"]) for a, b in zip(steps, ref, strict=True)]
+    assert max(gaps) < 0.05, gaps  # close to fp32 ...
+    assert max(gaps) > 1e-6, gaps  # ... but computed in bf16
+
+
+@pytest.mark.slow
+def test_padded_rows_without_buckets(slow_runs, runs):
+    """Exact shapes: the same numbers as one process, more schedules than with buckets."""
+    got, one = slow_runs[0]["padded-exact"], runs[1]["padded"]
+    _assert_same_training(got, one)
+    _assert_same_weights(got, one)
+    bucketed = runs[0][0]["padded"]["planning"]["schedules_built"]
+    assert got["planning"]["schedules_built"] > bucketed
+
+
+@pytest.mark.slow
+def test_streamed_rows_match_ddp(slow_runs):
+    got, ddp = slow_runs[0]["stream"], slow_runs[0]["stream-ddp"]
+    _assert_same_training(got, ddp)
+    _assert_same_weights(got, ddp)

@@ -1,0 +1,171 @@
+"""A causal-LM fine-tuning script in the shape HF users write for `transformers.Trainer`.
+
+A model from a config, a tokenizer, a dataset of dicts (`{"input_ids": [...]}`), HF's usual
+collator (`DataCollatorForLanguageModeling(mlm=False)`, or `DataCollatorWithFlattening` for
+packed rows), `TrainingArguments`, `compute_metrics`, a callback, `train()`, `evaluate()`,
+`predict()` and `save_model()`. The trainer class is passed in, so the same script runs under the
+plain `Trainer` (one process, or DDP) and under `ZeroPPTrainer`: the only lines that differ are
+its construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from torch.utils.data import IterableDataset
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    DataCollatorForLanguageModeling,
+    DataCollatorWithFlattening,
+    PreTrainedTokenizerFast,
+    TrainerCallback,
+    TrainingArguments,
+)
+
+VOCAB = 64
+TINY = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "pad_token_id": 0,
+}
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class Script:
+    family: str = "llama"
+    tie_word_embeddings: bool = False
+    lora: bool = False
+    rows: str = "equal"  # "equal" (12 tokens each), "padded" (3..12), "packed" (flattened)
+    train_rows: int = 64
+    eval_rows: int = 16
+    per_device_train_batch_size: int = 2
+    per_device_eval_batch_size: int = 2
+    args: dict[str, Any] = field(default_factory=dict)  # more TrainingArguments
+    init_seed: int = 0
+    evaluate_first: bool = False
+    predict: bool = False
+    iterable: bool = False  # the training rows as a stream (IterableDataset; needs max_steps)
+
+
+class Stream(IterableDataset):
+    """Rows read in order, as from a streamed dataset."""
+
+    def __init__(self, rows: list[dict[str, list[int]]]) -> None:
+        self.rows = rows
+
+    def __iter__(self) -> Any:
+        return iter(self.rows)
+
+
+def tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over the model's vocabulary (token 0 pads)."""
+    vocab = {"<pad>": 0, **{f"t{i}": i for i in range(1, VOCAB)}}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<pad>")), pad_token="<pad>"
+    )
+
+
+def texts(rows: int, seed: int, equal: bool) -> list[dict[str, list[int]]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.full((rows,), 12) if equal else torch.randint(3, 13, (rows,), generator=g)
+    return [
+        {"input_ids": torch.randint(1, VOCAB, (int(n),), generator=g).tolist()} for n in lengths
+    ]
+
+
+def build_model(script: Script) -> torch.nn.Module:
+    config = AutoConfig.for_model(
+        script.family, **TINY, tie_word_embeddings=script.tie_word_embeddings
+    )
+    torch.manual_seed(script.init_seed)
+    model = AutoModelForCausalLM.from_config(config)
+    if script.lora:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights=False)
+        model = get_peft_model(model, lora)  # B nonzero: adapters change the outputs at once
+    return model
+
+
+def token_accuracy(prediction: Any) -> dict[str, float]:
+    """`compute_metrics`: next-token accuracy over the labelled positions."""
+    logits, labels = prediction.predictions, prediction.label_ids
+    guess = np.argmax(logits[:, :-1], axis=-1)
+    target = labels[:, 1:]
+    keep = target != -100
+    return {"accuracy": float((guess[keep] == target[keep]).mean())}
+
+
+class Recorder(TrainerCallback):
+    """A user's callback: keeps every log and counts optimizer steps."""
+
+    def __init__(self) -> None:
+        self.logs: list[dict[str, float]] = []
+        self.steps = 0
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+        self.logs.append(dict(logs or {}))
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self.steps += 1
+
+
+def run(
+    trainer_cls: type, script: Script, output_dir: str, resume: str | None = None, **extra: Any
+) -> dict[str, Any]:
+    """The script. Returns the logs, evaluation and prediction results, and the trainer."""
+    tok = tokenizer()
+    model = build_model(script)
+    train: Any = texts(script.train_rows, 1, script.rows == "equal")
+    if script.iterable:
+        train = Stream(train)
+    evals = texts(script.eval_rows, 2, script.rows == "equal")
+    if script.rows == "packed":
+        collator: Any = DataCollatorWithFlattening()
+    else:
+        collator = DataCollatorForLanguageModeling(tok, mlm=False)
+    settings = {
+        "output_dir": output_dir,
+        "per_device_train_batch_size": script.per_device_train_batch_size,
+        "per_device_eval_batch_size": script.per_device_eval_batch_size,
+        "learning_rate": 3e-3,
+        "max_steps": 4,
+        "logging_steps": 1,
+        "report_to": [],
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "save_strategy": "no",
+    }
+    args = TrainingArguments(**{**settings, **script.args})
+    recorder = Recorder()
+    trainer = trainer_cls(
+        model=model,
+        args=args,
+        train_dataset=train,
+        eval_dataset=evals,
+        data_collator=collator,
+        processing_class=tok,
+        compute_metrics=token_accuracy if script.rows != "packed" else None,
+        callbacks=[recorder],
+        **extra,
+    )
+    out: dict[str, Any] = {"trainer": trainer}
+    if script.evaluate_first:
+        out["first_eval"] = trainer.evaluate()
+    trainer.train(resume_from_checkpoint=resume)
+    out["logs"] = recorder.logs
+    out["steps"] = recorder.steps
+    if script.predict:
+        out["predict"] = trainer.predict(evals)
+    return out

@@ -1,0 +1,151 @@
+"""The transformers front and packed batches without a process group: what `ZeroPPTrainer`
+refuses at construction (before any process group), how `bf16=True` maps, and the reshaping of
+packed and padded batches, checked against an HF model computing the batch as given."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import (  # noqa: E402
+    AutoConfig,
+    AutoModelForCausalLM,
+    DataCollatorWithFlattening,
+    TrainingArguments,
+)
+
+from lightning_zeropp.models.packing import bucket_length, check_buckets, reshape  # noqa: E402
+from lightning_zeropp.transformers import ZeroPPPlugin, ZeroPPTrainer  # noqa: E402
+from lightning_zeropp.transformers.settings import plugin_for  # noqa: E402
+
+REFUSED = [
+    ({"torch_compile": True}, "torch_compile"),
+    ({"activation_checkpointing": True}, "ZeroPPPlugin(activation_checkpointing=True)"),
+    ({"auto_find_batch_size": True}, "auto_find_batch_size"),
+    ({"neftune_noise_alpha": 5.0}, "neftune_noise_alpha"),
+    ({"average_tokens_across_devices": False}, "average_tokens_across_devices"),
+    ({"train_sampling_strategy": "batch_rebalance"}, "batch_rebalance"),
+    ({"save_on_each_node": True}, "save_on_each_node"),
+    ({"bf16_full_eval": True}, "bf16_full_eval"),
+    ({"label_smoothing_factor": 0.1}, "label_smoothing_factor"),
+]
+
+
+def _model() -> torch.nn.Module:
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize(("setting", "named"), REFUSED, ids=[str(s) for s, _ in REFUSED])
+def test_refused_at_construction(tmp_path, setting, named):
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    for key, value in setting.items():
+        setattr(args, key, value)  # past TrainingArguments' own checks, which some hit on CPU
+    with pytest.raises(ValueError, match="ZeroPPTrainer") as err:
+        ZeroPPTrainer(model=torch.nn.Linear(2, 2), args=args)
+    assert named in str(err.value)
+    assert not torch.distributed.is_initialized()  # refused before any process group
+
+
+def test_fp16_and_model_init_refused(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    args.fp16 = True
+    with pytest.raises(ValueError, match="bf16=True"):
+        ZeroPPTrainer(model=torch.nn.Linear(2, 2), args=args)
+    args.fp16 = False
+    with pytest.raises(ValueError, match="compute_loss_func"):
+        ZeroPPTrainer(model=torch.nn.Linear(2, 2), args=args, compute_loss_func=lambda *a, **k: 0)
+    with pytest.raises(ValueError, match="model_init"):
+        ZeroPPTrainer(args=args, model_init=lambda: torch.nn.Linear(2, 2))
+
+
+def test_bf16_is_fsdp_mixed_precision(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    args.bf16 = True
+    plugin = plugin_for(ZeroPPPlugin(pp_size=2, seq_buckets=8), args)
+    config = plugin.run_settings().config
+    assert config.param_dtype == torch.bfloat16 and config.reduce_dtype == torch.float32
+    assert config.pp_size == 2 and plugin.seq_buckets == 8
+    with pytest.raises(ValueError, match="disagree"):
+        plugin_for(ZeroPPPlugin(param_dtype="fp16"), args)
+
+
+def test_buckets():
+    assert [bucket_length(n, "pow2") for n in (1, 5, 8, 9)] == [1, 8, 8, 16]
+    assert [bucket_length(n, 8) for n in (3, 8, 9)] == [8, 8, 16]
+    assert [bucket_length(n, [16, 64]) for n in (3, 17, 65)] == [16, 64, 65]
+    assert bucket_length(7, None) == 7
+    for bad in ("pow3", 0, [], [0], True):
+        with pytest.raises(ValueError, match="seq_buckets"):
+            check_buckets(bad)
+
+
+def _packed(lengths: list[int], seed: int = 1) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    features = [{"input_ids": torch.randint(1, 64, (n,), generator=g).tolist()} for n in lengths]
+    return DataCollatorWithFlattening()(features)
+
+
+@pytest.mark.parametrize(("rows", "buckets"), [(2, None), (4, "pow2"), (3, 8)])
+def test_packed_rows_regrouped_exactly(rows, buckets):
+    """Regrouped into `rows` runs of whole documents: the loss over the labelled tokens and
+    every real token's logits are the packed row's; the gradients too."""
+    model = _model()
+    batch = _packed([7, 3, 11, 5, 9, 4])
+    reference = model(**batch)
+    reference.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    shaped = reshape(batch, rows, buckets)
+    assert shaped.batch["input_ids"].shape[0] == rows
+    count = (shaped.batch["labels"][:, 1:] != -100).sum()
+    assert count == (batch["labels"][:, 1:] != -100).sum()
+    out = model(**shaped.batch, num_items_in_batch=count)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, reference.loss, rtol=0, atol=1e-6)
+    torch.testing.assert_close(shaped.restore(out.logits), reference.logits, rtol=0, atol=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_padding_to_a_bucket_is_exact():
+    model = _model()
+    ids = torch.randint(1, 64, (3, 7), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, 4:] = 0
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    reference = model(**batch)
+    shaped = reshape(batch, 3, "pow2")
+    assert shaped.batch["input_ids"].shape == (3, 8)
+    out = model(**shaped.batch)
+    torch.testing.assert_close(out.loss, reference.loss, rtol=0, atol=1e-6)
+    real = mask.bool()
+    torch.testing.assert_close(
+        shaped.restore(out.logits)[real], reference.logits[real], rtol=0, atol=1e-5
+    )
+
+
+def test_packed_batches_that_cannot_be_regrouped():
+    batch = _packed([4, 5])
+    with pytest.raises(ValueError, match="return_flash_attn_kwargs"):
+        reshape({**batch, "cu_seq_lens_q": torch.tensor([0, 4, 9])}, 2, None)
+    labels = batch["labels"].clone()
+    labels[0, 4] = 7  # the second document's first label is a target of the first's last token
+    with pytest.raises(ValueError, match="separator_id=-100"):
+        reshape({**batch, "labels": labels}, 2, None)
+    with pytest.raises(ValueError, match="weights"):
+        reshape({**batch, "weights": torch.ones_like(labels)}, 2, None)
+    # rows that already split into the micro-batches are left as they are
+    assert reshape(batch, 1, None).batch is batch
