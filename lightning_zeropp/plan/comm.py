@@ -31,7 +31,7 @@ from lightning_zeropp.core.settings.placement import (
     schedule_style,
     stage_ids_for_rank,
 )
-from lightning_zeropp.plan.activations import stage_parts
+from lightning_zeropp.plan.activations import stage_parts, zeropp_plans
 from lightning_zeropp.plan.memory import stage_units
 from lightning_zeropp.plan.profile import micro_batch_rows
 
@@ -102,8 +102,6 @@ def _gathers_and_reductions(cfg: ZeroPPConfig) -> tuple[dict[int, int], dict[int
     """How many times per step each stage is gathered and its gradients reduced."""
     stages = range(cfg.num_stages)
     if cfg.schedule == "zeropp":
-        from lightning_zeropp.core.schedule.build import zeropp_plans
-
         gathers, early = dict.fromkeys(stages, 0), dict.fromkeys(stages, 0)
         for plan in zeropp_plans(cfg).values():
             for step in plan:

@@ -108,6 +108,7 @@ class ModelProfile:
         )
 
 
+@functools.lru_cache(maxsize=256)  # a search prices every micro-batch size many times
 def profile_model(
     model: nn.Module,
     rows: int,

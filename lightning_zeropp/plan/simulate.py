@@ -96,6 +96,7 @@ def simulate(
     ends: dict[tuple[str, int, int], float] = {}  # (kind, stage, microbatch) -> compute end
     lines = {r: RankTimeline() for r in programs}
     position = dict.fromkeys(programs, 0)
+    segments = _Segments(costs)
     while any(position[r] < len(programs[r]) for r in programs):
         progressed = False
         for rank, program in programs.items():
@@ -104,7 +105,7 @@ def simulate(
                 ready = _ready(op, ends, costs, rank_of_stage, rank, num_stages)
                 if ready is None:
                     break
-                _run(op, ready, costs[op.stage], lines[rank], ends, overlap)
+                _run(op, ready, segments, lines[rank], ends, overlap)
                 position[rank] += 1
                 progressed = True
         if not progressed:
@@ -115,6 +116,27 @@ def simulate(
     for line in lines.values():
         line.end = max(line.compute_end, line.comm_end)
     return lines
+
+
+class _Segments:
+    """Each (stage, kind)'s segment seconds and collectives in the order a task visits them,
+    worked out once per simulation (a step replays the same few thousand times)."""
+
+    def __init__(self, costs: Sequence[StageCost]) -> None:
+        self.costs = costs
+        self._memo: dict[tuple[int, str, bool, bool], tuple[list[float], list, list]] = {}
+
+    def __call__(self, op: Op) -> tuple[list[float], list[float], list[float]]:
+        key = (op.stage, op.kind, op.gather, op.reduce)
+        if key not in self._memo:
+            cost = self.costs[op.stage]
+            seconds = _segment_seconds(cost, op.kind)
+            n = len(seconds)
+            order = range(n) if op.kind == "F" else range(n - 1, -1, -1)
+            gathers = [cost.gather[k] if op.gather and cost.gather else 0.0 for k in order]
+            reduces = [cost.reduce[k] if op.reduce and cost.reduce else 0.0 for k in order]
+            self._memo[key] = (seconds, gathers, reduces)
+        return self._memo[key]
 
 
 def _ready(
@@ -141,15 +163,20 @@ def _ready(
 def _run(
     op: Op,
     ready: float,
-    cost: StageCost,
+    segments: _Segments,
     line: RankTimeline,
     ends: dict[tuple[str, int, int], float],
     overlap: bool,
 ) -> None:
-    seconds = _segment_seconds(cost, op.kind)
-    order = range(len(seconds)) if op.kind == "F" else range(len(seconds) - 1, -1, -1)
-    gathers = [cost.gather[k] if op.gather and cost.gather else 0.0 for k in order]
-    reduces = [cost.reduce[k] if op.reduce and cost.reduce else 0.0 for k in order]
+    seconds, gathers, reduces = segments(op)
+    if not any(gathers) and not any(reduces):  # compute only: the segments back to back
+        start = begin = max(line.compute_end, ready)
+        for compute in seconds:
+            begin += compute
+            line.compute += compute
+        line.compute_end = begin
+        _finish(op, start, line, ends)
+        return
     start = None
     previous_start = line.compute_end
     for compute, gather, reduce in zip(seconds, gathers, reduces, strict=True):
@@ -175,8 +202,13 @@ def _run(
             line.communication += reduce
             if not overlap:
                 line.compute_end = line.comm_end
-    kind = "I" if op.kind == "B" else op.kind  # a full backward also satisfies what waits on I
+    _finish(op, start or ready, line, ends)
+
+
+def _finish(
+    op: Op, start: float, line: RankTimeline, ends: dict[tuple[str, int, int], float]
+) -> None:
     ends[(op.kind, op.stage, op.microbatch)] = line.compute_end
-    if op.kind == "B":
-        ends[(kind, op.stage, op.microbatch)] = line.compute_end
-    line.spans.append((op.kind, op.stage, op.microbatch, start or ready, line.compute_end))
+    if op.kind == "B":  # a full backward also satisfies what waits on I
+        ends[("I", op.stage, op.microbatch)] = line.compute_end
+    line.spans.append((op.kind, op.stage, op.microbatch, start, line.compute_end))

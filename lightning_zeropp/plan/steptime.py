@@ -29,7 +29,7 @@ from torch import nn
 
 from lightning_zeropp.core.settings.config import ZeroPPConfig
 from lightning_zeropp.core.settings.placement import rank_of_stage, schedule_style
-from lightning_zeropp.plan.activations import stage_parts, task_orders
+from lightning_zeropp.plan.activations import schedule_key, stage_parts, task_orders, zeropp_plans
 from lightning_zeropp.plan.comm import _padded_shard
 from lightning_zeropp.plan.hardware import Hardware
 from lightning_zeropp.plan.memory import StageUnits, predict_memory, stage_ranges, stage_units
@@ -76,10 +76,19 @@ def stage_flops(model: nn.Module, cfg: ZeroPPConfig, rows: int, seq: int) -> lis
     return out
 
 
+_PROGRAMS: dict[tuple, dict[int, list[Op]]] = {}
+
+
 def programs_for(cfg: ZeroPPConfig) -> dict[int, list[Op]]:
-    """Each pipeline rank's tasks for a resolved config, flagged where they gather and reduce."""
-    if cfg.schedule == "zeropp":
-        return _zeropp_programs(cfg)
+    """Each pipeline rank's tasks for a resolved config, flagged where they gather and reduce
+    (shared between configs of one schedule: do not modify)."""
+    key = schedule_key(cfg)
+    if key not in _PROGRAMS:
+        _PROGRAMS[key] = _zeropp_programs(cfg) if cfg.schedule == "zeropp" else _programs(cfg)
+    return _PROGRAMS[key]
+
+
+def _programs(cfg: ZeroPPConfig) -> dict[int, list[Op]]:
     programs = {}
     reshard = bool(cfg.reshard_after_forward)
     for rank, order in task_orders(cfg).items():
@@ -100,8 +109,6 @@ def programs_for(cfg: ZeroPPConfig) -> dict[int, list[Op]]:
 
 
 def _zeropp_programs(cfg: ZeroPPConfig) -> dict[int, list[Op]]:
-    from lightning_zeropp.core.schedule.build import zeropp_plans
-
     programs = {}
     for rank, plan in zeropp_plans(cfg).items():
         ops: list[Op] = []
