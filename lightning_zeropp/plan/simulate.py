@@ -39,6 +39,7 @@ class StageCost:
     weight_share: float = 0.5  # part of a backward that is the weight-gradient task W
     recompute: bool = False  # a backward first recomputes the forward
     overhead: float = 0.0  # fixed seconds of every task (the runtime's and FSDP's hooks)
+    input_grad_in_weight: bool = False  # a split backward's I does nothing, its W everything
 
 
 @dataclass(frozen=True)
@@ -69,10 +70,11 @@ def _segment_seconds(cost: StageCost, kind: str) -> list[float]:
     if kind == "F":
         return [cost.forward[0] + cost.overhead, *cost.forward[1:]]
     redo = cost.forward if cost.recompute else (0.0,) * len(cost.forward)
-    share = {"B": 1.0, "I": 1.0 - cost.weight_share, "W": cost.weight_share}[kind]
-    out = [
-        b * share + (r if kind != "W" else 0.0) for b, r in zip(cost.backward, redo, strict=True)
-    ]
+    weight = 1.0 if cost.input_grad_in_weight else cost.weight_share
+    share = {"B": 1.0, "I": 1.0 - weight, "W": weight}[kind]
+    # the recomputation runs with the first part of the backward that runs at all
+    redo_here = kind == "B" or (kind == "I") != cost.input_grad_in_weight
+    out = [b * share + (r if redo_here else 0.0) for b, r in zip(cost.backward, redo, strict=True)]
     out[0] += cost.overhead
     return out[::-1]  # backward visits the units last to first
 

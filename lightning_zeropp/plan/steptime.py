@@ -36,7 +36,14 @@ from lightning_zeropp.plan.memory import StageUnits, predict_memory, stage_range
 from lightning_zeropp.plan.profile import micro_batch_rows, profile_model
 from lightning_zeropp.plan.simulate import Op, RankTimeline, StageCost, simulate
 
-__all__ = ["StepTimePlan", "predict_step_time", "programs_for", "stage_flops"]
+__all__ = [
+    "StepTimePlan",
+    "optimizer_time",
+    "predict_step_time",
+    "programs_for",
+    "stage_costs",
+    "stage_flops",
+]
 
 
 @dataclass(frozen=True)
@@ -139,17 +146,59 @@ def predict_step_time(
     hardware: Hardware,
     *,
     stage_seconds: Sequence[tuple[float, float]] | None = None,
+    unit_seconds: Sequence[Sequence[tuple[float, float]]] | None = None,
     optimizer_seconds: float | None = None,
     optimizer: str = "adamw",
 ) -> StepTimePlan:
     """Predict one training step of `model` (meta device) under `config` on `hardware`.
 
     `stage_seconds`: measured (forward, backward) seconds of one micro-batch per stage, to use
-    instead of FLOPs / `hardware.flops_per_s`; `optimizer_seconds`: a measured optimizer step,
-    instead of the shard at `hardware.optimizer_rate`."""
+    instead of FLOPs / `hardware.flops_per_s`; `unit_seconds`: the same per stage and FSDP unit
+    (the stage's own part first, then its blocks), e.g. an emulated device's; `optimizer_seconds`:
+    a measured optimizer step, instead of the shard at `hardware.optimizer_rate`."""
     cfg = config.resolve(world_size)
+    costs, where, flops = stage_costs(
+        model, cfg, global_batch, seq_len, hardware, stage_seconds, unit_seconds
+    )
+    lines = simulate(programs_for(cfg), costs, where, hardware.overlap)
+    optimizer_s = (
+        optimizer_seconds
+        if optimizer_seconds is not None
+        else optimizer_time(model, cfg, world_size, hardware, optimizer)
+    )
+    total_forward = sum(map(sum, flops)) * cfg.num_microbatches * cfg.dp_size
+    return StepTimePlan(
+        step_s=max(line.end for line in lines.values()) + optimizer_s,
+        optimizer_s=optimizer_s,
+        ranks=lines,
+        model_flops=3.0 * total_forward,
+        world_size=world_size,
+        peak_flops_per_s=hardware.peak_flops_per_s or hardware.flops_per_s,
+    )
+
+
+def optimizer_time(
+    model: nn.Module, cfg: ZeroPPConfig, world_size: int, hardware: Hardware, optimizer: str
+) -> float:
+    """Seconds of the optimizer step: the largest shard at `hardware.optimizer_rate`."""
+    memory = predict_memory(model, cfg, world_size, optimizer)
+    return max(m.parameters for m in memory) / hardware.optimizer_rate
+
+
+def stage_costs(
+    model: nn.Module,
+    cfg: ZeroPPConfig,
+    global_batch: int,
+    seq_len: int,
+    hardware: Hardware,
+    stage_seconds: Sequence[tuple[float, float]] | None = None,
+    unit_seconds: Sequence[Sequence[tuple[float, float]]] | None = None,
+) -> tuple[list[StageCost], dict[int, int], list[list[float]]]:
+    """What one micro-batch costs each stage of a resolved config (`StageCost`), each stage's
+    pipeline rank, and each stage's forward FLOPs per unit."""
     computes = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(cfg.param_dtype)
-    if hardware.dtype is not None and stage_seconds is None and hardware.dtype != computes:
+    measured = stage_seconds is not None or unit_seconds is not None
+    if hardware.dtype is not None and not measured and hardware.dtype != computes:
         raise ValueError(
             f"the hardware's rate is for {hardware.dtype} but the layout computes in {computes} "
             f"(param_dtype={cfg.param_dtype}); use Hardware.from_cluster(cluster, {computes!r}) "
@@ -165,7 +214,10 @@ def predict_step_time(
     boundary = [part.output for part in stage_parts(model, cfg, rows, seq_len)]
     costs = []
     for s, stage in enumerate(stages):
-        seconds = _unit_seconds(flops[s], hardware, stage_seconds[s] if stage_seconds else None)
+        if unit_seconds is not None:
+            seconds = list(unit_seconds[s])
+        else:
+            seconds = _unit_seconds(flops[s], hardware, stage_seconds[s] if stage_seconds else None)
         gather, reduce = _collective_seconds(stage, cfg, hardware, where[s])
         nxt = where.get(s + 1, where[s])
         lat, link = hardware.hop("p2p", *sorted((where[s] * cfg.dp_size, nxt * cfg.dp_size)))
@@ -178,24 +230,12 @@ def predict_step_time(
                 send=lat + boundary[s] / link,
                 recompute=cfg.recomputes(s),
                 overhead=hardware.unit_overhead_s * len(seconds),
+                # torch's stage 0 has no input gradient to compute: its split backward does
+                # nothing in I and the whole backward in W (PipelineStage.backward_one_chunk)
+                input_grad_in_weight=s == 0,
             )
         )
-    lines = simulate(programs_for(cfg), costs, where, hardware.overlap)
-    memory = predict_memory(model, cfg, world_size, optimizer)
-    optimizer_s = (
-        optimizer_seconds
-        if optimizer_seconds is not None
-        else max(m.parameters for m in memory) / hardware.optimizer_rate
-    )
-    total_forward = sum(map(sum, flops)) * cfg.num_microbatches * cfg.dp_size
-    return StepTimePlan(
-        step_s=max(line.end for line in lines.values()) + optimizer_s,
-        optimizer_s=optimizer_s,
-        ranks=lines,
-        model_flops=3.0 * total_forward,
-        world_size=world_size,
-        peak_flops_per_s=hardware.peak_flops_per_s or hardware.flops_per_s,
-    )
+    return costs, where, flops
 
 
 def _unit_seconds(
