@@ -12,6 +12,7 @@ reduce-scatter (`gradient_buffers`). Every term is checked against runs
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 import math
@@ -27,7 +28,12 @@ from lightning_zeropp.core.split.blocks import find_blocks
 from lightning_zeropp.plan.activations import activation_peaks
 from lightning_zeropp.plan.hardware import Hardware
 from lightning_zeropp.plan.memory import predict_memory, stage_parameter_shapes
-from lightning_zeropp.plan.steptime import StepTimePlan, predict_step_time, programs_for
+from lightning_zeropp.plan.steptime import (
+    StepTimePlan,
+    predict_range,
+    price,
+    programs_for,
+)
 
 __all__ = ["Candidate", "enumerate_layouts", "gradient_buffers", "rank_memory", "search"]
 
@@ -36,15 +42,23 @@ RECOMPUTE = ("none", "except_last", "all")
 
 @dataclass(frozen=True)
 class Candidate:
-    """A layout that fits, with its predictions."""
+    """A layout that fits, with its predictions: `step` at the middle of the hardware's
+    efficiency range, `slow` and `fast` at its ends (the same plan when it has no range)."""
 
     settings: dict[str, Any]  # ZeroPPConfig keyword arguments
     memory_bytes: int  # the most any rank needs
     step: StepTimePlan
+    slow: StepTimePlan | None = None
+    fast: StepTimePlan | None = None
 
     @property
     def step_s(self) -> float:
         return self.step.step_s
+
+    @property
+    def step_range_s(self) -> tuple[float, float]:
+        """(fast, slow) step seconds."""
+        return ((self.fast or self.step).step_s, (self.slow or self.step).step_s)
 
 
 def rank_memory(
@@ -174,9 +188,13 @@ def search(
     optimizer: str = "adamw",
     top: int = 10,
     layouts: Sequence[dict[str, Any]] | None = None,
+    compiled: bool = False,
+    split_backward_compiles: bool = False,
 ) -> list[Candidate]:
     """The `top` fastest layouts whose every rank fits `hardware.memory_bytes` (all of them
-    when it is None), fastest first. `layouts` replaces the enumerated space."""
+    when it is None), fastest first. `layouts` replaces the enumerated space. `compiled` and
+    `split_backward_compiles` as in `predict_step_time`: ranked at the middle of the
+    hardware's efficiency range, with the ends of it for the `top` returned."""
     num_blocks = len(find_blocks(model)[1])
     space = (
         layouts
@@ -184,23 +202,58 @@ def search(
         else list(enumerate_layouts(world_size, num_blocks, global_batch, hardware.node_size, base))
     )
     device = "cuda" if hardware.overlap else "cpu"
-    found = []
-    for settings in space:
-        config = ZeroPPConfig(**settings)
+    modes = {"compiled": compiled, "split_backward_compiles": split_backward_compiles}
+    # Cheapest first: price every layout, then simulate in order of the bound no simulation
+    # can beat, and stop once that bound is worse than the `top`-th step found (a layout whose
+    # step could tie it is still simulated).
+    priced = []
+    for i, settings in enumerate(space):
+        costs = price(
+            model, ZeroPPConfig(**settings), world_size, global_batch, seq_len, hardware,
+            optimizer=optimizer, **modes,
+        )  # fmt: skip
+        priced.append((costs.lower_bound(), i, settings, costs))
+    priced.sort(key=lambda p: p[:2])
+    ranked: list[tuple[float, int, int, Candidate]] = []  # (step, memory, order, candidate)
+    for bound, i, settings, costs in priced:
+        if len(ranked) >= top and bound > ranked[top - 1][0] * (1 + 1e-9):
+            break
         memory = max(
             r["total"]
             for r in rank_memory(
-                model, config, world_size, global_batch, seq_len, optimizer, device
+                model, ZeroPPConfig(**settings), world_size, global_batch, seq_len, optimizer,
+                device,
             )
-        )
+        )  # fmt: skip
         if hardware.memory_bytes is not None and memory > hardware.memory_bytes:
             continue
-        step = predict_step_time(
-            model, config, world_size, global_batch, seq_len, hardware, optimizer=optimizer
+        step = costs.plan()
+        bisect.insort(ranked, (step.step_s, memory, i, Candidate(settings, memory, step)))
+    found = [c for *_, c in ranked]
+    if not hardware.efficiency:
+        return found[:top]
+    return [
+        dataclasses.replace(
+            c,
+            **dict(
+                zip(
+                    ("slow", "fast"),
+                    predict_range(
+                        model,
+                        ZeroPPConfig(**c.settings),
+                        world_size,
+                        global_batch,
+                        seq_len,
+                        hardware,
+                        optimizer=optimizer,
+                        **modes,
+                    ),  # fmt: skip
+                    strict=True,
+                )
+            ),
         )
-        found.append(Candidate(settings, memory, step))
-    found.sort(key=lambda c: (c.step_s, c.memory_bytes))
-    return found[:top]
+        for c in found[:top]
+    ]
 
 
 def as_parallel_config(candidate: Candidate, world_size: int) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Op", "RankTimeline", "StageCost", "simulate"]
+__all__ = ["Op", "RankTimeline", "StageCost", "compute_seconds", "simulate"]
 
 
 @dataclass(frozen=True)
@@ -118,6 +118,24 @@ def simulate(
     for line in lines.values():
         line.end = max(line.compute_end, line.comm_end)
     return lines
+
+
+def compute_seconds(
+    programs: Mapping[int, Sequence[Op]], costs: Sequence[StageCost]
+) -> dict[int, float]:
+    """Each rank's compute lane, busy: the sum of its tasks' segments (what `simulate` puts in
+    `RankTimeline.compute`, without replaying anything)."""
+    memo: dict[tuple[int, str], float] = {}
+    out = {}
+    for rank, program in programs.items():
+        total = 0.0
+        for op in program:
+            key = (op.stage, op.kind)
+            if key not in memo:
+                memo[key] = sum(_segment_seconds(costs[op.stage], op.kind))
+            total += memo[key]
+        out[rank] = total
+    return out
 
 
 class _Segments:

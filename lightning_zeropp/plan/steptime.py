@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,14 +32,17 @@ from lightning_zeropp.core.settings.config import ZeroPPConfig
 from lightning_zeropp.core.settings.placement import rank_of_stage, schedule_style
 from lightning_zeropp.plan.activations import schedule_key, stage_parts, task_orders, zeropp_plans
 from lightning_zeropp.plan.comm import _padded_shard
-from lightning_zeropp.plan.hardware import Hardware
+from lightning_zeropp.plan.hardware import Hardware, compiles
 from lightning_zeropp.plan.memory import StageUnits, predict_memory, stage_ranges, stage_units
 from lightning_zeropp.plan.profile import micro_batch_rows, profile_model
-from lightning_zeropp.plan.simulate import Op, RankTimeline, StageCost, simulate
+from lightning_zeropp.plan.simulate import Op, RankTimeline, StageCost, compute_seconds, simulate
 
 __all__ = [
     "StepTimePlan",
     "optimizer_time",
+    "Priced",
+    "predict_range",
+    "price",
     "predict_step_time",
     "programs_for",
     "stage_costs",
@@ -149,31 +153,108 @@ def predict_step_time(
     unit_seconds: Sequence[Sequence[tuple[float, float]]] | None = None,
     optimizer_seconds: float | None = None,
     optimizer: str = "adamw",
+    compiled: bool = False,
+    split_backward_compiles: bool = False,
+    bound: str = "mid",
 ) -> StepTimePlan:
     """Predict one training step of `model` (meta device) under `config` on `hardware`.
 
     `stage_seconds`: measured (forward, backward) seconds of one micro-batch per stage, to use
     instead of FLOPs / `hardware.flops_per_s`; `unit_seconds`: the same per stage and FSDP unit
     (the stage's own part first, then its blocks), e.g. an emulated device's; `optimizer_seconds`:
-    a measured optimizer step, instead of the shard at `hardware.optimizer_rate`."""
+    a measured optimizer step, instead of the shard at `hardware.optimizer_rate`.
+
+    `compiled`: the blocks are compiled where the schedule allows it (`hardware.compiles`:
+    not under split backward unless `split_backward_compiles`); the rate is then the compiled
+    mode's share of peak, at `bound` ("low", "mid", "high") of the hardware's efficiency range
+    (`Hardware.at`; a hardware without a range has one rate)."""
+    return price(
+        model, config, world_size, global_batch, seq_len, hardware,
+        stage_seconds=stage_seconds, unit_seconds=unit_seconds,
+        optimizer_seconds=optimizer_seconds, optimizer=optimizer, compiled=compiled,
+        split_backward_compiles=split_backward_compiles, bound=bound,
+    ).plan()  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Priced:
+    """A layout's costs, before its step is simulated (`plan`); `lower_bound` is what no
+    simulation of them can beat, which lets a search skip simulating hopeless layouts."""
+
+    cfg: ZeroPPConfig
+    costs: list[StageCost]
+    where: dict[int, int]
+    flops: list[list[float]]
+    optimizer_s: float
+    hardware: Hardware
+    world_size: int
+
+    def lower_bound(self) -> float:
+        """The busiest rank's compute alone, plus the optimizer (a rank's compute lane runs its
+        tasks one at a time, so its step is at least their sum)."""
+        busiest = max(compute_seconds(programs_for(self.cfg), self.costs).values())
+        return busiest + self.optimizer_s
+
+    def plan(self) -> StepTimePlan:
+        lines = simulate(programs_for(self.cfg), self.costs, self.where, self.hardware.overlap)
+        cfg, hw = self.cfg, self.hardware
+        total_forward = sum(map(sum, self.flops)) * cfg.num_microbatches * cfg.dp_size
+        return StepTimePlan(
+            step_s=max(line.end for line in lines.values()) + self.optimizer_s,
+            optimizer_s=self.optimizer_s,
+            ranks=lines,
+            model_flops=3.0 * total_forward,
+            world_size=self.world_size,
+            peak_flops_per_s=hw.peak_flops_per_s or hw.flops_per_s,
+        )
+
+
+def price(
+    model: nn.Module,
+    config: ZeroPPConfig,
+    world_size: int,
+    global_batch: int,
+    seq_len: int,
+    hardware: Hardware,
+    *,
+    stage_seconds: Sequence[tuple[float, float]] | None = None,
+    unit_seconds: Sequence[Sequence[tuple[float, float]]] | None = None,
+    optimizer_seconds: float | None = None,
+    optimizer: str = "adamw",
+    compiled: bool = False,
+    split_backward_compiles: bool = False,
+    bound: str = "mid",
+) -> Priced:
+    """`predict_step_time`'s costs, not yet simulated (its arguments)."""
     cfg = config.resolve(world_size)
+    hardware = hardware.at(compiles(cfg, compiled, split_backward_compiles), bound)
     costs, where, flops = stage_costs(
         model, cfg, global_batch, seq_len, hardware, stage_seconds, unit_seconds
     )
-    lines = simulate(programs_for(cfg), costs, where, hardware.overlap)
     optimizer_s = (
         optimizer_seconds
         if optimizer_seconds is not None
         else optimizer_time(model, cfg, world_size, hardware, optimizer)
     )
-    total_forward = sum(map(sum, flops)) * cfg.num_microbatches * cfg.dp_size
-    return StepTimePlan(
-        step_s=max(line.end for line in lines.values()) + optimizer_s,
-        optimizer_s=optimizer_s,
-        ranks=lines,
-        model_flops=3.0 * total_forward,
-        world_size=world_size,
-        peak_flops_per_s=hardware.peak_flops_per_s or hardware.flops_per_s,
+    return Priced(cfg, costs, where, flops, optimizer_s, hardware, world_size)
+
+
+def predict_range(
+    model: nn.Module,
+    config: ZeroPPConfig,
+    world_size: int,
+    global_batch: int,
+    seq_len: int,
+    hardware: Hardware,
+    **kwargs: Any,
+) -> tuple[StepTimePlan, StepTimePlan]:
+    """The slow and the fast end of a prediction: `predict_step_time` at the low and the high
+    end of the hardware's efficiency range (the same plan twice without one)."""
+    return tuple(  # type: ignore[return-value]
+        predict_step_time(
+            model, config, world_size, global_batch, seq_len, hardware, bound=bound, **kwargs
+        )
+        for bound in ("low", "high")
     )
 
 
@@ -263,8 +344,10 @@ def _collective_seconds(
     reduce_dtype = cfg.reduce_dtype or (torch.float32 if cfg.param_dtype else None)
     red = torch.empty((), dtype=reduce_dtype).element_size() if reduce_dtype else compute
     first = pp_rank * cfg.dp_size
-    ag_lat, ag_bw = hardware.hop("all_gather", first, first + k - 1)
-    rs_lat, rs_bw = hardware.hop("reduce_scatter", first, first + k - 1)
+    # a shard group of consecutive ranks: min(k, node) of them in each node it spans
+    per_node = min(k, hardware.node_size)
+    ag_lat, ag_bw = hardware.hop("all_gather", first, first + k - 1, per_node)
+    rs_lat, rs_bw = hardware.hop("reduce_scatter", first, first + k - 1, per_node)
     ar_lat, ar_bw = hardware.hop("all_reduce", first, first + cfg.dp_size - 1)
     gathers, reduces = [], []
     for shapes in [rest, *block_shapes]:
