@@ -65,6 +65,9 @@ class Hardware:
     # Share of `peak_flops_per_s` sustained, (low, high) by mode ("eager", "compiled"); None:
     # `flops_per_s` whatever the mode (a measured or given rate).
     efficiency: Mapping[str, tuple[float, float]] | None = None
+    # Adapters of a node one collective's ring uses across nodes: None, one per member rank of
+    # the node (NCCL runs a ring per adapter); gloo runs one ring (1).
+    rings: int | None = None
 
     # Measured (latency, bytes/s) per hop of "all_gather", "reduce_scatter" and "p2p", used for
     # every group instead of the link figures (one machine's gloo, whose collectives run well
@@ -92,7 +95,8 @@ class Hardware:
         same = first_rank // self.node_size == last_rank // self.node_size
         if same:
             return self.intra_node_Bps
-        return min(self.intra_node_Bps, self.inter_node_Bps * max(per_node, 1))
+        adapters = max(min(per_node, self.rings or per_node), 1)
+        return min(self.intra_node_Bps, self.inter_node_Bps * adapters)
 
     def with_rate(self, flops_per_s: float) -> Hardware:
         return replace(self, flops_per_s=flops_per_s)

@@ -122,7 +122,7 @@ def profile_model(
     Every figure is affine in the rows (per-row tensors, plus a few that do not depend on them,
     such as rotary tables), so the model runs at 1 and 2 rows and the rest is extrapolated; a
     search then prices every micro-batch size from two runs."""
-    one, two = (_profile(model, r, seq_len, dtype, loss_fn) for r in (1, 2))
+    one, two = _profile(model, seq_len, dtype, loss_fn)
     if rows in (1, 2):
         return one if rows == 1 else two
 
@@ -144,11 +144,11 @@ def profile_model(
 @functools.lru_cache(maxsize=32)  # a search prices many layouts of one model
 def _profile(
     model: nn.Module,
-    rows: int,
     seq_len: int,
     dtype: torch.dtype | None,
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
-) -> ModelProfile:
+) -> tuple[ModelProfile, ModelProfile]:
+    """The profiles of one and of two rows (one copy of the model for both)."""
     model = copy.deepcopy(model)
     if dtype is not None:
         model = model.to(dtype)
@@ -156,9 +156,17 @@ def _profile(
     holder = model.get_submodule(container) if container else model
     blocks = [holder._modules[n] for n in names]
     with _repeats_skipped(blocks) as repeats:
-        plain = _run(model, blocks, rows, seq_len, loss_fn, repeats)
+        plain = [_run(model, blocks, rows, seq_len, loss_fn, repeats) for rows in (1, 2)]
         apply_activation_checkpointing(holder, names)
-        recomputed = _run(model, blocks, rows, seq_len, loss_fn, repeats)
+        # recomputed, only what is saved counts: the FLOPs are the plain run's
+        recomputed = [
+            _run(model, blocks, rows, seq_len, loss_fn, repeats, count_flops=False)
+            for rows in (1, 2)
+        ]
+    return _assemble(plain[0], recomputed[0]), _assemble(plain[1], recomputed[1])
+
+
+def _assemble(plain: _Tally, recomputed: _Tally) -> ModelProfile:
     parts = [
         Part(saved=s, saved_recomputed=r, flops=f, output=o)
         for s, r, f, o in zip(
@@ -179,7 +187,7 @@ class _Repeats:
 
     A block repeats another when both are the same module (class, parameter shapes, the plain
     attributes of every submodule, its own index aside) called with the same input shapes and
-    values; once two such blocks have run and measured the same, the rest of them return a
+    values; once the last two such blocks have measured the same, the rest of them return a
     fresh output of the measured shape and are given the measured figures (`credit`).
     Different blocks (Gemma2's sliding and global layers) have different attributes and run."""
 
@@ -198,9 +206,10 @@ class _Repeats:
         def forward(*args: Any, **kwargs: Any) -> Any:
             key = (self.prints[i], _signature((args, kwargs)))
             runs = self.measured.get(key, [])
-            if len(runs) >= 2 and runs[0][:2] == runs[1][:2]:
-                self.stubbed[i] = runs[0][:2]
-                return _map_tensors(_fresh, runs[0][2])
+            # the last two alike (the first of a kind may differ: it saves what later ones share)
+            if len(runs) >= 2 and runs[-1][:2] == runs[-2][:2]:
+                self.stubbed[i] = runs[-1][:2]
+                return _map_tensors(_fresh, runs[-1][2])
             self.pending[i] = key
             return original(*args, **kwargs)
 
@@ -291,6 +300,7 @@ def _run(
     seq_len: int,
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
     repeats: _Repeats | None = None,
+    count_flops: bool = True,
 ) -> _Tally:
     n = len(blocks)
     tally = _Tally([0] * (n + 2), [0.0] * (n + 2), [0] * (n + 2))
@@ -301,7 +311,7 @@ def _run(
     flops_at = [0.0]
 
     def move_to(index: int) -> None:
-        total = float(counter.get_total_flops())
+        total = float(counter.get_total_flops()) if count_flops else 0.0
         tally.flops[piece[0]] += total - flops_at[0]
         flops_at[0] = total
         piece[0] = index
@@ -340,7 +350,7 @@ def _run(
     tokens = torch.zeros(rows, seq_len, dtype=torch.long, device="meta")
     try:
         with (
-            counter,
+            counter if count_flops else contextlib.nullcontext(),
             meta_forward(),
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
         ):
