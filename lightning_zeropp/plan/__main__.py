@@ -12,6 +12,8 @@ Keys (besides Hydra's `model=` and `cluster=` groups and any `model.*` / `cluste
   compile=false      blocks compiled (torch.compile) where the schedule allows it: not under
                      split backward (torch 2.13 refuses it) unless split_backward_compiles=true
   split_backward_compiles=false
+  quantized_weights=null, quantized_gradients=null, hpz_partition_size=null
+                     ZeRO++ (qwZ int8/bf16, qgZ int8/int4, hpZ ranks), priced in every layout
   top=10             layouts printed
   write=auto         the parallel/ file for the best layout (auto: conf/parallel/auto_<model>_<cluster>.yaml; none: skip)
 
@@ -32,8 +34,10 @@ CONF = Path(__file__).resolve().parents[2] / "conf"
 DEFAULTS: dict[str, Any] = {
     "global_batch": 256, "seq_len": None, "dtype": "bf16", "optimizer": "adamw",
     "micro_batch": None, "top": 10, "write": "auto", "compile": False,
-    "split_backward_compiles": False,
+    "split_backward_compiles": False, "quantized_weights": None, "quantized_gradients": None,
+    "hpz_partition_size": None,
 }  # fmt: skip
+PLUS = ("quantized_weights", "quantized_gradients", "hpz_partition_size")
 GiB = 2**30
 
 
@@ -100,6 +104,7 @@ def main(argv: list[str]) -> int:
     if dtype != own["dtype"]:
         print(f"({cluster['name']} is a CPU cluster: pricing fp32, not {own['dtype']})")
     base = {"param_dtype": dtype if dtype != "fp32" else None}
+    base.update({key: own[key] for key in PLUS if own[key] is not None})
     layouts = list(
         enumerate_layouts(
             world, _num_blocks(model), own["global_batch"], hardware.node_size, base,

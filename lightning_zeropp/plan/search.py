@@ -6,7 +6,9 @@ A layout is pp x dp_replicate x dp_shard, a schedule (FSDP alone when pp is 1; 1
 compute and reduce dtypes and the optimizer are the caller's (`base`). Memory per rank
 (`rank_memory`) is the planner's model state, gathered weights and activations (with a
 recomputing block's transient) plus the unsharded gradients FSDP holds until their
-reduce-scatter (`gradient_buffers`). Every term is checked against runs
+reduce-scatter (`gradient_buffers`) and what ZeRO++ holds (`plan.plus`: hpZ's copy, qgZ's
+error feedback, the comms' buffers, counted from their code, not measured). Every other term
+is checked against runs
 (tests/distributed/test_planner.py).
 """
 
@@ -24,10 +26,13 @@ import torch
 from torch import nn
 
 from lightning_zeropp.core.settings.config import ZeroPPConfig
+from lightning_zeropp.core.settings.placement import schedule_style, stage_ids_for_rank
+from lightning_zeropp.core.settings.plus import hpz_size
 from lightning_zeropp.core.split.blocks import find_blocks
 from lightning_zeropp.plan.activations import activation_peaks
 from lightning_zeropp.plan.hardware import Hardware
-from lightning_zeropp.plan.memory import predict_memory, stage_parameter_shapes
+from lightning_zeropp.plan.memory import predict_memory, stage_parameter_shapes, stage_units
+from lightning_zeropp.plan.plus import plus_memory
 from lightning_zeropp.plan.steptime import (
     StepTimePlan,
     predict_range,
@@ -75,6 +80,7 @@ def rank_memory(
     states = predict_memory(model, cfg, world_size, optimizer, device_type)
     acts = activation_peaks(model, cfg, world_size, global_batch, seq_len)
     grads = gradient_buffers(model, cfg)
+    plus = _plus_bytes(model, cfg)
     out = []
     for plan in states:
         pp_rank = plan.rank // cfg.dp_size
@@ -83,6 +89,7 @@ def rank_memory(
             "gathered_weights": plan.gathered_peak,
             "activations": acts[pp_rank],
             "gradient_buffers": grads[pp_rank],
+            "zeropp_plus": plus[pp_rank],
         }
         entry["total"] = sum(entry.values())
         out.append(entry)
@@ -109,6 +116,25 @@ def gradient_buffers(model: nn.Module, cfg: ZeroPPConfig) -> dict[int, int]:
                 live.discard(op.stage)
         out[rank] = peak
     return out
+
+
+def _plus_bytes(model: nn.Module, cfg: ZeroPPConfig) -> dict[int, int]:
+    """Per pipeline rank, what ZeRO++ holds (`plan.plus.plus_memory`): 0 without it."""
+    if not (cfg.quantized_weights or cfg.quantized_gradients or hpz_size(cfg)):
+        return dict.fromkeys(range(cfg.pp_size), 0)
+    stages = stage_units(model, cfg)
+    style = schedule_style(cfg.schedule)
+    return {
+        r: plus_memory(
+            cfg,
+            [
+                u
+                for s in stage_ids_for_rank(style, r, cfg.pp_size, cfg.num_chunks)
+                for u in (stages[s].rest, *stages[s].blocks)
+            ],
+        )
+        for r in range(cfg.pp_size)
+    }
 
 
 def _size(dtype: torch.dtype | None) -> int | None:

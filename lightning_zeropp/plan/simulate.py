@@ -34,6 +34,7 @@ class StageCost:
     forward: tuple[float, ...]
     backward: tuple[float, ...]  # a full backward (input and weight gradients)
     gather: tuple[float, ...] = ()  # all-gather of each segment's weights (empty: none)
+    gather_node: tuple[float, ...] = ()  # ... from hpZ's in-node copy (empty: as `gather`)
     reduce: tuple[float, ...] = ()  # reduce-scatter of each segment's gradients (empty: none)
     send: float = 0.0  # this stage's output reaching the next stage's rank (and its gradient back)
     weight_share: float = 0.5  # part of a backward that is the weight-gradient task W
@@ -52,6 +53,7 @@ class Op:
     microbatch: int
     gather: bool = False
     reduce: bool = False
+    from_node: bool = False  # the gather reads hpZ's in-node copy
 
 
 @dataclass
@@ -144,16 +146,17 @@ class _Segments:
 
     def __init__(self, costs: Sequence[StageCost]) -> None:
         self.costs = costs
-        self._memo: dict[tuple[int, str, bool, bool], tuple[list[float], list, list]] = {}
+        self._memo: dict[tuple[int, str, bool, bool, bool], tuple[list[float], list, list]] = {}
 
     def __call__(self, op: Op) -> tuple[list[float], list[float], list[float]]:
-        key = (op.stage, op.kind, op.gather, op.reduce)
+        key = (op.stage, op.kind, op.gather, op.reduce, op.from_node)
         if key not in self._memo:
             cost = self.costs[op.stage]
             seconds = _segment_seconds(cost, op.kind)
             n = len(seconds)
             order = range(n) if op.kind == "F" else range(n - 1, -1, -1)
-            gathers = [cost.gather[k] if op.gather and cost.gather else 0.0 for k in order]
+            source = cost.gather_node if op.from_node and cost.gather_node else cost.gather
+            gathers = [source[k] if op.gather and source else 0.0 for k in order]
             reduces = [cost.reduce[k] if op.reduce and cost.reduce else 0.0 for k in order]
             self._memo[key] = (seconds, gathers, reduces)
         return self._memo[key]

@@ -15,7 +15,8 @@
 - The optimizer step updates each rank's shard at `Hardware.optimizer_rate` (by default AdamW
   streaming its state once: 28 bytes per fp32 parameter).
 
-Not modelled (it raises): ZeRO++'s collectives.
+- ZeRO++ (`plan.plus`): qwZ's packed gathers, hpZ's backward gathers of the in-node copy (the
+  programs mark which gathers read it), qgZ's two all-to-alls in place of the reduce-scatter.
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ from torch import nn
 
 from lightning_zeropp.core.settings.config import ZeroPPConfig
 from lightning_zeropp.core.settings.placement import rank_of_stage, schedule_style
+from lightning_zeropp.core.settings.plus import hpz_size
 from lightning_zeropp.plan.activations import schedule_key, stage_parts, task_orders, zeropp_plans
 from lightning_zeropp.plan.comm import _padded_shard
 from lightning_zeropp.plan.hardware import Hardware, compiles
 from lightning_zeropp.plan.memory import StageUnits, predict_memory, stage_ranges, stage_units
+from lightning_zeropp.plan.plus import unit_traffic
 from lightning_zeropp.plan.profile import micro_batch_rows, profile_model
 from lightning_zeropp.plan.simulate import Op, RankTimeline, StageCost, compute_seconds, simulate
 
@@ -102,19 +105,28 @@ def programs_for(cfg: ZeroPPConfig) -> dict[int, list[Op]]:
 def _programs(cfg: ZeroPPConfig) -> dict[int, list[Op]]:
     programs = {}
     reshard = bool(cfg.reshard_after_forward)
+    copy = hpz_size(cfg) is not None
     for rank, order in task_orders(cfg).items():
         last = {stage: i for i, (kind, stage, _) in enumerate(order) if kind in "BW"}
         gathered: set[int] = set()
+        in_node: set[int] = set()  # resharded to hpZ's in-node copy
         ops = []
         for i, (kind, stage, mb) in enumerate(order):
             # FSDP gathers a unit that is not gathered when a forward or backward reaches it; it
-            # reshards after forward when told to, and keeps a backward's weights until the next
-            # forward (gradient accumulation): FSDP alone gathers M + 1 times a step.
+            # reshards after forward when told to (to hpZ's copy with hpZ), and keeps a
+            # backward's weights until the next forward (gradient accumulation): FSDP alone
+            # gathers M + 1 times a step.
             gather = kind != "W" and stage not in gathered
+            from_node = gather and stage in in_node
             gathered.add(stage)
+            in_node.discard(stage)
             if kind == "F" and reshard:
                 gathered.discard(stage)
-            ops.append(Op(kind, stage, mb, gather=gather, reduce=i == last[stage]))
+                if copy:
+                    in_node.add(stage)
+            ops.append(
+                Op(kind, stage, mb, gather=gather, reduce=i == last[stage], from_node=from_node)
+            )
         programs[rank] = ops
     return programs
 
@@ -124,16 +136,25 @@ def _zeropp_programs(cfg: ZeroPPConfig) -> dict[int, list[Op]]:
     for rank, plan in zeropp_plans(cfg).items():
         ops: list[Op] = []
         pending: set[int] = set()
+        in_node: set[int] = set()  # released to hpZ's in-node copy
         for step in plan:
             if step.kind == "gather":
                 pending.add(step.stage)
             elif step.kind == "compute":
                 t = step.task
                 assert t is not None
-                ops.append(Op(t.kind, t.stage, t.microbatch, gather=t.stage in pending))
+                gather = t.stage in pending
+                ops.append(
+                    Op(t.kind, t.stage, t.microbatch, gather=gather,
+                       from_node=gather and t.stage in in_node)
+                )  # fmt: skip
+                if gather:
+                    in_node.discard(t.stage)
                 pending.discard(t.stage)
             elif step.kind == "reduce":
                 ops[-1] = Op(**{**ops[-1].__dict__, "reduce": True})
+            elif step.kind == "release" and step.node_copy:
+                in_node.add(step.stage)
         last = {op.stage: i for i, op in enumerate(ops) if op.kind in "BW"}
         for i in last.values():  # the end-of-step reduction
             ops[i] = Op(**{**ops[i].__dict__, "reduce": True})
@@ -285,8 +306,6 @@ def stage_costs(
             f"(param_dtype={cfg.param_dtype}); use Hardware.from_cluster(cluster, {computes!r}) "
             f"or set param_dtype."
         )
-    if cfg.quantized_weights or cfg.quantized_gradients or cfg.hpz_partition_size:
-        raise NotImplementedError("ZeRO++'s collectives are not in the step-time model yet")
     stages = stage_units(model, cfg)
     rows = micro_batch_rows(global_batch, cfg.dp_size, cfg.num_microbatches)
     flops = stage_flops(model, cfg, rows, seq_len)
@@ -299,7 +318,7 @@ def stage_costs(
             seconds = list(unit_seconds[s])
         else:
             seconds = _unit_seconds(flops[s], hardware, stage_seconds[s] if stage_seconds else None)
-        gather, reduce = _collective_seconds(stage, cfg, hardware, where[s])
+        gather, gather_node, reduce = _collective_seconds(stage, cfg, hardware, where[s])
         nxt = where.get(s + 1, where[s])
         lat, link = hardware.hop("p2p", *sorted((where[s] * cfg.dp_size, nxt * cfg.dp_size)))
         costs.append(
@@ -307,6 +326,7 @@ def stage_costs(
                 forward=tuple(f for f, _ in seconds),
                 backward=tuple(b for _, b in seconds),
                 gather=gather,
+                gather_node=gather_node,
                 reduce=reduce,
                 send=lat + boundary[s] / link,
                 recompute=cfg.recomputes(s),
@@ -333,15 +353,16 @@ def _collective_seconds(
     cfg: ZeroPPConfig,
     hardware: Hardware,
     pp_rank: int,
-) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """All-gather and reduce-scatter seconds of each unit, in the order `stage_flops` lists them
-    (the stage's own part first); empty when nothing is sharded."""
+) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+    """All-gather, in-node-copy gather (hpZ) and reduce seconds of each unit, in the order
+    `stage_flops` lists them (the stage's own part first); empty when nothing is sharded.
+    ZeRO++'s collectives move what `plan.plus` counts."""
     k, r = cfg.dp_shard_size, cfg.dp_replicate_size
     block_shapes, rest = stage.blocks, stage.rest
     if k == 1 and r == 1:
-        return (), ()
-    compute = torch.empty((), dtype=cfg.param_dtype).element_size() if cfg.param_dtype else 4
+        return (), (), ()
     reduce_dtype = cfg.reduce_dtype or (torch.float32 if cfg.param_dtype else None)
+    compute = torch.empty((), dtype=cfg.param_dtype).element_size() if cfg.param_dtype else 4
     red = torch.empty((), dtype=reduce_dtype).element_size() if reduce_dtype else compute
     first = pp_rank * cfg.dp_size
     # a shard group of consecutive ranks: min(k, node) of them in each node it spans
@@ -349,13 +370,25 @@ def _collective_seconds(
     ag_lat, ag_bw = hardware.hop("all_gather", first, first + k - 1, per_node)
     rs_lat, rs_bw = hardware.hop("reduce_scatter", first, first + k - 1, per_node)
     ar_lat, ar_bw = hardware.hop("all_reduce", first, first + cfg.dp_size - 1)
-    gathers, reduces = [], []
+    copy = hpz_size(cfg) or 1
+    cp_lat, cp_bw = hardware.hop("all_gather", first, first + copy - 1, copy)
+    local = min(k, cfg.node_size or k)
+    in_lat, in_bw = hardware.hop("all_to_all", first, first + local - 1, local)
+    x_lat, x_bw = hardware.hop("all_to_all", first, first + k - 1, 1)
+    gathers, node_gathers, reduces = [], [], []
     for shapes in [rest, *block_shapes]:
-        numel = _padded_shard(shapes, k) if shapes else 0
-        ring = k - 1 if numel else 0  # ring hops; a unit without parameters moves nothing
-        gathers.append(ring * (ag_lat + numel * compute / ag_bw))
-        rs = ring * (rs_lat + numel * red / rs_bw)
-        if r > 1 and numel:  # HSDP: a ring all-reduce of the reduced shard over the replicas
+        t = unit_traffic(cfg, shapes)
+        ring = k - 1 if shapes else 0  # ring hops; a unit without parameters moves nothing
+        gathers.append(ring * (ag_lat + t.gather / ag_bw))
+        node_gathers.append((copy - 1) * (cp_lat + t.node_gather / copy / cp_bw))
+        rs = ring * (rs_lat + t.reduce // k / rs_bw) if t.reduce else 0.0
+        if t.intra:  # qgZ: all-to-alls, each rank's rows to its peers (not its own row)
+            rs += (local - 1) * in_lat + t.intra * (local - 1) / local / in_bw
+        if t.cross:
+            nodes = k // local
+            rs += (nodes - 1) * x_lat + t.cross * (nodes - 1) / nodes / x_bw
+        if r > 1 and shapes:  # HSDP: a ring all-reduce of the reduced shard over the replicas
+            numel = _padded_shard(shapes, k)
             rs += 2 * (r - 1) * (ar_lat + math.ceil(numel / r) * red / ar_bw)
         reduces.append(rs)
-    return tuple(gathers), tuple(reduces)
+    return tuple(gathers), tuple(node_gathers), tuple(reduces)
