@@ -1,12 +1,12 @@
 """Published training runs the planner is calibrated on: each run as the planner sees it (model
 shape, layout, batch), the throughput its authors measured, and the planner's prediction of it.
 
-Sources (read November 2026; /work/shared/design/published-runs.md has the full table):
+Sources (read November 2026; the design notes have the full table):
 - torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (Tables 1 and 3): Llama 3.1 8B, FSDP,
   sequence 8192, local batch 2, selective activation checkpointing, H100 at 500 W;
 - MosaicML llm-foundry, scripts/train/benchmarking/README.md ("H100 80GB BF16"): MPT-7B and
   MPT-70B, FSDP FULL_SHARD, fused kernels (Triton flash attention) without torch.compile,
-  counted with the compiled runs (as /work/shared/design/published-runs.md counts them);
+  counted with the compiled runs (as the design notes count them);
 - NeMo Automodel, docs/performance-summary.mdx and its config
   examples/llm_benchmark/llama3_3/custom_llama3_1_70b_pretrain_benchmark_8nodes.yaml: Llama 3.1
   70B, 64 H100, FSDP2 (dp 32) x context parallel 2, sequence 8192, compiled, Transformer Engine,
