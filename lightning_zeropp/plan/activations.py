@@ -155,8 +155,11 @@ def _multi_stage_orders(schedule: str, pp: int, v: int, m: int) -> dict[int, Ord
     return {
         rank: [
             (a.computation_type.value, a.stage_index, a.microbatch_index)
-            for a in order[rank]
-            if a is not None and a.computation_type.value in ("F", "B", "I", "W")
+            for action in order[rank]
+            if action is not None
+            # DualPipeV pairs a forward and a backward (OVERLAP_F_B); torch runs them in turn
+            for a in (getattr(action, "sub_actions", None) or (action,))
+            if a.computation_type.value in ("F", "B", "I", "W")
         ]
         for rank in range(pp)
     }
