@@ -210,3 +210,16 @@ def test_stage_zero_runs_its_whole_split_backward_in_w() -> None:
     hw = Hardware(flops_per_s=1e9, intra_node_Bps=1e9, inter_node_Bps=1e9, node_size=2)
     costs, _, _ = stage_costs(model, cfg, 8, 16, hw)
     assert [c.input_grad_in_weight for c in costs] == [True, False, False, False]
+
+
+def test_dualpipev_pairs_count_as_their_two_tasks() -> None:
+    # DualPipeV's order pairs a forward with a backward (OVERLAP_F_B); torch runs them in turn,
+    # and the simulation needs both (without them it waits forever)
+    cfg = ZeroPPConfig(pp_size=2, schedule="dualpipev", num_microbatches=8).resolve(2)
+    orders = task_orders(cfg)
+    for order in orders.values():
+        forwards = [(s, m) for k, s, m in order if k == "F"]
+        backwards = [(s, m) for k, s, m in order if k in "BI"]
+        assert sorted(forwards) == sorted(backwards) and len(forwards) == 2 * 8
+    lines = _run(cfg, 0.5, 1.0)
+    assert all(line.compute == pytest.approx(2 * 8 * 1.5) for line in lines.values())
