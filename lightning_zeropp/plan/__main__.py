@@ -194,6 +194,8 @@ def describe(settings: dict[str, Any]) -> str:
             text += f" v={s['num_chunks']}"
         if "unit_size" in s:
             text += f" U={s['unit_size']}"
+        if s.get("split_backward") is False:
+            text += ", no split backward"
     text += f", {s['num_microbatches']} micro-batches"
     if s.get("activation_checkpointing", "none") != "none":
         text += f", recompute {s['activation_checkpointing']}"

@@ -112,17 +112,38 @@ def zeropp_plans(config: ZeroPPConfig) -> dict[int, list[Any]]:
 
 
 def _zeropp(config: ZeroPPConfig) -> tuple[dict[int, list[Any]], dict[int, Order]]:
-    from lightning_zeropp.core.schedule.build import zeropp_plans as lowered
-
     key = schedule_key(config)
     if key not in _ZEROPP:
-        plans = lowered(config)
+        plans = _lowered(config)
         orders = {
             r: [(s.task.kind, s.task.stage, s.task.microbatch) for s in plan if s.kind == "compute"]
             for r, plan in plans.items()
         }
         _ZEROPP[key] = (plans, orders)
     return _ZEROPP[key]
+
+
+def _lowered(config: ZeroPPConfig) -> dict[int, list[Any]]:
+    """`core.schedule.build.zeropp_plans` without its deadlock check of the orders (a replay of
+    every rank's tasks: most of a search's time, and `simulate` replays them anyway, raising on
+    a deadlock); tests/unit/test_plan.py holds the two equal."""
+    from lightning_zeropp.core.schedule.zeropp import lower, rank_order, reduce_points
+    from lightning_zeropp.core.settings.plus import hpz_size
+
+    pp, v, m, u = config.pp_size, config.num_chunks, config.num_microbatches, config.unit_size
+    assert pp is not None and v is not None and m is not None and u is not None
+    full = [s for s in range(config.num_stages) if config.recomputes(s)]
+    plans = {}
+    for r in range(pp):
+        order = rank_order(
+            r, pp, v, m, u, split_backward=bool(config.split_backward), full_backward=full
+        )
+        plans[r] = lower(
+            order,
+            reduce_points(order, u, config.grad_reduce),
+            keep_node_copy=hpz_size(config) is not None,
+        )
+    return plans
 
 
 def task_orders(config: ZeroPPConfig) -> dict[int, Order]:

@@ -108,9 +108,14 @@ class Hardware:
             raise ValueError(f"bound={bound!r}; use one of {BOUNDS}.")
         if not self.efficiency:
             return self
-        low, high = self.efficiency["compiled" if compiled else "eager"]
-        share = {"low": low, "mid": (low + high) / 2, "high": high}[bound]
-        return replace(self, flops_per_s=(self.peak_flops_per_s or self.flops_per_s) * share)
+        # one object per mode and bound: what is priced for it can be cached by identity
+        memo = self.__dict__.setdefault("_at", {})
+        if (compiled, bound) not in memo:
+            low, high = self.efficiency["compiled" if compiled else "eager"]
+            share = {"low": low, "mid": (low + high) / 2, "high": high}[bound]
+            peak = self.peak_flops_per_s or self.flops_per_s
+            memo[compiled, bound] = replace(self, flops_per_s=peak * share)
+        return memo[compiled, bound]
 
     @classmethod
     def from_cluster(cls, cluster: Mapping[str, Any], dtype: str = "bf16") -> Hardware:

@@ -27,7 +27,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from lightning_zeropp.core.settings.config import ZeroPPConfig
@@ -170,25 +169,24 @@ def predict_memory(
         raise ValueError(f"optimizer={optimizer!r} is not modelled; use 'adamw', 'adam' or 'sgd'.")
     cfg = config.resolve(world_size)
     stages = stage_parameter_shapes(model, cfg)
-    compute_bytes = (
-        torch.empty((), dtype=cfg.param_dtype).element_size() if cfg.param_dtype else None
-    )
+    compute_bytes = cfg.param_dtype.itemsize if cfg.param_dtype else None
     style = schedule_style(cfg.schedule)
     full = [sum(math.prod(s) * (compute_bytes or b) for s, b in stage) for stage in stages]
-    peaks = {
-        r: _gathered_peak(
-            model, cfg, stage_ids_for_rank(style, r, cfg.pp_size, cfg.num_chunks), full,
-            compute_bytes, device_type,
-        )
+    held = {
+        r: tuple(stage_ids_for_rank(style, r, cfg.pp_size, cfg.num_chunks))
         for r in range(cfg.pp_size)
-    }  # fmt: skip
+    }
+    peaks = {
+        r: _gathered_peak(model, cfg, list(held[r]), full, compute_bytes, device_type)
+        for r in range(cfg.pp_size)
+    }
     out = []
     points = tuple(cfg.split_points) if cfg.split_points else None
     shard_bytes: dict[tuple[int, int], tuple[int, int]] = {}  # replicas hold the same shards
     for rank in range(world_size):
         pp_rank, shard = divmod(rank, cfg.dp_replicate_size * cfg.dp_shard_size)
         shard %= cfg.dp_shard_size
-        ids = tuple(stage_ids_for_rank(style, pp_rank, cfg.pp_size, cfg.num_chunks))
+        ids = held[pp_rank]
         if (pp_rank, shard) not in shard_bytes:
             shard_bytes[pp_rank, shard] = _shard_bytes(
                 model, cfg.num_stages, points, ids, cfg.dp_shard_size, shard

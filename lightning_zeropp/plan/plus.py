@@ -46,7 +46,7 @@ class UnitTraffic:
 
 
 def _elem(dtype: torch.dtype | None, default: int) -> int:
-    return torch.empty((), dtype=dtype).element_size() if dtype else default
+    return dtype.itemsize if dtype else default
 
 
 def _padded(shape: tuple[int, ...], shards: int) -> int:

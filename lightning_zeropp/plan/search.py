@@ -138,7 +138,7 @@ def _plus_bytes(model: nn.Module, cfg: ZeroPPConfig) -> dict[int, int]:
 
 
 def _size(dtype: torch.dtype | None) -> int | None:
-    return torch.empty((), dtype=dtype).element_size() if dtype else None
+    return dtype.itemsize if dtype else None
 
 
 def enumerate_layouts(
@@ -196,6 +196,12 @@ def _schedules(pp: int, num_blocks: int, rows: int) -> list[tuple[str, dict[str,
     for v in (2, 4):
         if v * pp <= num_blocks:
             out += [("zeropp", {"num_chunks": v, "unit_size": u}) for u in (pp, 2 * pp, 4 * pp)]
+            # without split backward: more bubble, less memory (no activations held for W),
+            # and it compiles where torch's split backward does not
+            out += [
+                ("zeropp", {"num_chunks": v, "unit_size": u, "split_backward": False})
+                for u in (pp, 2 * pp, 4 * pp)
+            ]
     return out
 
 

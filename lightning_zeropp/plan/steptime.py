@@ -348,6 +348,9 @@ def _unit_seconds(
     return [(measured[0] * f / total, measured[1] * f / total) for f in flops]
 
 
+_COLLECTIVES: dict[tuple, tuple[Hardware, StageUnits, tuple]] = {}  # asked for many times
+
+
 def _collective_seconds(
     stage: StageUnits,
     cfg: ZeroPPConfig,
@@ -357,13 +360,34 @@ def _collective_seconds(
     """All-gather, in-node-copy gather (hpZ) and reduce seconds of each unit, in the order
     `stage_flops` lists them (the stage's own part first); empty when nothing is sharded.
     ZeRO++'s collectives move what `plan.plus` counts."""
+    key = (
+        id(stage), id(hardware), pp_rank, cfg.dp_shard_size, cfg.dp_replicate_size,
+        cfg.param_dtype, cfg.reduce_dtype, cfg.quantized_weights, cfg.quantized_gradients,
+        cfg.quant_block_size, cfg.node_size, hpz_size(cfg),
+    )  # fmt: skip
+    hit = _COLLECTIVES.get(key)
+    if hit is not None and hit[0] is hardware and hit[1] is stage:  # (ids of freed objects recur)
+        return hit[2]
+    out = _collectives(stage, cfg, hardware, pp_rank)
+    if len(_COLLECTIVES) > 100_000:
+        _COLLECTIVES.clear()
+    _COLLECTIVES[key] = (hardware, stage, out)
+    return out
+
+
+def _collectives(
+    stage: StageUnits,
+    cfg: ZeroPPConfig,
+    hardware: Hardware,
+    pp_rank: int,
+) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
     k, r = cfg.dp_shard_size, cfg.dp_replicate_size
     block_shapes, rest = stage.blocks, stage.rest
     if k == 1 and r == 1:
         return (), (), ()
     reduce_dtype = cfg.reduce_dtype or (torch.float32 if cfg.param_dtype else None)
-    compute = torch.empty((), dtype=cfg.param_dtype).element_size() if cfg.param_dtype else 4
-    red = torch.empty((), dtype=reduce_dtype).element_size() if reduce_dtype else compute
+    compute = cfg.param_dtype.itemsize if cfg.param_dtype else 4
+    red = reduce_dtype.itemsize if reduce_dtype else compute
     first = pp_rank * cfg.dp_size
     # a shard group of consecutive ranks: min(k, node) of them in each node it spans
     per_node = min(k, hardware.node_size)
