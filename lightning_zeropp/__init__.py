@@ -15,21 +15,30 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
+from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 from lightning_zeropp.core.weights.materialize import empty_parameters, init_weights
 
 if TYPE_CHECKING:
-    from lightning_zeropp.lightning import ZeroPPStrategy
+    from lightning_zeropp.lightning import ZeroPPStrategy, grad_norm
 
-__all__ = ["ZeroPPConfig", "ZeroPPEngine", "ZeroPPStrategy", "empty_parameters", "init_weights"]
+__all__ = [
+    "ZeroPPConfig",
+    "ZeroPPEngine",
+    "ZeroPPLayout",
+    "ZeroPPStrategy",
+    "empty_parameters",
+    "grad_norm",
+    "init_weights",
+]
 
 _log = logging.getLogger(__name__)
 
 
 def __getattr__(name: str) -> Any:  # PEP 562: `lightning_zeropp.ZeroPPStrategy` imports Lightning
-    if name == "ZeroPPStrategy":
-        from lightning_zeropp.lightning import ZeroPPStrategy
+    if name in ("ZeroPPStrategy", "grad_norm"):
+        from lightning_zeropp import lightning
 
-        return ZeroPPStrategy
+        return getattr(lightning, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

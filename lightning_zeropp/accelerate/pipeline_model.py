@@ -109,7 +109,6 @@ class PipelineModel(nn.Module):
 
     def _train(self, args: Any, kwargs: dict[str, Any], target: torch.Tensor) -> PipelineOutput:
         core = self.engine.core
-        assert core.config.num_microbatches is not None
         kwargs = self._weighted(kwargs, target, core.config.num_microbatches)
         loss, grads = core.train_step_deferred(*args, target=target, **kwargs)
         leaf = loss.detach().clone().requires_grad_()
@@ -121,7 +120,6 @@ class PipelineModel(nn.Module):
     @torch.no_grad()
     def _eval(self, args: Any, kwargs: dict[str, Any], target: torch.Tensor | None) -> Any:
         core = self.engine.core
-        assert core.config.num_microbatches is not None
         rows = _rows(args, kwargs)
         if target is None and self.token_weighted:
             # No loss to weigh, but every call must reach the blocks alike (HF hands its keyword

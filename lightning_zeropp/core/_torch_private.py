@@ -18,6 +18,7 @@ from torch.distributed.fsdp._fully_shard import _fully_shard as _fully_shard_mod
 from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState as _TrainingState
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.distributed.pipelining.schedules import (
     _Action,
     _add_reduce_grad,
@@ -44,6 +45,7 @@ __all__ = [
     "run_post_backward",
     "hide_post_forward_mesh",
     "on_scheduled_loss",
+    "is_gathered",
     "unsharded_parameter_bytes",
     "local_chunk",
     "fsdp_unit_shards",
@@ -53,6 +55,15 @@ __all__ = [
     "storage_identity",
     "fused_attention",
     "release_to_post_forward_copy",
+    "compile_errors",
+    "inductor",
+    "split_graph",
+    "compile_split_graph",
+    "keep_graph_compatible_backward",
+    "set_compile_threads",
+    "aot_eager",
+    "stage_backward_input",
+    "stage_backward_weight",
 ]
 
 PipelineSchedule = _PipelineSchedule
@@ -124,6 +135,11 @@ def unsharded_params(module: FSDPModule) -> list[Any]:
     group = module._get_fsdp_state()._fsdp_param_group
     params = (getattr(p, "_unsharded_param", None) for p in (group.fsdp_params if group else ()))
     return [p for p in params if p is not None]
+
+
+def is_gathered(module: FSDPModule) -> bool:
+    """Whether FSDP holds one unit's parameters unsharded (gathered) now."""
+    return any(group.is_unsharded for group in _param_groups(module))
 
 
 def run_post_backward(root: FSDPModule) -> None:
@@ -358,3 +374,76 @@ def mesh_group_options(device_type: str, timeout: timedelta) -> Any | None:
 
 
 __all__ += ["group_timeout", "mesh_group_options"]
+
+
+# ---------------------------------------------------------------- torch.compile (core.shard.compile)
+# Imported on first use: torch._dynamo and torch._inductor take seconds to import.
+
+
+def compile_errors() -> tuple[type[BaseException], ...]:
+    """What torch.compile raises when it cannot compile a frame (tracing or backend failures),
+    before any of the frame's compiled code has run."""
+    from torch._dynamo.exc import TorchDynamoException
+    from torch._inductor.exc import InductorError
+
+    return (TorchDynamoException, InductorError)
+
+
+def inductor(gm: Any, example_inputs: list[Any]) -> Any:
+    """Inductor on one graph, its backward lowered now rather than at the first backward (so a
+    failure surfaces in the forward, where the block can still fall back to eager)."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor.compile_fx import compile_fx
+
+    with functorch_config.patch(force_non_lazy_backward_lowering=True):
+        return compile_fx(gm, example_inputs)
+
+
+def aot_eager(gm: Any, example_inputs: list[Any]) -> Any:
+    """AOTAutograd without code generation: the autograd nodes `inductor`'s graphs make, run by
+    torch's own kernels (checks of how graphs are cut, without the compile time)."""
+    from torch._dynamo.backends.debugging import aot_eager as _aot_eager
+
+    return _aot_eager(gm, example_inputs)
+
+
+def split_graph(gm: Any, partition: Callable[[Any], int]) -> Any:
+    """`gm` cut into one submodule (`submod_<k>`) per partition id `partition(node)`."""
+    from torch.fx.passes.split_module import split_module
+
+    return split_module(gm, None, partition)
+
+
+def compile_split_graph(split: Any, example_inputs: list[Any], compile_fn: Callable) -> Any:
+    """Compile each submodule of `split` with `compile_fn(submodule, example_inputs)` (which may
+    return it as is, to run eagerly), propagating fake tensors from one to the next: what
+    torch's DDPOptimizer does with the graph it cuts at bucket boundaries, each piece becoming
+    its own autograd node."""
+    import torch
+    from torch._dynamo.backends.distributed import SubmodCompiler
+    from torch._dynamo.utils import _disable_saved_tensors_hooks_during_tracing
+    from torch._guards import detect_fake_mode
+
+    fake_mode = detect_fake_mode(example_inputs) or torch._subclasses.FakeTensorMode()
+    with _disable_saved_tensors_hooks_during_tracing():
+        SubmodCompiler(split, compile_fn, fake_mode).run(*example_inputs)
+    split.recompile()
+    return split
+
+
+def keep_graph_compatible_backward() -> None:
+    """Let compiled backwards run under `retain_graph=True`, as a split backward's input-gradient
+    task runs them (the weight-gradient task reads the graph after it). Process-wide: AOTAutograd
+    reads this flag when each backward runs, and a backward compiled with donated buffers (which
+    reuses saved activations' memory for its outputs) refuses to run with the graph kept."""
+    from torch._functorch import config as functorch_config
+
+    functorch_config.donated_buffer = False
+
+
+def set_compile_threads(threads: int) -> None:
+    """Inductor's compile workers: 1 compiles in the calling process (no worker pool to start;
+    what ranks sharing a few cores want)."""
+    from torch._inductor import config as inductor_config
+
+    inductor_config.compile_threads = threads

@@ -39,12 +39,14 @@ from lightning_zeropp.core.schedule.build import (
     eval_microbatches,
 )
 from lightning_zeropp.core.schedule.runtime import LeanStage
-from lightning_zeropp.core.settings.config import ZeroPPConfig
+from lightning_zeropp.core.settings.config import ZeroPPConfig, ZeroPPLayout
+from lightning_zeropp.core.settings.merge import launcher_node_size
 from lightning_zeropp.core.settings.placement import (
     rank_of_stage,
     schedule_style,
     stage_ids_for_rank,
 )
+from lightning_zeropp.core.shard.compile import compile_blocks, splits_backward
 from lightning_zeropp.core.shard.fsdp import apply_activation_checkpointing, shard_stage
 from lightning_zeropp.core.shard.plus import Plus
 from lightning_zeropp.core.split.blocks import BlockPlan, find_blocks, plan_blocks
@@ -66,7 +68,7 @@ from lightning_zeropp.core.step.batch import (
     shape_key,
 )
 from lightning_zeropp.core.step.failure import FailureBoard, describe_rank
-from lightning_zeropp.core.step.grads import StepGrads, clip_grad_norm_
+from lightning_zeropp.core.step.grads import StepGrads, average_whole_grads, clip_grad_norm_
 from lightning_zeropp.core.step.nonfinite import NonFiniteWatch
 from lightning_zeropp.core.weights.materialize import (
     InitFn,
@@ -113,7 +115,7 @@ class ZeroPPEngine:
     def __init__(
         self,
         model: nn.Module,
-        config: ZeroPPConfig,
+        config: ZeroPPConfig | ZeroPPLayout,
         *,
         loss_fn: LossFn,
         split: SplitMethod = "auto",
@@ -126,7 +128,7 @@ class ZeroPPEngine:
         init: InitFn | None = None,
         load_from: str | Path | None = None,
     ) -> None:
-        self.config = config.resolve(dist.get_world_size())
+        self.config = config.resolve(dist.get_world_size(), launcher_node_size())
         cfg = self.config
         self.device = device or torch.device("cpu")
         self.dims: ParallelDims = dims or build_mesh(cfg, self.device.type)
@@ -137,6 +139,12 @@ class ZeroPPEngine:
         self.num_stages = cfg.num_stages
         self._meta = has_meta(model)
         self.plan = _plan(model, self.num_stages, cfg.split_points)
+        if cfg.compile and self.plan is None:
+            raise ValueError(
+                f"compile=True compiles each block of the model, but {type(model).__name__} has "
+                "no blocks (a ModuleList, ModuleDict or nn.Sequential of at least 2 layers); "
+                "compile the model yourself (torch.compile) and leave compile=False."
+            )
         self.split = resolve_split(model, split)
         if self._meta and self.split == "trace" and self.num_stages > 1:
             # Tracing records the device of every value: a meta model's graph runs on meta.
@@ -172,7 +180,7 @@ class ZeroPPEngine:
         self._tied = TiedWeights(tied, list(zip(self.stage_ids, modules, strict=True)), self.dims)
         self.module: nn.Module = merge_stage_modules(modules)
         if self._meta or load_from is not None:
-            source = Source(init or default_init(model), load_from, model)
+            source = Source(init or default_init(model), load_from, model, init is not None)
             fill_values(modules, self.module, self.device, self._meta, source, self._tied)
         self._stage_modules = modules
         self._loss_fn = loss_fn
@@ -186,7 +194,6 @@ class ZeroPPEngine:
         self.last_pp_rank = rank_of_stage(self.style, self.num_stages - 1, cfg.pp_size)
         self._shapes = None
         if self.split == "trace" and self.num_stages > 1:
-            assert cfg.num_microbatches is not None
             example = (example_args or (), example_kwargs or {})
             self._shapes = ShapeGuard(example, cfg.num_microbatches)
         # A failure inside a step (say the loss raising on the last stage) becomes, on every
@@ -209,6 +216,10 @@ class ZeroPPEngine:
             real_to(module, self.device)  # the rest is allocated once sharded
         else:
             module.to(self.device)
+        if self.config.compile:  # inside the checkpoint, outside FSDP's hooks
+            cfg = self.config
+            regions = splits_backward(cfg.schedule, cfg.split_backward)
+            compile_blocks(module, blocks, regions=regions)
         if self.config.recomputes(stage_id):
             apply_activation_checkpointing(module, blocks)
         shard_stage(module, blocks, self.dims.dp_mesh, self.config, self._plus)
@@ -228,11 +239,20 @@ class ZeroPPEngine:
         return loss
 
     def train_step_deferred(
-        self, *args: Any, target: torch.Tensor | None = None, **kwargs: Any
+        self,
+        *args: Any,
+        target: torch.Tensor | None = None,
+        skip: bool = False,
+        **kwargs: Any,
     ) -> tuple[torch.Tensor, StepGrads]:
         """`train_step` whose gradients are held, not added to `.grad`: the front applies them
-        times the scale its loop gives the loss (`StepGrads.apply`), or discards them."""
-        schedule = self._schedule_for("train", args, kwargs, target)
+        times the scale its loop gives the loss (`StepGrads.apply`), or discards them.
+
+        `skip=True` (no batch given): this rank skips the step; so does every rank, which then
+        gets a zero loss and no gradient (a data-parallel peer may have skipped instead)."""
+        schedule = self._schedule_for("train", args, kwargs, target, skip)
+        if schedule is None:
+            return torch.zeros((), device=self.device), StepGrads(())
         earlier = StepGrads(self.parameters())  # the runtime divides every .grad present
         losses: list[torch.Tensor] = []
         inputs, kw = self._stage_inputs(args, kwargs)
@@ -250,6 +270,7 @@ class ZeroPPEngine:
         ):
             schedule.step(*inputs, target=target, losses=losses, return_outputs=False, **kw)
             # This step's gradients only: `earlier` holds earlier accumulation steps' ones.
+            average_whole_grads(self.parameters(), self.dims.dp_groups, self.dims.dp_size)
             self._tied.sum_grads()
             loss = self._broadcast_loss(losses)
         if self.nonfinite.check(loss):  # the same loss on every rank: all skip, or all raise
@@ -265,25 +286,37 @@ class ZeroPPEngine:
 
     @torch.no_grad()
     def eval_step(
-        self, *args: Any, target: torch.Tensor | None = None, **kwargs: Any
+        self,
+        *args: Any,
+        target: torch.Tensor | None = None,
+        skip: bool = False,
+        **kwargs: Any,
     ) -> torch.Tensor | None:
         """Forward only; returns the mean loss on every rank when `target` is given.
 
         Any number of rows: the batch runs in as many equal micro-batches as divide it (at most
-        `num_microbatches`), so the mean of micro-batch means is the batch mean.
+        `num_microbatches`), so the mean of micro-batch means is the batch mean. `skip`: as in
+        `train_step_deferred` (returns None).
         """
-        schedule = self._schedule_for("eval", args, kwargs, target)
+        schedule = self._schedule_for("eval", args, kwargs, target, skip)
+        if schedule is None:
+            return None
         losses: list[torch.Tensor] = []
         inputs, kw = self._stage_inputs(args, kwargs)
         with self.failures.guard():
             schedule.evaluate(*inputs, target=target, losses=losses, **kw)
             return self._broadcast_loss(losses) if target is not None else None
 
+    def counted_parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters without the copies of tied weights that a whole-model sum (a
+        norm) must not count again."""
+        return self._tied.counted(self.parameters())
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the norm over every stage and shard of the model; returns that norm."""
         with self.failures.guard():
             params = self.parameters()
-            counted = self._tied.counted(self.parameters())  # tied copies count once
+            counted = self.counted_parameters()  # tied copies count once
             return clip_grad_norm_(params, max_norm, self.dims.pp_group, norm_type, counted)
 
     def comm_metrics(self, prefix: str = "comm") -> dict[str, float]:
@@ -350,7 +383,9 @@ class ZeroPPEngine:
             return (), self._call_inputs.flatten(args, kwargs)
         return (args, kwargs) if self.holds_first else ((), {})
 
-    def _schedule_for(self, mode: str, args: Any, kwargs: Any, target: Any) -> Any:
+    def _schedule_for(
+        self, mode: str, args: Any, kwargs: Any, target: Any, skip: bool = False
+    ) -> Any:
         """The schedule for this batch's shapes, after the batch checks. Built on first use;
         the least recently used one goes.
 
@@ -359,32 +394,38 @@ class ZeroPPEngine:
         data-parallel ranks read different batches (padded to different lengths), and a rank
         that found its shapes cached would skip the gathers the others wait on. One small
         all-reduce per step decides it, and stops every rank when one rank's batch fails its
-        checks (`agree_on_step`).
+        checks (`agree_on_step`). None when the step is skipped (on every rank).
         """
-        problem, microbatches = None, 0
-        try:  # this rank's own checks, before any communication
-            rows = self._check_batch(mode, args, kwargs, target)
-            assert self.config.num_microbatches is not None
-            microbatches = self.config.num_microbatches
-            if mode == "train":
-                check_divisible(rows, microbatches)
-            else:
-                microbatches = eval_microbatches(rows, microbatches)
-        except ValueError as err:
-            problem = err
-        key = (mode, microbatches, shape_key((args, kwargs, target)))
-        entry = self._schedules.pop(key, None)
+        problem, microbatches, key, popped = None, 0, None, None
+        if not skip:
+            try:  # this rank's own checks, before any communication
+                rows = self._check_batch(mode, args, kwargs, target)
+                microbatches = self.config.num_microbatches
+                if mode == "train":
+                    check_divisible(rows, microbatches)
+                else:
+                    microbatches = eval_microbatches(rows, microbatches)
+            except ValueError as err:
+                problem = err
+            key = (mode, microbatches, shape_key((args, kwargs, target)))
+            popped = self._schedules.pop(key, None)
+        entry, skipped = popped, skip
         if self.config.dp_size > 1:
-            cached = agree_on_step(
+            cached, skipped = agree_on_step(
                 entry is not None,
                 problem,
                 self.failures.description,
                 self.device,
                 self.failures.guard,
+                skip,
             )
             entry = entry if cached else None
         elif problem is not None:  # every rank has this batch: each raises this itself
             raise problem
+        if skipped:
+            if popped is not None:
+                self._schedules[key] = popped
+            return None
         if entry is None:
             if len(self._schedules) >= _MAX_SCHEDULES:
                 self._schedules.pop(next(iter(self._schedules)))

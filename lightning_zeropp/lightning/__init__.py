@@ -1,5 +1,9 @@
-"""The Lightning front: `Trainer(strategy="zeropp")` or `Trainer(strategy=ZeroPPStrategy(...))`."""
+"""The Lightning front: `Trainer(strategy="zeropp")` or `Trainer(strategy=ZeroPPStrategy(...))`;
+`grad_norm`, Lightning's `grad_norm` over the whole pipelined model."""
 
-from lightning_zeropp.lightning.strategy import ZeroPPPrecision, ZeroPPStrategy
+# The strategy module first: importing Lightning runs the hook that imports it (see
+# `lightning_zeropp/__init__.py`), which must find it already on its way.
+from lightning_zeropp.lightning.strategy import ZeroPPPrecision, ZeroPPStrategy  # isort: skip
+from lightning_zeropp.lightning.hooks import grad_norm
 
-__all__ = ["ZeroPPPrecision", "ZeroPPStrategy"]
+__all__ = ["ZeroPPPrecision", "ZeroPPStrategy", "grad_norm"]

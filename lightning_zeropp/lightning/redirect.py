@@ -1,15 +1,16 @@
-"""How a user's step reaches the pipelined network: a stand-in for it, and the first batch.
+"""How a user's step reaches the pipelined network: stand-ins for it and its parts, the first
+batch, and a step at setup that leaves no trace.
 
-While the user's `training_step` (or forward) runs, the LightningModule's pipelined child (e.g.
-`self.model`) is replaced by a `StandIn`. Everything else runs as written: the module's own
-`forward` around `self.model(...)`, the loss, the logging. The stand-in either captures the call's
-arguments (the pipeline's inputs) or returns the pipeline's output for the micro-batch. What it
-cannot honour (a second call in one micro-batch, a call of one of the network's submodules) is an
-error naming the fix, never a silently different number.
+While the user's `training_step` runs, the network call (`self.model(...)`, or `self(...)` when
+the LightningModule's own forward is the network) reaches the pipeline (`lightning.steps`).
+Everything else runs as written. What a stand-in cannot honour (a call of one of the network's
+submodules, a read of one of its parameters outside the network) is an error naming the fix,
+never a silently different number.
 """
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,33 +21,24 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
-__all__ = ["Captured", "StandIn", "first_batch"]
-
-
-class Captured(Exception):
-    """Raised by the stand-in when capturing: hands back the network call's arguments."""
-
-    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        super().__init__()
-        self.args, self.kwargs = args, kwargs
+__all__ = [
+    "Elsewhere",
+    "ElsewhereTensor",
+    "StandIn",
+    "attributes_kept",
+    "first_batch",
+    "rng_kept",
+]
 
 
 class StandIn(nn.Module):
-    """Stands in for the pipelined network while a user step runs: calls `fn`, at most once."""
+    """Stands in for the pipelined child (`self.model`) while a user step runs: calls `fn`."""
 
     def __init__(self, fn: Callable[..., Any], attr: str) -> None:
         super().__init__()
-        self.fn, self.attr, self.calls = fn, attr, 0
+        self.fn, self.attr = fn, attr
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls += 1
-        if self.calls > 1:
-            raise ValueError(
-                f"the step called self.{self.attr} more than once for one batch. Under "
-                "ZeroPPStrategy the pipeline runs the network once per micro-batch and the step "
-                f"receives that output; call self.{self.attr} (or self) once per step, or put "
-                "both calls inside the network's own forward."
-            )
         return self.fn(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -59,6 +51,95 @@ class StandIn(nn.Module):
                 f"Call self.{self.attr}(...) itself, or pass module_name=... naming the part to "
                 "pipeline, with the rest outside it."
             ) from None
+
+
+def _outside_forward(owner: str, name: str) -> str:
+    return (
+        f"the step uses self.{name} outside {owner}.forward: under ZeroPPStrategy the "
+        f"LightningModule's forward is the pipelined network, split into stages across ranks, "
+        f"and only it runs the modules and parameters it is built from (self.{name} among "
+        f"them). Use self.{name} inside forward and call self(...) in the step."
+    )
+
+
+class Elsewhere(nn.Module):
+    """Stands in for a part of a pipelined LightningModule's own network (a child with
+    parameters) while a step runs: the step may reach it only through `self(...)`."""
+
+    def __init__(self, owner: str, name: str) -> None:
+        super().__init__()
+        object.__setattr__(self, "_message", _outside_forward(owner, name))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise ValueError(self._message)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            return super().__getattr__(name)
+        raise ValueError(self.__dict__["_message"])
+
+
+class ElsewhereTensor(torch.Tensor):
+    """Stands in for a parameter of a pipelined LightningModule's own network while a step
+    runs: any use of it says that only forward may use it."""
+
+    @staticmethod
+    def make(owner: str, name: str) -> ElsewhereTensor:
+        guard = torch.Tensor._make_subclass(ElsewhereTensor, torch.empty(0))
+        guard._message = _outside_forward(owner, name)
+        return guard
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        leaves = [*args, *(kwargs or {}).values()]
+        guard = next(x for x in leaves if isinstance(x, ElsewhereTensor))
+        raise ValueError(guard._message)
+
+
+@contextmanager
+def attributes_kept(module: nn.Module) -> Iterator[None]:
+    """Undo what code inside does to `module`'s own plain attributes (a counter, a list of seen
+    lengths, a tensor updated in place): the step run at setup to learn the input shapes is not
+    a training step. Objects that cannot be copied are put back but not restored inside."""
+    internal = set(nn.Module().__dict__)
+    saved = {
+        key: (value, _contents(value))
+        for key, value in vars(module).items()
+        if key not in internal and not isinstance(value, nn.Module)
+    }
+    try:
+        yield
+    finally:
+        for key in [k for k, v in vars(module).items() if k not in internal | set(saved)]:
+            if not isinstance(module.__dict__[key], nn.Module):
+                del module.__dict__[key]
+        for key, (value, contents) in saved.items():
+            _restore(value, contents)
+            module.__dict__[key] = value
+
+
+def _contents(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (list, dict, set)):
+        try:
+            return copy.deepcopy(value)
+        except Exception:  # noqa: BLE001 - not restorable: kept as it is
+            return None
+    return None
+
+
+@torch.no_grad()
+def _restore(value: Any, contents: Any) -> None:
+    if contents is None:
+        return
+    if isinstance(value, torch.Tensor):
+        value.copy_(contents)
+    elif isinstance(value, list):
+        value[:] = contents
+    else:
+        value.clear()
+        value.update(contents)
 
 
 def first_batch(trainer: pl.Trainer) -> Any:
@@ -75,7 +156,7 @@ def first_batch(trainer: pl.Trainer) -> Any:
         TrainerFn.PREDICTING: (trainer.predict_loop, "predict_dataloaders"),
     }
     loop, attr = loops[fn]
-    with _rng_kept():
+    with rng_kept():
         loop.setup_data()
         loader = getattr(trainer, attr)
         if isinstance(loader, (list, tuple)):
@@ -94,7 +175,7 @@ def first_batch(trainer: pl.Trainer) -> Any:
 
 
 @contextmanager
-def _rng_kept() -> Iterator[None]:
+def rng_kept() -> Iterator[None]:
     state = random.getstate()
     try:
         import numpy as np

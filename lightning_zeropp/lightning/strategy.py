@@ -1,16 +1,19 @@
 """`ZeroPPStrategy`: Lightning's words translated to the core, in one place.
 
 How an unmodified LightningModule trains under a pipeline:
-- at setup, the module's network (its single child holding all parameters, e.g. `self.model`, or
-  the child named by `module_name`) is split, sharded and replaced by this rank's stages;
-- `training_step` (the strategy's) runs the whole pipeline schedule for the batch. On the last
-  stage the user's own `training_step` is the loss function: it receives each micro-batch, and
-  `self(x)` / `self.model(x)` inside it return the pipeline's output for that micro-batch. On the
-  first stage the model inputs are found by running `training_step` until it calls the model;
+- at setup, the module's network (its one child holding every trainable parameter, e.g.
+  `self.model`, or else the module itself through its own `forward`: `lightning.network`) is
+  split, sharded and replaced by this rank's stages (`lightning.build`);
+- `training_step` (the strategy's) runs the user's step once per micro-batch, on every rank, up
+  to its network call, and the pipeline schedule on the calls' inputs; on the last stage each
+  micro-batch's step goes on from its network call with the pipeline's output: the loss
+  (`lightning.steps`, `lightning.continuation`), weighted by its items when it is a mean over
+  them (`lightning.weighting`);
 - the gradients the schedule produced are set aside until Lightning's `backward`, because Lightning
   zeroes gradients between `training_step` and `backward`;
-- what the user logs per micro-batch is averaged, sent from the last stage to every stage, and
-  logged on every rank, so rank 0's loggers and `sync_dist=True` see the real values.
+- what the user logs per micro-batch is combined, sent from the last stage to every stage, and
+  logged on every rank, so rank 0's loggers and `sync_dist=True` see the real values
+  (`lightning.logging`).
 """
 
 from __future__ import annotations
@@ -31,61 +34,37 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_zeropp.core.engine import ZeroPPEngine
-from lightning_zeropp.core.measure.layout import describe_layout
 from lightning_zeropp.core.mesh import ParallelDims, build_mesh
-from lightning_zeropp.core.settings import env
-from lightning_zeropp.core.split.call_adapter import CallAdapter, get_call_adapter
-from lightning_zeropp.core.split.call_plan import meta_copy
+from lightning_zeropp.core.settings.config import ZeroPPConfig, ZeroPPLayout
+from lightning_zeropp.core.settings.merge import merge_settings, takes_settings
 from lightning_zeropp.core.split.methods import SplitMethod, check_split
 from lightning_zeropp.core.step.grads import StepGrads
 from lightning_zeropp.core.weights import checkpoint as ckpt
 from lightning_zeropp.core.weights import commit, export
 from lightning_zeropp.core.weights.async_checkpoint import AsyncCheckpointer
 from lightning_zeropp.core.weights.materialize import InitFn, empty_parameters
-from lightning_zeropp.lightning import checkpointing, network, resume, settings
+from lightning_zeropp.lightning import checkpointing, hooks, resume, settings
+from lightning_zeropp.lightning.build import build_engine
+from lightning_zeropp.lightning.precision import ZeroPPPrecision
 from lightning_zeropp.lightning.steps import StepRunner
-from lightning_zeropp.models.hf_loss import (
-    TokenCountAdapter,
-    accepts_num_items,
-    disable_kv_cache,
-    is_causal_lm,
-)
+from lightning_zeropp.lightning.weighting import UNWEIGHTED, GlobalTokenCount
 
 __all__ = ["ZeroPPStrategy"]
-
-
-class ZeroPPPrecision(Precision):
-    """fp32 Lightning precision whose backward releases the pipeline's gradients and whose norm
-    clipping uses the global norm over all stages and shards (mixed precision is FSDP2's job:
-    `ZeroPPStrategy(param_dtype="bf16")`)."""
-
-    def __init__(self, strategy: ZeroPPStrategy) -> None:
-        super().__init__()
-        self._strategy = strategy
-
-    @override
-    def backward(self, tensor: torch.Tensor, model: pl.LightningModule, *args: Any, **kwargs: Any):
-        self._strategy._release_gradients()
-
-    @override
-    def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-        self._strategy.engine.clip_grad_norm_(clip_val)
 
 
 class ZeroPPStrategy(ModelParallelStrategy):
     """Pipeline parallelism over FSDP2 for an unmodified LightningModule.
 
-    Args mirror `ZeroPPConfig` (pp_size, dp_shard_size, dp_replicate_size, num_microbatches,
-    schedule, num_chunks, param_dtype, reduce_dtype, activation_checkpointing,
-    reshard_after_forward, split_points, unit_size, split_backward, grad_reduce, nonfinite, and
-    ZeRO++'s quantized_weights, hpz_partition_size, quantized_gradients, gradient_error_feedback,
-    quant_block_size, cpu_offload, node_size: `core.settings.plus`). One
-    left out (None) takes its `ZEROPP_*` variable when set, else `ZeroPPConfig`'s default; one
-    given wins over its variable, as with Accelerate's `ZeroPPPlugin`. Plus:
+    Settings (keyword arguments) are `ZeroPPConfig`'s fields: `pp_size`, `dp_shard_size`,
+    `dp_replicate_size`, `num_microbatches`, `schedule`, `num_chunks`, `param_dtype`, ... (see
+    `ZeroPPConfig` and the README's settings list). One left out (None) takes its `ZEROPP_*`
+    variable when set, else `ZeroPPConfig`'s default; one given wins over its variable, as in
+    every front (`core.settings.merge`); a misspelt one is a `TypeError` naming the closest. Plus:
         split: "auto" (default: "call" unless the model names another), "call" (the network's
             own forward cut at its block calls; input shapes are read from the first batch, or
             from `example_input_array` if set), "trace" (torch.export; one micro-batch of fixed
-            shape), "stack", or a callable (see `lightning_zeropp.core.split`).
+            shape), "stack", or a callable (see `lightning_zeropp.core.split`). Left out:
+            `ZEROPP_SPLIT`, else "auto".
         module_name: the LightningModule attribute to pipeline (default: its only child module
             that holds parameters).
         timeout: for every process group.
@@ -99,7 +78,8 @@ class ZeroPPStrategy(ModelParallelStrategy):
             takes either (see `lightning_zeropp.lightning.checkpointing`).
         async_save: save sharded checkpoints in the background: the step waits only for a copy
             of the state in host memory, and the checkpoint is published under its name when
-            every rank has written it (`core.weights.async_checkpoint`); a save waits for the last one.
+            every rank has written it (`core.weights.async_checkpoint`); a save waits for the
+            last one.
         load_from: weights to start from, read by each rank for its own shards only: a
             distributed checkpoint (any layout) or safetensors (a file, or an HF model
             directory). With a network built in `configure_model` (or under
@@ -116,32 +96,11 @@ class ZeroPPStrategy(ModelParallelStrategy):
 
     strategy_name = "zeropp"
 
+    @takes_settings
     def __init__(
         self,
         *,
-        pp_size: int | None = None,
-        dp_shard_size: int | None = None,
-        dp_replicate_size: int | None = None,
-        num_microbatches: int | None = None,
-        schedule: str | None = None,
-        num_chunks: int | None = None,
-        param_dtype: str | torch.dtype | None = None,
-        reduce_dtype: str | torch.dtype | None = None,
-        activation_checkpointing: bool | str | None = None,
-        reshard_after_forward: bool | None = None,
-        split_points: list[int] | None = None,
-        unit_size: int | None = None,
-        split_backward: bool | None = None,
-        grad_reduce: str | None = None,
-        nonfinite: str | None = None,
-        quantized_weights: str | None = None,
-        hpz_partition_size: int | None = None,
-        quantized_gradients: str | None = None,
-        gradient_error_feedback: bool | None = None,
-        quant_block_size: int | None = None,
-        cpu_offload: bool | None = None,
-        node_size: int | None = None,
-        split: SplitMethod = "auto",
+        split: SplitMethod | None = None,
         module_name: str | None = None,
         timeout: datetime.timedelta = datetime.timedelta(minutes=30),
         process_group_backend: str | None = None,
@@ -150,7 +109,16 @@ class ZeroPPStrategy(ModelParallelStrategy):
         async_save: bool = False,
         load_from: str | Path | None = None,
         init: InitFn | None = None,
+        **settings: Any,
     ) -> None:
+        if split is not None:
+            check_split(split)
+        # One path for every front: these arguments over the ZEROPP_* variables; the layout is
+        # resolved at setup, when the world size is known.
+        self._settings = merge_settings(settings, split=split, owner="ZeroPPStrategy")
+        self.zeropp_config: ZeroPPConfig | ZeroPPLayout = self._settings.config
+        self._split = self._settings.split
+        check_split(self._split)
         self._state_dict_type = checkpointing.check_state_dict_type(state_dict_type)
         if async_save and state_dict_type != "sharded":
             raise ValueError(
@@ -163,40 +131,15 @@ class ZeroPPStrategy(ModelParallelStrategy):
             timeout=timeout,
             process_group_backend=process_group_backend,
         )
-        self.zeropp_config, self._from_env = settings.config_from_arguments(
-            pp_size=pp_size,
-            dp_shard_size=dp_shard_size,
-            dp_replicate_size=dp_replicate_size,
-            num_microbatches=num_microbatches,
-            schedule=schedule,
-            num_chunks=num_chunks,
-            param_dtype=param_dtype,
-            reduce_dtype=reduce_dtype,
-            activation_checkpointing=activation_checkpointing,
-            reshard_after_forward=reshard_after_forward,
-            split_points=split_points,
-            unit_size=unit_size,
-            split_backward=split_backward,
-            grad_reduce=grad_reduce,
-            nonfinite=nonfinite,
-            quantized_weights=quantized_weights,
-            hpz_partition_size=hpz_partition_size,
-            quantized_gradients=quantized_gradients,
-            gradient_error_feedback=gradient_error_feedback,
-            quant_block_size=quant_block_size,
-            cpu_offload=cpu_offload,
-            node_size=node_size,
-        )
         self._log_comms = log_comms
         self._load_from, self._init = load_from, init
-        self._split = (env.split_from_env() or "auto") if split == "auto" else split
-        check_split(self._split)
         self._module_name = module_name
-        self._pipelined: str | None = None  # the LightningModule attribute that was pipelined
         self._dims: ParallelDims | None = None
         self._engine: ZeroPPEngine | None = None
-        self._pending: StepGrads | None = None  # the last training step's, until backward
+        # the last training step's gradients and what they are worth, until backward
+        self._pending: tuple[StepGrads, torch.Tensor | float] | None = None
         self._runner = StepRunner()
+        self._told = False  # whether rank 0 said how the loss is weighted
 
     # ---------------------------------------------------------------- properties
     @property
@@ -260,7 +203,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         # Validate on every rank before the process group exists: a bad size fails everywhere.
         world_size = self.num_nodes * self.num_processes
-        self.zeropp_config = settings.resolve_config(self.zeropp_config, world_size, self._from_env)
+        self.zeropp_config = self._settings.resolve(world_size)
         self._setup_distributed()
         if self._dims is None:  # fit then validate on one Trainer sets up twice: keep one mesh
             self._dims = build_mesh(self.zeropp_config, self.root_device.type)
@@ -279,65 +222,29 @@ class ZeroPPStrategy(ModelParallelStrategy):
                 "ZeroPPStrategy needs automatic optimization: the pipeline schedule runs forward "
                 "and backward together. Remove `self.automatic_optimization = False`."
             )
-        name = network.pipelined_name(module, self._module_name)
-        if self._engine is None or module._modules[name] is not self._engine.module:
-            self._build_engine(module, name, trainer)
+        if self._engine is None or not self._runner.network.installed(self._engine.module):
+            assert self._dims is not None
+            self._engine = build_engine(
+                self._runner,
+                module,
+                trainer,
+                self.zeropp_config,
+                self._dims,
+                split=self._split,
+                module_name=self._module_name,
+                device=self.root_device,
+                count_comms=self._log_comms,
+                init=self._init,
+                load_from=self._load_from,
+                to_device=self.batch_to_device,
+            )
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self.engine.report_memory_after_first_update(self.optimizers, rank_zero_info)
+        hooks.count_pipelines(trainer, self.engine.dims.dp_size)
         self.setup_precision_plugin()
-
-    def _build_engine(self, module: pl.LightningModule, name: str, trainer: pl.Trainer) -> None:
-        """Split, shard and schedule the module's network; put this rank's stages in its place."""
-        # How the user's calls of the network map to stage inputs and outputs (e.g. HF's `labels=`
-        # and `.logits`); read now, since the stages that replace the network do not carry it.
-        runner = self._runner
-        runner.module, runner.attr = module, name
-        net = getattr(module, name)
-        runner.adapter = get_call_adapter(net)
-        if type(runner.adapter) is CallAdapter and accepts_num_items(net):
-            # A plain HF model: padded batches' losses are token means, as in one process.
-            runner.adapter = TokenCountAdapter(shift=is_causal_lm(net))
-        self._pipelined = name
-        disable_kv_cache(net)  # plain HF models: a stage returns tensors only
-        example_args, example_kwargs = self._example(module, trainer)
-        whole = meta_copy(net)  # before sharding: a single stage is sharded in place
-        self._engine = ZeroPPEngine(
-            net,
-            self.zeropp_config,
-            loss_fn=runner.scheduled_loss,
-            probe_loss_fn=runner.probe_loss,
-            split=self._split,
-            example_args=example_args,
-            example_kwargs=example_kwargs,
-            device=self.root_device,
-            dims=self._dims,
-            count_comms=self._log_comms,
-            init=self._init,
-            load_from=self._load_from,
-        )
-        module._modules[name] = self._engine.module
-        runner.engine = self._engine
-        rank_zero_info(describe_layout(self._engine))  # collective: every rank builds the text
-        rank_zero_info(self._engine.memory_report(title="at setup"))  # collective too
-        network.summarize_whole_model(trainer, name, whole)
-        # The example served the split. Lightning's model summary would feed it to this rank's
-        # stages as if they were the whole model, so it goes.
-        module.example_input_array = None
-
-    def _example(
-        self, module: pl.LightningModule, trainer: pl.Trainer
-    ) -> tuple[tuple[Any, ...] | None, dict[str, Any] | None]:
-        """One micro-batch of the network's inputs, for the splits that need one."""
-        cfg = self.zeropp_config
-        if callable(self._split) or self._split == "stack" or cfg.num_stages == 1:
-            return None, None
-        assert cfg.num_microbatches is not None
-        return network.example_microbatch(
-            module, trainer, self._runner, cfg.num_microbatches, self.batch_to_device
-        )
 
     # ---------------------------------------------------------------- steps
     @override
@@ -351,10 +258,22 @@ class ZeroPPStrategy(ModelParallelStrategy):
         if outcome.skipped:  # the step returned None: no gradient from this batch, anywhere
             outcome.grads.discard()
         else:
-            self._pending = outcome.grads
+            self._pending = (outcome.grads, outcome.grad_scale)
+        self._tell_weighting()
         if self._log_comms:
             self.lightning_module.log_dict(self.engine.comm_metrics(), on_step=True, on_epoch=False)
-        return outcome.loss.detach().requires_grad_(True)
+        loss = outcome.loss.detach().requires_grad_(True)
+        return {"loss": loss, **outcome.extras} if outcome.extras else loss
+
+    def _tell_weighting(self) -> None:
+        """Once, on rank 0: a loss the library cannot weight by its items is averaged as given."""
+        runner, cfg = self._runner, self.zeropp_config
+        if self._told or runner.weighted is not False:
+            return
+        self._told = True
+        several = cfg.num_microbatches > 1 or self.engine.dims.dp_size > 1
+        if several and not isinstance(runner.adapter, GlobalTokenCount):
+            rank_zero_info(UNWEIGHTED.format(micro=cfg.num_microbatches))
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -376,7 +295,8 @@ class ZeroPPStrategy(ModelParallelStrategy):
     def _release_gradients(self) -> None:
         assert self.lightning_module is not None
         if self._pending is not None:  # Lightning's mean over accumulate_grad_batches batches
-            self._pending.apply(1.0 / self.lightning_module.trainer.accumulate_grad_batches)
+            grads, scale = self._pending
+            grads.apply(scale / self.lightning_module.trainer.accumulate_grad_batches)
             self._pending = None
 
     # ---------------------------------------------------------------- checkpoints

@@ -173,6 +173,33 @@ class _TwoNetworks(LitGPT):
         self.critic = nn.Linear(4, 4)  # a second child with parameters: which to pipeline?
 
 
+class _ReadsAPartOutsideForward(LitGPT):
+    """Its own parameter makes its forward the network; its step reads it outside forward."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.temperature = nn.Parameter(torch.ones(1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        t = self.temperature.clamp(min=0.1)
+        return torch.nn.functional.cross_entropy((self(x) / t).flatten(0, 1), y.flatten())
+
+
+class _LayersWithoutForward(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Embedding(MODEL.vocab_size, 4), nn.Linear(4, 4))
+        self.head = nn.Linear(4, MODEL.vocab_size)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return lm_loss(self.head(self.encoder(x)), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
 class _StepCallsASubmodule(LitGPT):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self.model.tok_emb(batch[0]).mean()  # a piece of the split network
@@ -271,7 +298,13 @@ ATTEMPTS = {
     "lightning_mixed_precision": _mixed_precision_trainer,
     # Lightning: modules
     "lightning_manual_optimization": lambda: _fit(ZeroPPStrategy(), _ManualOptimization(MODEL)),
-    "lightning_two_networks": lambda: _fit(ZeroPPStrategy(), _TwoNetworks(MODEL)),
+    "lightning_two_networks": lambda: _fit(
+        ZeroPPStrategy(module_name="model"), _TwoNetworks(MODEL)
+    ),
+    "lightning_part_outside_forward": lambda: _fit(
+        ZeroPPStrategy(pp_size=2), _ReadsAPartOutsideForward(MODEL)
+    ),
+    "lightning_layers_without_forward": lambda: _fit(ZeroPPStrategy(), _LayersWithoutForward()),
     "lightning_step_calls_a_submodule": lambda: _fit(ZeroPPStrategy(), _StepCallsASubmodule(MODEL)),
     # Lightning: data
     "lightning_indivisible_batch": _lightning_indivisible_batch,

@@ -3,11 +3,13 @@ batches through `ZeroPPStrategy` and in one process."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Subset
 
 from lightning_zeropp.lightning import ZeroPPStrategy
 from tests.distributed.clm_loop import Args, Texts, build_model, collate
@@ -58,3 +60,53 @@ def run(family: str, strategy: dict[str, Any] | None, devices: int) -> dict[str,
     else:
         params = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
     return {"losses": module.losses, "params": params}
+
+
+class OwnLoss(CausalLM):
+    """The same model with the loss written by hand, as many users write it: the logits, then
+    cross-entropy over the real (unpadded) next tokens."""
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        logits = self.model(batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        targets = batch["labels"][:, 1:]
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), targets.flatten())
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+
+class SyncedCausalLM(CausalLM):
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        outputs = self.model(**batch)
+        self.log("train_loss", outputs.loss, sync_dist=True)
+        return outputs.loss
+
+
+DP_ROWS, DP_BATCH, DP_STEPS = 24, 8, 3
+
+
+def data_parallel(cases: list[dict[str, Any]]) -> dict[str, Any]:
+    """pp 2 x dp_shard 2, 4 micro-batches of 1 row per data-parallel rank: each rank reads its
+    half of every global batch of 8 padded rows (rows 8k + d, 8k + d + 2, ...)."""
+    out = {}
+    world = int(os.environ["WORLD_SIZE"])
+    dp_rank = int(os.environ["RANK"]) % 2  # pp-major: ranks 0, 1 hold stage 0
+    for case in cases:
+        torch.manual_seed(0)
+        module = (OwnLoss if case["loss"] == "own" else SyncedCausalLM)("llama")
+        rows = Subset(Texts(DP_ROWS, 1), list(range(dp_rank, DP_ROWS, 2)))
+        loader = DataLoader(rows, batch_size=DP_BATCH // 2, collate_fn=collate)
+        strategy = ZeroPPStrategy(pp_size=2, dp_shard_size=2, num_microbatches=4)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=world,
+            strategy=strategy,
+            max_steps=DP_STEPS,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,  # each rank's rows are chosen above
+        )
+        trainer.fit(module, loader)
+        out[case["loss"]] = {"losses": module.losses, "params": trainer.strategy.full_state_dict()}
+    return out

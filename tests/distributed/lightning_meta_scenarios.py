@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_zeropp import ZeroPPStrategy
 from lightning_zeropp.models import GPT
 from tests.distributed.common import GLOBAL_BATCH, MODEL, make_batches
-from tests.distributed.meta_scenarios import INIT_SEED, llama_config
+from tests.distributed.meta_scenarios import INIT_SEED, NanoGPT, llama_config
 
 _WORLD_SIZE = int(os.environ["WORLD_SIZE"])
 
@@ -42,6 +42,12 @@ class LazyGPT(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.1)
+
+
+class LazyNano(LazyGPT):
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = NanoGPT()
 
 
 class HFCausalLM(pl.LightningModule):
@@ -92,6 +98,8 @@ def _fit(module: str, layout: dict[str, Any], load_from: str | None = None) -> d
     )
     if module == "gpt":
         lit = LazyGPT()
+    elif module == "nano":
+        lit = LazyNano()
     else:
         with trainer.init_module(empty_init=True):
             lit = HFCausalLM()

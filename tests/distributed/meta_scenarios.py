@@ -3,6 +3,7 @@ each rank for its own shards only; trained as the parity scenarios train."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
 from lightning_zeropp.core.weights.checkpoint import save_checkpoint
 from lightning_zeropp.core.weights.materialize import empty_parameters, init_weights
 from lightning_zeropp.models import GPT
+from lightning_zeropp.models.gpt import Block
 from tests.distributed.common import (
     GLOBAL_BATCH,
     MODEL,
@@ -117,10 +119,10 @@ def llama(seed: int) -> nn.Module:
     return AutoModelForCausalLM.from_config(llama_config())
 
 
-def gpt_init() -> nn.Module:
-    model = GPT(MODEL)
-    init_weights(model, seed=INIT_SEED)
-    return model
+def gpt_eager() -> nn.Module:
+    """What one built under `empty_parameters()` gets: its constructor's init, as eagerly."""
+    torch.manual_seed(INIT_SEED)
+    return GPT(MODEL)
 
 
 def llama_init() -> nn.Module:
@@ -150,3 +152,45 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 
 def _full(p: torch.Tensor) -> torch.Tensor:
     return (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT's way: the init lives in the constructor (`self.apply(self._init_weights)`,
+    normal(0, 0.02) weights, scaled residual projections, zeroed attention projections), and the
+    head is tied to the embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_emb = nn.Embedding(MODEL.vocab_size, MODEL.dim)
+        self.pos_emb = nn.Embedding(MODEL.seq_len, MODEL.dim)
+        self.blocks = nn.ModuleList(Block(MODEL) for _ in range(4))
+        self.ln_f = nn.LayerNorm(MODEL.dim)
+        self.head = nn.Linear(MODEL.dim, MODEL.vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("mlp.2.weight"):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * len(self.blocks)))
+            if name.endswith("attn.proj.weight"):
+                torch.nn.init.zeros_(p)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def nano_eager() -> nn.Module:
+    """One process's nanoGPT: built eagerly from the seed every rank sets (init included)."""
+    torch.manual_seed(INIT_SEED)
+    return NanoGPT()

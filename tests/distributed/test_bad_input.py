@@ -40,7 +40,9 @@ EXPECTED = {
     "lightning_mixed_precision": "keep the Trainer's precision at '32-true' and pass ZeroPPStrategy(param_dtype='bf16')",
     # Lightning: modules
     "lightning_manual_optimization": "ZeroPPStrategy needs automatic optimization",
-    "lightning_two_networks": "_TwoNetworks has 2 child modules with parameters (['model', 'critic']); ZeroPPStrategy pipelines one. Pass module_name=",
+    "lightning_two_networks": "module_name='model' leaves trainable parameters of _TwoNetworks outside the pipeline (critic.weight, critic.bias): only the pipelined network is trained",
+    "lightning_part_outside_forward": "the step uses self.temperature outside _ReadsAPartOutsideForward.forward",
+    "lightning_layers_without_forward": "_LayersWithoutForward trains parameters outside one child module (['encoder', 'head']); ZeroPPStrategy then pipelines the module's own forward, which it does not define",
     "lightning_step_calls_a_submodule": "self.model.tok_emb is not reachable inside a step under ZeroPPStrategy",
     # Lightning: data
     "lightning_indivisible_batch": "a batch of 3 rows does not split into num_microbatches=2",
@@ -50,7 +52,7 @@ EXPECTED = {
     "lightning_ckpt_of_another_size": "has `model.tok_emb.weight` [64, 16], the model [64, 32] (and 45 more): it was saved from another model",
     "lightning_full_ckpt_of_another_depth": "the checkpoint does not fit this model: 22 missing (model.blocks.6.",
     "lightning_ckpt_not_from_lightning": "weights.pt is not a Lightning checkpoint: it has no 'state_dict'",
-    "lightning_ckpt_missing": "never-saved.ckpt is not a ZeroPP checkpoint directory (no meta.pt)",
+    "lightning_ckpt_missing": "never-saved.ckpt does not exist: there is nothing to load",
     # Accelerate
     "accelerate_env_typo": "unknown environment variable ZEROPP_SCHEDUEL='gpipe'; did you mean ZEROPP_SCHEDULE?",
     "accelerate_env_bad_dtype": "param_dtype='fp8' is not a known dtype; use one of ['16', '32', 'bf16', 'bfloat16', 'float16', 'float32', 'fp16', 'fp32']. (settings from the environment: ZEROPP_PARAM_DTYPE=fp8 (param_dtype)",

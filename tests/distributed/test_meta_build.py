@@ -4,8 +4,10 @@ its shards.
 One 4-rank launch (pp 2 x dp_shard 2 unless said): the bundled GPT and a plain tied HF Llama,
 under 1F1B and the ZeroPP schedule, materialized by their own init or loaded from safetensors
 or from a distributed checkpoint of another layout. Each case is checked twice: its weights
-right after the build equal an independent whole-model source exactly (the file's tensors, or
-one process running `init_weights`), and 3 AdamW steps match one process within 1e-5.
+right after the build equal an independent whole-model source exactly (the file's tensors, one
+process building the model eagerly from the same seed for a model built under
+`empty_parameters()`, or one process running `init_weights` for one built under
+`torch.device("meta")`), and 3 AdamW steps match one process within 1e-5.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from tests.distributed.common import make_model, reference
 from tests.distributed.conftest import assert_matches_reference, merged_params
 from tests.distributed.launch import launch
-from tests.distributed.meta_scenarios import gpt_init, hf_loss, llama, llama_init
+from tests.distributed.meta_scenarios import gpt_eager, hf_loss, llama, llama_init
 
 pytestmark = pytest.mark.distributed
 
@@ -29,14 +31,15 @@ ZEROPP = {**PP2, "schedule": "zeropp", "num_chunks": 2, "unit_size": 2}
 
 # (case, whole model whose weights it must start from, its loss for the reference)
 CASES: list[tuple[dict[str, Any], Any, Any]] = [
+    # built under empty_parameters(): the init its constructor applies, replayed on the shards
     ({"id": "gpt-init-1f1b", "model": "gpt", "how": "empty", "layout": PP2, "save_dcp": True},
-     gpt_init, None),
+     gpt_eager, None),
     ({"id": "gpt-safetensors-zeropp", "model": "gpt", "how": "empty", "layout": ZEROPP,
       "load_from": "gpt.safetensors"}, make_model, None),
     # the checkpoint the first case wrote under pp 2 x dp 2, read by pp 1 x dp_shard 4
     ({"id": "gpt-dcp-dp4", "model": "gpt", "how": "meta",
       "layout": {"dp_shard_size": 4, "num_microbatches": 2}, "load_from": "dcp"},
-     gpt_init, None),
+     gpt_eager, None),
     ({"id": "llama-hf-dir-1f1b", "model": "llama", "how": "empty", "layout": PP2,
       "load_from": "llama"}, lambda: llama(0), hf_loss),
     # everything on meta, rotary tables included: HF's own _init_weights recomputes them

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_zeropp import ZeroPPConfig, ZeroPPStrategy
-from lightning_zeropp.accelerate.plugin import _resolved_config
+from lightning_zeropp.accelerate.plugin import _resolved, _settings
 from lightning_zeropp.core.settings import env
 
 
@@ -68,7 +68,7 @@ def test_a_bad_policy_from_the_environment_names_the_variable(monkeypatch):
         ValueError,
         match=r"activation_checkpointing='some' is unknown.*ZEROPP_ACTIVATION_CHECKPOINTING=some",
     ):
-        _resolved_config(None, 4)
+        _resolved(_settings(None, None), 4)
 
 
 def test_lightning_refuses_a_misspelt_variable_even_when_code_sets_everything(monkeypatch):
@@ -84,7 +84,7 @@ def test_lightning_refuses_a_misspelt_variable_even_when_code_sets_everything(mo
 def test_strategy_settings_checked_at_construction():
     with pytest.raises(ValueError, match=r"split='calll' is unknown; use 'auto', 'call'"):
         ZeroPPStrategy(split="calll")
-    from lightning_zeropp.lightning.network import pipelined_name
+    from lightning_zeropp.lightning.network import Network
     from lightning_zeropp.models.lit_gpt import LitGPT
 
     with pytest.raises(ValueError, match=r"optimizer='sgdd' is unknown; use one of"):
@@ -93,7 +93,7 @@ def test_strategy_settings_checked_at_construction():
         ValueError,
         match=r"module_name='modle' is not a submodule of LitGPT, whose submodules with parameters are \['model'\]; pass",
     ):
-        pipelined_name(LitGPT(), "modle")
+        Network.of(LitGPT(), "modle")
 
 
 def test_core_step_mistakes_are_named(group):

@@ -87,7 +87,10 @@ CASES = [
         r"training_step returned a tensor of shape \(4, 8\) as its loss; return a scalar",
     ),
     (FloatLoss, r"training_step returned 1.5 \(float\) as its loss; return a scalar tensor"),
-    (CallsTheNetworkTwice, r"the step called self.model more than once for one batch"),
+    (
+        CallsTheNetworkTwice,
+        r"the step called the network \(self.model\(...\)\) more than once for one micro-batch",
+    ),
 ]
 
 

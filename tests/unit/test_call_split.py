@@ -77,6 +77,57 @@ def _demo_transformer(num_layers: int = 2) -> nn.Module:
     return Transformer(vocab_size=64, ninp=32, nhead=2, nhid=32, nlayers=num_layers, dropout=0.0)
 
 
+class BareParams(nn.Module):
+    """Parameters held by the model itself: a learned position table read before the blocks and
+    a learned logit scale (CLIP's) read after them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.pos = nn.Parameter(torch.randn(16, 32) * 0.1)
+        self.blocks = nn.ModuleList(_MLP() for _ in range(4))
+        self.head = nn.Linear(32, 64)
+        self.logit_scale = nn.Parameter(torch.tensor(0.3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x) + self.pos[: x.shape[1]]
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h) * self.logit_scale.exp()
+
+
+class ViTLike(nn.Module):
+    """ViT's shape: a class token and a position table (parameters of the model), blocks in an
+    nn.Sequential called as one module, a head reading the class token's row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch = nn.Linear(12, 32)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, 32) * 0.1)
+        self.pos_embed = nn.Parameter(torch.randn(1, 5, 32) * 0.1)
+        self.blocks = nn.Sequential(*(_MLP() for _ in range(4)))
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        x = self.patch(patches)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        return self.head(self.norm(self.blocks(x))[:, 0])
+
+
+class _MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.lin(h).tanh()
+
+
+def _patch_batches() -> list[tuple]:
+    return [(torch.randn(2, 4, 12),), (torch.randn(3, 4, 12),)]
+
+
 def _lm_batches() -> list[tuple]:
     # The example micro-batch the plan is made with, then another batch size and sequence length.
     return [(_tokens(2, 16),), (_tokens(3, 9),)]
@@ -92,6 +143,8 @@ MODELS: list[tuple[str, Callable[[], nn.Module], Callable[[], list[tuple]], tupl
     ("litgpt", _litgpt, _lm_batches, (2, 4)),
     ("demo-transformer", _demo_transformer, _seq2seq_batches, (2,)),
     ("demo-transformer-4-layers", lambda: _demo_transformer(4), _seq2seq_batches, (4,)),
+    ("bare-params", BareParams, _lm_batches, (2, 4)),
+    ("vit-like", ViTLike, _patch_batches, (2,)),
 ]
 CASES = [
     pytest.param(build, batches, n, id=f"{name}-{n}-stages")
@@ -313,6 +366,20 @@ class Closure(Toy):
         return self.head(h)
 
 
+class BareTied(Toy):
+    """One bare table as input embedding and output projection: it would need two stages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(16, D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.embedding(x, self.table)
+        for block in self.blocks:
+            h = block(h)
+        return h @ self.table.T
+
+
 OTHER_ARGS = r"the blocks' other arguments must be the same for every block"
 READS_EMB = r"block 0 reads a value computed from the output of 'emb' other than through the blocks' arguments"
 REFUSED = [
@@ -328,6 +395,10 @@ REFUSED = [
     ),
     (NormBetweenBlocks, r"module 'mid_norm' is called between or both before and after the blocks"),
     (TiedHead, r"its forward reads the parameters of 'emb' outside 'emb' \(linear\)"),
+    (
+        BareTied,
+        r"its forward reads parameter 'table' \(held outside any submodule\) before and after",
+    ),
     (BlockIndexTensor, OTHER_ARGS),
     (BlockIndexInt, OTHER_ARGS),
     (CacheAttribute, READS_EMB),
@@ -391,6 +462,18 @@ def test_outer_modules_go_where_the_forward_calls_them_not_where_they_are_regist
         assert any(n.startswith(f"{unit}.") for n, _ in stages[1].named_parameters())
         assert not any(n.startswith(f"{unit}.") for n, _ in stages[0].named_parameters())
     torch.testing.assert_close(_run(stages, inputs, args), model(*args), rtol=0, atol=1e-6)
+
+
+def test_parameters_held_by_the_model_go_with_the_stage_that_reads_them():
+    torch.manual_seed(0)
+    model = BareParams()
+    plan, _, stages = _stages(model, 2, (_tokens(2, 16),))
+    assert (plan.first_params, plan.last_params) == (("pos",), ("logit_scale",))
+    held = [{n for n, _ in s.named_parameters()} for s in stages]
+    assert "pos" in held[0] and "logit_scale" in held[1]
+    assert "pos" not in held[1] and "logit_scale" not in held[0]
+    # the other stage computes on zeros it discards, never on a copy of the weights
+    assert not stages[1].pos.any() and not isinstance(stages[1].pos, nn.Parameter)
 
 
 # ------------------------------------------------------------------------------ 4. state dicts

@@ -219,3 +219,8 @@ def test_a_failed_async_save_raises_at_the_next_wait(tmp_path: Path, group: None
     with pytest.raises(RuntimeError, match=r"the asynchronous checkpoint save failed: killed here"):
         saver.wait()
     assert not (tmp_path / "ckpt").exists() and saver.wait() is None
+
+
+def test_a_missing_checkpoint_is_named_missing(tmp_path: Path, group: None) -> None:
+    with pytest.raises(FileNotFoundError, match=r"checkpoint .*nowhere\.ckpt does not exist"):
+        load_checkpoint(tmp_path / "nowhere.ckpt", nn.Linear(3, 3), [])

@@ -13,7 +13,7 @@ import lightning.pytorch as pl
 import torch
 from torch.overrides import TorchFunctionMode
 
-from lightning_zeropp.lightning.logging import LogRecorder, _means
+from lightning_zeropp.lightning.logging import LogRecorder, _combine, _Record
 
 _READS = {"__float__", "item", "tolist", "__int__", "__bool__", "__index__"}
 
@@ -37,22 +37,35 @@ def test_logged_values_stay_tensors_through_the_micro_batches() -> None:
                 module.log("train_loss", torch.tensor(float(i)) * 2)
                 module.log("lr", 0.5)
     assert reads.count == 0
-    values, _, _ = recorder._records["train_loss"]
+    values = recorder._records["train_loss"].values
     assert len(values) == 8 and all(torch.is_tensor(v) for v in values)
 
 
-def test_a_steps_means_stay_on_the_device() -> None:
-    records = [[torch.tensor(float(i)) for i in range(8)], [0.5, 1.5], [torch.tensor(3.0), 1.0]]
+def test_a_steps_means_sums_and_weighted_means_stay_on_the_device() -> None:
+    cpu = torch.device("cpu")
+    none = [lambda: None] * 2
+    records = [
+        _Record([torch.tensor(float(i)) for i in range(8)], [lambda: None] * 8),
+        _Record([0.5, 1.5], none),
+        _Record([torch.tensor(3.0), 1.0], none, kwargs={"reduce_fx": "sum"}),
+        _Record([torch.tensor(3.0), 1.0], none, kwargs={"reduce_fx": torch.max}),
+        _Record([2.0, 4.0], [lambda: torch.tensor(1.0), lambda: torch.tensor(3.0)]),
+    ]
     with HostReads() as reads:
-        means = _means(records, torch.device("cpu"))
+        combined = [_combine(r, cpu) for r in records]
     assert reads.count == 0
-    assert means.tolist() == [3.5, 1.0, 2.0]
+    assert [float(v) for v, _ in combined] == [3.5, 1.0, 4.0, 3.0, 14.0]
+    assert [w if w is None else float(w) for _, w in combined] == [None] * 4 + [4.0]
 
 
 def test_one_stage_replays_a_step_without_reading_its_values() -> None:
     """pp 1: the step's values go to `self.log` as device tensors; nothing crosses."""
     recorder, module = LogRecorder(), pl.LightningModule()
-    engine = SimpleNamespace(device=torch.device("cpu"), config=SimpleNamespace(pp_size=1))
+    engine = SimpleNamespace(
+        device=torch.device("cpu"),
+        config=SimpleNamespace(pp_size=1),
+        dims=SimpleNamespace(dp_size=1, dp_groups=[]),
+    )
     with recorder._patch(module):
         for i in range(4):
             with recorder.microbatch():
@@ -60,7 +73,7 @@ def test_one_stage_replays_a_step_without_reading_its_values() -> None:
     logged: dict[str, Any] = {}
     module.log = lambda name, value, *a, **k: logged.__setitem__(name, value)  # type: ignore
     with HostReads() as reads:
-        extra = recorder.replay(module, engine, {"skipped": False, "predictions": None})
+        replayed = recorder.replay(module, engine, skipped=False)
     assert reads.count == 0
     assert torch.is_tensor(logged["loss"]) and float(logged["loss"]) == 1.5
-    assert extra["skipped"].tolist() == [0.0]
+    assert replayed.skipped.tolist() == [0.0] and replayed.weight is None

@@ -23,6 +23,7 @@ from torch.distributed.pipelining.schedules import (
     RESHARD,
     UNSHARD,
 )
+from torch.distributed.tensor import DTensor
 
 from lightning_zeropp.core import _torch_private as tp
 from lightning_zeropp.core.schedule.zeropp import Step
@@ -168,6 +169,8 @@ def _unsharded_parameters(module: nn.Module) -> Iterator[None]:
     params = [
         p for m in module.modules() if isinstance(m, FSDPModule) for p in tp.unsharded_params(m)
     ]
+    # Parameters FSDP leaves whole (no dimension: `core.shard.fsdp`) are their own objects.
+    params += [p for p in module.parameters() if not isinstance(p, DTensor)]
     filled = [p for p in params if p.ndim <= 1 and p.untyped_storage().size() == 0]
     for p in filled:
         p.untyped_storage().resize_((p.storage_offset() + p.numel()) * p.element_size())
@@ -185,6 +188,12 @@ def _unsharded_parameters(module: nn.Module) -> Iterator[None]:
         ) from err
     finally:
         del module.parameters
+        # A weight gradient whose path crosses a unit's output (a parameter read after the
+        # stage's last module, e.g. a logit scale) fires FSDP's pre-backward hook, which gathers
+        # the unit again: release it as it was, before its stand-in storage goes.
+        for unit in module.modules():
+            if isinstance(unit, FSDPModule) and tp.is_gathered(unit):
+                unit.reshard()
         for p in filled:
             p.untyped_storage().resize_(0)
 

@@ -4,6 +4,10 @@ Each block is its own FSDP unit (one all-gather per block, freed after use), and
 unit for whatever lies outside the blocks (embeddings, final norm, head). Under pipeline parallelism
 the default keeps weights unsharded between a stage's micro-batches (`reshard_after_forward=False`),
 so a stage gathers once per step instead of once per micro-batch.
+
+FSDP2 cannot shard a parameter with no dimension (CLIP's `logit_scale`): such parameters are left
+whole on every rank (`ignored_params`), and the engine averages their gradients over the
+data-parallel ranks itself (`core.step.grads.average_whole_grads`).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from lightning_zeropp.core.settings.config import ZeroPPConfig
+from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 from lightning_zeropp.core.shard.plus import Plus
 
 __all__ = ["shard_stage", "apply_activation_checkpointing", "local_shard"]
@@ -33,7 +37,7 @@ def shard_stage(
     stage: nn.Module,
     block_names: Sequence[str],
     dp_mesh: DeviceMesh,
-    config: ZeroPPConfig,
+    config: ZeroPPLayout,
     plus: Plus | None = None,
 ) -> nn.Module:
     """`fully_shard` each block of `stage`, then the stage root, over `dp_mesh`; then ZeRO++'s
@@ -47,10 +51,11 @@ def shard_stage(
     plus = plus or Plus(config, dp_mesh.device_type)
     options = plus.options()
     units = [_find_block(stage, name) for name in block_names]
+    whole = {p for p in stage.parameters() if p.dim() == 0}  # FSDP2 refuses them
     with plus.sharding():
         for block in units:
-            fully_shard(block, mesh=dp_mesh, mp_policy=policy, **options)
-        fully_shard(stage, mesh=dp_mesh, mp_policy=policy, **options)
+            fully_shard(block, mesh=dp_mesh, mp_policy=policy, ignored_params=whole, **options)
+        fully_shard(stage, mesh=dp_mesh, mp_policy=policy, ignored_params=whole, **options)
     plus.install([*units, stage])
     return stage
 

@@ -42,6 +42,8 @@ def find_blocks(model: nn.Module) -> tuple[str, list[str]]:
         if not isinstance(module, _CONTAINERS) or len(module) < 2:
             continue
         score = (len(module), num_params(module), path)
+        if not score[1]:  # holds no parameters: metrics, activations, buffers (not layers)
+            continue
         if best is None or score[:2] > best[:2]:
             best = score
     if best is None:

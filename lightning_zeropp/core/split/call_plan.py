@@ -22,7 +22,6 @@ refuses a model that breaks it, naming the module or value at fault.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,9 +31,10 @@ from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 
 from lightning_zeropp.core.split.blocks import BlockPlan
+from lightning_zeropp.core.split.copies import meta_copy
 from lightning_zeropp.core.split.tags import Tagger
 
-__all__ = ["CallPlan", "CallInputs", "plan_calls", "meta_copy", "outer_units"]
+__all__ = ["CallPlan", "CallInputs", "plan_calls", "meta_copy", "outer_parts"]
 
 _FIX = "use split='trace' (with an example micro-batch) or a split callable"
 
@@ -51,6 +51,11 @@ class CallPlan:
     local: tuple[int, ...]  # tensor leaves each stage computes itself from the model inputs
     out_index: int | None  # where that output sits in a block's return value (None: it is it)
     out_len: int  # the length of a block's return value when it is a tuple
+    # Parameters held outside any submodule (a position table, ViT's cls_token, CLIP's
+    # logit_scale), by the model or a module on the path to the blocks: with the stage whose
+    # code reads them, the first when read before the blocks (or never), the last when after.
+    first_params: tuple[str, ...] = ()
+    last_params: tuple[str, ...] = ()
 
 
 class CallInputs:
@@ -73,31 +78,17 @@ class CallInputs:
         return tree_unflatten(leaves, self.spec)
 
 
-def meta_copy(model: nn.Module) -> nn.Module:
-    """A copy of `model` whose parameters and buffers live on the meta device (no memory)."""
-    memo: dict[int, Any] = {}
-    for p in model.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
-    for b in model.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
-    return copy.deepcopy(model, memo)
-
-
-def outer_units(model: nn.Module, container: str) -> list[str]:
-    """Modules with parameters beside the path to the block container (embeddings, norms, heads)."""
-    units, parent, prefix = [], model, ""
+def outer_parts(model: nn.Module, container: str) -> tuple[list[str], list[str]]:
+    """Beside the path to the block container: the modules with parameters (embeddings, norms,
+    heads) and the parameters held directly by the model or a module on that path."""
+    units, bare, parent, prefix = [], [], model, ""
     for part in container.split(".") if container else []:
         for name, child in parent.named_children():
             if name != part and any(True for _ in child.parameters()):
                 units.append(prefix + name)
-        if parent._parameters:
-            raise ValueError(
-                f"{type(parent).__name__} holds parameters outside any submodule "
-                f"({sorted(parent._parameters)}); split='call' places whole modules on stages. "
-                f"Move them into a submodule, or {_FIX}."
-            )
+        bare += [prefix + name for name, p in parent._parameters.items() if p is not None]
         parent, prefix = parent._modules[part], f"{prefix}{part}."
-    return units
+    return units, bare
 
 
 def _to_meta(x: Any) -> Any:
@@ -155,7 +146,7 @@ def _dry_run(
     args, kwargs = example
     container = skeleton.get_submodule(blocks.container) if blocks.container else skeleton
     block_list = [container._modules[n] for n in blocks.names]
-    units = outer_units(skeleton, blocks.container)
+    units, bare = outer_parts(skeleton, blocks.container)
     tagger, calls, events = Tagger(mixed), [], []
     handles = []
 
@@ -164,7 +155,7 @@ def _dry_run(
             sources = [tagger.of(t) for t in tree_flatten((a, kw))[0]]
             calls.append([i, a, kw, None, sources])
             events.append(("block", i))
-            tagger.after = None
+            tagger.after, tagger.started = None, True
             clean = tree_map(lambda t: t.view_as(t) if isinstance(t, torch.Tensor) else t, (a, kw))
             for t in tree_flatten(clean)[0]:
                 tagger.tags.pop(id(t), None)
@@ -212,6 +203,8 @@ def _dry_run(
         handles.append(unit.register_forward_hook(unit_post(name)))
         for p in unit.parameters():
             tagger.tag(p, frozenset({("param", owners[id(p)])}))
+    for name in bare:  # read where the model's own code reads them (see `Tagger.bare`)
+        tagger.add_bare(skeleton.get_parameter(name), name)
     try:
         with tagger:
             out = skeleton(*args, **kwargs)
@@ -228,7 +221,7 @@ def _dry_run(
             h.remove()
     if tagger.leak is None and not final <= {("block", len(block_list) - 1)}:
         tagger.leak = "the model's output depends on values other than its last block's output"
-    return _plan(blocks, units, calls, events, tagger.leak, type(model).__name__)
+    return _plan(blocks, units, calls, events, tagger, type(model).__name__)
 
 
 def _plan(
@@ -236,9 +229,11 @@ def _plan(
     units: list[str],
     calls: list[list[Any]],
     events: list[tuple[str, Any]],
-    leak: str | None,
+    tagger: Tagger,
     model_name: str,
 ) -> CallPlan:
+    leak = tagger.leak
+
     def refuse(why: str) -> ValueError:
         return ValueError(f"split='call' cannot pipeline {model_name}: {why}; {_FIX}.")
 
@@ -262,6 +257,7 @@ def _plan(
             raise refuse(f"module '{name}' is called between or both before and after the blocks")
         else:
             first.append(name)  # never called: it holds parameters, keep them somewhere
+    first_params, last_params = _place_bare(tagger.bare_reads, refuse)
     leaves, spec = tree_flatten((calls[0][1], calls[0][2]))
     hidden, out_index = _chain(calls, leaves, spec, refuse)
     others = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and i != hidden]
@@ -274,7 +270,35 @@ def _plan(
     slots = (hidden, *(i for i in others if sources[i]))
     out = calls[0][3]
     out_len = 1 if isinstance(out, torch.Tensor) else len(out)
-    return CallPlan(blocks, tuple(first), tuple(last), spec, slots, local, out_index, out_len)
+    return CallPlan(
+        blocks,
+        tuple(first),
+        tuple(last),
+        spec,
+        slots,
+        local,
+        out_index,
+        out_len,
+        first_params,
+        last_params,
+    )
+
+
+def _place_bare(
+    reads: dict[str, set[str]], refuse: Callable[[str], ValueError]
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The stage of each parameter held outside any submodule, from where the forward read it."""
+    first, last = [], []
+    for name, where in reads.items():
+        if "between" in where or where == {"before", "after"}:
+            raise refuse(
+                f"its forward reads parameter '{name}' (held outside any submodule) "
+                f"{' and '.join(w for w in ('before', 'between', 'after') if w in where)} the blocks; a parameter goes with the one stage "
+                "whose code reads it: read it only before the blocks or only after them (or put "
+                "it in a module called there)"
+            )
+        (last if where == {"after"} else first).append(name)
+    return tuple(first), tuple(last)
 
 
 def _chain(calls: list[list[Any]], leaves: list[Any], spec: TreeSpec, refuse: Callable) -> Any:

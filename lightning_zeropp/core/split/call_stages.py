@@ -9,7 +9,6 @@ in what was received and keep what is to be sent.
 
 from __future__ import annotations
 
-import copy
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,7 +17,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 
-from lightning_zeropp.core.split.call_plan import CallInputs, CallPlan, meta_copy
+from lightning_zeropp.core.split.call_plan import CallInputs, CallPlan
+from lightning_zeropp.core.split.copies import meta_copy, stage_copy
 
 __all__ = ["build_call_stages", "flatten_outputs", "restore_output"]
 
@@ -226,6 +226,20 @@ def restore_output(stage: nn.Module, output: Any) -> Any:
     return output if outputs is None else outputs.restore(output)
 
 
+def _stand_in_parameter(
+    stage: nn.Module, name: str, device: torch.device, dtype: torch.dtype | None
+) -> None:
+    """Replace a parameter another stage holds by zeros of its shape (in the compute dtype), as
+    a plain attribute: the code reading it runs on them and what it computes is discarded, as
+    with an outer module's stub."""
+    path, _, leaf = name.rpartition(".")
+    holder = stage.get_submodule(path)
+    param = holder._parameters.pop(leaf)
+    cast = dtype is not None and param.is_floating_point()
+    zeros = torch.zeros(param.shape, dtype=dtype if cast else param.dtype, device=device)
+    object.__setattr__(holder, leaf, zeros)
+
+
 def build_call_stages(
     model: nn.Module,
     plan: CallPlan,
@@ -259,7 +273,16 @@ def _call_stage(
     for name in away:
         unit = model.get_submodule(name)
         memo[id(unit)] = _Stub(meta_copy(unit), name, device, dtype=dtype)
-    stage_model = copy.deepcopy(model, memo)
+    elsewhere = [
+        *(() if first else plan.first_params),
+        *(() if last else plan.last_params),
+    ]
+    for name in elsewhere:  # not copied: a stand-in replaces it below
+        p = model.get_parameter(name)
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+    stage_model = stage_copy(model, memo)
+    for name in elsewhere:
+        _stand_in_parameter(stage_model, name, device, dtype)
     state = _StageState(plan, stage, inputs)
     mine = [stage_model.get_submodule(blocks.fqn(i)) for i in blocks.ranges[stage]]
     if not first:

@@ -30,7 +30,40 @@ class Tagger(TorchFunctionMode):
         self.inside: int | None = None  # the block whose forward is running
         self.after: int | None = None  # the last block, once it has returned
         self.units: list[str] = []  # outer modules whose forward is running
+        self.started = False  # a block has been called
         self.leak: str | None = None
+        # Parameters held outside any submodule: id -> name, and where the forward read each
+        # ("before", "between" or "after" the blocks).
+        self.bare: dict[int, str] = {}
+        self.bare_reads: dict[str, set[str]] = {}
+
+    def add_bare(self, param: torch.Tensor, name: str) -> None:
+        """Watch where the forward reads `param`, a parameter held outside any submodule. Read
+        before the blocks it tags what it computes like an outer module's output (it must not
+        reach past the blocks but through them); read after them it is the last stage's own."""
+        self.bare[id(param)] = name
+        self.bare_reads[name] = set()
+        self.tag(param, frozenset({("bare", name)}))
+
+    @property
+    def phase(self) -> str:
+        """Where the forward is: "before", "between" (or inside) or "after" the blocks."""
+        if self.after is not None:
+            return "after"
+        return "between" if self.started else "before"
+
+    def _read_bare(self, args: Any) -> frozenset[Any]:
+        """Record the bare parameters read directly by this call; return the tags to drop."""
+        drop = set()
+        for t in tree_flatten(args)[0]:
+            name = self.bare.get(id(t)) if isinstance(t, torch.Tensor) else None
+            if name is None or self.tags.get(id(t), (None,))[0] is not t:
+                continue
+            where = self.phase
+            self.bare_reads[name].add(where)
+            if where == "after":
+                drop.add(("bare", name))
+        return frozenset(drop)
 
     def tag(self, x: Any, tags: frozenset[Any]) -> None:
         for t in tree_flatten(x)[0]:
@@ -53,7 +86,7 @@ class Tagger(TorchFunctionMode):
             out = func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
         else:
             out = func(*args, **kwargs)
-        tags = self.of((args, kwargs))
+        tags = self.of((args, kwargs)) - self._read_bare((args, kwargs))
         what = getattr(func, "__name__", str(func))
         params = {t for t in tags if t[0] == "param"}
         for _, owners in params:  # an outer module's weights read outside its own call
@@ -148,4 +181,6 @@ def _draws(what: str) -> bool:
 
 def _source_name(tag: Any) -> str:
     kind, name = tag
+    if kind == "bare":
+        return f"parameter '{name}'"
     return f"block {name}'s output" if kind == "block" else f"the output of '{name}'"

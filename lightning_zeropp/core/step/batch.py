@@ -106,29 +106,34 @@ def agree_on_step(
     description: str,
     device: torch.device,
     guard: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
-) -> bool:
+    skip: bool = False,
+) -> tuple[bool, bool]:
     """One small all-reduce over the world before a step: whether every rank has the schedule
-    for its batch's shapes cached (else all build one: see `ZeroPPEngine._schedule_for`), and
-    whether every rank's batch passed its checks.
+    for its batch's shapes cached (else all build one: see `ZeroPPEngine._schedule_for`),
+    whether every rank's batch passed its checks, and whether some rank skips the step (a
+    front's step that returned before it produced its inputs): then every rank skips it.
 
     Data-parallel ranks read different batches, so one may fail a check the others pass. Then
     every rank raises, before any enters the schedule: the failing rank its own error, the
     others a ValueError naming it and its error (read from the c10d store, where it wrote the
     error before the all-reduce). The groups stay usable, as after a check all ranks fail.
     `guard` wraps the all-reduce alone (a failure board's: a peer lost there is named).
+    Returns (cached everywhere, skipped somewhere).
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     if problem is not None:
         default_store().set(f"{_REASON}/{rank}", f"{description}: {problem}")
     flags = torch.tensor(
-        [int(cached), rank if problem is not None else world], dtype=torch.int32, device=device
+        [int(cached), rank if problem is not None else world, int(not skip)],
+        dtype=torch.int32,
+        device=device,
     )
     with guard():
         dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-    cached_everywhere, first = flags.tolist()
+    cached_everywhere, first, stepping = flags.tolist()
     if first < world:
         if problem is not None:
             raise problem
         reason = default_store().get(f"{_REASON}/{first}").decode()
         raise ValueError(f"{reason} (this rank's batch passed; every rank stops at this step)")
-    return bool(cached_everywhere)
+    return bool(cached_everywhere), not stepping

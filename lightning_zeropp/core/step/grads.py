@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_zeropp.core.shard.fsdp import local_shard
 
-__all__ = ["StepGrads", "clip_grad_norm_", "total_grad_norm"]
+__all__ = ["StepGrads", "average_whole_grads", "clip_grad_norm_", "total_grad_norm"]
 
 
 def total_grad_norm(
@@ -20,13 +20,24 @@ def total_grad_norm(
 ) -> torch.Tensor:
     """Norm of all gradients of the model: over this rank's shards, the dp mesh and all stages."""
     grads = [p.grad for p in params if p.grad is not None]
-    if grads:
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=False)
-        if isinstance(norm, DTensor):  # partial over the shard axis: reduce it to the true norm
-            norm = norm.full_tensor()
-    else:  # a rank may hold no gradient at all (frozen stage): it still joins the reduction
+    # Sharded gradients and the few whole ones (parameters FSDP does not shard): one norm each,
+    # the latter the same on every data-parallel rank, then combined.
+    parts = []
+    for kind in (DTensor, torch.Tensor):
+        group = [g for g in grads if isinstance(g, DTensor) == (kind is DTensor)]
+        if group:
+            norm = torch.nn.utils.get_total_norm(group, norm_type=norm_type, foreach=False)
+            if isinstance(norm, DTensor):  # partial over the shard axis: reduce it to the norm
+                norm = norm.full_tensor()
+            parts.append(norm.to(torch.float32))
+    if not parts:  # a rank may hold no gradient at all (frozen stage): it still joins
         norm = torch.zeros((), dtype=torch.float32)
-    norm = norm.to(torch.float32)
+    elif len(parts) == 1:
+        norm = parts[0]
+    else:
+        norm = torch.linalg.vector_norm(
+            torch.stack([x.to(parts[0].device) for x in parts]), norm_type
+        )
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         if norm_type == float("inf"):
             dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=pp_group)
@@ -35,6 +46,34 @@ def total_grad_norm(
             dist.all_reduce(norm, group=pp_group)
             norm = norm.pow(1.0 / norm_type)
     return norm
+
+
+@torch.no_grad()
+def average_whole_grads(
+    params: Iterable[nn.Parameter], groups: list[dist.ProcessGroup], ranks: int
+) -> None:
+    """Average the gradients of the parameters FSDP left whole (not DTensors) over the
+    data-parallel `groups` (`ranks` ranks in all), as FSDP averages the sharded ones. Every rank
+    of a group holds the same stages, so the same such parameters: they cross as one vector, a
+    gradient missing on a rank counting as zero, and one missing everywhere staying missing."""
+    whole = [p for p in params if not isinstance(p, DTensor) and p.requires_grad]
+    if not whole or not groups:
+        return
+    device = whole[0].device
+    flat = torch.cat(
+        [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in whole]
+    )
+    present = torch.tensor([float(p.grad is not None) for p in whole], device=device)
+    for group in groups:
+        dist.all_reduce(flat, group=group)
+        dist.all_reduce(present, group=group)
+    flat /= ranks
+    at = 0
+    for p, seen in zip(whole, present.tolist(), strict=True):
+        n = p.numel()
+        if seen:
+            p.grad = flat[at : at + n].view_as(p).to(p.dtype)
+        at += n
 
 
 def clip_grad_norm_(

@@ -70,6 +70,8 @@ def load_checkpoint(
     if _rank() == 0:
         commit.recover(path)  # a save killed in its one non-atomic window left it aside
     raise_on_every_rank(None)  # doubles as the barrier: nobody looks before the recovery
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {path} does not exist: there is nothing to load")
     if not is_checkpoint(path):
         raise FileNotFoundError(f"{path} is not a ZeroPP checkpoint directory (no {META_FILE})")
     state = checkpoint_state(model, optimizers)

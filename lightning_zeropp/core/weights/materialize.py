@@ -37,6 +37,8 @@ from lightning_zeropp.core._torch_private import local_chunk
 from lightning_zeropp.core.shard.fsdp import local_shard
 from lightning_zeropp.core.split.tied import TiedWeights
 from lightning_zeropp.core.weights.checkpoint import raise_on_every_rank
+from lightning_zeropp.core.weights.init_record import follow_parameter, recording, tape_of
+from lightning_zeropp.core.weights.init_tape import replay_into, unrecorded
 from lightning_zeropp.core.weights.load import load_weights
 
 __all__ = [
@@ -71,10 +73,12 @@ def empty_parameters() -> Iterator[None]:
             kind = type(param)
             meta = kind(param.to("meta"), requires_grad=param.requires_grad)
             module._parameters[name] = meta
+            follow_parameter(meta)
 
     nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
     try:
-        yield
+        with recording():  # the init the constructor applies, for `fill_values` to replay
+            yield
     finally:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
 
@@ -137,6 +141,7 @@ class Source:
     init: InitFn
     load_from: str | Path | None
     model: nn.Module
+    given: bool = False  # `init` is the user's (else the model's own, `default_init`)
 
 
 def fill_values(
@@ -151,13 +156,18 @@ def fill_values(
     model's; `merged` holds `stages` under the model's names. A checkpoint holds no
     non-persistent buffers: those come from the init."""
     load_from = source.load_from
+    recorded = tape_of(source.model) if meta and load_from is None and not source.given else None
     if meta:
         only = non_persistent if load_from is not None else None
+        if recorded is not None:  # the constructor's init, replayed below, sets these
+            only = unrecorded(stages, recorded[1])
         seed = shared_seed(device)
         # A rank whose stages fail raises on every rank (the others would wait in the step).
         raise_on_every_rank(
             _problem(lambda: materialize(stages, device, source.init, seed, only=only))
         )
+    if recorded is not None:
+        raise_on_every_rank(_problem(lambda: replay_into(stages, recorded, device)))
     if load_from is not None:
         prefix = getattr(source.model, "base_model_prefix", "")
         load_weights(merged, load_from, tied.names(), prefix)

@@ -1,0 +1,149 @@
+"""Losses that are means over a number of items (real tokens of padded rows): their micro-batches
+weighted by their items, so a batch's loss is the mean over its items as one process computes it.
+
+The pipeline runs a step once per micro-batch and averages what the step returns. A mean over the
+real tokens of a micro-batch is not the batch's token mean when micro-batches hold different
+numbers of real tokens: the mean of micro-batch means weighs a token of a short micro-batch more.
+A micro-batch's loss therefore carries its number of items, its weight, when the library knows it:
+
+- the step returns `{"loss": loss, "num_items": n}`: `loss` is a mean over `n` items;
+- or the loss is, as returned, the result of `F.cross_entropy` / `F.nll_loss` with
+  `reduction="mean"` (also through `nn.CrossEntropyLoss`) over class indices: its items are the
+  targets that are not `ignore_index` (weighted by `weight` when given). `WeightWatch` sees those
+  calls in the step and computes them as a sum divided by that count: the same value, and a
+  micro-batch whose targets are all ignored gives 0 instead of NaN.
+
+A weighted step's micro-batch losses enter the pipeline as `loss x weight`, and the step's
+gradients and loss are divided by the total weight of the global batch afterwards (gradients are
+linear in the loss), so the update is the one of the mean over every item of the global batch.
+Logged values that are such losses are weighted alike. Without a weight, the mean over
+micro-batches stands, and the strategy says so once (`UNWEIGHTED`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from lightning_zeropp.models.hf_loss import NUM_ITEMS as NUM_ITEMS_HF
+from lightning_zeropp.models.hf_loss import TokenCountAdapter, token_counts
+
+__all__ = ["NUM_ITEMS", "UNWEIGHTED", "GlobalTokenCount", "WeightWatch", "loss_weight"]
+
+NUM_ITEMS = "num_items"
+
+UNWEIGHTED = (
+    "ZeroPPStrategy: training_step's loss is averaged over the {micro} micro-batches of each batch "
+    "(and over data-parallel ranks) as returned. If it is a mean over a number of items that can "
+    "differ between micro-batches (the real tokens of padded rows), return "
+    "{{'loss': loss, 'num_items': n}}, n being how many items the loss averages: the batch's loss "
+    "and gradients are then the mean over every item of the global batch, as in one process. A "
+    "loss returned as F.cross_entropy / F.nll_loss computed it (reduction='mean') is weighted by "
+    "its targets that are not ignore_index without this."
+)
+
+_COUNTED = {
+    F.cross_entropy: inspect.signature(F.cross_entropy),
+    F.nll_loss: inspect.signature(F.nll_loss),
+}
+
+
+class WeightWatch(TorchFunctionMode):
+    """Active in a step's thread: each mean-reduced `F.cross_entropy` / `F.nll_loss` over class
+    indices is computed as a sum over the counted targets, and its result is remembered with that
+    count (`weight_of`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def note(self, value: torch.Tensor, count: torch.Tensor) -> None:
+        """`value` is a mean over `count` items (a returned loss with its `num_items`)."""
+        self._weights[id(value)] = (value, count)
+
+    def weight_of(self, value: Any) -> torch.Tensor | None:
+        """The count a loss computed in this step averages over, or None."""
+        found = self._weights.get(id(value)) if torch.is_tensor(value) else None
+        return found[1] if found is not None and found[0] is value else None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        signature = _COUNTED.get(func)
+        if signature is None:
+            return func(*args, **kwargs)
+        call = signature.bind(*args, **kwargs)
+        call.apply_defaults()
+        given = call.arguments
+        target = given["target"]
+        legacy = given["size_average"] is not None or given["reduce"] is not None
+        if given["reduction"] != "mean" or legacy or target.is_floating_point():
+            return func(*args, **kwargs)
+        count = _count(target, given["weight"], given["ignore_index"])
+        total = func(**{**given, "reduction": "sum"})
+        out = total / torch.where(count > 0, count, torch.ones_like(count))
+        self._weights[id(out)] = (out, count)
+        return out
+
+
+def _count(target: torch.Tensor, weight: torch.Tensor | None, ignore: int) -> torch.Tensor:
+    """What a mean-reduced cross-entropy divides by: the targets that are not `ignore`, each
+    weighted by its class weight when there are class weights."""
+    counted = target != ignore
+    if weight is None:
+        return counted.sum().to(torch.float32)
+    classes = torch.where(counted, target, torch.zeros_like(target))
+    return (weight.detach()[classes] * counted).sum().to(torch.float32)
+
+
+def loss_weight(result: Any, loss: torch.Tensor, watch: WeightWatch) -> torch.Tensor | None:
+    """The weight of a step's loss (see the module docstring), as a float32 tensor, or None."""
+    if isinstance(result, dict) and NUM_ITEMS in result:
+        given = result[NUM_ITEMS]
+        if not (torch.is_tensor(given) and given.numel() == 1) and not isinstance(
+            given, (int, float)
+        ):
+            raise ValueError(
+                f"training_step returned num_items={given!r}; give the number of items the loss "
+                "averages over (an int or a one-element tensor)."
+            )
+        return torch.as_tensor(given, dtype=torch.float32, device=loss.device).detach().reshape(())
+    return watch.weight_of(loss)
+
+
+class GlobalTokenCount(TokenCountAdapter):
+    """`TokenCountAdapter` over the global batch: a plain HF model's loss divides by the labelled
+    tokens of every data-parallel rank's batch (`count` sums this rank's over them), so the
+    update is the mean over the global batch's tokens, as in one process (and as the Accelerate
+    front weighs them), not the mean of each rank's token mean."""
+
+    def __init__(
+        self, shift: bool, count: Callable[[torch.Tensor], torch.Tensor], ranks: int
+    ) -> None:
+        super().__init__(shift)
+        self._count, self._ranks = count, ranks
+        self.counts = False  # whether the calls carry labels to count (then every rank counts)
+
+    def stage_inputs(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        labels = kwargs.get("labels")
+        if not isinstance(labels, torch.Tensor) or NUM_ITEMS_HF in kwargs:
+            return args, kwargs
+        self.counts = True
+        pre = kwargs.get("shift_labels")
+        counted = pre if isinstance(pre, torch.Tensor) else labels
+        shift = self.shift and not isinstance(pre, torch.Tensor)
+        total = float(self._count(token_counts(counted, 1, shift).sum()))
+        if total == 0:
+            raise ValueError("the global batch has no labelled token (every label is -100)")
+        return args, {**kwargs, NUM_ITEMS_HF: total / (self.microbatches * self._ranks)}
+
+    def idle(self) -> None:
+        """This rank skips the step: it still joins the others' count (with none)."""
+        if self.counts:
+            self._count(torch.zeros((), dtype=torch.float64))
