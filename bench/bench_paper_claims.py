@@ -141,8 +141,8 @@ def family(settings: dict[str, Any]) -> str:
 
 def memory_sweep(model: Any, compiled: bool, world: int = 32) -> dict[str, Any]:
     """The fastest layout of each family under each memory budget (per GPU), 32 GPUs, eager
-    or compiled where torch can compile (not the split-backward schedules; Megatron's fused
-    kernels count as compiled)."""
+    or with compile=True (`plan.hardware.compile_mode`; Megatron's fused kernels count as
+    compiled)."""
     from dataclasses import replace
 
     from lightning_zeropp.plan.megatron import predict_3d
@@ -269,7 +269,7 @@ def plot_memory(sweeps: list[dict[str, Any]], path: Path) -> None:
                 ax.plot([int(b) for b, _ in pts],
                         [tokens / x["step_s"] / sweep["world"] for _, x in pts],
                         marker="o", label=name)  # fmt: skip
-        mode = "compiled where torch can" if sweep["compiled"] else "eager"
+        mode = "compile=True" if sweep["compiled"] else "eager"
         ax.set(xlabel="memory per GPU (GiB)", ylabel="predicted tokens/s per GPU",
                title=f"LLaMA-2-7B, {sweep['world']} H100, seq {SEQ}, {mode}",
                xticks=list(BUDGETS_GIB))  # fmt: skip
@@ -403,8 +403,10 @@ def _memory_markdown(memory: dict) -> list[str]:
     tokens = ROWS_PER_GPU * memory["world"] * SEQ
     head = " | ".join(f"{b} GiB" for b in memory["budgets_GiB"])
     mode = (
-        "compiled where torch 2.13 can (1F1B, interleaved 1F1B, FSDP alone; Megatron's fused "
-        "kernels), eager under split backward (ZeroPP's default, ZB-V)"
+        "compiled (compile=True): whole blocks where the backward is not split (1F1B, "
+        "interleaved 1F1B, FSDP alone, ZeroPP without split backward; Megatron's fused kernels), "
+        "only the regions between the weights under split backward (ZeroPP's default, ZB-V), "
+        "priced between eager and compiled"
         if memory["compiled"]
         else "every layout eager (this library's default)"
     )

@@ -9,9 +9,8 @@ Keys (besides Hydra's `model=` and `cluster=` groups and any `model.*` / `cluste
   dtype=bf16         compute dtype (param_dtype; gradients reduced in fp32)
   optimizer=adamw    adamw or sgd
   micro_batch=null   rows per micro-batch (null: any)
-  compile=false      blocks compiled (torch.compile) where the schedule allows it: not under
-                     split backward (torch 2.13 refuses it) unless split_backward_compiles=true
-  split_backward_compiles=false
+  compile=false      blocks compiled (torch.compile): whole, or under split backward only the
+                     regions between their weights (priced between eager and compiled)
   quantized_weights=null, quantized_gradients=null, hpz_partition_size=null
                      ZeRO++ (qwZ int8/bf16, qgZ int8/int4, hpZ ranks), priced in every layout
   top=10             layouts printed
@@ -34,7 +33,7 @@ CONF = Path(__file__).resolve().parents[2] / "conf"
 DEFAULTS: dict[str, Any] = {
     "global_batch": 256, "seq_len": None, "dtype": "bf16", "optimizer": "adamw",
     "micro_batch": None, "top": 10, "write": "auto", "compile": False,
-    "split_backward_compiles": False, "quantized_weights": None, "quantized_gradients": None,
+    "quantized_weights": None, "quantized_gradients": None,
     "hpz_partition_size": None,
 }  # fmt: skip
 PLUS = ("quantized_weights", "quantized_gradients", "hpz_partition_size")
@@ -61,9 +60,8 @@ def split_args(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
             not isinstance(value, int) or isinstance(value, bool) or value < 1
         ):
             raise SystemExit(f"{key}={value!r} must be a positive integer (or null).")
-    for key in ("compile", "split_backward_compiles"):
-        if not isinstance(own[key], bool):
-            raise SystemExit(f"{key}={own[key]!r} must be true or false.")
+    if not isinstance(own["compile"], bool):
+        raise SystemExit(f"compile={own['compile']!r} must be true or false.")
     if own["dtype"] not in ("bf16", "fp16", "fp32"):
         raise SystemExit(f"dtype={own['dtype']!r} is not priced; use bf16, fp16 or fp32.")
     return own, hydra
@@ -103,7 +101,7 @@ def main(argv: list[str]) -> int:
         model = instantiate(cfg.model.net)
     if dtype != own["dtype"]:
         print(f"({cluster['name']} is a CPU cluster: pricing fp32, not {own['dtype']})")
-    base = {"param_dtype": dtype if dtype != "fp32" else None}
+    base = {"param_dtype": dtype if dtype != "fp32" else None, "compile": own["compile"]}
     base.update({key: own[key] for key in PLUS if own[key] is not None})
     layouts = list(
         enumerate_layouts(
@@ -125,8 +123,7 @@ def main(argv: list[str]) -> int:
         return 1
     best = search(
         model, world, own["global_batch"], seq_len, hardware, layouts=layouts,
-        optimizer=own["optimizer"], top=own["top"], compiled=own["compile"],
-        split_backward_compiles=own["split_backward_compiles"],
+        optimizer=own["optimizer"], top=own["top"],
     )  # fmt: skip
     if not best:
         print(

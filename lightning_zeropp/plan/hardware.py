@@ -8,9 +8,12 @@ the cross-node rate (its slowest link).
 The compute rate is a share of the peak (`efficiency`) that depends on how the blocks run: eager,
 or compiled (`torch.compile`, or fused kernels such as Transformer Engine's). A cluster file gives
 a (low, high) share per mode, backed out of published runs (`plan.published`); a prediction is
-then a range, and its central figure uses the middle of it. torch 2.13's split-backward schedules
-(ZB-V, interleaved zero bubble, DualPipeV) refuse compiled stages, so they run eager whatever is
-asked (`compiles`) unless told that split backward compiles.
+then a range, and its central figure uses the middle of it. torch 2.13 refuses compiled stages
+under split backward (ZB-V, interleaved zero bubble, DualPipeV, ZeroPP's default); with
+`compile=True` this library compiles there only the regions between the blocks' weights
+(`core.shard.compile`): the matmuls stay eager. No published run measures that, so its range
+("regions", `compile_mode`) spans eager's low end to compiled's high end unless a cluster file
+gives one.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 __all__ = [
     "Hardware",
     "SPLIT_BACKWARD",
-    "compiles",
+    "compile_mode",
     "measure_matmul_rate",
     "measure_memory_bandwidth",
     "measure_optimizer_rate",
@@ -35,14 +38,19 @@ BOUNDS = ("low", "mid", "high")
 SPLIT_BACKWARD = ("zbv", "interleaved_zb", "dualpipev")
 
 
-def compiles(config: Any, compiled: bool, split_backward_compiles: bool = False) -> bool:
-    """Whether a resolved config's blocks run compiled when `compiled` is asked: not where the
-    backward is split into input and weight tasks (torch 2.13 refuses compiled stages there),
-    unless `split_backward_compiles`."""
+MODES = ("eager", "compiled", "regions")
+
+
+def compile_mode(config: Any, compiled: bool | None = None) -> str:
+    """How a resolved config's blocks run: "eager"; "compiled" (whole blocks); or "regions"
+    where the backward is split into input and weight tasks (`core.shard.compile` compiles
+    only the regions between the weights there). `compiled` None: the config's `compile`."""
+    if not (config.compile if compiled is None else compiled):
+        return "eager"
     splits = config.schedule in SPLIT_BACKWARD or (
         config.schedule == "zeropp" and bool(config.split_backward)
     )
-    return compiled and (split_backward_compiles or not splits)
+    return "regions" if splits else "compiled"
 
 
 @dataclass(frozen=True)
@@ -101,21 +109,23 @@ class Hardware:
     def with_rate(self, flops_per_s: float) -> Hardware:
         return replace(self, flops_per_s=flops_per_s)
 
-    def at(self, compiled: bool, bound: str = "mid") -> Hardware:
-        """This machine computing eager or compiled, at the `bound` ("low", "mid", "high") of
-        its efficiency range; itself when it has no range."""
-        if bound not in BOUNDS:
-            raise ValueError(f"bound={bound!r}; use one of {BOUNDS}.")
+    def at(self, mode: str | bool, bound: str = "mid") -> Hardware:
+        """This machine computing in `mode` ("eager", "compiled", "regions"; a bool: compiled
+        or eager), at the `bound` ("low", "mid", "high") of its efficiency range; itself when
+        it has no range."""
+        mode = mode if isinstance(mode, str) else ("compiled" if mode else "eager")
+        if bound not in BOUNDS or mode not in MODES:
+            raise ValueError(f"mode={mode!r}, bound={bound!r}; use one of {MODES}, {BOUNDS}.")
         if not self.efficiency:
             return self
         # one object per mode and bound: what is priced for it can be cached by identity
         memo = self.__dict__.setdefault("_at", {})
-        if (compiled, bound) not in memo:
-            low, high = self.efficiency["compiled" if compiled else "eager"]
+        if (mode, bound) not in memo:
+            low, high = self.efficiency[mode]
             share = {"low": low, "mid": (low + high) / 2, "high": high}[bound]
             peak = self.peak_flops_per_s or self.flops_per_s
-            memo[compiled, bound] = replace(self, flops_per_s=peak * share)
-        return memo[compiled, bound]
+            memo[mode, bound] = replace(self, flops_per_s=peak * share)
+        return memo[mode, bound]
 
     @classmethod
     def from_cluster(cls, cluster: Mapping[str, Any], dtype: str = "bf16") -> Hardware:
@@ -160,7 +170,7 @@ class Hardware:
 
 def _efficiency(name: Any, value: Any) -> dict[str, tuple[float, float]]:
     """A cluster file's `planner.efficiency`: one share for every mode, or per mode ("eager",
-    "compiled") a share or a [low, high] pair."""
+    "compiled", optionally "regions") a share or a [low, high] pair."""
     per_mode = value if isinstance(value, Mapping) else {"eager": value, "compiled": value}
     out = {}
     for mode in ("eager", "compiled"):
@@ -177,6 +187,16 @@ def _efficiency(name: Any, value: Any) -> dict[str, tuple[float, float]]:
             )
         low, high = sorted(float(x) for x in pair)
         out[mode] = (low, high)
+    given = per_mode.get("regions")
+    if given is None:  # unmeasured: between eager (its matmuls) and compiled
+        out["regions"] = (out["eager"][0], out["compiled"][1])
+    else:
+        pair = (
+            tuple(given)
+            if isinstance(given, Sequence) and not isinstance(given, str)
+            else (given, given)
+        )
+        out["regions"] = (float(min(pair)), float(max(pair)))
     return out
 
 

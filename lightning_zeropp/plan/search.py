@@ -220,12 +220,11 @@ def search(
     optimizer: str = "adamw",
     top: int = 10,
     layouts: Sequence[dict[str, Any]] | None = None,
-    compiled: bool = False,
-    split_backward_compiles: bool = False,
+    compiled: bool | None = None,
 ) -> list[Candidate]:
     """The `top` fastest layouts whose every rank fits `hardware.memory_bytes` (all of them
     when it is None), fastest first. `layouts` replaces the enumerated space. `compiled` and
-    `split_backward_compiles` as in `predict_step_time`: ranked at the middle of the
+    as in `predict_step_time` (None: each layout's `compile`): ranked at the middle of the
     hardware's efficiency range, with the ends of it for the `top` returned."""
     num_blocks = len(find_blocks(model)[1])
     space = (
@@ -234,7 +233,7 @@ def search(
         else list(enumerate_layouts(world_size, num_blocks, global_batch, hardware.node_size, base))
     )
     device = "cuda" if hardware.overlap else "cpu"
-    modes = {"compiled": compiled, "split_backward_compiles": split_backward_compiles}
+    modes = {"compiled": compiled}
     # Cheapest first: price every layout, then simulate in order of the bound no simulation
     # can beat, and stop once that bound is worse than the `top`-th step found (a layout whose
     # step could tie it is still simulated).

@@ -34,7 +34,7 @@ from lightning_zeropp.core.settings.placement import rank_of_stage, schedule_sty
 from lightning_zeropp.core.settings.plus import hpz_size
 from lightning_zeropp.plan.activations import schedule_key, stage_parts, task_orders, zeropp_plans
 from lightning_zeropp.plan.comm import _padded_shard
-from lightning_zeropp.plan.hardware import Hardware, compiles
+from lightning_zeropp.plan.hardware import Hardware, compile_mode
 from lightning_zeropp.plan.memory import StageUnits, predict_memory, stage_ranges, stage_units
 from lightning_zeropp.plan.plus import unit_traffic
 from lightning_zeropp.plan.profile import micro_batch_rows, profile_model
@@ -174,8 +174,7 @@ def predict_step_time(
     unit_seconds: Sequence[Sequence[tuple[float, float]]] | None = None,
     optimizer_seconds: float | None = None,
     optimizer: str = "adamw",
-    compiled: bool = False,
-    split_backward_compiles: bool = False,
+    compiled: bool | None = None,
     bound: str = "mid",
 ) -> StepTimePlan:
     """Predict one training step of `model` (meta device) under `config` on `hardware`.
@@ -185,15 +184,14 @@ def predict_step_time(
     (the stage's own part first, then its blocks), e.g. an emulated device's; `optimizer_seconds`:
     a measured optimizer step, instead of the shard at `hardware.optimizer_rate`.
 
-    `compiled`: the blocks are compiled where the schedule allows it (`hardware.compiles`:
-    not under split backward unless `split_backward_compiles`); the rate is then the compiled
-    mode's share of peak, at `bound` ("low", "mid", "high") of the hardware's efficiency range
+    `compiled` (default: the config's `compile`): the blocks are compiled, whole, or in regions
+    under split backward (`hardware.compile_mode`); the rate is that mode's share of peak, at
+    `bound` ("low", "mid", "high") of the hardware's efficiency range
     (`Hardware.at`; a hardware without a range has one rate)."""
     return price(
         model, config, world_size, global_batch, seq_len, hardware,
         stage_seconds=stage_seconds, unit_seconds=unit_seconds,
-        optimizer_seconds=optimizer_seconds, optimizer=optimizer, compiled=compiled,
-        split_backward_compiles=split_backward_compiles, bound=bound,
+        optimizer_seconds=optimizer_seconds, optimizer=optimizer, compiled=compiled, bound=bound,
     ).plan()  # fmt: skip
 
 
@@ -242,13 +240,12 @@ def price(
     unit_seconds: Sequence[Sequence[tuple[float, float]]] | None = None,
     optimizer_seconds: float | None = None,
     optimizer: str = "adamw",
-    compiled: bool = False,
-    split_backward_compiles: bool = False,
+    compiled: bool | None = None,
     bound: str = "mid",
 ) -> Priced:
     """`predict_step_time`'s costs, not yet simulated (its arguments)."""
     cfg = config.resolve(world_size)
-    hardware = hardware.at(compiles(cfg, compiled, split_backward_compiles), bound)
+    hardware = hardware.at(compile_mode(cfg, compiled), bound)
     costs, where, flops = stage_costs(
         model, cfg, global_batch, seq_len, hardware, stage_seconds, unit_seconds
     )

@@ -11,7 +11,7 @@ import yaml
 
 from lightning_zeropp.core.settings.config import ZeroPPConfig
 from lightning_zeropp.plan import Hardware
-from lightning_zeropp.plan.hardware import compiles
+from lightning_zeropp.plan.hardware import compile_mode
 from lightning_zeropp.plan.published import PUBLISHED, PublishedRun, predict
 
 CLUSTERS = Path(__file__).resolve().parents[2] / "conf" / "cluster"
@@ -42,19 +42,26 @@ def test_every_h100_cluster_file_gives_the_same_calibrated_ranges() -> None:
     assert eager[0] < compiled[0] and eager[1] < compiled[1]  # compiling is worth something
 
 
-def test_split_backward_schedules_price_eager_unless_told_they_compile() -> None:
+def test_split_backward_compiles_in_regions_priced_between_eager_and_compiled() -> None:
+    # torch refuses compiled stages under split backward; the library compiles there only the
+    # regions between the weights (the matmuls stay eager): priced from eager's low end to
+    # compiled's high end, as no published run measures it
     hw = _h100()
     split = ZeroPPConfig(pp_size=2, schedule="zbv", num_microbatches=4).resolve(2)
     plain = ZeroPPConfig(pp_size=2, schedule="1f1b", num_microbatches=4).resolve(2)
     zeropp = ZeroPPConfig(pp_size=2, schedule="zeropp", num_microbatches=4).resolve(2)
-    assert not compiles(split, True) and not compiles(zeropp, True)
-    assert compiles(plain, True) and compiles(split, True, split_backward_compiles=True)
-    assert not compiles(plain, False)
-    eager, compiled = hw.at(False).flops_per_s, hw.at(True).flops_per_s
-    assert compiled > eager == pytest.approx(989e12 * sum(hw.efficiency["eager"]) / 2)
+    whole = ZeroPPConfig(pp_size=2, schedule="zeropp", num_microbatches=4, split_backward=False)
+    assert compile_mode(split, True) == compile_mode(zeropp, True) == "regions"
+    assert compile_mode(plain, True) == compile_mode(whole.resolve(2), True) == "compiled"
+    assert compile_mode(plain, False) == compile_mode(split, False) == "eager"
+    assert compile_mode(ZeroPPConfig(pp_size=2, compile=True).resolve(2)) == "compiled"
+    assert hw.efficiency["regions"] == (hw.efficiency["eager"][0], hw.efficiency["compiled"][1])
+    eager, regions, compiled = (hw.at(m).flops_per_s for m in ("eager", "regions", "compiled"))
+    assert eager < regions < compiled
+    assert eager == pytest.approx(989e12 * sum(hw.efficiency["eager"]) / 2)
     # without a range (a measured rate) the mode changes nothing
     measured = Hardware(flops_per_s=1e12, intra_node_Bps=1e9, inter_node_Bps=1e9, node_size=8)
-    assert measured.at(True, "low").flops_per_s == measured.at(False, "high").flops_per_s == 1e12
+    assert measured.at("compiled", "low").flops_per_s == measured.at("eager", "high").flops_per_s
 
 
 def test_a_cluster_file_with_a_bad_efficiency_is_refused() -> None:
