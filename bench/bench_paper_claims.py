@@ -13,8 +13,14 @@ Rows per world size (global batch 4 rows a GPU, 128 and 256 sequences):
   recomputation on/off that fits;
 - the search's best layout (`plan.search`) for the same memory.
 Then two plots: step time and memory against U and v (32 GPUs), and predicted MFU from 8 to 1,024
-GPUs for ZeroPP, 1F1B over FSDP, FSDP alone and 3D. Writes bench/results/paper_claims.{md,json,png}
-and paper_scaling.png.
+GPUs for ZeroPP, 1F1B over FSDP, FSDP alone and 3D. And the comparison at equal memory: on 32
+GPUs, the fastest layout of each family (ZeroPP, 1F1B / interleaved 1F1B / ZB-V over FSDP, FSDP
+alone, Megatron-style 3D) whose busiest rank fits 16, 24, 32, 48 and 72 GiB, as a table and a
+plot. Writes bench/results/paper_claims.{md,json,png}, paper_scaling.png and paper_memory.png.
+
+Rates are the cluster file's, calibrated to published runs: each step time is the middle of the
+eager efficiency range (this library runs eager; torch 2.13 cannot compile its split-backward
+schedules), with the range's ends where a table says so.
 """
 
 from __future__ import annotations
@@ -119,6 +125,80 @@ def rows_for(model: Any, world: int, quick: bool) -> list[dict]:
     return rows
 
 
+BUDGETS_GIB = (16, 24, 32, 48, 72)
+FAMILIES = ("ZeroPP", "1F1B over FSDP", "Interleaved 1F1B over FSDP", "ZB-V over FSDP",
+            "FSDP alone", "3D (Megatron-style, TP)")  # fmt: skip
+
+
+def family(settings: dict[str, Any]) -> str:
+    if settings.get("pp_size", 1) == 1:
+        return "FSDP alone"
+    return {
+        "zeropp": "ZeroPP", "1f1b": "1F1B over FSDP",
+        "interleaved_1f1b": "Interleaved 1F1B over FSDP", "zbv": "ZB-V over FSDP",
+    }[settings["schedule"]]  # fmt: skip
+
+
+def memory_sweep(model: Any, compiled: bool, world: int = 32) -> dict[str, Any]:
+    """The fastest layout of each family under each memory budget (per GPU), 32 GPUs, eager
+    or with compile=True (`plan.hardware.compile_mode`; Megatron's fused kernels count as
+    compiled)."""
+    from dataclasses import replace
+
+    from lightning_zeropp.plan.megatron import predict_3d
+    from lightning_zeropp.plan.search import search
+    from lightning_zeropp.plan.steptime import predict_range
+
+    hw = replace(hardware(world // 8), memory_bytes=None)
+    batch = ROWS_PER_GPU * world
+    every = search(
+        model, world, batch, SEQ, hw, base={"param_dtype": "bf16"}, top=10**6, compiled=compiled
+    )
+    layouts = [
+        {"family": family(c.settings), "title": _describe(c.settings), "settings": c.settings,
+         "step_s": c.step_s, "mfu": c.step.mfu, "memory_GiB": c.memory_bytes / GiB}
+        for c in every
+    ]  # fmt: skip
+    for tp in (2, 4, 8):
+        for pp in (1, 2, 4):
+            for v in (1, 2) if pp > 1 else (1,):
+                for recompute in (False, True):
+                    dp = world // (tp * pp)
+                    r = predict_3d(model, world, batch, SEQ, hw.at(compiled), tp=tp, pp=pp,
+                                   num_chunks=v, num_microbatches=batch // dp,
+                                   recompute=recompute)  # fmt: skip
+                    layouts.append({
+                        "family": "3D (Megatron-style, TP)", "step_s": r.step_s, "mfu": r.mfu,
+                        "memory_GiB": r.memory_bytes / GiB, "settings": r.__dict__,
+                        "title": f"TP {tp} x PP {pp}{f' (v {v})' if v > 1 else ''} x DP {dp}"
+                        f"{', full recompute' if recompute else ''}",
+                    })  # fmt: skip
+    table: dict[str, dict[int, Any]] = {f: {} for f in FAMILIES}
+    for budget in BUDGETS_GIB:
+        for name in FAMILIES:
+            fits = [x for x in layouts if x["family"] == name and x["memory_GiB"] <= budget]
+            table[name][budget] = min(fits, key=lambda x: x["step_s"]) if fits else None
+    # the ends of the efficiency range for the winner at each budget
+    for budget in BUDGETS_GIB:
+        best = min((table[f][budget] for f in FAMILIES if table[f][budget]),
+                   key=lambda x: x["step_s"], default=None)  # fmt: skip
+        if best and best["family"] != "3D (Megatron-style, TP)":
+            from lightning_zeropp.core import ZeroPPConfig
+
+            fast_slow = predict_range(
+                model, ZeroPPConfig(**best["settings"]), world, batch, SEQ, hw, compiled=compiled
+            )
+            best["range_s"] = [fast_slow[1].step_s, fast_slow[0].step_s]
+    return {"world": world, "budgets_GiB": list(BUDGETS_GIB), "table": table,
+            "layouts_priced": len(layouts), "compiled": compiled}  # fmt: skip
+
+
+def _describe(settings: dict[str, Any]) -> str:
+    from lightning_zeropp.plan.__main__ import describe
+
+    return describe(settings)
+
+
 def sweep_u_v(model: Any) -> list[dict]:
     hw = hardware(4)
     out = []
@@ -174,6 +254,30 @@ def scaling(model: Any, quick: bool) -> list[dict]:
     return out
 
 
+def plot_memory(sweeps: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(sweeps), figsize=(6.5 * len(sweeps), 4.5), sharey=True)
+    for ax, sweep in zip(axes, sweeps, strict=True):
+        tokens = ROWS_PER_GPU * sweep["world"] * SEQ
+        for name in FAMILIES:
+            pts = [(b, x) for b, x in sweep["table"][name].items() if x]
+            if pts:
+                ax.plot([int(b) for b, _ in pts],
+                        [tokens / x["step_s"] / sweep["world"] for _, x in pts],
+                        marker="o", label=name)  # fmt: skip
+        mode = "compile=True" if sweep["compiled"] else "eager"
+        ax.set(xlabel="memory per GPU (GiB)", ylabel="predicted tokens/s per GPU",
+               title=f"LLaMA-2-7B, {sweep['world']} H100, seq {SEQ}, {mode}",
+               xticks=list(BUDGETS_GIB))  # fmt: skip
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def plot(sweep: list[dict], scale: list[dict], path_uv: Path, path_scale: Path) -> None:
     import matplotlib
 
@@ -226,20 +330,26 @@ def main() -> None:
         print(f"{world} GPUs done ({time.monotonic() - started:.0f}s)", flush=True)
     sweep = sweep_u_v(model)
     scale = scaling(model, args.quick)
+    memory = [memory_sweep(model, compiled) for compiled in (False, True)]
+    print(f"memory sweeps done ({time.monotonic() - started:.0f}s)", flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     plot(sweep, scale, RESULTS / "paper_claims.png", RESULTS / "paper_scaling.png")
+    plot_memory(memory, RESULTS / "paper_memory.png")
     meta = {"machine": where, "seq_len": SEQ, "rows_per_gpu": ROWS_PER_GPU,
             "wall_s": round(time.monotonic() - started, 1)}  # fmt: skip
     (RESULTS / "paper_claims.json").write_text(
         json.dumps(
-            {**meta, "tables": tables, "sweep": sweep, "scaling": scale}, indent=1, default=str
+            {**meta, "tables": tables, "sweep": sweep, "scaling": scale, "memory": memory},
+            indent=1, default=str,
         )
-    )
-    write_markdown(meta, tables, sweep, scale, RESULTS / "paper_claims.md")
+    )  # fmt: skip
+    write_markdown(meta, tables, sweep, scale, RESULTS / "paper_claims.md", memory)
     print((RESULTS / "paper_claims.md").read_text())
 
 
-def write_markdown(meta: dict, tables: dict, sweep: list, scale: list, path: Path) -> None:
+def write_markdown(
+    meta: dict, tables: dict, sweep: list, scale: list, path: Path, memory: list[dict]
+) -> None:
     m = meta["machine"]
     lines = [
         "# The ZeroPP paper's setting, predicted by the planner (not measured)",
@@ -247,8 +357,10 @@ def write_markdown(meta: dict, tables: dict, sweep: list, scale: list, path: Pat
         f"- {m['date']}; commit {m['commit']}; computed on {m['cpu']} in {meta['wall_s']} s",
         f"- LLaMA-2-7B shape (HF Llama, 6.7B parameters), sequence {SEQ}, {ROWS_PER_GPU} sequences "
         "per GPU a step, bf16 compute, fp32 gradient reduction, AdamW",
-        "- H100 SXM figures from conf/cluster/h100_4x8.yaml: 989 TFLOP/s bf16 at an assumed 50% "
-        "sustained, NVLink 450 GB/s and InfiniBand 50 GB/s per GPU each way, 80 GiB of which a run may fill 90% (assumed)",
+        "- H100 SXM figures from conf/cluster/h100_4x8.yaml: 989 TFLOP/s bf16 at the middle of "
+        "the eager efficiency range calibrated on published runs (0.35-0.50 of peak: "
+        "lightning_zeropp/plan/published.py), NVLink 450 GB/s and InfiniBand 50 GB/s per GPU each "
+        "way, 80 GiB of which a run may fill 90% (assumed)",
         "",
     ]
     for world, rows in tables.items():
@@ -282,7 +394,62 @@ def write_markdown(meta: dict, tables: dict, sweep: list, scale: list, path: Pat
     for r in scale:
         cells = [f"{r[n]:.1%}" if r.get(n) else "does not fit" for n in names]
         lines.append(f"| {r['world']} | " + " | ".join(cells) + " |")
+    for m in memory:
+        lines += _memory_markdown(m)
     path.write_text("\n".join(lines) + "\n")
+
+
+def _memory_markdown(memory: dict) -> list[str]:
+    tokens = ROWS_PER_GPU * memory["world"] * SEQ
+    head = " | ".join(f"{b} GiB" for b in memory["budgets_GiB"])
+    mode = (
+        "compiled (compile=True): whole blocks where the backward is not split (1F1B, "
+        "interleaved 1F1B, FSDP alone, ZeroPP without split backward; Megatron's fused kernels), "
+        "only the regions between the weights under split backward (ZeroPP's default, ZB-V), "
+        "priced between eager and compiled"
+        if memory["compiled"]
+        else "every layout eager (this library's default)"
+    )
+    lines = [
+        "",
+        f"## At equal memory, {'compiled' if memory['compiled'] else 'eager'}: the fastest "
+        f"layout of each family, {memory['world']} GPUs",
+        "",
+        f"Blocks {mode}. Tokens/s per GPU (predicted, middle of the efficiency range) of the "
+        f"fastest layout whose busiest rank fits the budget; {memory['layouts_priced']} layouts "
+        "priced. Plot: paper_memory.png.",
+        "",
+        f"| Family | {head} |",
+        "|---|" + "---:|" * len(memory["budgets_GiB"]),
+    ]
+    for name, row in memory["table"].items():
+        cells = [
+            f"{tokens / x['step_s'] / memory['world']:,.0f}" if x else "does not fit"
+            for x in (row[b] for b in memory["budgets_GiB"])
+        ]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "Winners (and the layout each family's best is):", ""]
+    for b in memory["budgets_GiB"]:
+        best = sorted((row[b] for row in memory["table"].values() if row[b]),
+                      key=lambda x: x["step_s"])  # fmt: skip
+        if not best:
+            lines.append(f"- {b} GiB: nothing fits")
+            continue
+        w = best[0]
+        span = (
+            f" (range {tokens / w['range_s'][1] / memory['world']:,.0f}-"
+            f"{tokens / w['range_s'][0] / memory['world']:,.0f})"
+            if w.get("range_s") else ""
+        )  # fmt: skip
+        runner = (
+            f"; next {best[1]['family']} at {best[1]['step_s'] / w['step_s'] - 1:+.1%} step time"
+            if len(best) > 1 else ""
+        )  # fmt: skip
+        lines.append(
+            f"- {b} GiB: {w['family']}, {w['title']}, {w['memory_GiB']:.1f} GiB, "
+            f"{tokens / w['step_s'] / memory['world']:,.0f} tokens/s per GPU{span}{runner}"
+        )
+    return lines
 
 
 if __name__ == "__main__":

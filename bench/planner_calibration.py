@@ -5,7 +5,10 @@ measured apart from the timed steps.
   send/recv per message size (receiver's time: a send returns once queued);
 - `overhead_rank`: the engine's fixed cost per FSDP unit and task, on one rank at 8 tokens;
 - `profile_stages`: each stage's forward and backward of one micro-batch on real tensors;
-- `fit_line`: latency and bandwidth from the timed sizes.
+- `fit_line`: latency and bandwidth from the timed sizes;
+- `published_table` (`python bench/planner_calibration.py --published`): the planner against the
+  published H100 runs its cluster files' efficiency ranges come from; writes
+  bench/results/planner_calibration.md.
 """
 
 from __future__ import annotations
@@ -143,3 +146,70 @@ def profile_stages(world: int, layout: Layout) -> list[tuple[float, float]]:
         out.append((statistics.median(fwd[1:]), statistics.median(bwd[1:])))
         x = y.detach()
     return out
+
+
+# ------------------------------------------------------------------------ published runs
+def published_table(cluster: str = "h100_4x8") -> list[dict[str, Any]]:
+    """Each published run (`lightning_zeropp.plan.published`): its figure, the share of peak at
+    which the planner predicts it, and the planner's range for it from the cluster file."""
+    from pathlib import Path
+
+    import yaml
+
+    from lightning_zeropp.plan import Hardware
+    from lightning_zeropp.plan.published import PUBLISHED, calibrate, predict
+
+    conf = Path(__file__).resolve().parents[1] / "conf" / "cluster" / f"{cluster}.yaml"
+    hw = Hardware.from_cluster(yaml.safe_load(conf.read_text()), "bf16")
+    assert hw.efficiency is not None
+    rows = []
+    for run in PUBLISHED:
+        low, high = hw.efficiency["compiled" if run.compiled else "eager"]
+        rows.append({
+            "name": run.name, "source": run.source, "metric": run.metric, "value": run.value,
+            "compiled": run.compiled, "calibrates": run.calibrates, "note": run.note,
+            "share": calibrate(run, hw, tolerance=1e-4),
+            "range": [predict(run, hw, low), predict(run, hw, high)],
+        })  # fmt: skip
+    return rows
+
+
+def write_published(rows: list[dict[str, Any]], path: Path) -> None:
+    from common import machine
+
+    m = machine()
+    lines = [
+        "# The planner against published H100 runs",
+        "",
+        f"- {m['date']}; commit {m['commit']}; `python bench/planner_calibration.py --published`",
+        "- Share: the fraction of 989 TFLOP/s at which the planner predicts the run's published "
+        "figure; range: the planner's prediction at the ends of conf/cluster/h100_4x8.yaml's "
+        "efficiency range for the run's mode",
+        "",
+        "| Run | Mode | Published | Share | Planner's range | Inside | Approximations |",
+        "|---|---|---:|---:|---|---|---|",
+    ]
+    for r in rows:
+        fmt = (lambda v: f"{v:.1%}") if r["metric"] == "mfu" else (lambda v: f"{v:,.0f} tok/s")
+        inside = r["range"][0] <= r["value"] <= r["range"][1]
+        role = "yes" if inside else ("no (a check, not a source)" if not r["calibrates"] else "NO")
+        lines.append(
+            f"| {r['name']} | {'compiled' if r['compiled'] else 'eager'} | {fmt(r['value'])} | "
+            f"{r['share']:.3f} | {fmt(r['range'][0])} - {fmt(r['range'][1])} | {role} | "
+            f"{r['note']} |"
+        )
+    path.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    import os
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    if "--published" not in sys.argv:
+        raise SystemExit("usage: python bench/planner_calibration.py --published")
+    results = Path(os.environ.get("BENCH_RESULTS", Path(__file__).resolve().parent / "results"))
+    results.mkdir(parents=True, exist_ok=True)
+    table = published_table()
+    write_published(table, results / "planner_calibration.md")
+    print((results / "planner_calibration.md").read_text())

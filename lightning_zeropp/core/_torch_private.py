@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard import _fully_shard as _fully_shard_module
 from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState as _TrainingState
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.distributed.pipelining.schedules import (
@@ -27,6 +28,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 __all__ = [
+    "fsdp_pre_backward_muted",
     "ShapeInferenceStage",
     "PipelineSchedule",
     "ScheduleRuntime",
@@ -160,6 +162,35 @@ def run_post_backward(root: FSDPModule) -> None:
         for group in sub._fsdp_param_groups:
             group.post_backward()
     state._root_post_backward_final_callback()
+
+
+@contextlib.contextmanager
+def fsdp_pre_backward_muted(root: nn.Module) -> Iterator[None]:
+    """While active, FSDP's pre-backward hooks of the units under `root` do nothing.
+
+    A held-back weight-gradient task of a released chunk starts its autograd pass at the nodes
+    where weight paths branch off; when such a node is a unit's output (a block ending in a
+    norm: post-norm transformers), FSDP's pre-backward hook on that output runs again and would
+    gather the released weights and queue its end-of-backward callback. Marking every parameter
+    group as already in pre-backward, and the callback as queued, makes the hook a no-op."""
+    states = [m._get_fsdp_state() for m in root.modules() if isinstance(m, FSDPModule)]
+    saved = [
+        (st, st._training_state, st._state_ctx.post_backward_final_callback_queued,
+         [(g, g._training_state) for g in st._fsdp_param_groups])
+        for st in states
+    ]  # fmt: skip
+    for st in states:
+        st._state_ctx.post_backward_final_callback_queued = True
+        for group in st._fsdp_param_groups:
+            group._training_state = _TrainingState.PRE_BACKWARD
+    try:
+        yield
+    finally:
+        for st, training, queued, groups in saved:
+            st._training_state = training
+            st._state_ctx.post_backward_final_callback_queued = queued
+            for group, state in groups:
+                group._training_state = state
 
 
 def _param_groups(module: FSDPModule) -> list[Any]:

@@ -5,7 +5,9 @@
 - `plan.comm`: each step's collectives and messages per rank;
 - `plan.simulate`, `plan.steptime`: a step replayed per rank against its dependencies, priced
   by `plan.hardware`;
+- `plan.plus`: ZeRO++'s traffic and memory per FSDP unit;
 - `plan.megatron`: Megatron-style TP x PP x DP, priced the same way, for comparisons;
+- `plan.published`: the published runs the cluster files' efficiency ranges come from;
 - `plan.search`: the layouts that fit, fastest first; `python -m lightning_zeropp.plan`.
 
 It reads the model the way the engine splits it (`core.split`) and the layout the way the engine
@@ -18,7 +20,7 @@ from lightning_zeropp.plan.hardware import Hardware
 from lightning_zeropp.plan.megatron import ThreeD, predict_3d
 from lightning_zeropp.plan.memory import RankMemoryPlan, predict_memory, stage_parameter_shapes
 from lightning_zeropp.plan.search import Candidate, rank_memory, search
-from lightning_zeropp.plan.steptime import StepTimePlan, predict_step_time
+from lightning_zeropp.plan.steptime import StepTimePlan, predict_range, predict_step_time
 
 __all__ = [
     "Candidate",
@@ -30,6 +32,7 @@ __all__ = [
     "predict_3d",
     "predict_comm",
     "predict_memory",
+    "predict_range",
     "predict_step_time",
     "rank_memory",
     "search",

@@ -4,16 +4,23 @@ a `conf/parallel/` file.
 
 Keys (besides Hydra's `model=` and `cluster=` groups and any `model.*` / `cluster.*` override):
   global_batch=256   rows per step (sequences)
-  seq_len=2048       tokens per row (default: data.seq_len)
+  seq_len=null       tokens per row (default: the model's context, model.max_seq_len, e.g.
+                     4096 for llama_7b; data.seq_len for models sized to their data)
   dtype=bf16         compute dtype (param_dtype; gradients reduced in fp32)
   optimizer=adamw    adamw or sgd
   micro_batch=null   rows per micro-batch (null: any)
+  compile=false      blocks compiled (torch.compile): whole, or under split backward only the
+                     regions between their weights (priced between eager and compiled)
+  quantized_weights=null, quantized_gradients=null, hpz_partition_size=null
+                     ZeRO++ (qwZ int8/bf16, qgZ int8/int4, hpZ ranks), priced in every layout
   top=10             layouts printed
   write=auto         the parallel/ file for the best layout (auto: conf/parallel/auto_<model>_<cluster>.yaml; none: skip)
 
 The model is built on the meta device from its config (no weights, no download); the cluster's
-bandwidths and `planner` figures (peak TFLOP/s, the sustained share of it, memory) come from its
-`conf/cluster/` file. Every figure is a prediction: see README "The planner".
+bandwidths and `planner` figures (peak TFLOP/s, the share of it sustained eager and compiled,
+memory) come from its `conf/cluster/` file. Step times and MFU are printed as the middle of the
+cluster's efficiency range, with its ends in brackets. Every figure is a prediction: see README
+"The planner".
 """
 
 from __future__ import annotations
@@ -25,8 +32,11 @@ from typing import Any
 CONF = Path(__file__).resolve().parents[2] / "conf"
 DEFAULTS: dict[str, Any] = {
     "global_batch": 256, "seq_len": None, "dtype": "bf16", "optimizer": "adamw",
-    "micro_batch": None, "top": 10, "write": "auto",
+    "micro_batch": None, "top": 10, "write": "auto", "compile": False,
+    "quantized_weights": None, "quantized_gradients": None,
+    "hpz_partition_size": None,
 }  # fmt: skip
+PLUS = ("quantized_weights", "quantized_gradients", "hpz_partition_size")
 GiB = 2**30
 
 
@@ -50,6 +60,8 @@ def split_args(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
             not isinstance(value, int) or isinstance(value, bool) or value < 1
         ):
             raise SystemExit(f"{key}={value!r} must be a positive integer (or null).")
+    if not isinstance(own["compile"], bool):
+        raise SystemExit(f"compile={own['compile']!r} must be true or false.")
     if own["dtype"] not in ("bf16", "fp16", "fp32"):
         raise SystemExit(f"dtype={own['dtype']!r} is not priced; use bf16, fp16 or fp32.")
     return own, hydra
@@ -78,9 +90,8 @@ def main(argv: list[str]) -> int:
     own, overrides = split_args(argv)
     with initialize_config_dir(str(CONF), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
-    seq_len = int(own["seq_len"] or cfg.data.seq_len)
-    if own["seq_len"]:
-        cfg.data.seq_len = seq_len  # the bundled GPT's position table follows it
+    seq_len = int(own["seq_len"] or _context(cfg))
+    cfg.data.seq_len = seq_len  # the bundled GPT's position table follows it
     cluster = OmegaConf.to_container(cfg.cluster, resolve=True)
     assert isinstance(cluster, dict)
     world = int(cluster["devices"]) * int(cluster["num_nodes"])
@@ -90,7 +101,8 @@ def main(argv: list[str]) -> int:
         model = instantiate(cfg.model.net)
     if dtype != own["dtype"]:
         print(f"({cluster['name']} is a CPU cluster: pricing fp32, not {own['dtype']})")
-    base = {"param_dtype": dtype if dtype != "fp32" else None}
+    base = {"param_dtype": dtype if dtype != "fp32" else None, "compile": own["compile"]}
+    base.update({key: own[key] for key in PLUS if own[key] is not None})
     layouts = list(
         enumerate_layouts(
             world, _num_blocks(model), own["global_batch"], hardware.node_size, base,
@@ -120,10 +132,16 @@ def main(argv: list[str]) -> int:
         )
         return 1
     tokens = own["global_batch"] * seq_len
-    print(f"{'#':>2} {'step (s)':>9} {'MFU':>6} {'tokens/s':>10} {'GiB/rank':>9}  layout")
+    print(
+        f"{'#':>2} {'step (s) [range]':>22} {'MFU [range]':>19} {'tokens/s':>10} "
+        f"{'GiB/rank':>9}  layout"
+    )
     for i, c in enumerate(best):
+        fast, slow = c.step_range_s
+        low_mfu, high_mfu = (c.slow or c.step).mfu, (c.fast or c.step).mfu
         print(
-            f"{i + 1:>2} {c.step_s:>9.3f} {c.step.mfu:>6.1%} {tokens / c.step_s:>10.0f} "
+            f"{i + 1:>2} {c.step_s:>7.3f} [{fast:.3f}-{slow:.3f}] "
+            f"{c.step.mfu:>6.1%} [{low_mfu:.0%}-{high_mfu:.0%}] {tokens / c.step_s:>10.0f} "
             f"{c.memory_bytes / GiB:>9.1f}  {describe(c.settings)}"
         )
     if own["write"] != "none":
@@ -133,7 +151,8 @@ def main(argv: list[str]) -> int:
         micro = own["global_batch"] // (world // chosen["pp_size"]) // chosen["num_microbatches"]
         header = (
             f"# Chosen by `python -m lightning_zeropp.plan {' '.join(argv)}` for {cfg.model.name} "
-            f"on {cluster['name']}:\n# predicted {best[0].step_s:.3f} s a step, MFU "
+            f"on {cluster['name']}:\n# predicted {best[0].step_s:.3f} s a step "
+            f"({best[0].step_range_s[0]:.3f} to {best[0].step_range_s[1]:.3f}), MFU "
             f"{best[0].step.mfu:.1%}, {best[0].memory_bytes / GiB:.1f} GiB per rank (a prediction, "
             "not a measurement),\n# for a global batch of "
             f"{own['global_batch']} x {seq_len} tokens: train it with trainer.micro_batch_size="
@@ -146,6 +165,15 @@ def main(argv: list[str]) -> int:
             f"data.seq_len={seq_len} (the batch it was priced for) when it sits in conf/parallel/"
         )
     return 0
+
+
+def _context(cfg: Any) -> int:
+    """The model's context length (`model.max_seq_len`), else the data's sequence length (a
+    model sized to its data, such as the bundled GPT, reads it from there)."""
+    from omegaconf import OmegaConf
+
+    given = OmegaConf.select(cfg, "model.max_seq_len", default=None)
+    return int(given) if given else int(cfg.data.seq_len)
 
 
 def _num_blocks(model: Any) -> int:
@@ -163,6 +191,8 @@ def describe(settings: dict[str, Any]) -> str:
             text += f" v={s['num_chunks']}"
         if "unit_size" in s:
             text += f" U={s['unit_size']}"
+        if s.get("split_backward") is False:
+            text += ", no split backward"
     text += f", {s['num_microbatches']} micro-batches"
     if s.get("activation_checkpointing", "none") != "none":
         text += f", recompute {s['activation_checkpointing']}"

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import functools
 from types import SimpleNamespace
+from typing import Any
 
 from torch import nn
 
 from lightning_zeropp.core.settings.config import ZeroPPConfig
 from lightning_zeropp.core.settings.placement import stage_ids_for_rank
-from lightning_zeropp.plan.memory import stage_ranges
+from lightning_zeropp.plan.memory import _stage_ranges, stage_ranges
 from lightning_zeropp.plan.profile import Part, micro_batch_rows, profile_model
 
 __all__ = [
@@ -46,12 +47,28 @@ Order = list[tuple[str, int, int]]  # (kind F/B/I/W, stage, micro-batch)
 def stage_parts(model: nn.Module, config: ZeroPPConfig, rows: int, seq_len: int) -> list[Part]:
     """One micro-batch of `rows` x `seq_len` tokens on each stage (a resolved config; `model` on
     the meta device): saved bytes (recomputing stages: their blocks' inputs), FLOPs, output."""
-    profile = profile_model(model, rows, seq_len, config.param_dtype)
-    n = config.num_stages
-    return [
-        profile.stage(r, s == 0, s == n - 1, config.recomputes(s))
-        for s, r in enumerate(stage_ranges(model, config))
-    ]
+    points = tuple(config.split_points) if config.split_points else None
+    recompute = tuple(config.recomputes(s) for s in range(config.num_stages))
+    return list(
+        _stage_parts(model, config.num_stages, points, rows, seq_len, config.param_dtype, recompute)
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def _stage_parts(
+    model: nn.Module,
+    num_stages: int,
+    points: tuple[int, ...] | None,
+    rows: int,
+    seq_len: int,
+    dtype: Any,
+    recompute: tuple[bool, ...],
+) -> tuple[Part, ...]:
+    profile = profile_model(model, rows, seq_len, dtype)
+    cut = _stage_ranges(model, num_stages, points)
+    return tuple(
+        profile.stage(r, s == 0, s == num_stages - 1, recompute[s]) for s, r in enumerate(cut)
+    )
 
 
 def stage_activation_bytes(
@@ -73,15 +90,67 @@ def recompute_transients(
     ]
 
 
-def task_orders(config: ZeroPPConfig) -> dict[int, Order]:
-    """Every pipeline rank's compute tasks in order, as its schedule runs them."""
-    if config.schedule == "zeropp":
-        from lightning_zeropp.core.schedule.build import zeropp_orders
+def schedule_key(config: ZeroPPConfig) -> tuple:
+    """What a resolved config's task orders and lowered plans depend on (a search prices many
+    layouts that share them: the data-parallel sizes do not change them, but hpZ does)."""
+    from lightning_zeropp.core.settings.plus import hpz_size
 
-        return {
-            r: [(t.kind, t.stage, t.microbatch) for t in order]
-            for r, order in zeropp_orders(config).items()
+    return (
+        config.schedule, config.pp_size, config.num_chunks, config.num_microbatches,
+        config.unit_size, config.split_backward, config.activation_checkpointing,
+        config.grad_reduce, config.reshard_after_forward, hpz_size(config),
+    )  # fmt: skip
+
+
+_ZEROPP: dict[tuple, tuple[dict[int, list[Any]], dict[int, Order]]] = {}
+
+
+def zeropp_plans(config: ZeroPPConfig) -> dict[int, list[Any]]:
+    """`core.schedule.zeropp_plans` of a resolved config, shared by the configs of one schedule
+    (do not modify)."""
+    return _zeropp(config)[0]
+
+
+def _zeropp(config: ZeroPPConfig) -> tuple[dict[int, list[Any]], dict[int, Order]]:
+    key = schedule_key(config)
+    if key not in _ZEROPP:
+        plans = _lowered(config)
+        orders = {
+            r: [(s.task.kind, s.task.stage, s.task.microbatch) for s in plan if s.kind == "compute"]
+            for r, plan in plans.items()
         }
+        _ZEROPP[key] = (plans, orders)
+    return _ZEROPP[key]
+
+
+def _lowered(config: ZeroPPConfig) -> dict[int, list[Any]]:
+    """`core.schedule.build.zeropp_plans` without its deadlock check of the orders (a replay of
+    every rank's tasks: most of a search's time, and `simulate` replays them anyway, raising on
+    a deadlock); tests/unit/test_plan.py holds the two equal."""
+    from lightning_zeropp.core.schedule.zeropp import lower, rank_order, reduce_points
+    from lightning_zeropp.core.settings.plus import hpz_size
+
+    pp, v, m, u = config.pp_size, config.num_chunks, config.num_microbatches, config.unit_size
+    assert pp is not None and v is not None and m is not None and u is not None
+    full = [s for s in range(config.num_stages) if config.recomputes(s)]
+    plans = {}
+    for r in range(pp):
+        order = rank_order(
+            r, pp, v, m, u, split_backward=bool(config.split_backward), full_backward=full
+        )
+        plans[r] = lower(
+            order,
+            reduce_points(order, u, config.grad_reduce),
+            keep_node_copy=hpz_size(config) is not None,
+        )
+    return plans
+
+
+def task_orders(config: ZeroPPConfig) -> dict[int, Order]:
+    """Every pipeline rank's compute tasks in order, as its schedule runs them (shared: do not
+    modify)."""
+    if config.schedule == "zeropp":
+        return _zeropp(config)[1]
     from lightning_zeropp.core.schedule.build import SCHEDULES
 
     cls, style = SCHEDULES[config.schedule]
@@ -107,8 +176,11 @@ def _multi_stage_orders(schedule: str, pp: int, v: int, m: int) -> dict[int, Ord
     return {
         rank: [
             (a.computation_type.value, a.stage_index, a.microbatch_index)
-            for a in order[rank]
-            if a is not None and a.computation_type.value in ("F", "B", "I", "W")
+            for action in order[rank]
+            if action is not None
+            # DualPipeV pairs a forward and a backward (OVERLAP_F_B); torch runs them in turn
+            for a in (getattr(action, "sub_actions", None) or (action,))
+            if a.computation_type.value in ("F", "B", "I", "W")
         ]
         for rank in range(pp)
     }

@@ -12,17 +12,20 @@
   compute unless set);
 - send / recv (pp): per micro-batch, a stage's output to the next stage and the gradient of its
   input back, where the two stages sit on different ranks; sizes from running the stages on the
-  meta device.
+  meta device;
+- ZeRO++ (`plan.plus`): qwZ's gathers move the packed shard; hpZ's backward gathers (axis "hpz")
+  its in-node copy, where the step's programs (`plan.steptime.programs_for`) read it; qgZ
+  replaces each reduce-scatter with all-to-alls inside the node ("zeropp_plus_intra") and
+  across nodes ("zeropp_plus_cross"), each counted with its whole packed input.
 
-Not modelled (they raise): resharding after forward under a pipeline, ZeRO++'s collectives, and
-the engine's few scalar collectives (the loss, two agreement flags), which are left out.
+Not modelled (it raises): resharding after forward under a pipeline; left out: the engine's few
+scalar collectives (the loss, two agreement flags).
 """
 
 from __future__ import annotations
 
 import math
 
-import torch
 from torch import nn
 
 from lightning_zeropp.core.settings.config import ZeroPPConfig
@@ -33,6 +36,7 @@ from lightning_zeropp.core.settings.placement import (
 )
 from lightning_zeropp.plan.activations import stage_parts
 from lightning_zeropp.plan.memory import stage_units
+from lightning_zeropp.plan.plus import unit_traffic
 from lightning_zeropp.plan.profile import micro_batch_rows
 
 __all__ = ["predict_comm"]
@@ -48,36 +52,33 @@ def predict_comm(
     model: nn.Module, config: ZeroPPConfig, world_size: int, global_batch: int, seq_len: int
 ) -> dict[int, Summary]:
     """Each global rank's predicted `CommCounter` summary of one training step (all-gather,
-    reduce-scatter, send and recv only)."""
+    reduce-scatter, ZeRO++'s all-to-alls, send and recv only)."""
+    from lightning_zeropp.plan.steptime import programs_for  # (steptime reads this module)
+
     cfg = config.resolve(world_size)
     if cfg.pp_size > 1 and cfg.reshard_after_forward:
         raise NotImplementedError("resharding after forward under a pipeline is not modelled")
-    if cfg.quantized_weights or cfg.quantized_gradients or cfg.hpz_partition_size:
-        raise NotImplementedError("ZeRO++'s collectives are not modelled here yet")
     stages = stage_units(model, cfg)
-    compute = torch.empty((), dtype=cfg.param_dtype).element_size() if cfg.param_dtype else 4
-    reduce_dtype = cfg.reduce_dtype or (torch.float32 if cfg.param_dtype else None)
-    reduce = torch.empty((), dtype=reduce_dtype).element_size() if reduce_dtype else compute
     rows = micro_batch_rows(global_batch, cfg.dp_size, cfg.num_microbatches)
     boundary = [part.output for part in stage_parts(model, cfg, rows, seq_len)]
-    gathers, reductions = _gathers_and_reductions(cfg)
+    programs = programs_for(cfg)
     style = schedule_style(cfg.schedule)
     out = {}
     for rank in range(world_size):
         pp_rank = rank // cfg.dp_size
         summary: Summary = {}
+        ops = programs[pp_rank]
         for stage in stage_ids_for_rank(style, pp_rank, cfg.pp_size, cfg.num_chunks):
             block_shapes, rest = stages[stage].blocks, stages[stage].rest
             shapes = [
                 *block_shapes,
                 *([rest] if rest else []),
             ]  # a unit without parameters: no gather
-            units = [_padded_shard(u, cfg.dp_shard_size) for u in shapes]
+            full = sum(1 for op in ops if op.stage == stage and op.gather and not op.from_node)
+            node = sum(1 for op in ops if op.stage == stage and op.gather and op.from_node)
+            reduced = sum(1 for op in ops if op.stage == stage and op.reduce)
             if cfg.dp_shard_size > 1:
-                _add(summary, "all_gather", "dp_shard", gathers[stage] * len(units),
-                     gathers[stage] * sum(units) * compute)  # fmt: skip
-                _add(summary, "reduce_scatter", "dp_shard", reductions[stage] * len(units),
-                     reductions[stage] * cfg.dp_shard_size * sum(units) * reduce)  # fmt: skip
+                _count_units(summary, cfg, shapes, full, node, reduced)
             m = cfg.num_microbatches
             if (
                 stage + 1 < cfg.num_stages
@@ -92,25 +93,36 @@ def predict_comm(
     return out
 
 
+def _count_units(
+    summary: Summary,
+    cfg: ZeroPPConfig,
+    units: list[list[tuple[int, ...]]],
+    full: int,
+    node: int,
+    reduced: int,
+) -> None:
+    """A stage's units gathered `full` times over the shard group, `node` times from hpZ's
+    copy, and reduced `reduced` times (`plan.plus`: what each call moves)."""
+    traffic = [unit_traffic(cfg, shapes) for shapes in units]
+    n = len(traffic)
+    _add(summary, "all_gather", "dp_shard", full * n, full * sum(t.gather for t in traffic))
+    if node:
+        _add(summary, "all_gather", "hpz", node * n, node * sum(t.node_gather for t in traffic))
+    local = min(cfg.dp_shard_size, cfg.node_size or cfg.dp_shard_size)
+    # a hop whose group is the whole shard group (one node, or one rank a node) is named by it
+    intra = "dp_shard" if local == cfg.dp_shard_size else "zeropp_plus_intra"
+    cross = "dp_shard" if local == 1 else "zeropp_plus_cross"
+    for kind, axis, field in (
+        ("reduce_scatter", "dp_shard", "reduce"),
+        ("all_to_all", intra, "intra"),
+        ("all_to_all", cross, "cross"),
+    ):
+        moved = [getattr(t, field) for t in traffic]
+        if any(moved):
+            _add(summary, kind, axis, reduced * n, reduced * sum(moved))
+
+
 def _add(summary: Summary, kind: str, axis: str, count: int, nbytes: int) -> None:
     entry = summary.setdefault(kind, {}).setdefault(axis, {"count": 0, "bytes": 0})
     entry["count"] += count
     entry["bytes"] += nbytes
-
-
-def _gathers_and_reductions(cfg: ZeroPPConfig) -> tuple[dict[int, int], dict[int, int]]:
-    """How many times per step each stage is gathered and its gradients reduced."""
-    stages = range(cfg.num_stages)
-    if cfg.schedule == "zeropp":
-        from lightning_zeropp.core.schedule.build import zeropp_plans
-
-        gathers, early = dict.fromkeys(stages, 0), dict.fromkeys(stages, 0)
-        for plan in zeropp_plans(cfg).values():
-            for step in plan:
-                if step.kind == "gather":
-                    gathers[step.stage] += 1
-                elif step.kind == "reduce":
-                    early[step.stage] += 1
-        return gathers, {s: 1 + early[s] for s in stages}
-    per_step = cfg.num_microbatches + 1 if cfg.num_stages == 1 else 1
-    return dict.fromkeys(stages, per_step), dict.fromkeys(stages, 1)

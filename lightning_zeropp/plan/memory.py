@@ -27,7 +27,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from lightning_zeropp.core.settings.config import ZeroPPConfig
@@ -74,15 +73,30 @@ def split_stages(model: nn.Module, config: ZeroPPConfig) -> list[nn.Module]:
 
 
 def stage_ranges(model: nn.Module, config: ZeroPPConfig) -> list[range]:
-    """Each stage's block indices (a resolved config)."""
-    if config.num_stages == 1:
-        return [range(len(find_blocks(model)[1]))]
-    return list(plan_blocks(model, config.num_stages, config.split_points).ranges)
+    """Each stage's block indices (a resolved config); cached per model and cut (a search asks
+    for the same cut many times, and balancing counts every parameter)."""
+    points = tuple(config.split_points) if config.split_points else None
+    return list(_stage_ranges(model, config.num_stages, points))
+
+
+@functools.lru_cache(maxsize=256)
+def _stage_ranges(
+    model: nn.Module, num_stages: int, points: tuple[int, ...] | None
+) -> tuple[range, ...]:
+    if num_stages == 1:
+        return (range(len(model_blocks(model)[1])),)
+    return tuple(plan_blocks(model, num_stages, list(points) if points else None).ranges)
+
+
+@functools.lru_cache(maxsize=64)
+def model_blocks(model: nn.Module) -> tuple[str, list[str]]:
+    """`core.split.find_blocks` of `model`, cached (it walks every module)."""
+    return find_blocks(model)
 
 
 def stage_blocks(model: nn.Module, config: ZeroPPConfig) -> tuple[str, list[list[str]]]:
     """The blocks' container in `model` and each stage's block names (a resolved config)."""
-    container, names = find_blocks(model)
+    container, names = model_blocks(model)
     return container, [[names[i] for i in r] for r in stage_ranges(model, config)]
 
 
@@ -155,31 +169,30 @@ def predict_memory(
         raise ValueError(f"optimizer={optimizer!r} is not modelled; use 'adamw', 'adam' or 'sgd'.")
     cfg = config.resolve(world_size)
     stages = stage_parameter_shapes(model, cfg)
-    compute_bytes = (
-        torch.empty((), dtype=cfg.param_dtype).element_size() if cfg.param_dtype else None
-    )
+    compute_bytes = cfg.param_dtype.itemsize if cfg.param_dtype else None
     style = schedule_style(cfg.schedule)
     full = [sum(math.prod(s) * (compute_bytes or b) for s, b in stage) for stage in stages]
-    peaks = {
-        r: _gathered_peak(
-            model, cfg, stage_ids_for_rank(style, r, cfg.pp_size, cfg.num_chunks), full,
-            compute_bytes, device_type,
-        )
+    held = {
+        r: tuple(stage_ids_for_rank(style, r, cfg.pp_size, cfg.num_chunks))
         for r in range(cfg.pp_size)
-    }  # fmt: skip
+    }
+    peaks = {
+        r: _gathered_peak(model, cfg, list(held[r]), full, compute_bytes, device_type)
+        for r in range(cfg.pp_size)
+    }
     out = []
-    shard_bytes: dict[tuple[int, int], int] = {}  # replicas hold the same shards
+    points = tuple(cfg.split_points) if cfg.split_points else None
+    shard_bytes: dict[tuple[int, int], tuple[int, int]] = {}  # replicas hold the same shards
     for rank in range(world_size):
         pp_rank, shard = divmod(rank, cfg.dp_replicate_size * cfg.dp_shard_size)
         shard %= cfg.dp_shard_size
-        ids = stage_ids_for_rank(style, pp_rank, cfg.pp_size, cfg.num_chunks)
-        held = [(s, b) for i in ids for s, b in stages[i]]
+        ids = held[pp_rank]
         if (pp_rank, shard) not in shard_bytes:
-            shard_bytes[pp_rank, shard] = sum(
-                local_numel(s, cfg.dp_shard_size, shard) * b for s, b in held
+            shard_bytes[pp_rank, shard] = _shard_bytes(
+                model, cfg.num_stages, points, ids, cfg.dp_shard_size, shard
             )
-        params = shard_bytes[pp_rank, shard]
-        state = 2 * params + 4 * len(held) if optimizer != "sgd" else 0
+        params, count = shard_bytes[pp_rank, shard]
+        state = 2 * params + 4 * count if optimizer != "sgd" else 0
         out.append(
             RankMemoryPlan(
                 rank=rank,
@@ -191,6 +204,20 @@ def predict_memory(
             )
         )
     return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _shard_bytes(
+    model: nn.Module,
+    num_stages: int,
+    points: tuple[int, ...] | None,
+    ids: tuple[int, ...],
+    shards: int,
+    index: int,
+) -> tuple[int, int]:
+    """Bytes of shard `index` of stages `ids` over `shards` ranks, and their parameter count."""
+    held = [(s, b) for i in ids for s, b in _stage_units(model, num_stages, points)[i].params]
+    return sum(local_numel(s, shards, index) * b for s, b in held), len(held)
 
 
 def _gathered_peak(

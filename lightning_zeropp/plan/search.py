@@ -6,12 +6,15 @@ A layout is pp x dp_replicate x dp_shard, a schedule (FSDP alone when pp is 1; 1
 compute and reduce dtypes and the optimizer are the caller's (`base`). Memory per rank
 (`rank_memory`) is the planner's model state, gathered weights and activations (with a
 recomputing block's transient) plus the unsharded gradients FSDP holds until their
-reduce-scatter (`gradient_buffers`). Every term is checked against runs
+reduce-scatter (`gradient_buffers`) and what ZeRO++ holds (`plan.plus`: hpZ's copy, qgZ's
+error feedback, the comms' buffers, counted from their code, not measured). Every other term
+is checked against runs
 (tests/distributed/test_planner.py).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 import math
@@ -23,11 +26,19 @@ import torch
 from torch import nn
 
 from lightning_zeropp.core.settings.config import ZeroPPConfig
+from lightning_zeropp.core.settings.placement import schedule_style, stage_ids_for_rank
+from lightning_zeropp.core.settings.plus import hpz_size
 from lightning_zeropp.core.split.blocks import find_blocks
 from lightning_zeropp.plan.activations import activation_peaks
 from lightning_zeropp.plan.hardware import Hardware
-from lightning_zeropp.plan.memory import predict_memory, stage_parameter_shapes
-from lightning_zeropp.plan.steptime import StepTimePlan, predict_step_time, programs_for
+from lightning_zeropp.plan.memory import predict_memory, stage_parameter_shapes, stage_units
+from lightning_zeropp.plan.plus import plus_memory
+from lightning_zeropp.plan.steptime import (
+    StepTimePlan,
+    predict_range,
+    price,
+    programs_for,
+)
 
 __all__ = ["Candidate", "enumerate_layouts", "gradient_buffers", "rank_memory", "search"]
 
@@ -36,15 +47,23 @@ RECOMPUTE = ("none", "except_last", "all")
 
 @dataclass(frozen=True)
 class Candidate:
-    """A layout that fits, with its predictions."""
+    """A layout that fits, with its predictions: `step` at the middle of the hardware's
+    efficiency range, `slow` and `fast` at its ends (the same plan when it has no range)."""
 
     settings: dict[str, Any]  # ZeroPPConfig keyword arguments
     memory_bytes: int  # the most any rank needs
     step: StepTimePlan
+    slow: StepTimePlan | None = None
+    fast: StepTimePlan | None = None
 
     @property
     def step_s(self) -> float:
         return self.step.step_s
+
+    @property
+    def step_range_s(self) -> tuple[float, float]:
+        """(fast, slow) step seconds."""
+        return ((self.fast or self.step).step_s, (self.slow or self.step).step_s)
 
 
 def rank_memory(
@@ -61,6 +80,7 @@ def rank_memory(
     states = predict_memory(model, cfg, world_size, optimizer, device_type)
     acts = activation_peaks(model, cfg, world_size, global_batch, seq_len)
     grads = gradient_buffers(model, cfg)
+    plus = _plus_bytes(model, cfg)
     out = []
     for plan in states:
         pp_rank = plan.rank // cfg.dp_size
@@ -69,6 +89,7 @@ def rank_memory(
             "gathered_weights": plan.gathered_peak,
             "activations": acts[pp_rank],
             "gradient_buffers": grads[pp_rank],
+            "zeropp_plus": plus[pp_rank],
         }
         entry["total"] = sum(entry.values())
         out.append(entry)
@@ -97,8 +118,27 @@ def gradient_buffers(model: nn.Module, cfg: ZeroPPConfig) -> dict[int, int]:
     return out
 
 
+def _plus_bytes(model: nn.Module, cfg: ZeroPPConfig) -> dict[int, int]:
+    """Per pipeline rank, what ZeRO++ holds (`plan.plus.plus_memory`): 0 without it."""
+    if not (cfg.quantized_weights or cfg.quantized_gradients or hpz_size(cfg)):
+        return dict.fromkeys(range(cfg.pp_size), 0)
+    stages = stage_units(model, cfg)
+    style = schedule_style(cfg.schedule)
+    return {
+        r: plus_memory(
+            cfg,
+            [
+                u
+                for s in stage_ids_for_rank(style, r, cfg.pp_size, cfg.num_chunks)
+                for u in (stages[s].rest, *stages[s].blocks)
+            ],
+        )
+        for r in range(cfg.pp_size)
+    }
+
+
 def _size(dtype: torch.dtype | None) -> int | None:
-    return torch.empty((), dtype=dtype).element_size() if dtype else None
+    return dtype.itemsize if dtype else None
 
 
 def enumerate_layouts(
@@ -156,6 +196,12 @@ def _schedules(pp: int, num_blocks: int, rows: int) -> list[tuple[str, dict[str,
     for v in (2, 4):
         if v * pp <= num_blocks:
             out += [("zeropp", {"num_chunks": v, "unit_size": u}) for u in (pp, 2 * pp, 4 * pp)]
+            # without split backward: more bubble, less memory (no activations held for W),
+            # and it compiles where torch's split backward does not
+            out += [
+                ("zeropp", {"num_chunks": v, "unit_size": u, "split_backward": False})
+                for u in (pp, 2 * pp, 4 * pp)
+            ]
     return out
 
 
@@ -174,9 +220,12 @@ def search(
     optimizer: str = "adamw",
     top: int = 10,
     layouts: Sequence[dict[str, Any]] | None = None,
+    compiled: bool | None = None,
 ) -> list[Candidate]:
     """The `top` fastest layouts whose every rank fits `hardware.memory_bytes` (all of them
-    when it is None), fastest first. `layouts` replaces the enumerated space."""
+    when it is None), fastest first. `layouts` replaces the enumerated space. `compiled` and
+    as in `predict_step_time` (None: each layout's `compile`): ranked at the middle of the
+    hardware's efficiency range, with the ends of it for the `top` returned."""
     num_blocks = len(find_blocks(model)[1])
     space = (
         layouts
@@ -184,23 +233,58 @@ def search(
         else list(enumerate_layouts(world_size, num_blocks, global_batch, hardware.node_size, base))
     )
     device = "cuda" if hardware.overlap else "cpu"
-    found = []
-    for settings in space:
-        config = ZeroPPConfig(**settings)
+    modes = {"compiled": compiled}
+    # Cheapest first: price every layout, then simulate in order of the bound no simulation
+    # can beat, and stop once that bound is worse than the `top`-th step found (a layout whose
+    # step could tie it is still simulated).
+    priced = []
+    for i, settings in enumerate(space):
+        costs = price(
+            model, ZeroPPConfig(**settings), world_size, global_batch, seq_len, hardware,
+            optimizer=optimizer, **modes,
+        )  # fmt: skip
+        priced.append((costs.lower_bound(), i, settings, costs))
+    priced.sort(key=lambda p: p[:2])
+    ranked: list[tuple[float, int, int, Candidate]] = []  # (step, memory, order, candidate)
+    for bound, i, settings, costs in priced:
+        if len(ranked) >= top and bound > ranked[top - 1][0] * (1 + 1e-9):
+            break
         memory = max(
             r["total"]
             for r in rank_memory(
-                model, config, world_size, global_batch, seq_len, optimizer, device
+                model, ZeroPPConfig(**settings), world_size, global_batch, seq_len, optimizer,
+                device,
             )
-        )
+        )  # fmt: skip
         if hardware.memory_bytes is not None and memory > hardware.memory_bytes:
             continue
-        step = predict_step_time(
-            model, config, world_size, global_batch, seq_len, hardware, optimizer=optimizer
+        step = costs.plan()
+        bisect.insort(ranked, (step.step_s, memory, i, Candidate(settings, memory, step)))
+    found = [c for *_, c in ranked]
+    if not hardware.efficiency:
+        return found[:top]
+    return [
+        dataclasses.replace(
+            c,
+            **dict(
+                zip(
+                    ("slow", "fast"),
+                    predict_range(
+                        model,
+                        ZeroPPConfig(**c.settings),
+                        world_size,
+                        global_batch,
+                        seq_len,
+                        hardware,
+                        optimizer=optimizer,
+                        **modes,
+                    ),  # fmt: skip
+                    strict=True,
+                )
+            ),
         )
-        found.append(Candidate(settings, memory, step))
-    found.sort(key=lambda c: (c.step_s, c.memory_bytes))
-    return found[:top]
+        for c in found[:top]
+    ]
 
 
 def as_parallel_config(candidate: Candidate, world_size: int) -> dict[str, Any]:

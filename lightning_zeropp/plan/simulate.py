@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Op", "RankTimeline", "StageCost", "simulate"]
+__all__ = ["Op", "RankTimeline", "StageCost", "compute_seconds", "simulate"]
 
 
 @dataclass(frozen=True)
@@ -34,11 +34,13 @@ class StageCost:
     forward: tuple[float, ...]
     backward: tuple[float, ...]  # a full backward (input and weight gradients)
     gather: tuple[float, ...] = ()  # all-gather of each segment's weights (empty: none)
+    gather_node: tuple[float, ...] = ()  # ... from hpZ's in-node copy (empty: as `gather`)
     reduce: tuple[float, ...] = ()  # reduce-scatter of each segment's gradients (empty: none)
     send: float = 0.0  # this stage's output reaching the next stage's rank (and its gradient back)
     weight_share: float = 0.5  # part of a backward that is the weight-gradient task W
     recompute: bool = False  # a backward first recomputes the forward
     overhead: float = 0.0  # fixed seconds of every task (the runtime's and FSDP's hooks)
+    input_grad_in_weight: bool = False  # a split backward's I does nothing, its W everything
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class Op:
     microbatch: int
     gather: bool = False
     reduce: bool = False
+    from_node: bool = False  # the gather reads hpZ's in-node copy
 
 
 @dataclass
@@ -69,10 +72,11 @@ def _segment_seconds(cost: StageCost, kind: str) -> list[float]:
     if kind == "F":
         return [cost.forward[0] + cost.overhead, *cost.forward[1:]]
     redo = cost.forward if cost.recompute else (0.0,) * len(cost.forward)
-    share = {"B": 1.0, "I": 1.0 - cost.weight_share, "W": cost.weight_share}[kind]
-    out = [
-        b * share + (r if kind != "W" else 0.0) for b, r in zip(cost.backward, redo, strict=True)
-    ]
+    weight = 1.0 if cost.input_grad_in_weight else cost.weight_share
+    share = {"B": 1.0, "I": 1.0 - weight, "W": weight}[kind]
+    # the recomputation runs with the first part of the backward that runs at all
+    redo_here = kind == "B" or (kind == "I") != cost.input_grad_in_weight
+    out = [b * share + (r if redo_here else 0.0) for b, r in zip(cost.backward, redo, strict=True)]
     out[0] += cost.overhead
     return out[::-1]  # backward visits the units last to first
 
@@ -96,6 +100,7 @@ def simulate(
     ends: dict[tuple[str, int, int], float] = {}  # (kind, stage, microbatch) -> compute end
     lines = {r: RankTimeline() for r in programs}
     position = dict.fromkeys(programs, 0)
+    segments = _Segments(costs)
     while any(position[r] < len(programs[r]) for r in programs):
         progressed = False
         for rank, program in programs.items():
@@ -104,7 +109,7 @@ def simulate(
                 ready = _ready(op, ends, costs, rank_of_stage, rank, num_stages)
                 if ready is None:
                     break
-                _run(op, ready, costs[op.stage], lines[rank], ends, overlap)
+                _run(op, ready, segments, lines[rank], ends, overlap)
                 position[rank] += 1
                 progressed = True
         if not progressed:
@@ -115,6 +120,46 @@ def simulate(
     for line in lines.values():
         line.end = max(line.compute_end, line.comm_end)
     return lines
+
+
+def compute_seconds(
+    programs: Mapping[int, Sequence[Op]], costs: Sequence[StageCost]
+) -> dict[int, float]:
+    """Each rank's compute lane, busy: the sum of its tasks' segments (what `simulate` puts in
+    `RankTimeline.compute`, without replaying anything)."""
+    memo: dict[tuple[int, str], float] = {}
+    out = {}
+    for rank, program in programs.items():
+        total = 0.0
+        for op in program:
+            key = (op.stage, op.kind)
+            if key not in memo:
+                memo[key] = sum(_segment_seconds(costs[op.stage], op.kind))
+            total += memo[key]
+        out[rank] = total
+    return out
+
+
+class _Segments:
+    """Each (stage, kind)'s segment seconds and collectives in the order a task visits them,
+    worked out once per simulation (a step replays the same few thousand times)."""
+
+    def __init__(self, costs: Sequence[StageCost]) -> None:
+        self.costs = costs
+        self._memo: dict[tuple[int, str, bool, bool, bool], tuple[list[float], list, list]] = {}
+
+    def __call__(self, op: Op) -> tuple[list[float], list[float], list[float]]:
+        key = (op.stage, op.kind, op.gather, op.reduce, op.from_node)
+        if key not in self._memo:
+            cost = self.costs[op.stage]
+            seconds = _segment_seconds(cost, op.kind)
+            n = len(seconds)
+            order = range(n) if op.kind == "F" else range(n - 1, -1, -1)
+            source = cost.gather_node if op.from_node and cost.gather_node else cost.gather
+            gathers = [source[k] if op.gather and source else 0.0 for k in order]
+            reduces = [cost.reduce[k] if op.reduce and cost.reduce else 0.0 for k in order]
+            self._memo[key] = (seconds, gathers, reduces)
+        return self._memo[key]
 
 
 def _ready(
@@ -141,15 +186,20 @@ def _ready(
 def _run(
     op: Op,
     ready: float,
-    cost: StageCost,
+    segments: _Segments,
     line: RankTimeline,
     ends: dict[tuple[str, int, int], float],
     overlap: bool,
 ) -> None:
-    seconds = _segment_seconds(cost, op.kind)
-    order = range(len(seconds)) if op.kind == "F" else range(len(seconds) - 1, -1, -1)
-    gathers = [cost.gather[k] if op.gather and cost.gather else 0.0 for k in order]
-    reduces = [cost.reduce[k] if op.reduce and cost.reduce else 0.0 for k in order]
+    seconds, gathers, reduces = segments(op)
+    if not any(gathers) and not any(reduces):  # compute only: the segments back to back
+        start = begin = max(line.compute_end, ready)
+        for compute in seconds:
+            begin += compute
+            line.compute += compute
+        line.compute_end = begin
+        _finish(op, start, line, ends)
+        return
     start = None
     previous_start = line.compute_end
     for compute, gather, reduce in zip(seconds, gathers, reduces, strict=True):
@@ -175,8 +225,13 @@ def _run(
             line.communication += reduce
             if not overlap:
                 line.compute_end = line.comm_end
-    kind = "I" if op.kind == "B" else op.kind  # a full backward also satisfies what waits on I
+    _finish(op, start or ready, line, ends)
+
+
+def _finish(
+    op: Op, start: float, line: RankTimeline, ends: dict[tuple[str, int, int], float]
+) -> None:
     ends[(op.kind, op.stage, op.microbatch)] = line.compute_end
-    if op.kind == "B":
-        ends[(kind, op.stage, op.microbatch)] = line.compute_end
-    line.spans.append((op.kind, op.stage, op.microbatch, start or ready, line.compute_end))
+    if op.kind == "B":  # a full backward also satisfies what waits on I
+        ends[("I", op.stage, op.microbatch)] = line.compute_end
+    line.spans.append((op.kind, op.stage, op.microbatch, start, line.compute_end))

@@ -15,7 +15,8 @@
 - The optimizer step updates each rank's shard at `Hardware.optimizer_rate` (by default AdamW
   streaming its state once: 28 bytes per fp32 parameter).
 
-Not modelled (it raises): ZeRO++'s collectives.
+- ZeRO++ (`plan.plus`): qwZ's packed gathers, hpZ's backward gathers of the in-node copy (the
+  programs mark which gathers read it), qgZ's two all-to-alls in place of the reduce-scatter.
 """
 
 from __future__ import annotations
@@ -23,20 +24,33 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_zeropp.core.settings.config import ZeroPPConfig
 from lightning_zeropp.core.settings.placement import rank_of_stage, schedule_style
-from lightning_zeropp.plan.activations import stage_parts, task_orders
+from lightning_zeropp.core.settings.plus import hpz_size
+from lightning_zeropp.plan.activations import schedule_key, stage_parts, task_orders, zeropp_plans
 from lightning_zeropp.plan.comm import _padded_shard
-from lightning_zeropp.plan.hardware import Hardware
+from lightning_zeropp.plan.hardware import Hardware, compile_mode
 from lightning_zeropp.plan.memory import StageUnits, predict_memory, stage_ranges, stage_units
+from lightning_zeropp.plan.plus import unit_traffic
 from lightning_zeropp.plan.profile import micro_batch_rows, profile_model
-from lightning_zeropp.plan.simulate import Op, RankTimeline, StageCost, simulate
+from lightning_zeropp.plan.simulate import Op, RankTimeline, StageCost, compute_seconds, simulate
 
-__all__ = ["StepTimePlan", "predict_step_time", "programs_for", "stage_flops"]
+__all__ = [
+    "StepTimePlan",
+    "optimizer_time",
+    "Priced",
+    "predict_range",
+    "price",
+    "predict_step_time",
+    "programs_for",
+    "stage_costs",
+    "stage_flops",
+]
 
 
 @dataclass(frozen=True)
@@ -76,46 +90,71 @@ def stage_flops(model: nn.Module, cfg: ZeroPPConfig, rows: int, seq: int) -> lis
     return out
 
 
+_PROGRAMS: dict[tuple, dict[int, list[Op]]] = {}
+
+
 def programs_for(cfg: ZeroPPConfig) -> dict[int, list[Op]]:
-    """Each pipeline rank's tasks for a resolved config, flagged where they gather and reduce."""
-    if cfg.schedule == "zeropp":
-        return _zeropp_programs(cfg)
+    """Each pipeline rank's tasks for a resolved config, flagged where they gather and reduce
+    (shared between configs of one schedule: do not modify)."""
+    key = schedule_key(cfg)
+    if key not in _PROGRAMS:
+        _PROGRAMS[key] = _zeropp_programs(cfg) if cfg.schedule == "zeropp" else _programs(cfg)
+    return _PROGRAMS[key]
+
+
+def _programs(cfg: ZeroPPConfig) -> dict[int, list[Op]]:
     programs = {}
     reshard = bool(cfg.reshard_after_forward)
+    copy = hpz_size(cfg) is not None
     for rank, order in task_orders(cfg).items():
         last = {stage: i for i, (kind, stage, _) in enumerate(order) if kind in "BW"}
         gathered: set[int] = set()
+        in_node: set[int] = set()  # resharded to hpZ's in-node copy
         ops = []
         for i, (kind, stage, mb) in enumerate(order):
             # FSDP gathers a unit that is not gathered when a forward or backward reaches it; it
-            # reshards after forward when told to, and keeps a backward's weights until the next
-            # forward (gradient accumulation): FSDP alone gathers M + 1 times a step.
+            # reshards after forward when told to (to hpZ's copy with hpZ), and keeps a
+            # backward's weights until the next forward (gradient accumulation): FSDP alone
+            # gathers M + 1 times a step.
             gather = kind != "W" and stage not in gathered
+            from_node = gather and stage in in_node
             gathered.add(stage)
+            in_node.discard(stage)
             if kind == "F" and reshard:
                 gathered.discard(stage)
-            ops.append(Op(kind, stage, mb, gather=gather, reduce=i == last[stage]))
+                if copy:
+                    in_node.add(stage)
+            ops.append(
+                Op(kind, stage, mb, gather=gather, reduce=i == last[stage], from_node=from_node)
+            )
         programs[rank] = ops
     return programs
 
 
 def _zeropp_programs(cfg: ZeroPPConfig) -> dict[int, list[Op]]:
-    from lightning_zeropp.core.schedule.build import zeropp_plans
-
     programs = {}
     for rank, plan in zeropp_plans(cfg).items():
         ops: list[Op] = []
         pending: set[int] = set()
+        in_node: set[int] = set()  # released to hpZ's in-node copy
         for step in plan:
             if step.kind == "gather":
                 pending.add(step.stage)
             elif step.kind == "compute":
                 t = step.task
                 assert t is not None
-                ops.append(Op(t.kind, t.stage, t.microbatch, gather=t.stage in pending))
+                gather = t.stage in pending
+                ops.append(
+                    Op(t.kind, t.stage, t.microbatch, gather=gather,
+                       from_node=gather and t.stage in in_node)
+                )  # fmt: skip
+                if gather:
+                    in_node.discard(t.stage)
                 pending.discard(t.stage)
             elif step.kind == "reduce":
                 ops[-1] = Op(**{**ops[-1].__dict__, "reduce": True})
+            elif step.kind == "release" and step.node_copy:
+                in_node.add(step.stage)
         last = {op.stage: i for i, op in enumerate(ops) if op.kind in "BW"}
         for i in last.values():  # the end-of-step reduction
             ops[i] = Op(**{**ops[i].__dict__, "reduce": True})
@@ -132,24 +171,138 @@ def predict_step_time(
     hardware: Hardware,
     *,
     stage_seconds: Sequence[tuple[float, float]] | None = None,
+    unit_seconds: Sequence[Sequence[tuple[float, float]]] | None = None,
     optimizer_seconds: float | None = None,
     optimizer: str = "adamw",
+    compiled: bool | None = None,
+    bound: str = "mid",
 ) -> StepTimePlan:
     """Predict one training step of `model` (meta device) under `config` on `hardware`.
 
     `stage_seconds`: measured (forward, backward) seconds of one micro-batch per stage, to use
-    instead of FLOPs / `hardware.flops_per_s`; `optimizer_seconds`: a measured optimizer step,
-    instead of the shard at `hardware.optimizer_rate`."""
+    instead of FLOPs / `hardware.flops_per_s`; `unit_seconds`: the same per stage and FSDP unit
+    (the stage's own part first, then its blocks), e.g. an emulated device's; `optimizer_seconds`:
+    a measured optimizer step, instead of the shard at `hardware.optimizer_rate`.
+
+    `compiled` (default: the config's `compile`): the blocks are compiled, whole, or in regions
+    under split backward (`hardware.compile_mode`); the rate is that mode's share of peak, at
+    `bound` ("low", "mid", "high") of the hardware's efficiency range
+    (`Hardware.at`; a hardware without a range has one rate)."""
+    return price(
+        model, config, world_size, global_batch, seq_len, hardware,
+        stage_seconds=stage_seconds, unit_seconds=unit_seconds,
+        optimizer_seconds=optimizer_seconds, optimizer=optimizer, compiled=compiled, bound=bound,
+    ).plan()  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Priced:
+    """A layout's costs, before its step is simulated (`plan`); `lower_bound` is what no
+    simulation of them can beat, which lets a search skip simulating hopeless layouts."""
+
+    cfg: ZeroPPConfig
+    costs: list[StageCost]
+    where: dict[int, int]
+    flops: list[list[float]]
+    optimizer_s: float
+    hardware: Hardware
+    world_size: int
+
+    def lower_bound(self) -> float:
+        """The busiest rank's compute alone, plus the optimizer (a rank's compute lane runs its
+        tasks one at a time, so its step is at least their sum)."""
+        busiest = max(compute_seconds(programs_for(self.cfg), self.costs).values())
+        return busiest + self.optimizer_s
+
+    def plan(self) -> StepTimePlan:
+        lines = simulate(programs_for(self.cfg), self.costs, self.where, self.hardware.overlap)
+        cfg, hw = self.cfg, self.hardware
+        total_forward = sum(map(sum, self.flops)) * cfg.num_microbatches * cfg.dp_size
+        return StepTimePlan(
+            step_s=max(line.end for line in lines.values()) + self.optimizer_s,
+            optimizer_s=self.optimizer_s,
+            ranks=lines,
+            model_flops=3.0 * total_forward,
+            world_size=self.world_size,
+            peak_flops_per_s=hw.peak_flops_per_s or hw.flops_per_s,
+        )
+
+
+def price(
+    model: nn.Module,
+    config: ZeroPPConfig,
+    world_size: int,
+    global_batch: int,
+    seq_len: int,
+    hardware: Hardware,
+    *,
+    stage_seconds: Sequence[tuple[float, float]] | None = None,
+    unit_seconds: Sequence[Sequence[tuple[float, float]]] | None = None,
+    optimizer_seconds: float | None = None,
+    optimizer: str = "adamw",
+    compiled: bool | None = None,
+    bound: str = "mid",
+) -> Priced:
+    """`predict_step_time`'s costs, not yet simulated (its arguments)."""
     cfg = config.resolve(world_size)
+    hardware = hardware.at(compile_mode(cfg, compiled), bound)
+    costs, where, flops = stage_costs(
+        model, cfg, global_batch, seq_len, hardware, stage_seconds, unit_seconds
+    )
+    optimizer_s = (
+        optimizer_seconds
+        if optimizer_seconds is not None
+        else optimizer_time(model, cfg, world_size, hardware, optimizer)
+    )
+    return Priced(cfg, costs, where, flops, optimizer_s, hardware, world_size)
+
+
+def predict_range(
+    model: nn.Module,
+    config: ZeroPPConfig,
+    world_size: int,
+    global_batch: int,
+    seq_len: int,
+    hardware: Hardware,
+    **kwargs: Any,
+) -> tuple[StepTimePlan, StepTimePlan]:
+    """The slow and the fast end of a prediction: `predict_step_time` at the low and the high
+    end of the hardware's efficiency range (the same plan twice without one)."""
+    return tuple(  # type: ignore[return-value]
+        predict_step_time(
+            model, config, world_size, global_batch, seq_len, hardware, bound=bound, **kwargs
+        )
+        for bound in ("low", "high")
+    )
+
+
+def optimizer_time(
+    model: nn.Module, cfg: ZeroPPConfig, world_size: int, hardware: Hardware, optimizer: str
+) -> float:
+    """Seconds of the optimizer step: the largest shard at `hardware.optimizer_rate`."""
+    memory = predict_memory(model, cfg, world_size, optimizer)
+    return max(m.parameters for m in memory) / hardware.optimizer_rate
+
+
+def stage_costs(
+    model: nn.Module,
+    cfg: ZeroPPConfig,
+    global_batch: int,
+    seq_len: int,
+    hardware: Hardware,
+    stage_seconds: Sequence[tuple[float, float]] | None = None,
+    unit_seconds: Sequence[Sequence[tuple[float, float]]] | None = None,
+) -> tuple[list[StageCost], dict[int, int], list[list[float]]]:
+    """What one micro-batch costs each stage of a resolved config (`StageCost`), each stage's
+    pipeline rank, and each stage's forward FLOPs per unit."""
     computes = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(cfg.param_dtype)
-    if hardware.dtype is not None and stage_seconds is None and hardware.dtype != computes:
+    measured = stage_seconds is not None or unit_seconds is not None
+    if hardware.dtype is not None and not measured and hardware.dtype != computes:
         raise ValueError(
             f"the hardware's rate is for {hardware.dtype} but the layout computes in {computes} "
             f"(param_dtype={cfg.param_dtype}); use Hardware.from_cluster(cluster, {computes!r}) "
             f"or set param_dtype."
         )
-    if cfg.quantized_weights or cfg.quantized_gradients or cfg.hpz_partition_size:
-        raise NotImplementedError("ZeRO++'s collectives are not in the step-time model yet")
     stages = stage_units(model, cfg)
     rows = micro_batch_rows(global_batch, cfg.dp_size, cfg.num_microbatches)
     flops = stage_flops(model, cfg, rows, seq_len)
@@ -158,8 +311,11 @@ def predict_step_time(
     boundary = [part.output for part in stage_parts(model, cfg, rows, seq_len)]
     costs = []
     for s, stage in enumerate(stages):
-        seconds = _unit_seconds(flops[s], hardware, stage_seconds[s] if stage_seconds else None)
-        gather, reduce = _collective_seconds(stage, cfg, hardware, where[s])
+        if unit_seconds is not None:
+            seconds = list(unit_seconds[s])
+        else:
+            seconds = _unit_seconds(flops[s], hardware, stage_seconds[s] if stage_seconds else None)
+        gather, gather_node, reduce = _collective_seconds(stage, cfg, hardware, where[s])
         nxt = where.get(s + 1, where[s])
         lat, link = hardware.hop("p2p", *sorted((where[s] * cfg.dp_size, nxt * cfg.dp_size)))
         costs.append(
@@ -167,28 +323,17 @@ def predict_step_time(
                 forward=tuple(f for f, _ in seconds),
                 backward=tuple(b for _, b in seconds),
                 gather=gather,
+                gather_node=gather_node,
                 reduce=reduce,
                 send=lat + boundary[s] / link,
                 recompute=cfg.recomputes(s),
                 overhead=hardware.unit_overhead_s * len(seconds),
+                # torch's stage 0 has no input gradient to compute: its split backward does
+                # nothing in I and the whole backward in W (PipelineStage.backward_one_chunk)
+                input_grad_in_weight=s == 0,
             )
         )
-    lines = simulate(programs_for(cfg), costs, where, hardware.overlap)
-    memory = predict_memory(model, cfg, world_size, optimizer)
-    optimizer_s = (
-        optimizer_seconds
-        if optimizer_seconds is not None
-        else max(m.parameters for m in memory) / hardware.optimizer_rate
-    )
-    total_forward = sum(map(sum, flops)) * cfg.num_microbatches * cfg.dp_size
-    return StepTimePlan(
-        step_s=max(line.end for line in lines.values()) + optimizer_s,
-        optimizer_s=optimizer_s,
-        ranks=lines,
-        model_flops=3.0 * total_forward,
-        world_size=world_size,
-        peak_flops_per_s=hardware.peak_flops_per_s or hardware.flops_per_s,
-    )
+    return costs, where, flops
 
 
 def _unit_seconds(
@@ -200,32 +345,71 @@ def _unit_seconds(
     return [(measured[0] * f / total, measured[1] * f / total) for f in flops]
 
 
+_COLLECTIVES: dict[tuple, tuple[Hardware, StageUnits, tuple]] = {}  # asked for many times
+
+
 def _collective_seconds(
     stage: StageUnits,
     cfg: ZeroPPConfig,
     hardware: Hardware,
     pp_rank: int,
-) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """All-gather and reduce-scatter seconds of each unit, in the order `stage_flops` lists them
-    (the stage's own part first); empty when nothing is sharded."""
+) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+    """All-gather, in-node-copy gather (hpZ) and reduce seconds of each unit, in the order
+    `stage_flops` lists them (the stage's own part first); empty when nothing is sharded.
+    ZeRO++'s collectives move what `plan.plus` counts."""
+    key = (
+        id(stage), id(hardware), pp_rank, cfg.dp_shard_size, cfg.dp_replicate_size,
+        cfg.param_dtype, cfg.reduce_dtype, cfg.quantized_weights, cfg.quantized_gradients,
+        cfg.quant_block_size, cfg.node_size, hpz_size(cfg),
+    )  # fmt: skip
+    hit = _COLLECTIVES.get(key)
+    if hit is not None and hit[0] is hardware and hit[1] is stage:  # (ids of freed objects recur)
+        return hit[2]
+    out = _collectives(stage, cfg, hardware, pp_rank)
+    if len(_COLLECTIVES) > 100_000:
+        _COLLECTIVES.clear()
+    _COLLECTIVES[key] = (hardware, stage, out)
+    return out
+
+
+def _collectives(
+    stage: StageUnits,
+    cfg: ZeroPPConfig,
+    hardware: Hardware,
+    pp_rank: int,
+) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
     k, r = cfg.dp_shard_size, cfg.dp_replicate_size
     block_shapes, rest = stage.blocks, stage.rest
     if k == 1 and r == 1:
-        return (), ()
-    compute = torch.empty((), dtype=cfg.param_dtype).element_size() if cfg.param_dtype else 4
+        return (), (), ()
     reduce_dtype = cfg.reduce_dtype or (torch.float32 if cfg.param_dtype else None)
-    red = torch.empty((), dtype=reduce_dtype).element_size() if reduce_dtype else compute
+    compute = cfg.param_dtype.itemsize if cfg.param_dtype else 4
+    red = reduce_dtype.itemsize if reduce_dtype else compute
     first = pp_rank * cfg.dp_size
-    ag_lat, ag_bw = hardware.hop("all_gather", first, first + k - 1)
-    rs_lat, rs_bw = hardware.hop("reduce_scatter", first, first + k - 1)
+    # a shard group of consecutive ranks: min(k, node) of them in each node it spans
+    per_node = min(k, hardware.node_size)
+    ag_lat, ag_bw = hardware.hop("all_gather", first, first + k - 1, per_node)
+    rs_lat, rs_bw = hardware.hop("reduce_scatter", first, first + k - 1, per_node)
     ar_lat, ar_bw = hardware.hop("all_reduce", first, first + cfg.dp_size - 1)
-    gathers, reduces = [], []
+    copy = hpz_size(cfg) or 1
+    cp_lat, cp_bw = hardware.hop("all_gather", first, first + copy - 1, copy)
+    local = min(k, cfg.node_size or k)
+    in_lat, in_bw = hardware.hop("all_to_all", first, first + local - 1, local)
+    x_lat, x_bw = hardware.hop("all_to_all", first, first + k - 1, 1)
+    gathers, node_gathers, reduces = [], [], []
     for shapes in [rest, *block_shapes]:
-        numel = _padded_shard(shapes, k) if shapes else 0
-        ring = k - 1 if numel else 0  # ring hops; a unit without parameters moves nothing
-        gathers.append(ring * (ag_lat + numel * compute / ag_bw))
-        rs = ring * (rs_lat + numel * red / rs_bw)
-        if r > 1 and numel:  # HSDP: a ring all-reduce of the reduced shard over the replicas
+        t = unit_traffic(cfg, shapes)
+        ring = k - 1 if shapes else 0  # ring hops; a unit without parameters moves nothing
+        gathers.append(ring * (ag_lat + t.gather / ag_bw))
+        node_gathers.append((copy - 1) * (cp_lat + t.node_gather / copy / cp_bw))
+        rs = ring * (rs_lat + t.reduce // k / rs_bw) if t.reduce else 0.0
+        if t.intra:  # qgZ: all-to-alls, each rank's rows to its peers (not its own row)
+            rs += (local - 1) * in_lat + t.intra * (local - 1) / local / in_bw
+        if t.cross:
+            nodes = k // local
+            rs += (nodes - 1) * x_lat + t.cross * (nodes - 1) / nodes / x_bw
+        if r > 1 and shapes:  # HSDP: a ring all-reduce of the reduced shard over the replicas
+            numel = _padded_shard(shapes, k)
             rs += 2 * (r - 1) * (ar_lat + math.ceil(numel / r) * red / ar_bw)
         reduces.append(rs)
-    return tuple(gathers), tuple(reduces)
+    return tuple(gathers), tuple(node_gathers), tuple(reduces)

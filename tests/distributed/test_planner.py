@@ -66,6 +66,15 @@ LAYOUTS = [
 ]
 
 
+# ZeRO++ (4 ranks in nodes of 2): its traffic is predicted exactly too
+PLUS = [
+    {"dp_shard_size": 4, "num_microbatches": 2, "node_size": 2, "quantized_weights": "int8",
+     "quantized_gradients": "int4", "hpz_partition_size": 2},
+    {"pp_size": 2, "dp_shard_size": 2, "schedule": "zeropp", "num_microbatches": 4,
+     "node_size": 1, "quantized_weights": "bf16", "quantized_gradients": "int8"},
+]  # fmt: skip
+
+
 def _model(layout: dict) -> torch.nn.Module:
     with torch.device("meta"):
         if layout.get("model") == "llama":
@@ -80,7 +89,7 @@ def _config(layout: dict) -> ZeroPPConfig:
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict]]:
     out = tmp_path_factory.mktemp("planner")
-    return launch(4, "plan_scenarios.measure", {"layouts": LAYOUTS}, out)
+    return launch(4, "plan_scenarios.measure", {"layouts": LAYOUTS + PLUS}, out)
 
 
 @pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[str(x) for x in LAYOUTS])
@@ -110,11 +119,11 @@ def test_activation_peaks_are_predicted(measured, index: int) -> None:
         assert want == pytest.approx(ranks[index]["activation_peak"], rel=rel), rank
 
 
-@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[str(x) for x in LAYOUTS])
+@pytest.mark.parametrize("index", range(len(LAYOUTS + PLUS)), ids=[str(x) for x in LAYOUTS + PLUS])
 def test_step_communication_is_predicted(measured, index: int) -> None:
-    model = _model(LAYOUTS[index])
-    predicted = predict_comm(model, _config(LAYOUTS[index]), 4, GLOBAL_BATCH, MODEL.seq_len)
-    kinds = ("all_gather", "reduce_scatter", "send", "recv")
+    layout = (LAYOUTS + PLUS)[index]
+    predicted = predict_comm(_model(layout), _config(layout), 4, GLOBAL_BATCH, MODEL.seq_len)
+    kinds = ("all_gather", "reduce_scatter", "all_to_all", "send", "recv")
     for rank, ranks in enumerate(measured):
         got = {k: v for k, v in ranks[index]["comm"].items() if k in kinds}
         assert got == predicted[rank], rank

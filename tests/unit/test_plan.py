@@ -119,3 +119,13 @@ def test_the_config_and_the_plan_import_no_schedule_or_runtime() -> None:
         ]
         bad = [m for m in imported if m and m.startswith(banned) and m != "torch"]
         assert not bad, f"core/{name}.py imports {bad}"
+
+
+@pytest.mark.parametrize("settings", CONFIGS)
+def test_the_planners_lowering_is_the_runtimes(settings: dict) -> None:
+    # the planner lowers without re-checking the orders for deadlocks: the same plans
+    from lightning_zeropp.plan.activations import _lowered
+
+    for extra in ({}, {"split_backward": False}, {"grad_reduce": "microbatch"}):
+        config = _config({**settings, **extra})
+        assert _lowered(config) == zeropp_plans(config)

@@ -172,3 +172,25 @@ def test_predictions_refuse_what_would_not_run_or_is_priced_for_another_dtype() 
         ).step_s
         > 0
     )
+
+
+def test_the_search_skips_layouts_it_need_not_simulate_and_finds_the_same_best(
+    monkeypatch,
+) -> None:
+    # Layouts are simulated in order of a bound no simulation beats and the search stops once
+    # that bound is worse than the top-th step found: the top is what simulating all gives.
+    from lightning_zeropp.plan import steptime
+
+    model = _model()
+    layouts = list(enumerate_layouts(WORLD, 8, BATCH, 4))[::5]
+    # compute-bound (fast links): recomputing layouts cannot beat the best, nor be simulated
+    hw = Hardware(flops_per_s=1e9, intra_node_Bps=1e15, inter_node_Bps=1e14, node_size=4,
+                  latency_s=1e-9, memory_Bps=1e15)  # fmt: skip
+    everything = search(model, WORLD, BATCH, SEQ, hw, layouts=layouts, top=1000)
+    simulated = []
+    plan = steptime.Priced.plan
+    monkeypatch.setattr(steptime.Priced, "plan", lambda self: simulated.append(1) or plan(self))
+    best = search(model, WORLD, BATCH, SEQ, hw, layouts=layouts, top=3)
+    assert [c.settings for c in best] == [c.settings for c in everything[:3]]
+    assert [c.step_s for c in best] == [c.step_s for c in everything[:3]]
+    assert 3 <= len(simulated) < len(layouts)

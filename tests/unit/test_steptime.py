@@ -189,3 +189,37 @@ def test_3d_tensor_parallel_traffic_is_eight_activations_a_layer_and_micro_batch
     slow = predict_3d(model, 8, rows * m, seq, hw(1e6), tp=8, num_microbatches=m)
     moved = 8 * (7 / 8) * rows * seq * dim * 2 * layers * m  # bf16 bytes
     assert slow.step_s - fast.step_s == pytest.approx(moved / 1e6, rel=1e-9)
+
+
+def test_stage_zero_runs_its_whole_split_backward_in_w() -> None:
+    # torch's PipelineStage skips the first stage's I (no input gradient to compute) and runs
+    # the whole backward, with any recomputation, in its W: the model prices it so.
+    from lightning_zeropp.plan.simulate import _segment_seconds
+    from lightning_zeropp.plan.steptime import stage_costs
+
+    cost = StageCost(forward=(1.0, 1.0), backward=(2.0, 4.0), recompute=True,
+                     input_grad_in_weight=True)  # fmt: skip
+    assert _segment_seconds(cost, "I") == [0.0, 0.0]
+    assert _segment_seconds(cost, "W") == [4.0 + 1.0, 2.0 + 1.0]  # units last to first
+    other = StageCost(forward=(1.0, 1.0), backward=(2.0, 4.0), recompute=True)
+    assert _segment_seconds(other, "I") == [2.0 + 1.0, 1.0 + 1.0]
+    assert _segment_seconds(other, "W") == [2.0, 1.0]
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=64, seq_len=16, dim=32, num_heads=2, num_layers=4))
+    cfg = ZeroPPConfig(pp_size=2, schedule="zbv", num_microbatches=4).resolve(2)
+    hw = Hardware(flops_per_s=1e9, intra_node_Bps=1e9, inter_node_Bps=1e9, node_size=2)
+    costs, _, _ = stage_costs(model, cfg, 8, 16, hw)
+    assert [c.input_grad_in_weight for c in costs] == [True, False, False, False]
+
+
+def test_dualpipev_pairs_count_as_their_two_tasks() -> None:
+    # DualPipeV's order pairs a forward with a backward (OVERLAP_F_B); torch runs them in turn,
+    # and the simulation needs both (without them it waits forever)
+    cfg = ZeroPPConfig(pp_size=2, schedule="dualpipev", num_microbatches=8).resolve(2)
+    orders = task_orders(cfg)
+    for order in orders.values():
+        forwards = [(s, m) for k, s, m in order if k == "F"]
+        backwards = [(s, m) for k, s, m in order if k in "BI"]
+        assert sorted(forwards) == sorted(backwards) and len(forwards) == 2 * 8
+    lines = _run(cfg, 0.5, 1.0)
+    assert all(line.compute == pytest.approx(2 * 8 * 1.5) for line in lines.values())

@@ -147,7 +147,7 @@ def _backward_weight(action: Any, ctx: Any) -> None:
         tp.wait_gathered(runtime, stage)
         stage.backward_weight_one_chunk(action.microbatch_index, last_backward=last)
         return
-    with _unsharded_parameters(stage.submod):
+    with _unsharded_parameters(stage.submod), tp.fsdp_pre_backward_muted(stage.submod):
         stage.backward_weight_one_chunk(action.microbatch_index, last_backward=last)
 
 
