@@ -10,6 +10,7 @@ process, or DDP) and under `ZeroPPAccelerator`: the only lines that differ are i
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,31 @@ TINY = {
     "num_key_value_heads": 2,
     "pad_token_id": 0,
 }
-EXTRA = {"gemma": {"head_dim": 8}}
+# What each family needs on top (its own names, dropout off: one process and the pipeline draw
+# other random numbers), and which tie their embeddings in their own configs.
+NO_DROPOUT = {"attention_dropout": 0.0}
+EXTRA: dict[str, dict[str, Any]] = {
+    "gemma": {"head_dim": 8},
+    "gemma2": {"head_dim": 8},
+    "phi3": {"resid_pdrop": 0.0, "embd_pdrop": 0.0},
+    "gpt_neox": {"hidden_dropout": 0.0},
+    "gpt2": {
+        "n_positions": 32,
+        "n_inner": 64,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+    },
+    "opt": {
+        "ffn_dim": 64,
+        "word_embed_proj_dim": 32,
+        "max_position_embeddings": 32,
+        "dropout": 0.0,
+        "layerdrop": 0.0,
+    },
+}
+FAMILIES = ("llama", "gpt2", "opt", "gemma", "gemma2", "phi3", "qwen2", "mistral", "gpt_neox")
+TIED_BY_DEFAULT = ("gpt2", "opt", "gemma", "gemma2")
 
 
 @dataclass
@@ -83,8 +108,7 @@ def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 def build_model(args: Args) -> torch.nn.Module:
     config = AutoConfig.for_model(
         args.family,
-        **TINY,
-        **EXTRA.get(args.family, {}),
+        **{**TINY, **NO_DROPOUT, **EXTRA.get(args.family, {})},
         tie_word_embeddings=args.tie_word_embeddings,
     )
     torch.manual_seed(args.init_seed)
@@ -96,8 +120,14 @@ def build_model(args: Args) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config)
 
 
-def train(accelerator: Any, args: Args, save_to: str | None = None) -> dict[str, Any]:
-    """The loop. Returns per-update losses, learning rates, clip norms, eval results, weights."""
+def train(
+    accelerator: Any,
+    args: Args,
+    save_to: str | None = None,
+    on_update: Callable[[Any], Any] | None = None,
+) -> dict[str, Any]:
+    """The loop. Returns per-update losses, learning rates, clip norms, eval results, weights;
+    `on_update(model)` after each update is recorded under "updates" (a test's probe)."""
     model = build_model(args)
     no_decay = ["bias", "norm.weight", "layernorm.weight"]
     groups = [
@@ -161,6 +191,8 @@ def train(accelerator: Any, args: Args, save_to: str | None = None) -> dict[str,
             if accelerator.sync_gradients:
                 out["loss"].append(running)
                 out["lr"].append(lr_scheduler.get_last_lr()[0])
+                if on_update is not None:
+                    out.setdefault("updates", []).append(on_update(model))
                 running = 0.0
                 completed += 1
                 if completed == args.stop_after:

@@ -11,15 +11,18 @@ from torch.utils.data import DataLoader
 
 from lightning_zeropp.lightning import ZeroPPStrategy
 from tests.distributed.clm_loop import Args, Texts, build_model, collate
+from tests.distributed.clm_scenarios import copies_gap, tied_names
 
 
 class CausalLM(pl.LightningModule):
     """As an HF user writes one: the model's own loss, with the collator's mask and labels."""
 
-    def __init__(self, family: str) -> None:
+    def __init__(self, family: str, tie_word_embeddings: bool = False) -> None:
         super().__init__()
-        self.model = build_model(Args(family=family))
+        self.model = build_model(Args(family=family, tie_word_embeddings=tie_word_embeddings))
         self.losses: list[float] = []
+        self.tied = tied_names(self.model)  # the test's probe: tied copies after each step
+        self.gaps: list[float] = []
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         outputs = self.model(
@@ -30,12 +33,27 @@ class CausalLM(pl.LightningModule):
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.losses.append(float(self.trainer.callback_metrics["train_loss"]))
+        engine = getattr(self.trainer.strategy, "engine", None)
+        if self.tied and engine is not None:
+            self.gaps.append(copies_gap(self.tied, engine.module))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
-def run(family: str, strategy: dict[str, Any] | None, devices: int) -> dict[str, Any]:
+def run(
+    family: str,
+    strategy: dict[str, Any] | None,
+    devices: int,
+    tie_word_embeddings: bool = False,
+    catch: bool = False,
+) -> dict[str, Any]:
+    """3 steps of 8 padded rows; `catch`: report an error as {"error": ...} (the benchmark)."""
+    if catch:
+        try:
+            return run(family, strategy, devices, tie_word_embeddings)
+        except Exception as err:
+            return {"error": f"{type(err).__name__}: {err}"}
     torch.manual_seed(0)
     loader = DataLoader(Texts(24, 1), batch_size=8, collate_fn=collate)  # 3 steps, same order
     trainer = pl.Trainer(
@@ -51,10 +69,10 @@ def run(family: str, strategy: dict[str, Any] | None, devices: int) -> dict[str,
         # distributed sampler would shuffle the training data, as Lightning always does).
         use_distributed_sampler=False,
     )
-    module = CausalLM(family)
+    module = CausalLM(family, tie_word_embeddings)
     trainer.fit(module, loader)
     if strategy:
         params = trainer.strategy.full_state_dict()
     else:
         params = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
-    return {"losses": module.losses, "params": params}
+    return {"losses": module.losses, "params": params, "gaps": module.gaps}
