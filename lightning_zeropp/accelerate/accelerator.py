@@ -43,13 +43,12 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from lightning_zeropp.accelerate.pipeline_model import NUM_ITEMS, PipelineModel, accepts_num_items
+from lightning_zeropp.accelerate.pipeline_model import NUM_ITEMS, PipelineModel
 from lightning_zeropp.accelerate.plugin import prepare_pipeline
 from lightning_zeropp.accelerate.zeropp_plugin import ZeroPPPlugin
-from lightning_zeropp.core.step.grads import clip_grad_norm_
 from lightning_zeropp.core.weights import commit
 from lightning_zeropp.core.weights.export import full_state_dict
-from lightning_zeropp.models.hf_loss import disable_kv_cache
+from lightning_zeropp.models.hf_loss import LossWatch, disable_kv_cache, token_rule
 
 __all__ = ["ZeroPPAccelerator"]
 
@@ -109,6 +108,9 @@ class ZeroPPAccelerator(Accelerator):
         config, _ = plugin.resolved_config()
         holder: list[PipelineModel] = []
         skeleton = _skeleton(model)  # the whole model's structure, for unwrap_model
+        # How the model's own loss counts tokens, observed; its stages' loss calls are watched.
+        rule = token_rule(model)
+        watch = LossWatch(model, rule) if rule is not None else None
         engine, opt, loader, sched = prepare_pipeline(
             self,
             model,
@@ -118,12 +120,12 @@ class ZeroPPAccelerator(Accelerator):
             loss_fn=lambda output, target: holder[0].loss_fn(output, target),
             config=config,
             split=plugin.resolved_split(),
-            unpack=_unpack_call(accepts_num_items(model)),
+            unpack=_unpack_call(rule is not None),
             per_process_batches=True,
             load_from=plugin.load_from,
             init=plugin.init,
         )
-        pipeline = PipelineModel(engine, skeleton)
+        pipeline = PipelineModel(engine, skeleton, rule, watch)
         pipeline.eval_logits = plugin.eval_logits
         holder.append(pipeline)
         self.pipeline, self._skeleton = pipeline, skeleton
@@ -150,9 +152,8 @@ class ZeroPPAccelerator(Accelerator):
                 "clip_grad_norm_ got tensors that are not the pipelined model's parameters; pass "
                 "model.parameters() of the model accelerator.prepare returned."
             )
-        core = self.pipeline.engine.core
-        with core.failures.guard():
-            return clip_grad_norm_(params, max_norm, core.dims.pp_group, norm_type)
+        # The engine's clipping: the global norm, a tied weight's per-stage copies counted once.
+        return self.pipeline.engine.core.clip_grad_norm_(max_norm, norm_type, params)
 
     # ------------------------------------------------------------------------- gathering
     def gather(self, tensor: Any) -> Any:
@@ -245,7 +246,13 @@ class ZeroPPAccelerator(Accelerator):
         state = self.get_state_dict(model)
         whole = model.original
         if state:
+            ties = _tied_names(whole)  # before `assign` gives every name its own parameter
             whole.load_state_dict(state, strict=False, assign=True)
+            for first, *others in ties:  # tied again, as the model was: one parameter
+                shared = whole.get_parameter(first)
+                for name in others:
+                    owner, _, attr = name.rpartition(".")
+                    setattr(whole.get_submodule(owner), attr, shared)
         return whole
 
 
@@ -290,6 +297,14 @@ def _skeleton(model: nn.Module) -> nn.Module:
         for p in model.parameters()
     }
     return copy.deepcopy(model, memo)
+
+
+def _tied_names(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter `model` holds under several names, in model order."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
 
 
 def _is_scheduler(obj: Any) -> bool:

@@ -29,8 +29,9 @@ from lightning_zeropp.accelerate.engine import ZeroPPAccelerateEngine
 from lightning_zeropp.core.schedule.build import eval_microbatches
 from lightning_zeropp.models.hf_loss import (
     NUM_ITEMS,
+    LossWatch,
+    TokenRule,
     accepts_num_items,
-    is_causal_lm,
     token_counts,
 )
 
@@ -83,17 +84,25 @@ class PipelineModel(nn.Module):
     `train()` / `eval()` switch the stages. `engine` is the `ZeroPPAccelerateEngine`.
     """
 
-    def __init__(self, engine: ZeroPPAccelerateEngine, original: nn.Module) -> None:
+    def __init__(
+        self,
+        engine: ZeroPPAccelerateEngine,
+        original: nn.Module,
+        rule: TokenRule | None = None,
+        watch: LossWatch | None = None,
+    ) -> None:
         super().__init__()
         self.module = engine.module
         object.__setattr__(self, "engine", engine)
         # The user's model, for unwrap_model (not a submodule: its weights are not ours).
         object.__setattr__(self, "original", original)
-        self.token_weighted = accepts_num_items(original)
-        # Causal LMs predict token t+1 at t: the first label of a row is never a target.
-        self.shifts = is_causal_lm(original)
+        # How the model's own loss counts tokens (`models.hf_loss.token_rule`; None: it cannot
+        # be weighed by tokens), and the check that its forward computed it so.
+        self.rule, self.watch = rule, watch
+        self.token_weighted = rule is not None
         self.eval_logits = True
         self._captured: list[Any] | None = None
+        self._items: float | None = None  # num_items_in_batch given to this call
 
     # ---------------------------------------------------------------- calls
     def forward(self, *args: Any, **kwargs: Any) -> PipelineOutput:
@@ -123,6 +132,7 @@ class PipelineModel(nn.Module):
         core = self.engine.core
         assert core.config.num_microbatches is not None
         rows = _rows(args, kwargs)
+        self._items = None
         if target is None and self.token_weighted:
             # No loss to weigh, but every call must reach the blocks alike (HF hands its keyword
             # arguments down to them): the split checked a call carrying the count.
@@ -158,6 +168,8 @@ class PipelineModel(nn.Module):
                 logits = output
             self._captured.append(logits)
         loss = loss_of(output)
+        if self.watch is not None and self._items is not None and loss is not None:
+            self.watch.check(target, self._items)  # the forward's loss is the one weighted
         if loss is None:
             if not torch.is_grad_enabled() and self._captured is not None:
                 return torch.zeros((), device=target.device)
@@ -172,13 +184,18 @@ class PipelineModel(nn.Module):
     # ---------------------------------------------------------------- token weighting
     def _weighted(self, kwargs: dict[str, Any], target: torch.Tensor, micro: int) -> dict[str, Any]:
         """`kwargs` with `num_items_in_batch` set so that the engine's mean over micro-batches
-        and data-parallel ranks is the mean over the global batch's labelled tokens."""
+        and data-parallel ranks is the mean over the global batch's labelled tokens, counted by
+        the model's own rule."""
+        self._items = None
         if NUM_ITEMS in kwargs:
             return kwargs  # the loop chose its own normalisation
-        labels = kwargs.get("shift_labels")
-        shifted = labels is not None
-        labels = labels if shifted else target
-        counts = token_counts(labels, micro, self.shifts and not shifted).to(self.engine.device)
+        pre = kwargs.get("shift_labels")
+        pre = pre if isinstance(pre, torch.Tensor) else None
+        if self.rule is not None:
+            counts = self.rule.counts(target, micro, pre)
+        else:  # no rule to read: only equal micro-batches are accepted below
+            counts = token_counts(pre if pre is not None else target, micro, 0)
+        counts = counts.to(self.engine.device)
         dims = self.engine.dims
         total = counts.sum()
         low, high = counts.min().clone(), counts.max().clone()
@@ -189,12 +206,16 @@ class PipelineModel(nn.Module):
         if self.token_weighted:
             if int(total) == 0:
                 raise ValueError("the global batch has no labelled token (every label is -100)")
-            return {**kwargs, NUM_ITEMS: float(total) / (micro * dims.dp_size)}
+            items = float(total) / (micro * dims.dp_size)
+            # checked against the forward's own loss call on the last stage (`LossWatch`)
+            self._items = items if pre is None else None
+            return {**kwargs, NUM_ITEMS: items}
         if int(low) != int(high):
             raise ValueError(
                 f"micro-batches of this batch hold between {int(low)} and {int(high)} labelled "
-                f"tokens, and {type(self.original).__name__}'s forward does not take "
-                "num_items_in_batch: its per-micro-batch mean losses would not average to the "
+                f"tokens, and {type(self.original).__name__}'s loss cannot be weighed by tokens "
+                "(its forward does not pass num_items_in_batch to a loss_function that divides "
+                "its token sum by it): its per-micro-batch mean losses would not average to the "
                 "batch's token mean. Accept num_items_in_batch (divide the summed loss by it), "
                 "or pass batches whose micro-batches hold equal numbers of labelled tokens."
             )

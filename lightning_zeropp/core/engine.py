@@ -10,7 +10,7 @@ the step's mean loss back.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -279,11 +279,20 @@ class ZeroPPEngine:
             schedule.evaluate(*inputs, target=target, losses=losses, **kw)
             return self._broadcast_loss(losses) if target is not None else None
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip by the norm over every stage and shard of the model; returns that norm."""
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        parameters: Iterable[nn.Parameter] | None = None,
+    ) -> torch.Tensor:
+        """Clip by the norm over every stage and shard of the model; returns that norm.
+
+        `parameters`: this rank's part of a subset to clip (default: all); every rank passes its
+        part of the same subset. A tied weight's copies count once, as its one tensor in one
+        process."""
         with self.failures.guard():
-            params = self.parameters()
-            counted = self._tied.counted(self.parameters())  # tied copies count once
+            params = list(self.parameters() if parameters is None else parameters)
+            counted = self._tied.counted(params)
             return clip_grad_norm_(params, max_norm, self.dims.pp_group, norm_type, counted)
 
     def comm_metrics(self, prefix: str = "comm") -> dict[str, float]:

@@ -44,12 +44,7 @@ from lightning_zeropp.core.weights.async_checkpoint import AsyncCheckpointer
 from lightning_zeropp.core.weights.materialize import InitFn, empty_parameters
 from lightning_zeropp.lightning import checkpointing, network, resume, settings
 from lightning_zeropp.lightning.steps import StepRunner
-from lightning_zeropp.models.hf_loss import (
-    TokenCountAdapter,
-    accepts_num_items,
-    disable_kv_cache,
-    is_causal_lm,
-)
+from lightning_zeropp.models.hf_loss import TokenCountAdapter, disable_kv_cache
 
 __all__ = ["ZeroPPStrategy"]
 
@@ -297,9 +292,9 @@ class ZeroPPStrategy(ModelParallelStrategy):
         runner.module, runner.attr = module, name
         net = getattr(module, name)
         runner.adapter = get_call_adapter(net)
-        if type(runner.adapter) is CallAdapter and accepts_num_items(net):
+        if type(runner.adapter) is CallAdapter:
             # A plain HF model: padded batches' losses are token means, as in one process.
-            runner.adapter = TokenCountAdapter(shift=is_causal_lm(net))
+            runner.adapter = TokenCountAdapter.for_model(net) or runner.adapter
         self._pipelined = name
         disable_kv_cache(net)  # plain HF models: a stage returns tensors only
         example_args, example_kwargs = self._example(module, trainer)

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from lightning_zeropp.core.mesh import ParallelDims
+from lightning_zeropp.core.split.tied import local_ties
 from lightning_zeropp.core.weights import commit
 
 __all__ = ["full_optimizer_state_dict", "full_state_dict", "save_consolidated", "save_file"]
@@ -37,25 +38,77 @@ def full_state_dict(module: nn.Module, dims: ParallelDims) -> dict[str, torch.Te
     `module` is this rank's stages (the engine's `module`, or a module holding them, such as the
     LightningModule whose network they replaced: its keys then carry the attribute prefix, and
     its other, unsplit state is taken from rank 0); `dims` the mesh it was sharded over. Values
-    are contiguous CPU tensors that share no storage, keyed and ordered as the unsplit model's
-    `state_dict()`.
+    are contiguous CPU tensors keyed and ordered as the unsplit model's `state_dict()`; as
+    there, the names of one tied weight share one tensor (its per-stage copies are checked
+    equal), and other tensors share no storage.
     """
     # Sharded view (DTensors, original names): FSDP2-aware, as in core.checkpoint.
     sharded = get_model_state_dict(module, options=StateDictOptions(full_state_dict=False))
     leader = _is_leader(dims)
     # Every data-parallel rank of the stage walks the same names in the same order, so the
-    # all-gathers inside full_tensor() line up.
-    local = {name: _full_cpu(value, leader) for name, value in sharded.items()}
-    parts = _gather_to_rank0(local, dims)
+    # all-gathers inside full_tensor() line up. Names of one tensor (a tie inside a stage) are
+    # gathered once.
+    first_of: dict[tuple[Any, ...], str] = {}
+    local: dict[str, torch.Tensor | None] = {}
+    ties = [tuple(names) for names in _shared_names(sharded, first_of)]
+    for name, value in sharded.items():
+        first = first_of.get(_storage_key(value), name)
+        local[name] = _full_cpu(value, leader) if first == name else local[first]
+    ties += [_prefixed(name, names) for name, names in local_ties(module).items()]
+    parts = _gather_to_rank0((local, ties), dims)
     if parts is None:
         return {}
     merged: dict[str, torch.Tensor] = {}
-    for part in parts:
+    for part, _ in parts:
         for name, tensor in part.items():
             # Constant buffers may be copied on several stages: the first copy is the copy.
-            # A tied weight's per-stage copies keep their own names (equal values, core.tied).
             merged.setdefault(name, tensor)
-    return {name: merged[name] for name in _tree_order([list(part) for part in parts])}
+    _alias_ties(merged, [group for _, groups in parts for group in groups])
+    return {name: merged[name] for name in _tree_order([list(state) for state, _ in parts])}
+
+
+def _storage_key(value: Any) -> tuple[Any, ...]:
+    """What makes two state-dict values one tensor: their (local) storage, offset, shape."""
+    if not torch.is_tensor(value) or not value.numel():
+        return (id(value),)
+    local = value.to_local() if isinstance(value, DTensor) else value
+    return (local.data_ptr(), local.storage_offset(), tuple(value.shape), local.dtype)
+
+
+def _shared_names(state: dict[str, Any], first_of: dict[tuple[Any, ...], str]) -> list[list[str]]:
+    """Groups of names whose values are one tensor (fills `first_of`: key -> first name)."""
+    groups: dict[str, list[str]] = {}
+    for name, value in state.items():
+        key = _storage_key(value)
+        first = first_of.setdefault(key, name)
+        groups.setdefault(first, []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _prefixed(name: str, names: tuple[str, ...]) -> tuple[str, ...]:
+    """A tie's names in the unsplit model, under the prefix `name` (a copy's key here) has."""
+    own = next(n for n in names if name == n or name.endswith(f".{n}"))
+    prefix = name[: len(name) - len(own)]
+    return tuple(prefix + n for n in names)
+
+
+def _alias_ties(merged: dict[str, torch.Tensor], ties: list[tuple[str, ...]]) -> None:
+    """Every name of a tie holds its first name's tensor, as in the unsplit model's state dict;
+    per-stage copies that differ are a bug this refuses to export."""
+    for names in ties:
+        present = [n for n in names if n in merged]
+        if len(present) < 2:
+            continue
+        first = merged[present[0]]
+        for other in present[1:]:
+            if merged[other] is not first and not torch.equal(merged[other], first):
+                gap = float((merged[other].float() - first.float()).abs().max())
+                raise RuntimeError(
+                    f"the pipeline's copies of the tied weight {present[0]!r} and {other!r} "
+                    f"differ (by up to {gap:.3g}); they are kept equal every step, so this is a "
+                    "bug in lightning_zeropp: please report it."
+                )
+            merged[other] = first
 
 
 def full_optimizer_state_dict(
