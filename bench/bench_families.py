@@ -53,7 +53,7 @@ ROWS = [
     ("gpt_neox", "gpt_neox", False),
 ]
 ACC_PLUGIN = {"pp_size": 2, "dp_shard_size": 2, "num_microbatches": 2}
-ONE_PROCESS = {"per_device_train_batch_size": 8, "per_device_eval_batch_size": 8}
+ONE_PROCESS = {"per_device_train_batch_size": 8, "per_device_eval_batch_size": 2}
 LIT_STRATEGY = {"pp_size": 2, "num_microbatches": 2}
 
 

@@ -147,6 +147,16 @@ class ZeroPPEngine:
                     "default), or build the model with its weights."
                 )
             self.split = "call"  # the model prefers tracing; its meta build rules it out
+        if self.split == "trace" and self.num_stages > 1 and _recast(model, cfg.param_dtype):
+            # A traced graph keeps the dtypes it was traced in: a cast to float32 that was a
+            # no-op then (HF's norms) is recorded as a check, and fails on bf16 activations.
+            if split != "auto":
+                raise ValueError(
+                    f"split='trace' runs the graph traced in the parameters' dtype and cannot "
+                    f"compute in param_dtype={cfg.param_dtype}; use split='call' (the default), "
+                    "or train in the parameters' dtype."
+                )
+            self.split = "call"  # the model prefers tracing; mixed precision rules it out
         # Tied weights get a copy per stage under split="call" / "stack" (see core.tied).
         tied = tied_groups(model) if self.num_stages > 1 else []
         if self.num_stages > 1 and self.split not in ("call", "stack"):
@@ -265,14 +275,19 @@ class ZeroPPEngine:
 
     @torch.no_grad()
     def eval_step(
-        self, *args: Any, target: torch.Tensor | None = None, **kwargs: Any
+        self,
+        *args: Any,
+        target: torch.Tensor | None = None,
+        microbatches: int | None = None,
+        **kwargs: Any,
     ) -> torch.Tensor | None:
         """Forward only; returns the mean loss on every rank when `target` is given.
 
         Any number of rows: the batch runs in as many equal micro-batches as divide it (at most
-        `num_microbatches`), so the mean of micro-batch means is the batch mean.
+        `num_microbatches`; `microbatches` to choose, a divisor of the rows), so the mean of
+        micro-batch means is the batch mean. The loss function sees them in order.
         """
-        schedule = self._schedule_for("eval", args, kwargs, target)
+        schedule = self._schedule_for("eval", args, kwargs, target, microbatches)
         losses: list[torch.Tensor] = []
         inputs, kw = self._stage_inputs(args, kwargs)
         with self.failures.guard():
@@ -359,7 +374,9 @@ class ZeroPPEngine:
             return (), self._call_inputs.flatten(args, kwargs)
         return (args, kwargs) if self.holds_first else ((), {})
 
-    def _schedule_for(self, mode: str, args: Any, kwargs: Any, target: Any) -> Any:
+    def _schedule_for(
+        self, mode: str, args: Any, kwargs: Any, target: Any, chosen: int | None = None
+    ) -> Any:
         """The schedule for this batch's shapes, after the batch checks. Built on first use;
         the least recently used one goes.
 
@@ -377,6 +394,9 @@ class ZeroPPEngine:
             microbatches = self.config.num_microbatches
             if mode == "train":
                 check_divisible(rows, microbatches)
+            elif chosen is not None:
+                check_divisible(rows, chosen)
+                microbatches = chosen
             else:
                 microbatches = eval_microbatches(rows, microbatches)
         except ValueError as err:
@@ -475,6 +495,12 @@ class ZeroPPEngine:
         for group in self.dims.dp_groups:
             dist.all_reduce(loss, group=group)
         return loss / self.dims.dp_size
+
+
+def _recast(model: nn.Module, dtype: torch.dtype | None) -> bool:
+    """Whether the stages compute in another dtype than the model's floating parameters hold."""
+    held = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    return dtype is not None and bool(held - {dtype})
 
 
 def _plan(model: nn.Module, num_stages: int, split_points: list[int] | None) -> BlockPlan | None:

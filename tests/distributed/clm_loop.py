@@ -33,7 +33,7 @@ TINY = {
 NO_DROPOUT = {"attention_dropout": 0.0}
 EXTRA: dict[str, dict[str, Any]] = {
     "gemma": {"head_dim": 8},
-    "gemma2": {"head_dim": 8},
+    "gemma2": {"head_dim": 8, "sliding_window": 4},  # masks that differ by layer
     "phi3": {"resid_pdrop": 0.0, "embd_pdrop": 0.0},
     "gpt_neox": {"hidden_dropout": 0.0},
     "gpt2": {
@@ -73,6 +73,7 @@ class Args:
     init_seed: int = 0  # the model's initial weights
     empty_init: bool = False  # build under init_empty_weights() (the plugin's load_from fills it)
     export_to: str | None = None  # run_clm's closing save_pretrained
+    save_model_to: str | None = None  # accelerator.save_model, after the export
     stop_after: int | None = None  # updates, then save_state(save_to) and stop
     resume_from: str | None = None  # load_state, then skip the batches already trained on
     resumed_updates: int = 0  # how many updates the saved run made (run_clm reads the dir name)
@@ -203,12 +204,13 @@ def train(
     for batch in eval_dataloader:
         with torch.no_grad():
             outputs = model(**batch)
-        rows = batch["input_ids"].shape[0]
-        losses.append(accelerator.gather_for_metrics(outputs.loss.reshape(1).repeat(rows)))
+        loss = outputs.loss  # run_clm's own lines: one value per sample of this process
+        losses.append(accelerator.gather_for_metrics(loss.repeat(args.per_device_eval_batch_size)))
         out.setdefault("eval_ids", []).append(
             accelerator.gather_for_metrics(batch["input_ids"][:, 0])
         )
     out["eval_loss"] = torch.cat(losses).mean().item()
+    out["perplexity"] = math.exp(out["eval_loss"])
     out["eval_ids"] = torch.cat(out["eval_ids"]).tolist()
     if save_to is not None:
         accelerator.save_state(save_to)
@@ -222,5 +224,8 @@ def train(
             is_main_process=accelerator.is_main_process,
             save_function=accelerator.save,
         )
+        accelerator.wait_for_everyone()
+    if args.save_model_to is not None:
+        accelerator.save_model(model, args.save_model_to)
         accelerator.wait_for_everyone()
     return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,9 @@ def run(cases: list[dict[str, Any]]) -> dict[str, Any]:
             plugin = ZeroPPPlugin(**case["plugin"])
             accelerator = ZeroPPAccelerator(zeropp_plugin=plugin, **acc_kwargs)
         probe = tied_gap if case.get("tied_gap") else None
+        start = time.monotonic()
         out[case["id"]] = train(accelerator, args, case.get("save_to"), probe)
+        out[case["id"]]["seconds"] = time.monotonic() - start
         accelerator.free_memory()
     return out
 

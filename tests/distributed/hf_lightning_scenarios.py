@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_zeropp.lightning import ZeroPPStrategy
+from lightning_zeropp.models.hf import export_hf
 from tests.distributed.clm_loop import Args, Texts, build_model, collate
 from tests.distributed.clm_scenarios import copies_gap, tied_names
 
@@ -41,26 +42,36 @@ class CausalLM(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
+def run_cases(
+    cases: list[dict[str, Any]], strategy: dict[str, Any] | None, devices: int
+) -> dict[str, Any]:
+    """Several models in one launch: each case {"id", "family", "tie_word_embeddings",
+    "export_to"} (an HF export of the trained model, `models.hf.export_hf`)."""
+    return {case["id"]: run(strategy=strategy, devices=devices, **case) for case in cases}
+
+
 def run(
     family: str,
     strategy: dict[str, Any] | None,
     devices: int,
     tie_word_embeddings: bool = False,
     catch: bool = False,
+    export_to: str | None = None,
+    id: str = "",  # noqa: A002 - the case's name, ignored here
 ) -> dict[str, Any]:
-    """3 steps of 8 padded rows; `catch`: report an error as {"error": ...} (the benchmark)."""
+    """4 steps of 8 padded rows; `catch`: report an error as {"error": ...} (the benchmark)."""
     if catch:
         try:
             return run(family, strategy, devices, tie_word_embeddings)
         except Exception as err:
             return {"error": f"{type(err).__name__}: {err}"}
     torch.manual_seed(0)
-    loader = DataLoader(Texts(24, 1), batch_size=8, collate_fn=collate)  # 3 steps, same order
+    loader = DataLoader(Texts(32, 1), batch_size=8, collate_fn=collate)  # 4 steps, same order
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=devices,
         strategy=ZeroPPStrategy(**strategy) if strategy else "auto",
-        max_steps=3,
+        max_steps=4,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -73,6 +84,8 @@ def run(
     trainer.fit(module, loader)
     if strategy:
         params = trainer.strategy.full_state_dict()
+        if export_to is not None:
+            export_hf(export_to, params, module.model.config)
     else:
         params = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
     return {"losses": module.losses, "params": params, "gaps": module.gaps}
