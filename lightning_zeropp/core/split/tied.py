@@ -151,13 +151,17 @@ class TiedWeights:
 
 
 def local_ties(module: nn.Module) -> dict[str, tuple[str, ...]]:
-    """{name in `module`: the tie's names in the unsplit model} for every per-stage copy of a
-    tied weight `module` holds (this rank's stages, or a module holding them under a prefix)."""
-    return {
-        name: getattr(p, _TIE_ATTR)
-        for name, p in module.named_parameters(remove_duplicate=False)
-        if hasattr(p, _TIE_ATTR)
-    }
+    """{name in `module`: the names of its tie} for every per-stage copy of a tied weight that
+    `module` holds (this rank's stages, or a module holding them under a prefix: the tie's names
+    get the same prefix), the tie's names in the model's order."""
+    out = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names = getattr(p, _TIE_ATTR, None)
+        if names is not None:
+            own = next(n for n in names if name == n or name.endswith(f".{n}"))
+            prefix = name[: len(name) - len(own)]
+            out[name] = tuple(prefix + n for n in names)
+    return out
 
 
 def _local_copies(

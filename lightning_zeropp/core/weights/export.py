@@ -54,7 +54,7 @@ def full_state_dict(module: nn.Module, dims: ParallelDims) -> dict[str, torch.Te
     for name, value in sharded.items():
         first = first_of.get(_storage_key(value), name)
         local[name] = _full_cpu(value, leader) if first == name else local[first]
-    ties += [_prefixed(name, names) for name, names in local_ties(module).items()]
+    ties += list(local_ties(module).values())
     parts = _gather_to_rank0((local, ties), dims)
     if parts is None:
         return {}
@@ -83,13 +83,6 @@ def _shared_names(state: dict[str, Any], first_of: dict[tuple[Any, ...], str]) -
         first = first_of.setdefault(key, name)
         groups.setdefault(first, []).append(name)
     return [names for names in groups.values() if len(names) > 1]
-
-
-def _prefixed(name: str, names: tuple[str, ...]) -> tuple[str, ...]:
-    """A tie's names in the unsplit model, under the prefix `name` (a copy's key here) has."""
-    own = next(n for n in names if name == n or name.endswith(f".{n}"))
-    prefix = name[: len(name) - len(own)]
-    return tuple(prefix + n for n in names)
 
 
 def _alias_ties(merged: dict[str, torch.Tensor], ties: list[tuple[str, ...]]) -> None:
@@ -124,6 +117,7 @@ def full_optimizer_state_dict(
     """
     names = {param: name for name, param in module.named_parameters()}
     leader = _is_leader(dims)
+    ties = list(local_ties(module).values())
     groups = []
     for group in optimizer.param_groups:
         state = {}
@@ -135,15 +129,30 @@ def full_optimizer_state_dict(
             }
         hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
         groups.append({"hyper": hyper, "state": state})
-    parts = _gather_to_rank0({"groups": groups, "order": list(names.values())}, dims)
+    parts = _gather_to_rank0({"groups": groups, "order": list(names.values()), "ties": ties}, dims)
     if parts is None:
         return {}
+    # A tied weight is one parameter to one process's optimizer: its first name's copy stands for
+    # the others (their states are equal: the same gradients, the same steps).
+    held = {name for part in parts for group in part["groups"] for name in group["state"]}
+    doubles = {
+        other
+        for part in parts
+        for tie in part["ties"]
+        for other in tie[1:]
+        if any(n in held for n in tie[: tie.index(other)])
+    }
     rank = {name: i for i, name in enumerate(_tree_order([part["order"] for part in parts]))}
     assert len({len(part["groups"]) for part in parts}) == 1, "param groups differ across ranks"
     out: dict[str, Any] = {"state": {}, "param_groups": []}
     for index in range(len(parts[0]["groups"])):
         members = [part["groups"][index] for part in parts]
-        state = {name: s for member in members for name, s in member["state"].items()}
+        state = {
+            name: s
+            for member in members
+            for name, s in member["state"].items()
+            if name not in doubles
+        }
         # A stage whose parameters all sit in other groups still has this group: take the
         # hyperparameters from a stage that has parameters in it.
         hyper = next((m["hyper"] for m in members if m["state"]), members[0]["hyper"])
