@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
-from transformers import AutoConfig, AutoModelForCausalLM, get_scheduler
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM, get_scheduler
 
 VOCAB = 64
 TINY = {
@@ -106,7 +106,23 @@ def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
+class OwnLossLlama(LlamaForCausalLM):
+    """A model computing its own mean loss in its forward (not through `loss_function`): the
+    pipeline cannot weigh its micro-batches by tokens, and must say so."""
+
+    def forward(self, input_ids: Any = None, labels: Any = None, **kwargs: Any) -> Any:
+        kwargs.pop("num_items_in_batch", None)
+        out = super().forward(input_ids=input_ids, **kwargs)
+        if labels is not None:
+            logits, targets = out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()
+            out.loss = torch.nn.functional.cross_entropy(logits, targets, ignore_index=-100)
+        return out
+
+
 def build_model(args: Args) -> torch.nn.Module:
+    if args.family == "llama_own_loss":
+        torch.manual_seed(args.init_seed)
+        return OwnLossLlama(AutoConfig.for_model("llama", **TINY))
     config = AutoConfig.for_model(
         args.family,
         **{**TINY, **NO_DROPOUT, **EXTRA.get(args.family, {})},

@@ -66,6 +66,9 @@ SWEEP_CASES = [
     # no training: run_clm's eval alone, compared with DDP's and one process's
     {"id": "eval-only", "plugin": PP, "args": {"num_train_epochs": 0, "eval_rows": 10}},
 ]
+# A forward that computes its own loss: no token weighting can make it exact, so it is refused
+# at its first step, on every rank (`models.hf_loss.LossWatch`).
+REFUSED = {"id": "own-loss", "plugin": PP, "args": {"family": "llama_own_loss"}, "catch": True}
 # The other families, and the tied model under the other schedules: left to bench/slow_tests.py
 # for time (bench/bench_families.py tabulates every family on both fronts).
 FAMILY_CASES = [
@@ -89,6 +92,8 @@ def _reference_args(case: dict) -> dict:
 def _reference_cases(cases: list[dict]) -> list[dict]:
     seen, out = set(), []
     for case in cases:
+        if case.get("catch"):
+            continue  # refused: nothing to compare
         args = _reference_args(case)
         key = tuple(sorted(args.items()))
         if key not in seen:
@@ -136,7 +141,7 @@ def _outputs_in(case: dict, out: Path) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("clm")
-    pipe, one = _launch(out, _with_initial_weights(CASES + SWEEP_CASES, out))
+    pipe, one = _launch(out, _with_initial_weights([*CASES, *SWEEP_CASES, REFUSED], out))
     ddp_cases = [{"id": "ddp"}, {"id": "ddp-eval", "args": SWEEP_CASES[-1]["args"]}]
     ddp = launch(
         4, "clm_scenarios.run", {"cases": ddp_cases, "init_process_group": False}, out / "ddp"
@@ -187,6 +192,13 @@ def test_eval_of_a_short_last_batch_is_ddps(runs):
             got["eval-only"]["eval_loss"], want["ddp-eval"]["eval_loss"], rtol=0, atol=1e-6
         )
         assert sorted(got["eval-only"]["eval_ids"]) == sorted(want["ddp-eval"]["eval_ids"])
+
+
+def test_a_forward_computing_its_own_loss_is_refused(runs):
+    for rank_result in runs[0]:
+        error = rank_result["own-loss"]["error"]
+        assert "OwnLossLlama's forward did not compute its loss as its loss_function" in error
+        assert "Have the forward pass its keyword arguments to self.loss_function" in error
 
 
 @pytest.mark.parametrize("case", SWEEP_CASES[:2], ids=[c["id"] for c in SWEEP_CASES[:2]])
