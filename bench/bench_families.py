@@ -10,7 +10,9 @@ the same model in one process on the same global batches, then compares:
 
 - Accelerate: the run_clm-shaped loop of `tests/distributed/clm_loop.py` under
   `ZeroPPAccelerator` on 4 gloo ranks, pp 2 x dp_shard 2, 2 micro-batches, 4 updates of 8 rows,
-  AdamW in decay / no-decay groups, cosine schedule, no clipping; then its eval loss.
+  AdamW in decay / no-decay groups, cosine schedule, no clipping; then run_clm's eval loss over
+  10 rows (a short last batch), against one process evaluating per-device batches of 2 (which
+  DDP's eval equals).
 - Lightning: `tests/distributed/hf_lightning_scenarios.py` (a LightningModule calling
   `self.model(ids, attention_mask=..., labels=...).loss`) under `ZeroPPStrategy` on 2 ranks,
   pp 2, 2 micro-batches, 3 steps of 8 rows, SGD.
@@ -95,7 +97,7 @@ def _compare(got: Any, ref: Any, keys: tuple[str, str]) -> dict[str, Any]:
 
 
 def accelerate_row(family: str, tied: bool, tmp: Path) -> dict[str, Any]:
-    args = {"family": family, "tie_word_embeddings": tied, "max_grad_norm": None}
+    args = {"family": family, "tie_word_embeddings": tied, "max_grad_norm": None, "eval_rows": 10}
     case = {"id": "c", "args": args, "plugin": ACC_PLUGIN, "tied_gap": True, "catch": True}
     pipe = _launch(4, "clm_scenarios.run", {"cases": [case]}, tmp / "pp")
     one_case = {"id": "c", "args": {**args, **ONE_PROCESS}, "catch": True}
@@ -181,6 +183,9 @@ def main() -> None:
         old = json.loads(before.read_text())
         text += [
             "## Before (the code before these fixes)",
+            "",
+            "The library as it was before the fixes for issue 21, run with this benchmark and "
+            'its scenario files copied over it (hence the commit\'s "uncommitted changes").',
             "",
             f"Machine: {json.dumps(old['machine'])}",
             "",
