@@ -56,14 +56,17 @@ def full_state_dict(module: nn.Module, dims: ParallelDims) -> dict[str, torch.Te
         local[name] = _full_cpu(value, leader) if first == name else local[first]
     ties += list(local_ties(module).values())
     parts = _gather_to_rank0((local, ties), dims)
-    if parts is None:
-        return {}
     merged: dict[str, torch.Tensor] = {}
-    for part, _ in parts:
+    problem = None
+    for part, _ in parts or ():
         for name, tensor in part.items():
             # Constant buffers may be copied on several stages: the first copy is the copy.
             merged.setdefault(name, tensor)
-    _alias_ties(merged, [group for _, groups in parts for group in groups])
+    if parts is not None:
+        problem = _alias_ties(merged, [group for _, groups in parts for group in groups])
+    _raise_everywhere(problem)  # found on rank 0; every rank stops
+    if parts is None:
+        return {}
     return {name: merged[name] for name in _tree_order([list(state) for state, _ in parts])}
 
 
@@ -85,23 +88,32 @@ def _shared_names(state: dict[str, Any], first_of: dict[tuple[Any, ...], str]) -
     return [names for names in groups.values() if len(names) > 1]
 
 
-def _alias_ties(merged: dict[str, torch.Tensor], ties: list[tuple[str, ...]]) -> None:
+def _alias_ties(merged: dict[str, torch.Tensor], ties: list[tuple[str, ...]]) -> str | None:
     """Every name of a tie holds its first name's tensor, as in the unsplit model's state dict;
-    per-stage copies that differ are a bug this refuses to export."""
+    per-stage copies that differ are a bug this refuses to export (the problem, or None)."""
     for names in ties:
         present = [n for n in names if n in merged]
-        if len(present) < 2:
-            continue
-        first = merged[present[0]]
+        first = merged[present[0]] if present else None
         for other in present[1:]:
             if merged[other] is not first and not torch.equal(merged[other], first):
                 gap = float((merged[other].float() - first.float()).abs().max())
-                raise RuntimeError(
+                return (
                     f"the pipeline's copies of the tied weight {present[0]!r} and {other!r} "
                     f"differ (by up to {gap:.3g}); they are kept equal every step, so this is a "
                     "bug in lightning_zeropp: please report it."
                 )
             merged[other] = first
+    return None
+
+
+def _raise_everywhere(problem: str | None) -> None:
+    """Raise rank 0's `problem` on every rank (a lone raise would leave the others running)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [problem]
+        dist.broadcast_object_list(box, src=0)
+        problem = box[0]
+    if problem is not None:
+        raise RuntimeError(problem)
 
 
 def full_optimizer_state_dict(
