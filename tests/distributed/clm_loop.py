@@ -235,6 +235,8 @@ def train(
     if args.export_to is not None:
         accelerator.wait_for_everyone()
         unwrapped_model = accelerator.unwrap_model(model)
+        head, embedding = unwrapped_model.lm_head, unwrapped_model.get_input_embeddings()
+        out["unwrapped_tied"] = head.weight is embedding.weight  # one parameter, as built
         unwrapped_model.save_pretrained(
             args.export_to,
             is_main_process=accelerator.is_main_process,

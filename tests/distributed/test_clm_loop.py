@@ -209,6 +209,7 @@ def test_tied_export_reloads_tied(runs, case):
     from transformers import AutoModelForCausalLM
 
     pipe, _, _, out = runs
+    assert pipe[0][case["id"]]["unwrapped_tied"]  # unwrap_model gives the model tied
     trained = pipe[0][case["id"]]["params"]
     model = AutoModelForCausalLM.from_pretrained(out / case["id"] / "pretrained")
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
