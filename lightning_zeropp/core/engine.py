@@ -147,15 +147,10 @@ class ZeroPPEngine:
                     "default), or build the model with its weights."
                 )
             self.split = "call"  # the model prefers tracing; its meta build rules it out
-        if self.split == "trace" and self.num_stages > 1 and _recast(model, cfg.param_dtype):
+        if self.split == "trace" and split == "auto" and _recast(model, cfg.param_dtype):
             # A traced graph keeps the dtypes it was traced in: a cast to float32 that was a
-            # no-op then (HF's norms) is recorded as a check, and fails on bf16 activations.
-            if split != "auto":
-                raise ValueError(
-                    f"split='trace' runs the graph traced in the parameters' dtype and cannot "
-                    f"compute in param_dtype={cfg.param_dtype}; use split='call' (the default), "
-                    "or train in the parameters' dtype."
-                )
+            # no-op then (HF's norms) is recorded as a check, and fails on bf16 activations
+            # (an explicit split="trace" is checked for such casts once traced).
             self.split = "call"  # the model prefers tracing; mixed precision rules it out
         # Tied weights get a copy per stage under split="call" / "stack" (see core.tied).
         tied = tied_groups(model) if self.num_stages > 1 else []

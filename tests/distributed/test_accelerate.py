@@ -125,8 +125,8 @@ def test_prepared_hf_model_trains_in_bf16(results):
             torch.tensor(got["losses"]), torch.tensor(fp32), rtol=0, atol=3e-2
         )
         error = r["prepared-llama-bf16-trace"]["error"]
-        assert "split='trace'" in error and "param_dtype=torch.bfloat16" in error
-        assert "use split='call'" in error
+        assert "split='trace' cannot run LlamaForCausalLM in param_dtype=torch.bfloat16" in error
+        assert "activations are torch.float32" in error and "Use split='call'" in error
 
 
 def test_save_state_load_state_resumes_exactly(tmp_path):
