@@ -13,12 +13,8 @@ Results are written to bench/results/fronts.md and bench/results/fronts.json (bo
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import faulthandler
-import json
 import os
-import resource
 import statistics
 import sys
 import time
@@ -26,12 +22,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import launch_ranks  # noqa: E402
-from common import machine as common_machine  # noqa: E402
-from common import proc_stat as _proc_stat  # noqa: E402
+import harness  # noqa: E402
+from harness import MIB  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = Path(os.environ.get("BENCH_RESULTS", ROOT / "bench" / "results"))
 WORLD = 4
 MODEL = {"vocab_size": 256, "seq_len": 128, "dim": 256, "num_heads": 4, "num_layers": 8}
 GLOBAL_BATCH = 32
@@ -44,12 +37,11 @@ ROWS = {
     "core": "No front: ZeroPPEngine in a plain torch loop (the baseline)",
 }
 PG_TIMEOUT = datetime.timedelta(seconds=120)
-MIB = 2**20
 
 
 def row_timeout_s(steps: int, warmup: int) -> float:
     """Start-up plus a generous 20 s a step (a step takes about 2 s on 2 cores)."""
-    return 150.0 + 20.0 * (warmup + steps)
+    return harness.row_timeout_s(warmup + steps, start_s=150.0, per_step_s=20.0)
 
 
 # ---------------------------------------------------------------------------------------- rank
@@ -57,9 +49,7 @@ def run_rank(row: str, steps: int, warmup: int, out: Path) -> None:
     """One rank of one row: train warm-up + timed steps and write this rank's JSON."""
     import torch
 
-    faulthandler.dump_traceback_later(row_timeout_s(steps, warmup) - 15, exit=False)
-    torch.set_num_threads(1)
-    rank = int(os.environ["RANK"])
+    rank = harness.start_rank(row_timeout_s(steps, warmup))
     # The global batch, the same at every step (as in bench_layouts.py).
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(
@@ -67,69 +57,20 @@ def run_rank(row: str, steps: int, warmup: int, out: Path) -> None:
     )
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     # Before the front's imports, its process group and the model: growth from here is the row's.
-    rss_start_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    clock = _Clock(warmup, steps)
+    rss_start_kib = harness.max_rss_kib()
+    clock = harness.StepClock(warmup, steps)
     {"lightning": _lightning, "accelerate": _accelerate, "core": _core}[row](x, y, clock)
-    import torch.distributed as dist
-
-    times = torch.tensor(clock.times, dtype=torch.float64)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
-    rss_end_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     result = {
         "rank": rank,
-        "step_times_s": times.tolist(),
-        "losses": clock.losses,
-        "timed_cpu_s": clock.cpu_s,
-        "timed_proc_stat": clock.proc_stat,
-        "timed_wall_s": clock.wall_s,
-        "peak_rss_bytes": rss_end_kib * 1024,
-        "peak_rss_growth_bytes": (rss_end_kib - rss_start_kib) * 1024,
+        **clock.result(),
+        # a step takes as long as its slowest rank
+        "step_times_s": harness.slowest(clock.times),
+        **harness.rss_figures(rss_start_kib),
     }
-    partial = out / f"rank{rank}.json.partial"  # the driver watches for the complete file
-    partial.write_text(json.dumps(result))
-    partial.rename(out / f"rank{rank}.json")
-    faulthandler.dump_traceback_later(10, exit=False)  # tell where teardown hangs, if it does
-    dist.barrier()  # tear down together: no rank destroys its group while a peer still uses it
-    dist.destroy_process_group()
+    harness.finish_rank(out, rank, result)
 
 
-class _Clock:
-    """Per-step wall times of the timed steps (each started together after a barrier), their
-    CPU time, and every step's loss."""
-
-    def __init__(self, warmup: int, steps: int) -> None:
-        self.warmup, self.steps = warmup, steps
-        self.step = 0
-        self.times: list[float] = []
-        self.losses: list[float] = []
-        self.cpu_s = self.wall_s = 0.0
-        self.proc_stat: dict[str, int] = {}
-        self._start = self._cpu0 = self._wall0 = 0.0
-        self._stat0: dict[str, int] = {}
-
-    def start(self) -> None:
-        import torch.distributed as dist
-
-        if self.step == self.warmup:
-            self._cpu0, self._wall0 = time.process_time(), time.perf_counter()
-            self._stat0 = _proc_stat()
-        dist.barrier()  # start every step together: the time is the step's, not the skew's
-        self._start = time.perf_counter()
-
-    def stop(self, loss: float) -> None:
-        elapsed = time.perf_counter() - self._start
-        self.losses.append(loss)
-        if self.step >= self.warmup:
-            self.times.append(elapsed)
-        if self.step == self.warmup + self.steps - 1:
-            self.cpu_s = time.process_time() - self._cpu0
-            self.wall_s = time.perf_counter() - self._wall0
-            end = _proc_stat()
-            self.proc_stat = {k: end[k] - self._stat0.get(k, 0) for k in end}
-        self.step += 1
-
-
-def _lightning(x: Any, y: Any, clock: _Clock) -> None:
+def _lightning(x: Any, y: Any, clock: harness.StepClock) -> None:
     """The row through Trainer(strategy=ZeroPPStrategy), timed by a callback."""
     import lightning.pytorch as pl
     import torch
@@ -177,7 +118,7 @@ def _lightning(x: Any, y: Any, clock: _Clock) -> None:
     trainer.fit(module, loader)
 
 
-def _accelerate(x: Any, y: Any, clock: _Clock) -> None:
+def _accelerate(x: Any, y: Any, clock: harness.StepClock) -> None:
     """The row through prepare_pipeline in a plain Accelerate loop."""
     import torch
     import torch.nn.functional as F
@@ -224,7 +165,7 @@ def _accelerate(x: Any, y: Any, clock: _Clock) -> None:
         clock.stop(float(loss))
 
 
-def _core(x: Any, y: Any, clock: _Clock) -> None:
+def _core(x: Any, y: Any, clock: harness.StepClock) -> None:
     """The same training with the core engine alone: what both fronts add their overhead to."""
     import torch
     import torch.distributed as dist
@@ -256,44 +197,13 @@ def _core(x: Any, y: Any, clock: _Clock) -> None:
 
 
 # ---------------------------------------------------------------------------------------- driver
-def launch_row(row: str, steps: int, warmup: int) -> list[dict[str, Any]]:
-    """Run one row on WORLD fresh processes; fail loudly (with log tails) on error or timeout."""
-    args = ["--steps", str(steps), "--warmup", str(warmup)]
-    return launch_ranks(__file__, row, WORLD, args, row_timeout_s(steps, warmup))
-
-
-def machine() -> dict[str, Any]:
-    import accelerate
-    import lightning
-
-    return {
-        **common_machine(),
-        "lightning": lightning.__version__,
-        "accelerate": accelerate.__version__,
-    }
-
-
 def summarize(row: str, run: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     step_times = ranks[0]["step_times_s"]  # already the max over ranks, step by step
-    # The ranks' CPU time over the timed steps per core-second of wall time: near 1 when they had
-    # the cores to themselves, lower when other work on the machine took a share.
-    cpu_share = sum(r["timed_cpu_s"] for r in ranks) / (
-        max(r["timed_wall_s"] for r in ranks) * (os.cpu_count() or 1)
-    )
-    stat = ranks[0]["timed_proc_stat"]  # machine-wide: any rank's view will do
-    total = sum(stat.values())
-    # CPU time of other processes on this machine (other users' work shares its kernel) over the
-    # timed steps, per core-second: the machine's busy time minus this row's ranks' own.
-    busy_s = (total - stat.get("idle", 0) - stat.get("iowait", 0)) / os.sysconf("SC_CLK_TCK")
-    wall = max(r["timed_wall_s"] for r in ranks) * (os.cpu_count() or 1)
-    others = max(0.0, busy_s - sum(r["timed_cpu_s"] for r in ranks)) / wall
     return {
         "row": row,
         "run": run,
         "title": ROWS[row],
-        "cpu_share": cpu_share,
-        "steal_share": stat.get("steal", 0) / total if total else float("nan"),
-        "others_share": others,
+        **harness.load_shares(ranks),
         "median_step_s": statistics.median(step_times),
         "step_times_s": step_times,
         "final_loss": ranks[0]["losses"][-1],
@@ -303,17 +213,12 @@ def summarize(row: str, run: int, ranks: list[dict[str, Any]]) -> dict[str, Any]
     }
 
 
-def write_markdown(meta: dict[str, Any], runs: list[dict[str, Any]], path: Path) -> None:
-    m = meta["machine"]
+def markdown(meta: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:
     fronts = list(dict.fromkeys(r["row"] for r in runs))
     lines = [
         "# Fronts: Lightning vs Accelerate (and no front), same pipeline",
         "",
-        f"- Machine: {m['cpu']}, {m['cores']} cores, shared with other work (1-minute load "
-        f"average {m['load_average_1m_at_start']:.1f} at the start); {WORLD} gloo ranks, "
-        "OMP_NUM_THREADS=1 each",
-        f"- Date: {m['date']}; torch {m['torch']}, lightning {m['lightning']}, accelerate "
-        f"{m['accelerate']}; Python {m['python']}; commit {m['commit']}",
+        *harness.machine_lines(meta["machine"], WORLD, ("lightning", "accelerate")),
         f"- Model: GPT {meta['model']}, fp32; global batch {GLOBAL_BATCH} sequences (the same "
         f"every step); layout {meta['layout']} (split='stack'); AdamW lr {LR}, clipping at "
         f"{CLIP} by the global norm",
@@ -321,16 +226,16 @@ def write_markdown(meta: dict[str, Any], runs: list[dict[str, Any]], path: Path)
         "forward and backward, clipping, the AdamW step; data loading excluded); each front run "
         f"{meta['repeats']} times, alternating",
         "",
-        "| Front | Median step (s), median over runs | Runs' medians (s) |",
-        "|---|---:|---|",
     ]
-    for front in fronts:
-        medians = [r["median_step_s"] for r in runs if r["row"] == front]
-        lines.append(
-            f"| {ROWS[front]} | {statistics.median(medians):.2f} | "
-            + ", ".join(f"{t:.2f}" for t in medians)
-            + " |"
-        )
+    medians = {f: [r["median_step_s"] for r in runs if r["row"] == f] for f in fronts}
+    lines += harness.table(
+        ["Front", "Median step (s), median over runs", "Runs' medians (s)"],
+        "lrl",
+        (
+            [ROWS[f], f"{statistics.median(m):.2f}", ", ".join(f"{t:.2f}" for t in m)]
+            for f, m in medians.items()
+        ),
+    )
     lines += [
         "",
         "Every run: step time is the median (and range) over the timed steps of the slowest "
@@ -346,20 +251,25 @@ def write_markdown(meta: dict[str, Any], runs: list[dict[str, Any]], path: Path)
         "`import torch` (so it counts the front's imports, its process group, the model and "
         "training), ranks 0 / 1 / 2 / 3.",
         "",
-        "| Run | Front | Median step (s) | Min-max (s) | CPU share | Others | Steal | "
-        "Peak RSS per rank (MiB) | Peak RSS growth per rank (MiB) | Final loss |",
-        "|---:|---|---:|---:|---:|---:|---:|---|---|---:|",
     ]
-    for r in runs:
-        t = r["step_times_s"]
-        peak = " / ".join(f"{b / MIB:.0f}" for b in r["peak_rss_bytes_per_rank"])
-        growth = " / ".join(f"{b / MIB:.0f}" for b in r["peak_rss_growth_bytes_per_rank"])
-        lines.append(
-            f"| {r['run']} | {r['row']} | {r['median_step_s']:.2f} | {min(t):.2f}-{max(t):.2f} | "
-            f"{r['cpu_share']:.2f} | {r['others_share']:.2f} | {r['steal_share']:.2f} | "
-            f"{peak} | {growth} | "
-            f"{r['final_loss']:.4f} |"
-        )
+    lines += harness.table(
+        ["Run", "Front", "Median step (s)", "Min-max (s)", "CPU share", "Others", "Steal"]
+        + ["Peak RSS per rank (MiB)", "Peak RSS growth per rank (MiB)", "Final loss"],
+        "rlrrrrrllr",
+        (
+            [
+                r["run"],
+                r["row"],
+                f"{r['median_step_s']:.2f}",
+                f"{min(r['step_times_s']):.2f}-{max(r['step_times_s']):.2f}",
+                *(f"{r[k]:.2f}" for k in ("cpu_share", "others_share", "steal_share")),
+                " / ".join(f"{b / MIB:.0f}" for b in r["peak_rss_bytes_per_rank"]),
+                " / ".join(f"{b / MIB:.0f}" for b in r["peak_rss_growth_bytes_per_rank"]),
+                f"{r['final_loss']:.4f}",
+            ]
+            for r in runs
+        ),
+    )
     lines += [
         "",
         "The final losses agree when both fronts train the same thing. Peak RSS includes each "
@@ -367,42 +277,34 @@ def write_markdown(meta: dict[str, Any], runs: list[dict[str, Any]], path: Path)
         "its strategy) and the whole model, built on every rank before it is split; it is a "
         "high-water mark, not what a rank holds in steady state.",
     ]
-    path.write_text("\n".join(lines) + "\n")
+    return lines
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per row")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
-    parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset of rows")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per front, alternating")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser = harness.arg_parser(__doc__, steps=6, warmup=2, repeats=3, rows=",".join(ROWS))
     args = parser.parse_args()
     if args.worker:
         run_rank(args.worker, args.steps, args.warmup, Path(args.out))
         return
-    if args.steps < 1 or args.warmup < 0 or args.repeats < 1:
-        parser.error("--steps and --repeats must be at least 1 and --warmup at least 0")
-    names = [r for r in args.rows.split(",") if r]
-    unknown = set(names) - set(ROWS)
-    if unknown:
-        parser.error(f"unknown rows {sorted(unknown)}; choose from {list(ROWS)}")
-    meta_machine = machine()
+    harness.check_counts(parser, args)
+    names = harness.pick_rows(parser, args.rows, ROWS)
+    meta_machine = harness.machine("lightning", "accelerate")
     start = time.monotonic()
-    runs = []
-    for run in range(1, args.repeats + 1):
-        for name in names if run % 2 else names[::-1]:  # ABC CBA ...: no row always goes first
-            t0 = time.monotonic()
-            runs.append(summarize(name, run, launch_row(name, args.steps, args.warmup)))
-            print(
-                f"run {run} {name}: median step {runs[-1]['median_step_s']:.2f}s, CPU share "
-                f"{runs[-1]['cpu_share']:.2f}, others {runs[-1]['others_share']:.2f}, steal "
-                f"{runs[-1]['steal_share']:.2f} "
-                f"({time.monotonic() - t0:.0f}s)"
-            )
+
+    def one_run(name: str, run: int) -> dict[str, Any]:
+        timeout = row_timeout_s(args.steps, args.warmup)
+        ranks = harness.launch(__file__, name, WORLD, timeout, steps=args.steps, warmup=args.warmup)
+        return summarize(name, run, ranks)
+
+    runs = harness.run_rows(
+        names,
+        args.repeats,
+        one_run,
+        lambda r: (
+            f"median step {r['median_step_s']:.2f}s, CPU share {r['cpu_share']:.2f}, "
+            f"others {r['others_share']:.2f}, steal {r['steal_share']:.2f}"
+        ),
+    )
     meta = {
         "machine": meta_machine,
         "model": MODEL,
@@ -414,10 +316,8 @@ def main() -> None:
         "repeats": args.repeats,
         "wall_s": round(time.monotonic() - start, 1),
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    write_markdown(meta, runs, RESULTS / "fronts.md")
-    (RESULTS / "fronts.json").write_text(json.dumps({**meta, "runs": runs}, indent=1) + "\n")
-    print((RESULTS / "fronts.md").read_text())
+    md = harness.write_results("fronts", markdown(meta, runs), {**meta, "runs": runs})
+    print(md.read_text())
 
 
 if __name__ == "__main__":

@@ -20,9 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
-import resource
 import statistics
 import sys
 import time
@@ -30,48 +27,33 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import launch_ranks, machine  # noqa: E402
+import harness  # noqa: E402
+from harness import MIB  # noqa: E402
+from tp_pp_dp import tp_pp_dp_job  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = Path(os.environ.get("BENCH_RESULTS", ROOT / "bench" / "results"))
 MODEL = {"vocab_size": 256, "seq_len": 64, "dim": 128, "num_heads": 4, "num_layers": 8}
 GLOBAL_BATCH = 32
 MICROBATCHES = 8  # per pipeline and step, for every pipelined row
-MIB = 2**20
 
 
 def rows_for(world: int) -> dict[str, dict[str, Any]]:
     pp = 2 if world == 4 else 4
-    dp = world // pp
-    pipe = {"pp_size": pp, "dp_shard_size": dp, "num_microbatches": MICROBATCHES}
+    pipe = {"pp_size": pp, "dp_shard_size": world // pp, "num_microbatches": MICROBATCHES}
+    zeropp = {**pipe, "schedule": "zeropp", "num_chunks": 2, "unit_size": pp}
+    u1 = f"ZeroPP U=pp={pp}"
     return {
-        "zeropp_u1": {
-            "title": f"ZeroPP U=pp={pp} (v=2)",
-            "layout": {**pipe, "schedule": "zeropp", "num_chunks": 2, "unit_size": pp},
-        },
+        "zeropp_u1": {"title": f"{u1} (v=2)", "layout": zeropp},
         "zeropp_u1_rs_unit": {
-            "title": f"ZeroPP U=pp={pp}, reduce-scatter per unit",
-            "layout": {
-                **pipe,
-                "schedule": "zeropp",
-                "num_chunks": 2,
-                "unit_size": pp,
-                "grad_reduce": "unit",
-            },
+            "title": f"{u1}, reduce-scatter per unit",
+            "layout": {**zeropp, "grad_reduce": "unit"},
         },
         "zeropp_u1_rs_mb": {
-            "title": f"ZeroPP U=pp={pp}, reduce-scatter per micro-batch",
-            "layout": {
-                **pipe,
-                "schedule": "zeropp",
-                "num_chunks": 2,
-                "unit_size": pp,
-                "grad_reduce": "microbatch",
-            },
+            "title": f"{u1}, reduce-scatter per micro-batch",
+            "layout": {**zeropp, "grad_reduce": "microbatch"},
         },
         "zeropp_u2": {
             "title": f"ZeroPP U=2pp={2 * pp} (v=2)",
-            "layout": {**pipe, "schedule": "zeropp", "num_chunks": 2, "unit_size": 2 * pp},
+            "layout": {**zeropp, "unit_size": 2 * pp},
         },
         "1f1b_regather": {
             "title": "1F1B/FSDP2, re-gather per micro-batch",
@@ -88,14 +70,16 @@ def rows_for(world: int) -> dict[str, dict[str, Any]]:
         "fsdp2": {"title": f"FSDP2 alone (dp_shard={world})", "layout": {"dp_shard_size": world}},
         "tp_pp_dp": {
             "title": f"3-D: TP 2 x 1F1B pp 2 x FSDP2 dp {world // 4}",
-            "layout": None,  # built by hand below: the core has no tensor parallelism
+            "layout": None,  # built by hand (tp_pp_dp.py): the core has no tensor parallelism
             "tp": {"pp": 2, "tp": 2, "dp": world // 4},
         },
     }
 
 
 def row_timeout_s(world: int, steps: int, warmup: int) -> float:
-    return 180.0 + (12.0 if world == 4 else 30.0) * (warmup + steps + 2)
+    """Start-up plus 12 s (4 ranks) or 30 s (8 ranks) a step, the two counted steps included."""
+    per_step_s = 12.0 if world == 4 else 30.0
+    return harness.row_timeout_s(warmup + steps + 2, start_s=180.0, per_step_s=per_step_s)
 
 
 # ---------------------------------------------------------------------------------------- rank
@@ -109,7 +93,10 @@ def run_rank(row: str, world: int, steps: int, warmup: int, out: Path) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     rank = dist.get_rank()
     spec = rows_for(world)[row]
-    job = _tp_job(spec["tp"]) if spec["layout"] is None else _engine_job(spec["layout"], world)
+    if spec["layout"] is None:  # built by hand: the core has no tensor parallelism
+        job = tp_pp_dp_job(spec["tp"], MODEL, MICROBATCHES, _loss_fn)
+    else:
+        job = _engine_job(spec["layout"], world)
     opt = torch.optim.AdamW(job["params"], lr=1e-3)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(
@@ -119,15 +106,10 @@ def run_rank(row: str, world: int, steps: int, warmup: int, out: Path) -> None:
     rows = slice(job["dp_rank"] * per, (job["dp_rank"] + 1) * per)
     x, y = tokens[rows, :-1].contiguous(), tokens[rows, 1:].contiguous()
 
-    times, losses = [], []
-    cpu_s = wall_s = 0.0
+    clock = harness.StepClock(warmup, steps)
     comm = timeline = held = None
     for i in range(warmup + steps + 2):
-        timed = warmup <= i < warmup + steps
-        if i == warmup:
-            cpu0, wall0 = time.process_time(), time.perf_counter()
-        dist.barrier()
-        start = time.perf_counter()
+        clock.start()
         if i == warmup + steps:  # one extra step counts the traffic (counting never skews timing)
             from lightning_zeropp.core.measure.comm import CommCounter
 
@@ -142,32 +124,19 @@ def run_rank(row: str, world: int, steps: int, warmup: int, out: Path) -> None:
         else:
             loss = job["step"](x, y)
         opt.step()
-        elapsed = time.perf_counter() - start
-        if timed:
-            times.append(elapsed)
-        if i == warmup + steps - 1:
-            cpu_s, wall_s = time.process_time() - cpu0, time.perf_counter() - wall0
-        losses.append(float(loss))
+        clock.stop(loss)
         opt.zero_grad(set_to_none=True)
-    step_times = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(step_times, op=dist.ReduceOp.MAX)
     result = {
         "rank": rank,
         "pp_rank": job["pp_rank"],
-        "step_times_s": step_times.tolist(),
-        "losses": losses,
-        "timed_cpu_s": cpu_s,
-        "timed_wall_s": wall_s,
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        **clock.result(),
+        "step_times_s": harness.slowest(clock.times),
+        "peak_rss_bytes": harness.max_rss_kib() * 1024,
         "held_bytes": held,
         "comm": comm,
         "timeline": timeline.to_dict(),
     }
-    partial = out / f"rank{rank}.json.partial"
-    partial.write_text(json.dumps(result))
-    partial.rename(out / f"rank{rank}.json")
-    dist.barrier()
-    dist.destroy_process_group()
+    harness.finish_rank(out, rank, result)
 
 
 def _loss_fn(logits: Any, targets: Any) -> Any:
@@ -202,101 +171,6 @@ def _engine_job(layout: dict[str, Any], world: int) -> dict[str, Any]:
     }
 
 
-def _tp_job(sizes: dict[str, int]) -> dict[str, Any]:
-    """TP x PP x DP on the same GPT, from torch's own pieces (the core has no tensor parallelism).
-
-    Attention uses separate q/k/v projections so that column-parallel heads stay whole (the fused
-    qkv of the bundled GPT would mix q, k and v across TP ranks): the same parameter count and
-    FLOPs, not the same numbers.
-    """
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
-    from lightning_zeropp.core.measure.comm import mesh_axis_namer
-    from lightning_zeropp.core.measure.timeline import StepRecorder
-    from lightning_zeropp.models import GPT, GPTConfig
-
-    class HeadParallelAttention(nn.Module):
-        def __init__(self, dim: int, heads: int) -> None:
-            super().__init__()
-            self.heads, self.head_dim = heads, dim // heads
-            self.q, self.k, self.v = (nn.Linear(dim, dim, bias=False) for _ in range(3))
-            self.proj = nn.Linear(dim, dim)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            b, t, _ = x.shape
-            q, k, v = (
-                f(x).view(b, t, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v)
-            )  # -1: the heads local to this TP rank
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return self.proj(y.transpose(1, 2).reshape(b, t, -1))
-
-    pp, tp, dp = sizes["pp"], sizes["tp"], sizes["dp"]
-    mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp_shard", "tp"))
-    pp_rank = mesh["pp"].get_local_rank()
-    torch.manual_seed(0)
-    cfg = GPTConfig(**MODEL)
-    model = GPT(cfg)
-    per_stage = cfg.num_layers // pp
-    keep = range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
-    model.blocks = nn.ModuleList([model.blocks[i] for i in keep])
-    if pp_rank != 0:
-        model.tok_emb = model.pos_emb = None  # type: ignore[assignment]
-    if pp_rank != pp - 1:
-        model.norm = model.head = None  # type: ignore[assignment]
-    for block in model.blocks:
-        block.attn = HeadParallelAttention(cfg.dim, cfg.num_heads)
-        parallelize_module(
-            block,
-            mesh["tp"],
-            {
-                "attn.q": ColwiseParallel(),
-                "attn.k": ColwiseParallel(),
-                "attn.v": ColwiseParallel(),
-                "attn.proj": RowwiseParallel(),
-                "mlp.0": ColwiseParallel(),
-                "mlp.2": RowwiseParallel(),
-            },
-        )
-        fully_shard(block, mesh=mesh["dp_shard"], reshard_after_forward=False)
-    fully_shard(model, mesh=mesh["dp_shard"], reshard_after_forward=False)
-    stage = PipelineStage(model, pp_rank, pp, torch.device("cpu"), group=mesh["pp"].get_group())
-    schedule = Schedule1F1B(stage, n_microbatches=MICROBATCHES, loss_fn=_loss_fn, scale_grads=True)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        losses: list[torch.Tensor] = []
-        if pp_rank == 0:
-            schedule.step(x, target=y, losses=losses)
-        else:
-            schedule.step(target=y, losses=losses)
-        loss = torch.stack(losses).mean() if losses else torch.zeros(())
-        torch.distributed.broadcast(loss, group=mesh["pp"].get_group(), group_src=pp - 1)
-        return loss
-
-    class _Job:  # what StepRecorder reads from an engine
-        stages = [stage]
-        dims = type("Dims", (), {"mesh": mesh})
-
-    return {
-        "params": list(model.parameters()),
-        "dp_size": dp,
-        "dp_rank": mesh["dp_shard"].get_local_rank(),
-        "pp_rank": pp_rank,
-        "namer": mesh_axis_namer(mesh),
-        "step": step,
-        "recorder": lambda: StepRecorder(_Job()),
-    }
-
-
 # ---------------------------------------------------------------------------------------- driver
 def summarize(world: int, row: str, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     from lightning_zeropp.core.measure.timeline import Timeline, bubble_fraction
@@ -319,9 +193,6 @@ def summarize(world: int, row: str, ranks: list[dict[str, Any]]) -> dict[str, An
     }
     mem["gathered_weights"] = max(t.peak_unsharded_bytes for t in timelines)
     mem["activations"] = max(t.peak_activation_bytes for t in timelines)
-    cpu_share = sum(r["timed_cpu_s"] for r in ranks) / (
-        max(r["timed_wall_s"] for r in ranks) * (os.cpu_count() or 1)
-    )
     return {
         "world": world,
         "row": row,
@@ -340,7 +211,7 @@ def summarize(world: int, row: str, ranks: list[dict[str, Any]]) -> dict[str, An
         "peak_bytes_max": mem,
         "peak_rss_bytes_max": max(r["peak_rss_bytes"] for r in ranks),
         "bubble_measured": bubble_fraction(pipelines.values()) if len(pipelines) > 1 else None,
-        "cpu_share": cpu_share,
+        "cpu_share": harness.load_shares(ranks)["cpu_share"],
     }
 
 
@@ -435,7 +306,7 @@ def mib(n: float) -> str:
     return f"{n / MIB:.2f}"
 
 
-def write_markdown(meta: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> None:
+def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
     m = meta["machine"]
     out = [
         "# ZeroPP against other layouts (CPU gloo)",
@@ -449,51 +320,54 @@ def write_markdown(meta: dict[str, Any], rows: list[dict[str, Any]], path: Path)
         "CPU share: the ranks' CPU time per core-second of wall time over the timed steps "
         "(near 1 = the cores were the run's own).",
         "",
-        "| world | row | median step (s) | all-gather MiB | all bytes MiB | params | grads | "
-        "optim | gathered weights | activations | bubble | loss | CPU share |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        mem = r["peak_bytes_max"]
-        bubble = "" if r["bubble_measured"] is None else f"{r['bubble_measured']:.3f}"
-        out.append(
-            f"| {r['world']} | {r['title']} | {r['median_step_s']:.3f} | "
-            f"{mib(r['all_gather_bytes_mean'])} | {mib(sum(r['comm_bytes_mean'].values()))} | "
-            f"{mib(mem['parameters'])} | {mib(mem['gradients'])} | {mib(mem['optimizer_state'])} | "
-            f"{mib(mem['gathered_weights'])} | {mib(mem['activations'])} | {bubble} | "
-            f"{r['final_loss']:.4f} | {r['cpu_share']:.2f} |"
-        )
+    mem_keys = ("parameters", "gradients", "optimizer_state", "gathered_weights", "activations")
+    out += harness.table(
+        ["world", "row", "median step (s)", "all-gather MiB", "all bytes MiB", "params", "grads"]
+        + ["optim", "gathered weights", "activations", "bubble", "loss", "CPU share"],
+        "l" * 13,
+        (
+            [
+                r["world"],
+                r["title"],
+                f"{r['median_step_s']:.3f}",
+                mib(r["all_gather_bytes_mean"]),
+                mib(sum(r["comm_bytes_mean"].values())),
+                *(mib(r["peak_bytes_max"][k]) for k in mem_keys),
+                "" if r["bubble_measured"] is None else f"{r['bubble_measured']:.3f}",
+                f"{r['final_loss']:.4f}",
+                f"{r['cpu_share']:.2f}",
+            ]
+            for r in rows
+        ),
+    )
     out += ["", "## Against the expectations", ""] + [f"- {line}" for line in meta["expect"]]
     out += ["", "## Reading it", "", *CAVEATS]
     out += ["", "## Traffic per kind and axis (MiB per rank and step, mean over ranks)", ""]
     for r in rows:
         parts = ", ".join(f"{k} {mib(v)}" for k, v in sorted(r["comm_bytes_mean"].items()))
         out.append(f"- world {r['world']} {r['title']}: {parts}")
-    path.write_text("\n".join(out) + "\n")
+    return out
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--worlds", default="4,8")
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--rows", default=",".join(rows_for(4)))
-    parser.add_argument("--worker")
-    parser.add_argument("--out")
-    parser.add_argument("--world", type=int)
+    parser = harness.arg_parser(__doc__, steps=4, warmup=2, rows=",".join(rows_for(4)))
+    parser.add_argument("--worlds", default="4,8", help="comma-separated world sizes")
+    parser.add_argument("--world", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         run_rank(args.worker, args.world, args.steps, args.warmup, Path(args.out))
         return
+    names = harness.pick_rows(parser, args.rows, rows_for(4))
     start = time.monotonic()
     rows = []
     for world in [int(w) for w in args.worlds.split(",")]:
-        for name in args.rows.split(","):
+        for name in names:
             t0 = time.monotonic()
-            worker_args = ["--world", str(world), "--steps", str(args.steps)]
-            worker_args += ["--warmup", str(args.warmup)]
             timeout = row_timeout_s(world, args.steps, args.warmup)
-            ranks = launch_ranks(__file__, name, world, worker_args, timeout)
+            ranks = harness.launch(
+                __file__, name, world, timeout, world=world, steps=args.steps, warmup=args.warmup
+            )
             rows.append(summarize(world, name, ranks))
             print(
                 f"world {world} {name}: median step {rows[-1]['median_step_s']:.3f}s "
@@ -501,7 +375,7 @@ def main() -> None:
                 flush=True,
             )
     meta = {
-        "machine": machine(),
+        "machine": harness.machine(),
         "model": MODEL,
         "global_batch": GLOBAL_BATCH,
         "steps": args.steps,
@@ -509,9 +383,7 @@ def main() -> None:
         "wall_s": round(time.monotonic() - start, 1),
         "expect": expectations(rows),
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "zeropp.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    write_markdown(meta, rows, RESULTS / "zeropp.md")
+    harness.write_results("zeropp", markdown(meta, rows), {"meta": meta, "rows": rows}, indent=2)
     print("\n".join(meta["expect"]))
 
 

@@ -15,12 +15,20 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
+from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 from lightning_zeropp.core.weights.materialize import empty_parameters, init_weights
 
 if TYPE_CHECKING:
     from lightning_zeropp.lightning import ZeroPPStrategy
 
-__all__ = ["ZeroPPConfig", "ZeroPPEngine", "ZeroPPStrategy", "empty_parameters", "init_weights"]
+__all__ = [
+    "ZeroPPConfig",
+    "ZeroPPEngine",
+    "ZeroPPLayout",
+    "ZeroPPStrategy",
+    "empty_parameters",
+    "init_weights",
+]
 
 _log = logging.getLogger(__name__)
 

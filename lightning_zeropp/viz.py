@@ -54,7 +54,6 @@ def planned_timelines(config: ZeroPPConfig) -> list[Timeline]:
     """Each pipeline rank's planned actions (a resolved `schedule="zeropp"` config): the lowered
     plans the runtime runs (`core.schedule.build.zeropp_plans`), timed by the schedule simulator."""
     orders = zeropp_orders(config)
-    assert config.num_microbatches is not None
     sim = simulate(orders, config.num_stages, config.num_microbatches, DURATIONS)
     timelines = []
     for rank, plan in zeropp_plans(config).items():

@@ -107,7 +107,6 @@ class ZeroPPAccelerator(Accelerator):
     ) -> dict[int, Any]:
         disable_kv_cache(model)
         plugin = self.zeropp_plugin
-        config, _ = plugin.resolved_config()
         holder: list[PipelineModel] = []
         skeleton = _skeleton(model)  # the whole model's structure, for unwrap_model
         # How the model's own loss counts tokens, observed; its stages' loss calls are watched.
@@ -120,8 +119,7 @@ class ZeroPPAccelerator(Accelerator):
             loaders[0] if loaders else None,
             schedulers[0] if schedulers else None,
             loss_fn=lambda output, target: holder[0].loss_fn(output, target),
-            config=config,
-            split=plugin.resolved_split(),
+            config=plugin.run_settings(),
             unpack=_unpack_call(rule is not None),
             per_process_batches=True,
             load_from=plugin.load_from,

@@ -18,6 +18,7 @@ from accelerate.data_loader import prepare_data_loader
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_zeropp.core.mesh import ParallelDims
+from lightning_zeropp.core.step.loader import rebuild_loader
 
 __all__ = [
     "Unpack",
@@ -178,26 +179,7 @@ def widen_loader(loader: DataLoader, factor: int) -> DataLoader:
             "process (each data-parallel rank reads pp_size batches' rows). Use batch_size=..., "
             "or prepare_pipeline, whose batches are per data-parallel rank."
         )
-    extra: dict[str, Any] = {}
-    if loader.num_workers > 0:
-        extra = {
-            "prefetch_factor": loader.prefetch_factor,
-            "persistent_workers": loader.persistent_workers,
-        }
-    return DataLoader(
-        loader.dataset,
-        batch_size=loader.batch_size * factor,
-        sampler=loader.sampler,
-        num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory,
-        drop_last=loader.drop_last,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context,
-        generator=loader.generator,
-        **extra,
-    )
+    return rebuild_loader(loader, batch_size=loader.batch_size * factor)
 
 
 def _length(dataset: Any) -> int | None:

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 from lightning_zeropp.accelerate.data import Unpack, check_loader, shard_loader, widen_loader
 from lightning_zeropp.core.engine import ZeroPPEngine
 from lightning_zeropp.core.mesh import ParallelDims
-from lightning_zeropp.core.settings.config import ZeroPPConfig
+from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 from lightning_zeropp.core.weights import checkpoint as ckpt
 
 __all__ = ["CHECKPOINT_DIR", "ZeroPPAccelerateEngine"]
@@ -63,7 +63,7 @@ class ZeroPPAccelerateEngine:
         return self.core.dims
 
     @property
-    def config(self) -> ZeroPPConfig:
+    def config(self) -> ZeroPPLayout:
         return self.core.config
 
     @property
@@ -188,6 +188,6 @@ def _fill_empty_groups(optimizer: Optimizer) -> None:
                 group.update(loaded)
 
 
-def _plain(config: ZeroPPConfig) -> dict[str, Any]:
+def _plain(config: ZeroPPLayout) -> dict[str, Any]:
     """The config as plain values (dtypes as strings) for the checkpoint's metadata."""
     return {k: str(v) if isinstance(v, torch.dtype) else v for k, v in vars(config).items()}

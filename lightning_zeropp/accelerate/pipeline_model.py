@@ -124,7 +124,6 @@ class PipelineModel(nn.Module):
 
     def _train(self, args: Any, kwargs: dict[str, Any], target: torch.Tensor) -> PipelineOutput:
         core = self.engine.core
-        assert core.config.num_microbatches is not None
         self.rows = _rows(args, kwargs)
         kwargs = self._weighted(kwargs, target, core.config.num_microbatches)
         loss, grads = core.train_step_deferred(*args, target=target, **kwargs)
@@ -140,7 +139,6 @@ class PipelineModel(nn.Module):
     def _eval(self, args: Any, kwargs: dict[str, Any], target: torch.Tensor | None) -> Any:
         core = self.engine.core
         cfg = core.config
-        assert cfg.num_microbatches is not None
         self.rows = rows = _rows(args, kwargs)
         self._items = None
         # Micro-batches inside one process's share each: the loss is the share's (`shares`).

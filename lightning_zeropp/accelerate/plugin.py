@@ -13,6 +13,7 @@ checked on every rank from its own arguments and environment before the first co
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -46,8 +47,10 @@ from lightning_zeropp.accelerate.optim import (
     retarget_scheduler,
 )
 from lightning_zeropp.core.engine import LossFn, ZeroPPEngine
-from lightning_zeropp.core.settings import env
-from lightning_zeropp.core.settings.config import ZeroPPConfig
+from lightning_zeropp.core.measure.layout import describe_layout
+from lightning_zeropp.core.settings.config import ZeroPPConfig, ZeroPPLayout
+from lightning_zeropp.core.settings.merge import RunSettings, merge_settings
+from lightning_zeropp.core.settings.values import fields_of, setting_error
 from lightning_zeropp.core.split.methods import SplitMethod
 from lightning_zeropp.core.weights.materialize import InitFn
 from lightning_zeropp.models.hf_loss import disable_kv_cache
@@ -67,7 +70,7 @@ def prepare_pipeline(
     scheduler: Any | SchedulerFactory | None = None,
     *,
     loss_fn: LossFn,
-    config: ZeroPPConfig | None = None,
+    config: ZeroPPConfig | ZeroPPLayout | RunSettings | None = None,
     split: SplitMethod | None = None,
     example_args: tuple[Any, ...] | None = None,
     example_kwargs: dict[str, Any] | None = None,
@@ -114,8 +117,9 @@ def prepare_pipeline(
     """
     # 1. Everything a user can get wrong, on every rank, before any collective.
     _check_accelerator(accelerator)
-    config = _resolved_config(config, accelerator.num_processes)
-    split = split or env.split_from_env() or "auto"
+    settings = _settings(config, split)
+    config = _resolved(settings, accelerator.num_processes)
+    split = settings.split
     is_factory = callable(optimizer) and not isinstance(optimizer, Optimizer)
     group_names = None if is_factory else optimizer_param_names(optimizer, model)
     unpack = unpack or unpack_batch
@@ -153,6 +157,8 @@ def prepare_pipeline(
         new_opt = rebuild_optimizer(optimizer, group_names, params)
     else:
         new_opt = optimizer(core.module)
+    # Both fronts print the layout once at setup (e.g. that ZeroPPPlugin defaulted to 1F1B).
+    accelerator.print(describe_layout(core))  # collective: every pipeline rank counts its stages
     accelerator.print(core.memory_report(title="at setup"))  # collective: every rank measures
     core.report_memory_after_first_update([new_opt], accelerator.print)
     engine = ZeroPPAccelerateEngine(accelerator, core, new_opt, unpack)
@@ -209,41 +215,42 @@ def _check_accelerator(accelerator: Accelerator) -> None:
         )
 
 
-def _resolved_config(config: ZeroPPConfig | None, world_size: int) -> ZeroPPConfig:
-    """The config given, or one from the ZEROPP_* variables, resolved for the world.
+def _settings(
+    config: ZeroPPConfig | ZeroPPLayout | RunSettings | None, split: SplitMethod | None
+) -> RunSettings:
+    """The settings to run with: a plugin's merged settings as they are, else `config` (every
+    field counts as given) or the `ZEROPP_*` variables; `split=` given here wins."""
+    if isinstance(config, RunSettings):
+        return config if split is None else dataclasses.replace(config, split=split)
+    settings = merge_settings(config, split=split, owner="prepare_pipeline")
+    if settings.ignored and int(os.environ.get("RANK", "0")) == 0:
+        log.warning("prepare_pipeline got config=...; ignoring %s", ", ".join(settings.ignored))
+    return settings
 
-    Unknown ZEROPP_* names fail either way (a typo would otherwise be ignored); variables a given
-    config overrides are reported. A bad value read from the environment is reported with the
-    variables that set it, since the user never wrote `pp_size=...` themselves.
-    """
-    found = env.zeropp_env()
-    from_env = config is None
-    if config is None:
-        config = env.config_from_env()
-    elif set(found) & set(env.CONFIG_VARS) and int(os.environ.get("RANK", "0")) == 0:
-        ignored = sorted(set(found) & set(env.CONFIG_VARS))
-        log.warning("prepare_pipeline got config=...; ignoring %s", ", ".join(ignored))
+
+def _resolved(settings: RunSettings, world_size: int) -> ZeroPPLayout:
+    """The layout for the world; a world of one process gets the launch commands that start
+    several (the usual cause of a layout that does not fit)."""
     try:
-        return config.resolve(world_size)
+        return settings.resolve(world_size)
     except ValueError as err:
-        hint = ""
-        if world_size == 1:
-            # The usual cause: a launch that started one process (`accelerate launch --cpu`
-            # without --num_processes, or python script.py).
-            hint = (
-                " Only one process was started: launch several with `accelerate launch "
-                "--num_processes N` (on CPU add --cpu; --multi_gpu on GPUs) or `torchrun "
-                "--nproc_per_node N`."
-            )
-        if from_env:
-            hint = f" (settings from the environment: {env.describe_env()}){hint}"
-        if not hint:
+        if world_size != 1:
             raise
-        raise ValueError(f"{err}{hint}") from err
+        raise setting_error(fields_of(err), f"{err}{_ONE_PROCESS}") from err
+
+
+# `accelerate launch --cpu` starts one process whatever --num_processes says (its CPU launcher
+# is not the distributed one): naming it here would send the user back to the same command.
+_ONE_PROCESS = (
+    " Only one process was started. On CPUs start several with `torchrun --nproc_per_node N "
+    "script.py`, or `accelerate launch --multi_gpu --num_processes N script.py` with "
+    "Accelerator(cpu=True) (plain `accelerate launch --cpu` starts one); on GPUs with "
+    "`accelerate launch --multi_gpu --num_processes N script.py` or torchrun."
+)
 
 
 def _default_example(
-    accelerator: Accelerator, train_dl: DataLoader | None, config: ZeroPPConfig, unpack: Unpack
+    accelerator: Accelerator, train_dl: DataLoader | None, config: ZeroPPLayout, unpack: Unpack
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     rows = None
     if train_dl is not None:
@@ -254,7 +261,6 @@ def _default_example(
             "training loader with a batch size to take it from: pass example_args=(...) (one "
             "micro-batch, per-rank rows / num_microbatches), or split='stack'."
         )
-    assert config.num_microbatches is not None
     return example_microbatch(train_dl, rows // config.num_microbatches, unpack)
 
 

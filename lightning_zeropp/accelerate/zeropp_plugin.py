@@ -1,27 +1,28 @@
 """`ZeroPPPlugin`: the ZeroPP settings of a `ZeroPPAccelerator`, as Accelerate's plugins hold theirs.
 
 Like `FullyShardedDataParallelPlugin`, whose unset fields come from `FSDP_*` variables that
-`accelerate launch` exports, every setting left unset here comes from its `ZEROPP_*` variable
-(see `lightning_zeropp.core.settings.env`), then from `ZeroPPConfig`'s defaults. Settings are
-`ZeroPPConfig`'s fields (`pp_size=2`, `schedule="interleaved_1f1b"`, ...); a misspelt one fails
-at construction, with the closest name.
+`accelerate launch` exports, every setting left unset here comes from its `ZEROPP_*` variable,
+then from `ZeroPPConfig`'s defaults: the one path every front takes (`core.settings.merge`).
+Settings are `ZeroPPConfig`'s fields (`pp_size=2`, `schedule="interleaved_1f1b"`, ...); a
+misspelt one fails at construction, with the closest name.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 from pathlib import Path
 from typing import Any
 
-from lightning_zeropp.core.settings import env
 from lightning_zeropp.core.settings.config import ZeroPPConfig
+from lightning_zeropp.core.settings.merge import (
+    RunSettings,
+    check_names,
+    merge_settings,
+    takes_settings,
+)
 from lightning_zeropp.core.split.methods import SplitMethod
 from lightning_zeropp.core.weights.materialize import InitFn
 
 __all__ = ["ZeroPPPlugin"]
-
-_FIELDS = tuple(f.name for f in dataclasses.fields(ZeroPPConfig))
 
 
 class ZeroPPPlugin:
@@ -42,6 +43,7 @@ class ZeroPPPlugin:
         **settings: `ZeroPPConfig` fields; those left out come from `ZEROPP_*` variables.
     """
 
+    @takes_settings
     def __init__(
         self,
         config: ZeroPPConfig | None = None,
@@ -52,14 +54,7 @@ class ZeroPPPlugin:
         init: InitFn | None = None,
         **settings: Any,
     ) -> None:
-        unknown = sorted(set(settings) - set(_FIELDS))
-        if unknown:
-            close = difflib.get_close_matches(unknown[0], _FIELDS, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise TypeError(
-                f"ZeroPPPlugin got unknown setting {unknown[0]!r}{hint}; settings are "
-                f"ZeroPPConfig's fields: {', '.join(_FIELDS)}."
-            )
+        check_names(settings, "ZeroPPPlugin")
         if config is not None and settings:
             raise TypeError(
                 f"ZeroPPPlugin got config=... and {sorted(settings)}; set them on the config."
@@ -70,17 +65,10 @@ class ZeroPPPlugin:
         self.eval_logits = eval_logits
         self.load_from, self.init = load_from, init
 
-    def resolved_config(self) -> tuple[ZeroPPConfig, bool]:
-        """The unresolved config and whether any of it came from the environment."""
-        if self.config is not None:
-            return self.config, False
-        from_env = env.config_from_env()
-        found = set(env.zeropp_env()) & set(env.CONFIG_VARS)
-        overridden = {env.CONFIG_VARS[v] for v in found} - set(self.settings)
-        return dataclasses.replace(from_env, **self.settings), bool(overridden)
-
-    def resolved_split(self) -> SplitMethod:
-        return self.split or env.split_from_env() or "auto"
+    def run_settings(self) -> RunSettings:
+        """The plugin's settings over the `ZEROPP_*` variables (read now: at `prepare`)."""
+        given = self.config if self.config is not None else self.settings
+        return merge_settings(given, split=self.split, owner="ZeroPPPlugin")
 
     def __repr__(self) -> str:
         shown = {"config": self.config} if self.config is not None else self.settings

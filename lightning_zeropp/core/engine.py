@@ -39,7 +39,8 @@ from lightning_zeropp.core.schedule.build import (
     eval_microbatches,
 )
 from lightning_zeropp.core.schedule.runtime import LeanStage
-from lightning_zeropp.core.settings.config import ZeroPPConfig
+from lightning_zeropp.core.settings.config import ZeroPPConfig, ZeroPPLayout
+from lightning_zeropp.core.settings.merge import launcher_node_size
 from lightning_zeropp.core.settings.placement import (
     rank_of_stage,
     schedule_style,
@@ -113,7 +114,7 @@ class ZeroPPEngine:
     def __init__(
         self,
         model: nn.Module,
-        config: ZeroPPConfig,
+        config: ZeroPPConfig | ZeroPPLayout,
         *,
         loss_fn: LossFn,
         split: SplitMethod = "auto",
@@ -126,7 +127,7 @@ class ZeroPPEngine:
         init: InitFn | None = None,
         load_from: str | Path | None = None,
     ) -> None:
-        self.config = config.resolve(dist.get_world_size())
+        self.config = config.resolve(dist.get_world_size(), launcher_node_size())
         cfg = self.config
         self.device = device or torch.device("cpu")
         self.dims: ParallelDims = dims or build_mesh(cfg, self.device.type)
@@ -191,7 +192,6 @@ class ZeroPPEngine:
         self.last_pp_rank = rank_of_stage(self.style, self.num_stages - 1, cfg.pp_size)
         self._shapes = None
         if self.split == "trace" and self.num_stages > 1:
-            assert cfg.num_microbatches is not None
             example = (example_args or (), example_kwargs or {})
             self._shapes = ShapeGuard(example, cfg.num_microbatches)
         # A failure inside a step (say the loss raising on the last stage) becomes, on every
@@ -385,7 +385,6 @@ class ZeroPPEngine:
         problem, microbatches = None, 0
         try:  # this rank's own checks, before any communication
             rows = self._check_batch(mode, args, kwargs, target)
-            assert self.config.num_microbatches is not None
             microbatches = self.config.num_microbatches
             if mode == "train":
                 check_divisible(rows, microbatches)

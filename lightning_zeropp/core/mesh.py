@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_zeropp.core._torch_private import group_timeout, mesh_group_options
-from lightning_zeropp.core.settings.config import ZeroPPConfig
+from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 
 __all__ = ["ParallelDims", "build_mesh", "build_partition_mesh", "describe_rank", "world_timeout"]
 
@@ -31,7 +31,7 @@ class ParallelDims:
     """The mesh plus the derived ranks and groups every layer of the library asks for."""
 
     mesh: DeviceMesh
-    config: ZeroPPConfig
+    config: ZeroPPLayout
 
     @property
     def pp_rank(self) -> int:
@@ -68,7 +68,7 @@ class ParallelDims:
         ]
 
 
-def build_mesh(config: ZeroPPConfig, device_type: str) -> ParallelDims:
+def build_mesh(config: ZeroPPLayout, device_type: str) -> ParallelDims:
     """Build the 3-D mesh for a resolved config over the default process group."""
     if not dist.is_initialized():
         raise RuntimeError(

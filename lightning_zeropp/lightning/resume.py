@@ -34,6 +34,8 @@ from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader
 
+from lightning_zeropp.core.step.loader import rebuild_loader
+
 __all__ = ["ResumingLoader", "resuming_loader", "skip_batches"]
 
 _REPLAY_WARNING = "You're resuming from a checkpoint that ended before the epoch ended"
@@ -112,23 +114,4 @@ class _SkipFirst:
 def _without_first(loader: DataLoader, count: int) -> DataLoader:
     """A one-pass copy of `loader` over its own batch sampler (so the sampler's epoch, set on the
     original, holds) without the first `count` batches."""
-    workers: dict[str, Any] = {}
-    if loader.num_workers > 0:  # DataLoader refuses these without workers
-        workers = {
-            "prefetch_factor": loader.prefetch_factor,
-            "persistent_workers": loader.persistent_workers,
-        }
-    return DataLoader(
-        loader.dataset,
-        batch_sampler=_SkipFirst(loader.batch_sampler, count),  # type: ignore[arg-type]
-        num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context,
-        generator=loader.generator,
-        pin_memory_device=loader.pin_memory_device,
-        in_order=loader.in_order,
-        **workers,
-    )
+    return rebuild_loader(loader, batch_sampler=_SkipFirst(loader.batch_sampler, count))

@@ -33,7 +33,8 @@ from typing_extensions import override
 from lightning_zeropp.core.engine import ZeroPPEngine
 from lightning_zeropp.core.measure.layout import describe_layout
 from lightning_zeropp.core.mesh import ParallelDims, build_mesh
-from lightning_zeropp.core.settings import env
+from lightning_zeropp.core.settings.config import ZeroPPConfig, ZeroPPLayout
+from lightning_zeropp.core.settings.merge import merge_settings, takes_settings
 from lightning_zeropp.core.split.call_adapter import CallAdapter, get_call_adapter
 from lightning_zeropp.core.split.call_plan import meta_copy
 from lightning_zeropp.core.split.methods import SplitMethod, check_split
@@ -70,17 +71,16 @@ class ZeroPPPrecision(Precision):
 class ZeroPPStrategy(ModelParallelStrategy):
     """Pipeline parallelism over FSDP2 for an unmodified LightningModule.
 
-    Args mirror `ZeroPPConfig` (pp_size, dp_shard_size, dp_replicate_size, num_microbatches,
-    schedule, num_chunks, param_dtype, reduce_dtype, activation_checkpointing,
-    reshard_after_forward, split_points, unit_size, split_backward, grad_reduce, nonfinite, and
-    ZeRO++'s quantized_weights, hpz_partition_size, quantized_gradients, gradient_error_feedback,
-    quant_block_size, cpu_offload, node_size: `core.settings.plus`). One
-    left out (None) takes its `ZEROPP_*` variable when set, else `ZeroPPConfig`'s default; one
-    given wins over its variable, as with Accelerate's `ZeroPPPlugin`. Plus:
+    Settings (keyword arguments) are `ZeroPPConfig`'s fields: `pp_size`, `dp_shard_size`,
+    `dp_replicate_size`, `num_microbatches`, `schedule`, `num_chunks`, `param_dtype`, ... (see
+    `ZeroPPConfig` and the README's settings list). One left out (None) takes its `ZEROPP_*`
+    variable when set, else `ZeroPPConfig`'s default; one given wins over its variable, as in
+    every front (`core.settings.merge`); a misspelt one is a `TypeError` naming the closest. Plus:
         split: "auto" (default: "call" unless the model names another), "call" (the network's
             own forward cut at its block calls; input shapes are read from the first batch, or
             from `example_input_array` if set), "trace" (torch.export; one micro-batch of fixed
-            shape), "stack", or a callable (see `lightning_zeropp.core.split`).
+            shape), "stack", or a callable (see `lightning_zeropp.core.split`). Left out:
+            `ZEROPP_SPLIT`, else "auto".
         module_name: the LightningModule attribute to pipeline (default: its only child module
             that holds parameters).
         timeout: for every process group.
@@ -94,7 +94,8 @@ class ZeroPPStrategy(ModelParallelStrategy):
             takes either (see `lightning_zeropp.lightning.checkpointing`).
         async_save: save sharded checkpoints in the background: the step waits only for a copy
             of the state in host memory, and the checkpoint is published under its name when
-            every rank has written it (`core.weights.async_checkpoint`); a save waits for the last one.
+            every rank has written it (`core.weights.async_checkpoint`); a save waits for the
+            last one.
         load_from: weights to start from, read by each rank for its own shards only: a
             distributed checkpoint (any layout) or safetensors (a file, or an HF model
             directory). With a network built in `configure_model` (or under
@@ -111,32 +112,11 @@ class ZeroPPStrategy(ModelParallelStrategy):
 
     strategy_name = "zeropp"
 
+    @takes_settings
     def __init__(
         self,
         *,
-        pp_size: int | None = None,
-        dp_shard_size: int | None = None,
-        dp_replicate_size: int | None = None,
-        num_microbatches: int | None = None,
-        schedule: str | None = None,
-        num_chunks: int | None = None,
-        param_dtype: str | torch.dtype | None = None,
-        reduce_dtype: str | torch.dtype | None = None,
-        activation_checkpointing: bool | str | None = None,
-        reshard_after_forward: bool | None = None,
-        split_points: list[int] | None = None,
-        unit_size: int | None = None,
-        split_backward: bool | None = None,
-        grad_reduce: str | None = None,
-        nonfinite: str | None = None,
-        quantized_weights: str | None = None,
-        hpz_partition_size: int | None = None,
-        quantized_gradients: str | None = None,
-        gradient_error_feedback: bool | None = None,
-        quant_block_size: int | None = None,
-        cpu_offload: bool | None = None,
-        node_size: int | None = None,
-        split: SplitMethod = "auto",
+        split: SplitMethod | None = None,
         module_name: str | None = None,
         timeout: datetime.timedelta = datetime.timedelta(minutes=30),
         process_group_backend: str | None = None,
@@ -145,7 +125,16 @@ class ZeroPPStrategy(ModelParallelStrategy):
         async_save: bool = False,
         load_from: str | Path | None = None,
         init: InitFn | None = None,
+        **settings: Any,
     ) -> None:
+        if split is not None:
+            check_split(split)
+        # One path for every front: these arguments over the ZEROPP_* variables; the layout is
+        # resolved at setup, when the world size is known.
+        self._settings = merge_settings(settings, split=split, owner="ZeroPPStrategy")
+        self.zeropp_config: ZeroPPConfig | ZeroPPLayout = self._settings.config
+        self._split = self._settings.split
+        check_split(self._split)
         self._state_dict_type = checkpointing.check_state_dict_type(state_dict_type)
         if async_save and state_dict_type != "sharded":
             raise ValueError(
@@ -158,34 +147,8 @@ class ZeroPPStrategy(ModelParallelStrategy):
             timeout=timeout,
             process_group_backend=process_group_backend,
         )
-        self.zeropp_config, self._from_env = settings.config_from_arguments(
-            pp_size=pp_size,
-            dp_shard_size=dp_shard_size,
-            dp_replicate_size=dp_replicate_size,
-            num_microbatches=num_microbatches,
-            schedule=schedule,
-            num_chunks=num_chunks,
-            param_dtype=param_dtype,
-            reduce_dtype=reduce_dtype,
-            activation_checkpointing=activation_checkpointing,
-            reshard_after_forward=reshard_after_forward,
-            split_points=split_points,
-            unit_size=unit_size,
-            split_backward=split_backward,
-            grad_reduce=grad_reduce,
-            nonfinite=nonfinite,
-            quantized_weights=quantized_weights,
-            hpz_partition_size=hpz_partition_size,
-            quantized_gradients=quantized_gradients,
-            gradient_error_feedback=gradient_error_feedback,
-            quant_block_size=quant_block_size,
-            cpu_offload=cpu_offload,
-            node_size=node_size,
-        )
         self._log_comms = log_comms
         self._load_from, self._init = load_from, init
-        self._split = (env.split_from_env() or "auto") if split == "auto" else split
-        check_split(self._split)
         self._module_name = module_name
         self._pipelined: str | None = None  # the LightningModule attribute that was pipelined
         self._dims: ParallelDims | None = None
@@ -255,7 +218,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         # Validate on every rank before the process group exists: a bad size fails everywhere.
         world_size = self.num_nodes * self.num_processes
-        self.zeropp_config = settings.resolve_config(self.zeropp_config, world_size, self._from_env)
+        self.zeropp_config = self._settings.resolve(world_size)
         self._setup_distributed()
         if self._dims is None:  # fit then validate on one Trainer sets up twice: keep one mesh
             self._dims = build_mesh(self.zeropp_config, self.root_device.type)
@@ -329,7 +292,6 @@ class ZeroPPStrategy(ModelParallelStrategy):
         cfg = self.zeropp_config
         if callable(self._split) or self._split == "stack" or cfg.num_stages == 1:
             return None, None
-        assert cfg.num_microbatches is not None
         return network.example_microbatch(
             module, trainer, self._runner, cfg.num_microbatches, self.batch_to_device
         )

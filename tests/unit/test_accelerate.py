@@ -27,7 +27,7 @@ from lightning_zeropp.accelerate.optim import (
     rebuild_optimizer,
     retarget_scheduler,
 )
-from lightning_zeropp.accelerate.plugin import _check_accelerator, _resolved_config
+from lightning_zeropp.accelerate.plugin import _check_accelerator, _resolved, _settings
 from lightning_zeropp.core.settings import env
 from lightning_zeropp.core.settings.config import ZeroPPConfig
 
@@ -108,12 +108,12 @@ def test_split_from_env():
 def test_a_bad_value_from_the_environment_names_the_variables(monkeypatch):
     monkeypatch.setenv("ZEROPP_PP_SIZE", "3")
     with pytest.raises(ValueError, match=r"world has 4 processes.*ZEROPP_PP_SIZE=3 \(pp_size\)"):
-        _resolved_config(None, 4)
+        _resolved(_settings(None, None), 4)
     # A config in code wins over the environment (which is only reported), but a typo still fails.
-    assert _resolved_config(ZeroPPConfig(pp_size=2), 4).pp_size == 2
+    assert _resolved(_settings(ZeroPPConfig(pp_size=2), None), 4).pp_size == 2
     monkeypatch.setenv("ZEROPP_SCHEDUEL", "gpipe")
     with pytest.raises(ValueError, match=r"did you mean ZEROPP_SCHEDULE"):
-        _resolved_config(ZeroPPConfig(pp_size=2), 4)
+        _settings(ZeroPPConfig(pp_size=2), None)
 
 
 # ------------------------------------------------------------------------------ optimizer

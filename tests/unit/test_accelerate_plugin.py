@@ -15,10 +15,11 @@ from lightning_zeropp.core.settings.config import ZeroPPConfig
 def test_unset_settings_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("ZEROPP_PP_SIZE", "4")
     monkeypatch.setenv("ZEROPP_SCHEDULE", "gpipe")
-    config, from_env = ZeroPPPlugin(schedule="1f1b").resolved_config()
-    assert (config.pp_size, config.schedule, from_env) == (4, "1f1b", True)
-    config, from_env = ZeroPPPlugin(pp_size=2, schedule="1f1b").resolved_config()
-    assert (config.pp_size, from_env) == (2, False)
+    settings = ZeroPPPlugin(schedule="1f1b").run_settings()
+    assert (settings.config.pp_size, settings.config.schedule) == (4, "1f1b")
+    assert settings.describe_env() == "ZEROPP_PP_SIZE=4"  # the schedule came from code
+    settings = ZeroPPPlugin(pp_size=2, schedule="1f1b").run_settings()
+    assert (settings.config.pp_size, settings.describe_env()) == (2, "")
 
 
 def test_a_misspelt_setting_names_the_closest_field():
@@ -30,9 +31,10 @@ def test_a_misspelt_setting_names_the_closest_field():
 
 def test_split_defaults_to_auto(monkeypatch):
     monkeypatch.delenv("ZEROPP_SPLIT", raising=False)
-    assert ZeroPPPlugin().resolved_split() == "auto"
+    assert ZeroPPPlugin().run_settings().split == "auto"
     monkeypatch.setenv("ZEROPP_SPLIT", "stack")
-    assert ZeroPPPlugin().resolved_split() == "stack"
+    assert ZeroPPPlugin().run_settings().split == "stack"
+    assert ZeroPPPlugin(split="auto").run_settings().split == "auto"  # code wins
 
 
 def test_outputs_read_like_hf_outputs():
@@ -80,3 +82,35 @@ def test_prepare_needs_the_optimizer_and_the_model_first(monkeypatch):
         accelerator.prepare(model, loader)
     with pytest.raises(ValueError, match="before other data loaders"):
         accelerator.prepare(loader)
+
+
+class _Chain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    def forward(self, input_ids, labels=None):
+        x = input_ids
+        for block in self.blocks:
+            x = block(x)
+        return {"loss": ((x - labels) ** 2).mean()}
+
+
+def test_prepare_uses_the_variables_without_calling_them_ignored(monkeypatch, capsys, caplog):
+    """The plugin's own settings over the ZEROPP_* variables: a variable it used is not reported
+    as ignored (it was), and the layout is printed once at setup, as in the Lightning front."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("ZEROPP_NUM_MICROBATCHES", "2")
+    model = _Chain()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rows = [{"input_ids": torch.randn(4), "labels": torch.randn(4)} for _ in range(8)]
+    accelerator = ZeroPPAccelerator(zeropp_plugin=ZeroPPPlugin(pp_size=1), cpu=True)
+    try:
+        with caplog.at_level("WARNING"):
+            pipeline, _, _ = accelerator.prepare(model, opt, DataLoader(rows, batch_size=4))
+    finally:  # prepare made a one-process group: later tests make their own
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert pipeline.engine.config.num_microbatches == 2
+    assert "ignoring" not in caplog.text
+    assert "ZeroPP layout: world 1 = pp 1" in capsys.readouterr().out

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_zeropp import ZeroPPConfig, ZeroPPStrategy
-from lightning_zeropp.accelerate.plugin import _resolved_config
+from lightning_zeropp.accelerate.plugin import _resolved, _settings
 from lightning_zeropp.core.settings import env
 
 
@@ -68,7 +68,7 @@ def test_a_bad_policy_from_the_environment_names_the_variable(monkeypatch):
         ValueError,
         match=r"activation_checkpointing='some' is unknown.*ZEROPP_ACTIVATION_CHECKPOINTING=some",
     ):
-        _resolved_config(None, 4)
+        _resolved(_settings(None, None), 4)
 
 
 def test_lightning_refuses_a_misspelt_variable_even_when_code_sets_everything(monkeypatch):

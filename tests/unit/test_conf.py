@@ -29,7 +29,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_zeropp import ZeroPPConfig
 from recipes.recipe_config import (
-    _LAYOUT_KEYS,
     CONF_DIR,
     check_config,
     check_model_facts,
@@ -75,7 +74,8 @@ def test_groups_are_all_there():
     assert {p.name for p in CONF_DIR.iterdir() if p.is_dir()} == set(GROUPS)
     assert set(LLAMA_SIZES) | {"gpt_tiny", "llama_tiny", "hf_local"} == set(options("model"))
     assert {"cpu4", "cpu8", "h100_1x8", "h100_4x8", "h100_16x8"} == set(options("cluster"))
-    assert {"zeropp", "zeropp_plus", "pp_1f1b", "fsdp", "ddp", "auto"} == set(options("parallel"))
+    parallel = {"base", "zeropp", "zeropp_plus", "pp_1f1b", "fsdp", "ddp", "auto"}
+    assert parallel == set(options("parallel"))
     assert {"markov", "text_file", "hf_disk"} == set(options("data"))
 
 
@@ -114,23 +114,29 @@ def test_every_parallel_recipe_fits_every_cluster(parallel, cluster):
 
 
 def test_parallel_groups_hold_exactly_the_zeropp_settings():
-    """So that every setting can be overridden without `+`, and nothing else can be set."""
+    """So that every setting can be overridden without `+`, and nothing else can be set: the base
+    holds every setting, and every other file extends it, saying only what it changes."""
     fields = {f.name for f in dataclasses.fields(ZeroPPConfig)}
+    base = set(yaml.safe_load((CONF_DIR / "parallel" / "base.yaml").read_text()))
+    assert base == fields, f"parallel/base.yaml: missing {fields - base}, extra {base - fields}"
     for name in options("parallel"):
-        keys = set(yaml.safe_load((CONF_DIR / "parallel" / f"{name}.yaml").read_text()))
-        if name == "auto":  # the layout is the planner's; the rest is kept as given
-            assert "auto" in keys and keys - {"auto"} <= fields - set(_LAYOUT_KEYS), keys
+        if name == "base":
             continue
-        assert keys == fields, (
-            f"parallel/{name}.yaml: missing {fields - keys}, extra {keys - fields}"
-        )
+        own = yaml.safe_load((CONF_DIR / "parallel" / f"{name}.yaml").read_text())
+        assert own["defaults"] == ["base", "_self_"], name
+        keys = set(compose_config([f"parallel={name}"]).parallel)
+        if name == "auto":  # the layout is the planner's; the rest is kept as given
+            assert set(own) - {"defaults"} == {"auto"} and keys == fields | {"auto"}, keys
+            continue
+        assert set(own) - {"defaults"} < fields, name
+        assert keys == fields, f"parallel={name}: missing {fields - keys}, extra {keys - fields}"
 
 
 def test_zeropp_plus_turns_on_the_three_techniques():
-    parallel = yaml.safe_load((CONF_DIR / "parallel" / "zeropp_plus.yaml").read_text())
+    parallel = compose_config(["parallel=zeropp_plus", "cluster=h100_4x8"]).parallel
     assert parallel["quantized_weights"] == "int8"
     assert parallel["quantized_gradients"] == "int4"
-    assert parallel["hpz_partition_size"] == parallel["node_size"] == "${cluster.devices}"
+    assert parallel["hpz_partition_size"] == parallel["node_size"] == 8
     assert parallel["dp_replicate_size"] == 1
 
 

@@ -5,20 +5,26 @@ from __future__ import annotations
 import pytest
 
 from lightning_zeropp.core.measure.traffic import _share
-from lightning_zeropp.core.settings.config import ZeroPPConfig
+from lightning_zeropp.core.settings.config import ZeroPPConfig, ZeroPPLayout
+from lightning_zeropp.core.settings.merge import merge_settings
 
 
-def _resolve(world: int = 8, **settings) -> ZeroPPConfig:
+def _resolve(world: int = 8, **settings) -> ZeroPPLayout:
     return ZeroPPConfig(**settings).resolve(world)
 
 
 def test_defaults_are_off_and_node_size_comes_from_the_launcher(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    cfg = _resolve(dp_shard_size=8, pp_size=1)
+    settings = merge_settings({"dp_shard_size": 8, "pp_size": 1})  # what the fronts call
+    cfg = settings.resolve(8)
     assert cfg.quantized_weights is cfg.quantized_gradients is cfg.hpz_partition_size is None
     assert (cfg.node_size, cfg.cpu_offload, cfg.gradient_error_feedback) == (4, False, False)
+    # resolve itself is pure: the launcher's node size comes in as an argument, never read
+    assert _resolve(dp_shard_size=8, pp_size=1).node_size == 8  # none given: one node
+    assert ZeroPPConfig(pp_size=1).resolve(8, node_size=2).node_size == 2
+    assert ZeroPPConfig(pp_size=1, node_size=4).resolve(8, node_size=2).node_size == 4
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    assert _resolve(dp_shard_size=8, pp_size=1).node_size == 8  # no launcher: one node
+    assert merge_settings({"pp_size": 1}).resolve(8).node_size == 8  # no launcher: one node
 
 
 def test_modes_are_parsed_and_error_feedback_defaults_on_for_int4():

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 
 from lightning_zeropp import ZeroPPStrategy
-from lightning_zeropp.lightning.settings import resolve_config
 
 
 def test_unset_arguments_come_from_the_environment(monkeypatch):
@@ -26,6 +25,8 @@ def test_arguments_given_in_code_win(monkeypatch):
     monkeypatch.setenv("ZEROPP_SPLIT", "trace")
     strategy = ZeroPPStrategy(pp_size=2, split="stack")
     assert strategy.zeropp_config.pp_size == 2 and strategy._split == "stack"
+    # "auto" written in code is a choice too: it wins over ZEROPP_SPLIT (it used to lose).
+    assert ZeroPPStrategy(split="auto")._split == "auto"
 
 
 def test_an_argument_equal_to_the_default_still_wins(monkeypatch):
@@ -44,7 +45,7 @@ def test_a_bad_value_from_a_variable_names_the_variable(monkeypatch):
         match=r"pp_size \(3\) .* but the world has 4 .*\(settings from the environment: "
         r"ZEROPP_PP_SIZE=3 \(pp_size\)\)",
     ):
-        resolve_config(strategy.zeropp_config, 4, strategy._from_env)
+        strategy._settings.resolve(4)
 
 
 def test_a_misspelt_variable_is_an_error(monkeypatch):

@@ -1,5 +1,6 @@
 """The schedule pictures: planned timelines, Gantt PNG, Chrome trace (no processes started)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -19,8 +20,7 @@ def test_planned_timelines_carry_every_task_and_one_gather_per_block():
         compute = [i for i in tl.intervals if i.lane == "compute"]
         assert len(compute) == 2 * 8 * 3  # two chunks x 8 micro-batches x (F, I, W)
         assert sum(i.kind == "all_gather" for i in tl.intervals) == 2 * 3 - 1  # shared at the seam
-    no_split = config.resolve(2)
-    no_split.split_backward = False
+    no_split = dataclasses.replace(config.resolve(2), split_backward=False)
     assert bubble_fraction(timelines) < bubble_fraction(viz.planned_timelines(no_split))
 
 

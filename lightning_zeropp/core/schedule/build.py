@@ -26,7 +26,7 @@ from lightning_zeropp.core.settings.placement import (
 from lightning_zeropp.core.settings.plus import hpz_size
 
 if TYPE_CHECKING:
-    from lightning_zeropp.core.settings.config import ZeroPPConfig
+    from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 
 __all__ = [
     "SCHEDULES",
@@ -54,7 +54,7 @@ SCHEDULES: dict[str, tuple[type | None, Style]] = {
 
 
 def build_schedule(
-    config: ZeroPPConfig,
+    config: ZeroPPLayout,
     stages: list[pipelining.PipelineStage],
     loss_fn: Callable | None,
 ) -> pipelining.schedules._PipelineSchedule:
@@ -72,15 +72,13 @@ def build_schedule(
     return cls(target, n_microbatches=config.num_microbatches, loss_fn=loss_fn, scale_grads=True)
 
 
-def zeropp_orders(config: ZeroPPConfig) -> dict[int, list[Task]]:
+def zeropp_orders(config: ZeroPPLayout) -> dict[int, list[Task]]:
     """Every pipeline rank's ZeroPP task order for a resolved config (checked: no deadlock)."""
     pp, v, m, u = config.pp_size, config.num_chunks, config.num_microbatches, config.unit_size
-    assert pp is not None and v is not None and m is not None and u is not None, "resolve() first"
+    assert u is not None, "a zeropp layout has a unit size"
     full = [s for s in range(config.num_stages) if config.recomputes(s)]
     orders = {
-        r: rank_order(
-            r, pp, v, m, u, split_backward=bool(config.split_backward), full_backward=full
-        )
+        r: rank_order(r, pp, v, m, u, split_backward=config.split_backward, full_backward=full)
         for r in range(pp)
     }
     check_orders(orders, config.num_stages, m)  # cheap; a bug here would be a hang
@@ -88,18 +86,17 @@ def zeropp_orders(config: ZeroPPConfig) -> dict[int, list[Task]]:
 
 
 def _build_zeropp(
-    config: ZeroPPConfig, stages: list[pipelining.PipelineStage], loss_fn: Callable | None
+    config: ZeroPPLayout, stages: list[pipelining.PipelineStage], loss_fn: Callable | None
 ) -> pipelining.schedules._PipelineSchedule:
     from lightning_zeropp.core.schedule.runtime import UnitScheduleRuntime
 
-    assert config.num_microbatches is not None
     return UnitScheduleRuntime(stages, config.num_microbatches, loss_fn, zeropp_plans(config))
 
 
-def zeropp_plans(config: ZeroPPConfig) -> dict[int, list[Step]]:
+def zeropp_plans(config: ZeroPPLayout) -> dict[int, list[Step]]:
     """Every pipeline rank's lowered ZeroPP plan (`zeropp_schedule.lower`): what the runtime
     runs, the pictures draw and the planner prices."""
-    assert config.unit_size is not None, "resolve() first"
+    assert config.unit_size is not None, "a zeropp layout has a unit size"
     return {
         rank: lower(
             order,
@@ -117,7 +114,7 @@ def eval_microbatches(rows: int, num_microbatches: int) -> int:
 
 
 def build_eval_schedule(
-    config: ZeroPPConfig,
+    config: ZeroPPLayout,
     stages: list[pipelining.PipelineStage],
     loss_fn: Callable | None,
     num_microbatches: int,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import typing
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -68,31 +69,23 @@ def _int_list(var: str, raw: str) -> list[int]:
         ) from None
 
 
-# ZeroPPConfig field -> parser. A unit test checks that every field of ZeroPPConfig has a variable,
-# so that a new setting cannot be forgotten here.
+def _parser(hint: Any) -> Callable[[str, str], Any]:
+    """How a variable's text becomes a field's value, from the field's type."""
+    args = set(typing.get_args(hint)) or {hint}
+    args.discard(type(None))
+    if list[int] in args:
+        return _int_list
+    if bool in args:
+        return _bool_or_str if str in args else _bool
+    if int in args:
+        return _int
+    return _str  # names and dtypes: resolve checks the words
+
+
+# ZeroPPConfig field -> parser, read off the fields' types: a new setting gets its variable
+# without an edit here.
 _PARSERS: dict[str, Callable[[str, str], Any]] = {
-    "pp_size": _int,
-    "dp_shard_size": _int,
-    "dp_replicate_size": _int,
-    "num_microbatches": _int,
-    "schedule": _str,
-    "num_chunks": _int,
-    "param_dtype": _str,
-    "reduce_dtype": _str,
-    "activation_checkpointing": _bool_or_str,
-    "reshard_after_forward": _bool,
-    "split_points": _int_list,
-    "unit_size": _int,
-    "split_backward": _bool,
-    "grad_reduce": _str,
-    "nonfinite": _str,
-    "quantized_weights": _str,
-    "hpz_partition_size": _int,
-    "quantized_gradients": _str,
-    "gradient_error_feedback": _bool,
-    "quant_block_size": _int,
-    "cpu_offload": _bool,
-    "node_size": _int,
+    name: _parser(hint) for name, hint in typing.get_type_hints(ZeroPPConfig).items()
 }
 
 # Environment variable -> ZeroPPConfig field.

@@ -14,13 +14,14 @@ The switches (one per technique; `core.shard.plus` applies them):
 - `quant_block_size`: elements per quantization block (blocks never straddle parameters);
 - `cpu_offload`: FSDP2's CPU offload of parameters, gradients and optimizer state;
 - `node_size`: ranks per node (a node is that many consecutive ranks); default the launcher's
-  `LOCAL_WORLD_SIZE`, else the whole world.
+  (`LOCAL_WORLD_SIZE`, read by the fronts and passed to `resolve`), else the whole world.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
+
+from lightning_zeropp.core.settings.values import setting_error
 
 __all__ = ["WEIGHT_MODES", "GRADIENT_MODES", "resolve_plus", "hpz_size"]
 
@@ -34,15 +35,15 @@ def _mode(name: str, value: Any, modes: tuple[str | None, ...]) -> str | None:
         return None
     mode = str(value).strip().lower()
     if mode not in modes:
-        raise ValueError(
-            f"{name}={value!r} is unknown; choose one of {list(modes)} (None turns it off)."
+        raise setting_error(
+            name, f"{name}={value!r} is unknown; choose one of {list(modes)} (None turns it off)."
         )
     return mode
 
 
 def _positive(name: str, value: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer.")
+        raise setting_error(name, f"{name}={value!r} must be a positive integer.")
     return value
 
 
@@ -52,20 +53,20 @@ def resolve_plus(cfg: Any, world_size: int) -> None:
     cfg.quantized_gradients = _mode("quantized_gradients", cfg.quantized_gradients, GRADIENT_MODES)
     _positive("quant_block_size", cfg.quant_block_size)
     cfg.cpu_offload = bool(cfg.cpu_offload)
-    if cfg.node_size is None:
-        cfg.node_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     _positive("node_size", cfg.node_size)
     if world_size % cfg.node_size:
-        raise ValueError(
+        raise setting_error(
+            "node_size",
             f"node_size={cfg.node_size} does not divide the world ({world_size} processes); a node "
-            "is node_size consecutive ranks. Set node_size to the processes per node."
+            "is node_size consecutive ranks. Set node_size to the processes per node.",
         )
     if cfg.gradient_error_feedback is None:
         cfg.gradient_error_feedback = cfg.quantized_gradients == "int4"
     elif cfg.gradient_error_feedback and cfg.quantized_gradients not in ("int8", "int4"):
-        raise ValueError(
+        raise setting_error(
+            ("gradient_error_feedback", "quantized_gradients"),
             "gradient_error_feedback=True needs quantized_gradients='int8' or 'int4' (got "
-            f"{cfg.quantized_gradients!r}): there is no quantization error to feed back."
+            f"{cfg.quantized_gradients!r}): there is no quantization error to feed back.",
         )
     _check_hpz(cfg)
     _check_gradients(cfg)
@@ -83,9 +84,10 @@ def _check_hpz(cfg: Any) -> None:
         return
     _positive("hpz_partition_size", k)
     if k == 1:
-        raise ValueError(
+        raise setting_error(
+            "hpz_partition_size",
             "hpz_partition_size=1 would keep a whole copy of the weights on every rank after "
-            "forward; that is reshard_after_forward=False. Use the node size (e.g. 8)."
+            "forward; that is reshard_after_forward=False. Use the node size (e.g. 8).",
         )
     shard, node = cfg.dp_shard_size, cfg.node_size
     if k % shard == 0 and node % shard == 0:
@@ -94,16 +96,18 @@ def _check_hpz(cfg: Any) -> None:
         cfg.hpz_partition_size = None
         return
     if shard % k or node % k:
-        raise ValueError(
+        raise setting_error(
+            ("hpz_partition_size", "dp_shard_size", "node_size"),
             f"hpz_partition_size={k} must divide dp_shard_size={shard} and node_size={node} "
             "(its ranks must lie inside one node, or backward gathers would still cross nodes); "
-            f"use hpz_partition_size={min(shard, node)} if that divides both."
+            f"use hpz_partition_size={min(shard, node)} if that divides both.",
         )
     if cfg.dp_replicate_size > 1:
-        raise ValueError(
+        raise setting_error(
+            ("hpz_partition_size", "dp_replicate_size"),
             f"hpz_partition_size={k} with dp_replicate_size={cfg.dp_replicate_size}: hpZ is "
             "ZeRO++'s alternative to replicating per node (FSDP2 keeps its secondary copy only "
-            "over a 1-D shard mesh). Use dp_replicate_size=1 with dp_shard over all data ranks."
+            "over a 1-D shard mesh). Use dp_replicate_size=1 with dp_shard over all data ranks.",
         )
 
 
@@ -111,15 +115,17 @@ def _check_gradients(cfg: Any) -> None:
     if cfg.quantized_gradients is None:
         return
     if cfg.dp_replicate_size > 1:
-        raise ValueError(
+        raise setting_error(
+            ("quantized_gradients", "dp_replicate_size"),
             f"quantized_gradients={cfg.quantized_gradients!r} with dp_replicate_size="
             f"{cfg.dp_replicate_size}: FSDP2's cross-replica all-reduce cannot be replaced, so the "
             "cross-node step would not be quantized. Use dp_replicate_size=1 (ZeRO-3 over all "
-            "data-parallel ranks, ZeRO++'s layout): the two-hop reduction then crosses nodes."
+            "data-parallel ranks, ZeRO++'s layout): the two-hop reduction then crosses nodes.",
         )
     shard, node = cfg.dp_shard_size, cfg.node_size
     if shard % node and node % shard:
-        raise ValueError(
+        raise setting_error(
+            ("quantized_gradients", "dp_shard_size", "node_size"),
             f"quantized_gradients needs the shard group (dp_shard_size={shard}) to hold whole "
-            f"nodes or lie inside one (node_size={node}); choose sizes where one divides the other."
+            f"nodes or lie inside one (node_size={node}); choose sizes where one divides the other.",
         )

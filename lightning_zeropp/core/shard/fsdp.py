@@ -18,7 +18,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from lightning_zeropp.core.settings.config import ZeroPPConfig
+from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 from lightning_zeropp.core.shard.plus import Plus
 
 __all__ = ["shard_stage", "apply_activation_checkpointing", "local_shard"]
@@ -33,7 +33,7 @@ def shard_stage(
     stage: nn.Module,
     block_names: Sequence[str],
     dp_mesh: DeviceMesh,
-    config: ZeroPPConfig,
+    config: ZeroPPLayout,
     plus: Plus | None = None,
 ) -> nn.Module:
     """`fully_shard` each block of `stage`, then the stage root, over `dp_mesh`; then ZeRO++'s

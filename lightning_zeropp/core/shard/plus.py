@@ -34,8 +34,8 @@ from lightning_zeropp.core._torch_private import (
     post_forward_mesh,
 )
 from lightning_zeropp.core.mesh import build_partition_mesh, world_timeout
-from lightning_zeropp.core.settings.config import ZeroPPConfig
 from lightning_zeropp.core.settings.plus import hpz_size
+from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 from lightning_zeropp.core.shard.plus_comm import (
     HierarchicalReduceScatter,
     NodeGroups,
@@ -50,13 +50,13 @@ __all__ = ["Plus", "segments_of"]
 class Plus:
     """What a run's ZeRO++ and offload settings need at sharding time."""
 
-    config: ZeroPPConfig
+    config: ZeroPPLayout
     device_type: str
     groups: NodeGroups | None = None  # qwZ / qgZ: every shard group split into nodes
     partition_mesh: DeviceMesh | None = None  # hpZ: the small partitions
 
     @classmethod
-    def build(cls, mesh: DeviceMesh, config: ZeroPPConfig) -> Plus:
+    def build(cls, mesh: DeviceMesh, config: ZeroPPLayout) -> Plus:
         """Create the groups the settings need (collective: every rank calls it)."""
         plus = cls(config, mesh.device_type)
         timeout = world_timeout()
@@ -116,7 +116,7 @@ class Plus:
             unit.set_force_sum_reduction_for_comms(True)
 
 
-def _custom_comms(config: ZeroPPConfig) -> bool:
+def _custom_comms(config: ZeroPPLayout) -> bool:
     return config.quantized_weights is not None or config.quantized_gradients is not None
 
 

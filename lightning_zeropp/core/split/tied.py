@@ -182,7 +182,6 @@ def _local_copies(
 def _gather(held: list[list[int]], dims: ParallelDims) -> list[list[list[int]]]:
     """Every pipeline rank's `held` (per tie: the stages holding a copy), by pipeline rank."""
     pp_size = dims.config.pp_size
-    assert pp_size is not None, "resolve() first"
     if pp_size == 1:
         return [held]
     out: list[list[list[int]] | None] = [None] * pp_size
