@@ -155,21 +155,9 @@ def dataset(num_batches: int, dicts: bool = False) -> Dataset:
 
 # ------------------------------------------------------------------------- on the ranks
 def run_cases(cases: list[dict[str, Any]], env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Several runs in one process tree (each with its own Accelerator and engine); a case
-    with "scenario": "refused" reports the error its run raised instead."""
+    """Several runs in one process tree (each with its own Accelerator and engine)."""
     os.environ.update(env or {})
-    out = {}
-    for case in cases:
-        name, scenario = case.pop("id"), case.pop("scenario", "run")
-        if scenario == "refused":
-            try:
-                run(**case)
-                out[name] = {"error": ""}
-            except ValueError as err:
-                out[name] = {"error": str(err)}
-        else:
-            out[name] = run(**case)
-    return out
+    return {case.pop("id"): run(**case) for case in cases}
 
 
 def prepare_only(env: dict[str, str]) -> dict[str, Any]:

@@ -22,7 +22,13 @@ PP = {"pp_size": 2, "num_microbatches": 2}
 ONE = {"per_device_train_batch_size": 8, "per_device_eval_batch_size": 2}
 CASES = [
     {"id": "llama-1f1b", "plugin": PP},
-    {"id": "llama-acc2", "plugin": PP, "args": {"gradient_accumulation_steps": 2}},
+    # tied, clipped (the norm counts the tied weight once) and accumulated
+    {
+        "id": "llama-tied-acc2",
+        "plugin": PP,
+        "args": {"gradient_accumulation_steps": 2, "tie_word_embeddings": True},
+        "tied_gap": True,
+    },
     {"id": "llama-zeropp", "plugin": {**PP, "schedule": "ZeroPP"}},
     {"id": "pp4", "plugin": {"pp_size": 4, "num_microbatches": 4}},
     # built under init_empty_weights(); each rank reads its shards of the initial weights from
@@ -56,13 +62,6 @@ SWEEP_CASES = [
     _sweep("gpt2", True, args=EXPORTS),  # learned positions; its loss_type is None
     _sweep("gemma2", True),  # scaled embedding, soft-capping, masks alternating by layer
     _sweep("opt", True),  # learned positions offset by 2, a projection-free OPT
-    # tied, clipped (the norm counts the tied weight once), accumulated, ZeroPP's schedule
-    {
-        "id": "llama-tied-zeropp-clip-acc2",
-        "plugin": {**PP, "schedule": "ZeroPP"},
-        "args": {"tie_word_embeddings": True, "gradient_accumulation_steps": 2},
-        "tied_gap": True,
-    },
     # no training: run_clm's eval alone, compared with DDP's and one process's
     {"id": "eval-only", "plugin": PP, "args": {"num_train_epochs": 0, "eval_rows": 10}},
 ]
