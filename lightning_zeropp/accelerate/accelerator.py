@@ -19,8 +19,9 @@ What differs from the base class, and why:
   data-parallel ranks only (all stages of a pipeline read the same batch).
 - `clip_grad_norm_` clips by the norm over every stage and shard: torch's clipping sees this
   rank's stages only.
-- `gather` / `gather_for_metrics` gather over data-parallel ranks: the other ranks of a pipeline
-  hold the same samples, which a gather over all processes would repeat `pp_size` times.
+- `gather` / `gather_for_metrics` concatenate each process's share of its pipeline's batch, in
+  DDP's order (`shares`): every sample once, where DDP would put it; in eval mode
+  `outputs.loss` is the loss of the process's share, as under DDP.
 - `save_state(dir)` commits atomically (a temporary sibling renamed when complete); the sharded
   model and optimizer go through `prepare_pipeline`'s checkpoint hooks.
 - `get_state_dict` / `save_model` / `unwrap_model` give the whole model (collective calls, like
@@ -44,13 +45,13 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from lightning_zeropp.accelerate.pipeline_model import NUM_ITEMS, PipelineModel, accepts_num_items
+from lightning_zeropp.accelerate.pipeline_model import NUM_ITEMS, PipelineModel
 from lightning_zeropp.accelerate.plugin import prepare_pipeline
+from lightning_zeropp.accelerate.shares import in_process_order, process_order, share
 from lightning_zeropp.accelerate.zeropp_plugin import ZeroPPPlugin
-from lightning_zeropp.core.step.grads import clip_grad_norm_
 from lightning_zeropp.core.weights import commit
 from lightning_zeropp.core.weights.export import full_state_dict
-from lightning_zeropp.models.hf_loss import disable_kv_cache, is_causal_lm
+from lightning_zeropp.models.hf_loss import LossWatch, disable_kv_cache, token_rule
 
 __all__ = ["ZeroPPAccelerator"]
 
@@ -64,7 +65,7 @@ class ZeroPPAccelerator(Accelerator):
         self.zeropp_plugin = zeropp_plugin or ZeroPPPlugin()
         self.pipeline: PipelineModel | None = None
         self._skeleton: nn.Module | None = None
-        self._dp_order: list[int] = []
+        self._order: list[int] = []  # global ranks in DDP's process order (`shares`)
 
     # ------------------------------------------------------------------------- prepare
     def prepare(self, *args: Any, device_placement: Any = None) -> Any:
@@ -107,7 +108,9 @@ class ZeroPPAccelerator(Accelerator):
     ) -> dict[int, Any]:
         disable_kv_cache(model)
         plugin = self.zeropp_plugin
-        if plugin.seq_buckets is not None and not is_causal_lm(model):
+        # How the model's own loss counts tokens, observed; its stages' loss calls are watched.
+        rule = token_rule(model)
+        if plugin.seq_buckets is not None and (rule is None or rule.shift != 1):
             raise ValueError(
                 f"ZeroPPPlugin(seq_buckets={plugin.seq_buckets!r}) pads sequences, which leaves "
                 f"the numbers unchanged only for causal LMs; {type(model).__name__} is not one. "
@@ -115,6 +118,7 @@ class ZeroPPAccelerator(Accelerator):
             )
         holder: list[PipelineModel] = []
         skeleton = _skeleton(model)  # the whole model's structure, for unwrap_model
+        watch = LossWatch(model, rule) if rule is not None else None
         engine, opt, loader, sched = prepare_pipeline(
             self,
             model,
@@ -123,17 +127,17 @@ class ZeroPPAccelerator(Accelerator):
             schedulers[0] if schedulers else None,
             loss_fn=lambda output, target: holder[0].loss_fn(output, target),
             config=plugin.run_settings(),
-            unpack=_unpack_call(accepts_num_items(model)),
+            unpack=_unpack_call(rule is not None),
             per_process_batches=True,
             load_from=plugin.load_from,
             init=plugin.init,
         )
-        pipeline = PipelineModel(engine, skeleton)
+        pipeline = PipelineModel(engine, skeleton, rule, watch)
         pipeline.eval_logits = plugin.eval_logits
         pipeline.seq_buckets = plugin.seq_buckets
         holder.append(pipeline)
         self.pipeline, self._skeleton = pipeline, skeleton
-        self._dp_order = _dp_order(engine.dims.pp_rank, engine.dims.dp_rank)
+        self._order = process_order(engine.dims.pp_rank, engine.dims.dp_rank)
         prepared: dict[int, Any] = {id(model): pipeline, id(optimizer): opt}
         if loaders:
             prepared[id(loaders[0])] = self._track(loader)
@@ -156,18 +160,18 @@ class ZeroPPAccelerator(Accelerator):
                 "clip_grad_norm_ got tensors that are not the pipelined model's parameters; pass "
                 "model.parameters() of the model accelerator.prepare returned."
             )
-        core = self.pipeline.engine.core
-        with core.failures.guard():
-            return clip_grad_norm_(params, max_norm, core.dims.pp_group, norm_type)
+        # The engine's clipping: the global norm, a tied weight's per-stage copies counted once.
+        return self.pipeline.engine.core.clip_grad_norm_(max_norm, norm_type, params)
 
     # ------------------------------------------------------------------------- gathering
     def gather(self, tensor: Any) -> Any:
-        """Concatenate over data-parallel ranks (each pipeline's samples once)."""
-        full = super().gather(tensor)
+        """Concatenate every process's share in DDP's process order (`shares`): each sample
+        of the pipelines' batches once, from the process DDP would have loaded it on."""
         if self.pipeline is None:
-            return full
+            return super().gather(tensor)
+        full = super().gather(recursively_apply(self._share, tensor))
         world = self.num_processes
-        return recursively_apply(lambda t: _pick(t, world, self._dp_order), full)
+        return recursively_apply(lambda t: in_process_order(t, world, self._order), full)
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         if self.pipeline is None:
@@ -178,14 +182,19 @@ class ZeroPPAccelerator(Accelerator):
         except TypeError:
             tensors = False
         if tensors and not use_gather_object:
-            return super().gather_for_metrics(input_data)
+            return super().gather_for_metrics(input_data)  # through gather, then truncated
         everyone: list[Any] = [None] * self.num_processes
-        dist.all_gather_object(everyone, input_data)
-        data = [x for r in self._dp_order for x in everyone[r]]
+        dist.all_gather_object(everyone, self._share(input_data))
+        data = [x for r in self._order for x in everyone[r]]
         state = self.gradient_state
         if state.end_of_dataloader and state.remainder > 0:
             data = data[: state.remainder]
         return data
+
+    def _share(self, value: Any) -> Any:
+        assert self.pipeline is not None
+        dims = self.pipeline.engine.dims
+        return share(value, self.pipeline.rows, dims.config.pp_size, dims.pp_rank)
 
     # ------------------------------------------------------------------------- state
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kw: Any):
@@ -251,7 +260,13 @@ class ZeroPPAccelerator(Accelerator):
         state = self.get_state_dict(model)
         whole = model.original
         if state:
+            ties = _tied_names(whole)  # before `assign` gives every name its own parameter
             whole.load_state_dict(state, strict=False, assign=True)
+            for first, *others in ties:  # tied again, as the model was: one parameter
+                shared = whole.get_parameter(first)
+                for name in others:
+                    owner, _, attr = name.rpartition(".")
+                    setattr(whole.get_submodule(owner), attr, shared)
         return whole
 
 
@@ -298,18 +313,13 @@ def _skeleton(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
+def _tied_names(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter `model` holds under several names, in model order."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
 def _is_scheduler(obj: Any) -> bool:
     return isinstance(getattr(obj, "optimizer", None), Optimizer) and hasattr(obj, "step")
-
-
-def _dp_order(pp_rank: int, dp_rank: int) -> list[int]:
-    """Global ranks of pipeline rank 0, ordered by data-parallel rank: one copy of each sample."""
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (pp_rank, dp_rank))
-    firsts = [(dp, rank) for rank, (pp, dp) in enumerate(everyone) if pp == 0]
-    return [rank for _, rank in sorted(firsts)]
-
-
-def _pick(t: torch.Tensor, world: int, order: list[int]) -> torch.Tensor:
-    rows = t.shape[0] // world
-    return torch.cat([t[r * rows : (r + 1) * rows] for r in order])

@@ -43,12 +43,15 @@ SchedulerFactory = Callable[[Optimizer], Any]
 def optimizer_param_names(optimizer: Optimizer, model: nn.Module) -> list[list[str]]:
     """Per param group, the model's names of its parameters; a tensor the model lacks is an error.
 
+    A tensor the model holds under several names (tied embeddings) is listed under every name:
+    the pipeline gives each stage its own copy under its own name (`core.split.tied`), and every
+    copy must be stepped, with the same hyperparameters, to stay equal to the others.
     Runs before the engine is built (no collective), so every rank fails alike on a bad optimizer.
     """
     _check_fresh(optimizer)
-    names = {}
+    names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), name)
+        names.setdefault(id(p), []).append(name)
     groups = []
     for i, group in enumerate(optimizer.param_groups):
         missing = [tuple(p.shape) for p in group["params"] if id(p) not in names]
@@ -58,7 +61,7 @@ def optimizer_param_names(optimizer: Optimizer, model: nn.Module) -> list[list[s
                 f"(shapes {missing[:3]}) that are not parameters of the model given to "
                 "prepare_pipeline; build the optimizer on that model's parameters."
             )
-        groups.append([names[id(p)] for p in group["params"]])
+        groups.append([name for p in group["params"] for name in names[id(p)]])
     return groups
 
 
@@ -68,12 +71,14 @@ def rebuild_optimizer(
     """The same optimizer over `params` (this rank's parameters by original name).
 
     Every group of `optimizer` becomes a group with the same hyperparameters holding those of its
-    parameters found in `params` (possibly none).
+    parameters found in `params` (possibly none), each tensor once (a stage holding several names
+    of a tied weight holds them as one tensor).
     """
     groups = []
     for group, names in zip(optimizer.param_groups, group_names, strict=True):
         hyper = {k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
-        groups.append({"params": [params[n] for n in names if n in params], **hyper})
+        found = {id(params[n]): params[n] for n in names if n in params}
+        groups.append({"params": list(found.values()), **hyper})
     cls = type(optimizer)
     try:
         new = cls(groups, **_constructor_kwargs(cls, optimizer.defaults))

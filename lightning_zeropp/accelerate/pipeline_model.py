@@ -26,11 +26,13 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zeropp.accelerate.engine import ZeroPPAccelerateEngine
+from lightning_zeropp.accelerate.shares import eval_microbatches_by_share, share_losses
 from lightning_zeropp.core.schedule.build import eval_microbatches
 from lightning_zeropp.models.hf_loss import (
     NUM_ITEMS,
+    LossWatch,
+    TokenRule,
     accepts_num_items,
-    is_causal_lm,
     token_counts,
 )
 from lightning_zeropp.models.packing import Reshaped, SeqBuckets, reshape
@@ -48,11 +50,14 @@ class PipelineOutput(dict):
     """What `model(**batch)` returns: `.loss` (and `.logits` in eval mode), also as keys, and
     by position as HF's `ModelOutput` (`output[0]` is the loss)."""
 
+    _hint = ""  # why a field the model's own output would have is not here
+
     def __getattr__(self, name: str) -> Any:
         try:
             return self[name]
         except KeyError:
-            raise AttributeError(name) from None
+            hint = f": {self._hint}" if self._hint and not name.startswith("_") else ""
+            raise AttributeError(f"{name}{hint}") from None
 
     def __getitem__(self, key: Any) -> Any:
         if isinstance(key, int):
@@ -84,18 +89,28 @@ class PipelineModel(nn.Module):
     `train()` / `eval()` switch the stages. `engine` is the `ZeroPPAccelerateEngine`.
     """
 
-    def __init__(self, engine: ZeroPPAccelerateEngine, original: nn.Module) -> None:
+    def __init__(
+        self,
+        engine: ZeroPPAccelerateEngine,
+        original: nn.Module,
+        rule: TokenRule | None = None,
+        watch: LossWatch | None = None,
+    ) -> None:
         super().__init__()
         self.module = engine.module
         object.__setattr__(self, "engine", engine)
         # The user's model, for unwrap_model (not a submodule: its weights are not ours).
         object.__setattr__(self, "original", original)
-        self.token_weighted = accepts_num_items(original)
-        # Causal LMs predict token t+1 at t: the first label of a row is never a target.
-        self.shifts = is_causal_lm(original)
+        # How the model's own loss counts tokens (`models.hf_loss.token_rule`; None: it cannot
+        # be weighed by tokens), and the check that its forward computed it so.
+        self.rule, self.watch = rule, watch
+        self.token_weighted = rule is not None
         self.eval_logits = True
         self.seq_buckets: SeqBuckets = None
         self._captured: list[Any] | None = None
+        self._losses: list[torch.Tensor] | None = None  # an eval call's, per micro-batch
+        self._items: float | None = None  # num_items_in_batch given to this call
+        self.rows: int | None = None  # of the last call's batch (`shares`)
 
     # ---------------------------------------------------------------- calls
     def forward(self, *args: Any, **kwargs: Any) -> PipelineOutput:
@@ -124,40 +139,75 @@ class PipelineModel(nn.Module):
 
     def _train(self, args: Any, kwargs: dict[str, Any], target: torch.Tensor) -> PipelineOutput:
         core = self.engine.core
+        self.rows = _rows(args, kwargs)
         kwargs = self._weighted(kwargs, target, core.config.num_microbatches)
         loss, grads = core.train_step_deferred(*args, target=target, **kwargs)
         leaf = loss.detach().clone().requires_grad_()
         # The loop's backward reaches the loss with d(what it differentiates)/dL: this step's
         # gradients go to .grad times that (on the device: no host sync).
         leaf.register_hook(lambda grad: grads.apply(grad))
-        return PipelineOutput(loss=leaf)
+        out = PipelineOutput(loss=leaf)
+        out._hint = _TRAINING_ONLY_LOSS
+        return out
 
     @torch.no_grad()
     def _eval(self, args: Any, kwargs: dict[str, Any], target: torch.Tensor | None) -> Any:
         core = self.engine.core
-        rows = _rows(args, kwargs)
+        cfg = core.config
+        self.rows = rows = _rows(args, kwargs)
+        self._items = None
+        # Micro-batches inside one process's share each: the loss is the share's (`shares`).
+        by_share = eval_microbatches_by_share(rows, cfg.num_microbatches, cfg.pp_size)
+        micro = by_share or eval_microbatches(rows, cfg.num_microbatches)
+        scale = None
         if target is None and self.token_weighted:
             # No loss to weigh, but every call must reach the blocks alike (HF hands its keyword
             # arguments down to them): the split checked a call carrying the count.
             kwargs = {NUM_ITEMS: 1.0, **kwargs}
         if target is not None:
-            kwargs = self._weighted(
-                kwargs, target, eval_microbatches(rows, core.config.num_microbatches)
-            )
+            chosen = NUM_ITEMS in kwargs
+            kwargs = self._weighted(kwargs, target, micro)
+            scale = kwargs[NUM_ITEMS] if self.token_weighted and not chosen else None
         self._captured = [] if self.eval_logits else None
+        self._losses = []
         try:
             loss = core.eval_step(
-                *args, target=target if target is not None else _any_tensor(args, kwargs), **kwargs
+                *args,
+                target=target if target is not None else _any_tensor(args, kwargs),
+                microbatches=micro,
+                **kwargs,
             )
             logits = self._broadcast_logits() if self.eval_logits else None
+            if target is not None and by_share is not None:
+                loss = self._share_loss(target, kwargs, scale)
         finally:
-            self._captured = None
+            self._captured = self._losses = None
         out = PipelineOutput()
         if target is not None:
             out["loss"] = loss
         if logits is not None:
             out["logits"] = logits
         return out
+
+    def _share_loss(
+        self, target: torch.Tensor, kwargs: dict[str, Any], scale: float | None
+    ) -> torch.Tensor:
+        """This process's share of the batch's loss (`shares`): from the last stage's micro-batch
+        losses, each share's, sent to the pipeline's other ranks."""
+        core = self.engine.core
+        pp = core.config.pp_size
+        values = torch.zeros(pp, device=core.device)
+        if self._losses:  # the last stage
+            tokens = None
+            if scale is not None and self.rule is not None:
+                pre = kwargs.get("shift_labels")
+                tokens = self.rule.counts(
+                    target, pp, pre if isinstance(pre, torch.Tensor) else None
+                )
+            values = share_losses(self._losses, pp, scale, tokens).to(core.device)
+        if pp > 1:
+            dist.broadcast(values, group=core.dims.pp_group, group_src=core.last_pp_rank)
+        return values[core.dims.pp_rank]
 
     # ---------------------------------------------------------------- the engine's loss
     def loss_fn(self, output: Any, target: torch.Tensor) -> torch.Tensor:
@@ -171,6 +221,10 @@ class PipelineModel(nn.Module):
                 logits = output
             self._captured.append(logits)
         loss = loss_of(output)
+        if self.watch is not None and self._items is not None and loss is not None:
+            self.watch.check(target, self._items)  # the forward's loss is the one weighted
+        if self._losses is not None and loss is not None:
+            self._losses.append(loss.detach())
         if loss is None:
             if not torch.is_grad_enabled() and self._captured is not None:
                 return torch.zeros((), device=target.device)
@@ -185,13 +239,18 @@ class PipelineModel(nn.Module):
     # ---------------------------------------------------------------- token weighting
     def _weighted(self, kwargs: dict[str, Any], target: torch.Tensor, micro: int) -> dict[str, Any]:
         """`kwargs` with `num_items_in_batch` set so that the engine's mean over micro-batches
-        and data-parallel ranks is the mean over the global batch's labelled tokens."""
+        and data-parallel ranks is the mean over the global batch's labelled tokens, counted by
+        the model's own rule."""
+        self._items = None
         if NUM_ITEMS in kwargs:
             return kwargs  # the loop chose its own normalisation
-        labels = kwargs.get("shift_labels")
-        shifted = labels is not None
-        labels = labels if shifted else target
-        counts = token_counts(labels, micro, self.shifts and not shifted).to(self.engine.device)
+        pre = kwargs.get("shift_labels")
+        pre = pre if isinstance(pre, torch.Tensor) else None
+        if self.rule is not None:
+            counts = self.rule.counts(target, micro, pre)
+        else:  # no rule to read: only equal micro-batches are accepted below
+            counts = token_counts(pre if pre is not None else target, micro, 0)
+        counts = counts.to(self.engine.device)
         dims = self.engine.dims
         total = counts.sum()
         low, high = counts.min().clone(), counts.max().clone()
@@ -202,12 +261,16 @@ class PipelineModel(nn.Module):
         if self.token_weighted:
             if int(total) == 0:
                 raise ValueError("the global batch has no labelled token (every label is -100)")
-            return {**kwargs, NUM_ITEMS: float(total) / (micro * dims.dp_size)}
+            items = float(total) / (micro * dims.dp_size)
+            # checked against the forward's own loss call on the last stage (`LossWatch`)
+            self._items = items if pre is None else None
+            return {**kwargs, NUM_ITEMS: items}
         if int(low) != int(high):
             raise ValueError(
                 f"micro-batches of this batch hold between {int(low)} and {int(high)} labelled "
-                f"tokens, and {type(self.original).__name__}'s forward does not take "
-                "num_items_in_batch: its per-micro-batch mean losses would not average to the "
+                f"tokens, and {type(self.original).__name__}'s loss cannot be weighed by tokens "
+                "(its forward does not pass num_items_in_batch to a loss_function that divides "
+                "its token sum by it): its per-micro-batch mean losses would not average to the "
                 "batch's token mean. Accept num_items_in_batch (divide the summed loss by it), "
                 "or pass batches whose micro-batches hold equal numbers of labelled tokens."
             )
@@ -233,6 +296,14 @@ class PipelineModel(nn.Module):
 
 
 # ------------------------------------------------------------------------------------ helpers
+_TRAINING_ONLY_LOSS = (
+    "a training call of the pipelined model returns the global batch's loss only (the logits "
+    "exist on the last pipeline stage, one micro-batch at a time, and are freed there). For "
+    "logits, call the model in eval mode (model.eval(), under torch.no_grad()): that output holds "
+    "the batch's .logits on every rank."
+)
+
+
 def _target_of(args: Any, kwargs: dict[str, Any]) -> torch.Tensor | None:
     labels = kwargs.get("labels")
     return labels if isinstance(labels, torch.Tensor) else None

@@ -151,7 +151,7 @@ def prepare_pipeline(
         load_from=load_from,
         init=init,
     )
-    params = dict(core.module.named_parameters())
+    params = dict(core.module.named_parameters(remove_duplicate=False))  # every tied name
     if group_names is not None:
         _check_all_placed(group_names, params)
         new_opt = rebuild_optimizer(optimizer, group_names, params)

@@ -41,6 +41,7 @@ __all__ = [
     "runtime_has_backward",
     "set_runtime_has_backward",
     "wait_gathered",
+    "traced_dtype_checks",
     "unsharded_params",
     "run_post_backward",
     "hide_post_forward_mesh",
@@ -386,6 +387,19 @@ def mesh_group_options(device_type: str, timeout: timedelta) -> Any | None:
 
 
 __all__ += ["group_timeout", "mesh_group_options"]
+
+
+def traced_dtype_checks(module: nn.Module) -> list[Any]:
+    """The dtypes a traced graph (and the graphs of its submodules) asserts its tensors have:
+    torch.export records a cast that was a no-op when traced (`x.to(torch.float32)` on a float32
+    tensor) as `aten._assert_tensor_metadata`, not as a cast."""
+    found = []
+    for sub in module.modules():
+        graph = getattr(sub, "graph", None)
+        for node in graph.nodes if graph is not None else ():
+            if node.op == "call_function" and "_assert_tensor_metadata" in str(node.target):
+                found.append(node.kwargs.get("dtype"))
+    return found
 
 
 # ---------------------------------------------------------------- torch.compile (core.shard.compile)

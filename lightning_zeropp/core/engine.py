@@ -10,7 +10,7 @@ the step's mean loss back.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +157,11 @@ class ZeroPPEngine:
                     "default), or build the model with its weights."
                 )
             self.split = "call"  # the model prefers tracing; its meta build rules it out
+        if self.split == "trace" and split == "auto" and _recast(model, cfg.param_dtype):
+            # A traced graph keeps the dtypes it was traced in: a cast to float32 that was a
+            # no-op then (HF's norms) is recorded as a check, and fails on bf16 activations
+            # (an explicit split="trace" is checked for such casts once traced).
+            self.split = "call"  # the model prefers tracing; mixed precision rules it out
         # Tied weights get a copy per stage under split="call" / "stack" (see core.tied).
         tied = tied_groups(model) if self.num_stages > 1 else []
         if self.num_stages > 1 and self.split not in ("call", "stack"):
@@ -294,15 +299,17 @@ class ZeroPPEngine:
         *args: Any,
         target: torch.Tensor | None = None,
         skip: bool = False,
+        microbatches: int | None = None,
         **kwargs: Any,
     ) -> torch.Tensor | None:
         """Forward only; returns the mean loss on every rank when `target` is given.
 
         Any number of rows: the batch runs in as many equal micro-batches as divide it (at most
-        `num_microbatches`), so the mean of micro-batch means is the batch mean. `skip`: as in
+        `num_microbatches`; `microbatches` to choose, a divisor of the rows), so the mean of
+        micro-batch means is the batch mean. The loss function sees them in order. `skip`: as in
         `train_step_deferred` (returns None).
         """
-        schedule = self._schedule_for("eval", args, kwargs, target, skip)
+        schedule = self._schedule_for("eval", args, kwargs, target, skip, microbatches)
         if schedule is None:
             return None
         losses: list[torch.Tensor] = []
@@ -316,11 +323,20 @@ class ZeroPPEngine:
         norm) must not count again."""
         return self._tied.counted(self.parameters())
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip by the norm over every stage and shard of the model; returns that norm."""
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        parameters: Iterable[nn.Parameter] | None = None,
+    ) -> torch.Tensor:
+        """Clip by the norm over every stage and shard of the model; returns that norm.
+
+        `parameters`: this rank's part of a subset to clip (default: all); every rank passes its
+        part of the same subset. A tied weight's copies count once, as its one tensor in one
+        process."""
         with self.failures.guard():
-            params = self.parameters()
-            counted = self.counted_parameters()  # tied copies count once
+            params = list(self.parameters() if parameters is None else parameters)
+            counted = self._tied.counted(params)
             return clip_grad_norm_(params, max_norm, self.dims.pp_group, norm_type, counted)
 
     def comm_metrics(self, prefix: str = "comm") -> dict[str, float]:
@@ -388,7 +404,13 @@ class ZeroPPEngine:
         return (args, kwargs) if self.holds_first else ((), {})
 
     def _schedule_for(
-        self, mode: str, args: Any, kwargs: Any, target: Any, skip: bool = False
+        self,
+        mode: str,
+        args: Any,
+        kwargs: Any,
+        target: Any,
+        skip: bool = False,
+        chosen: int | None = None,
     ) -> Any:
         """The schedule for this batch's shapes, after the batch checks. Built on first use;
         the least recently used one goes.
@@ -407,6 +429,9 @@ class ZeroPPEngine:
                 microbatches = self.config.num_microbatches
                 if mode == "train":
                     check_divisible(rows, microbatches)
+                elif chosen is not None:
+                    check_divisible(rows, chosen)
+                    microbatches = chosen
                 else:
                     microbatches = eval_microbatches(rows, microbatches)
             except ValueError as err:
@@ -521,6 +546,12 @@ class ZeroPPEngine:
         for group in self.dims.dp_groups:
             dist.all_reduce(loss, group=group)
         return loss / self.dims.dp_size
+
+
+def _recast(model: nn.Module, dtype: torch.dtype | None) -> bool:
+    """Whether the stages compute in another dtype than the model's floating parameters hold."""
+    held = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    return dtype is not None and bool(held - {dtype})
 
 
 def _plan(model: nn.Module, num_stages: int, split_points: list[int] | None) -> BlockPlan | None:

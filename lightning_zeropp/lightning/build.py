@@ -30,7 +30,7 @@ from lightning_zeropp.lightning.network import Network, summarize_whole_model
 from lightning_zeropp.lightning.redirect import attributes_kept, first_batch, rng_kept
 from lightning_zeropp.lightning.steps import StepRunner
 from lightning_zeropp.lightning.weighting import GlobalTokenCount
-from lightning_zeropp.models.hf_loss import accepts_num_items, disable_kv_cache, is_causal_lm
+from lightning_zeropp.models.hf_loss import LossWatch, disable_kv_cache, token_rule
 
 __all__ = ["build_engine", "data_parallel_group"]
 
@@ -57,9 +57,12 @@ def build_engine(
     # How the user's calls of the network map to stage inputs and outputs (e.g. HF's `labels=`
     # and `.logits`); read now, since the stages that replace the network do not carry it.
     runner.adapter = get_call_adapter(net)
-    if type(runner.adapter) is CallAdapter and accepts_num_items(net):
-        # A plain HF model: padded batches' losses are token means, as in one process.
-        runner.adapter = GlobalTokenCount(is_causal_lm(net), _summed(dims, device), dims.dp_size)
+    rule = token_rule(net) if type(runner.adapter) is CallAdapter else None
+    if rule is not None:
+        # A plain HF model: padded batches' losses are token means over the global batch, as in
+        # one process; tokens counted by the model's own loss rule, its loss calls watched.
+        watch = LossWatch(net, rule)
+        runner.adapter = GlobalTokenCount(rule, watch, _summed(dims, device), dims.dp_size)
     disable_kv_cache(net)  # plain HF models: a stage returns tensors only
     example_args, example_kwargs = _example(runner, module, trainer, config, split, to_device)
     whole = meta_copy(net)  # before sharding: a single stage is sharded in place

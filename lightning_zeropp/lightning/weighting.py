@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from lightning_zeropp.models.hf_loss import NUM_ITEMS as NUM_ITEMS_HF
-from lightning_zeropp.models.hf_loss import TokenCountAdapter, token_counts
+from lightning_zeropp.models.hf_loss import LossWatch, TokenCountAdapter, TokenRule
 
 __all__ = ["NUM_ITEMS", "UNWEIGHTED", "GlobalTokenCount", "WeightWatch", "loss_weight"]
 
@@ -122,9 +122,13 @@ class GlobalTokenCount(TokenCountAdapter):
     front weighs them), not the mean of each rank's token mean."""
 
     def __init__(
-        self, shift: bool, count: Callable[[torch.Tensor], torch.Tensor], ranks: int
+        self,
+        rule: TokenRule,
+        watch: LossWatch | None,
+        count: Callable[[torch.Tensor], torch.Tensor],
+        ranks: int,
     ) -> None:
-        super().__init__(shift)
+        super().__init__(rule, watch)
         self._count, self._ranks = count, ranks
         self.counts = False  # whether the calls carry labels to count (then every rank counts)
 
@@ -132,16 +136,17 @@ class GlobalTokenCount(TokenCountAdapter):
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         labels = kwargs.get("labels")
+        self._items = None
         if not isinstance(labels, torch.Tensor) or NUM_ITEMS_HF in kwargs:
             return args, kwargs
         self.counts = True
         pre = kwargs.get("shift_labels")
-        counted = pre if isinstance(pre, torch.Tensor) else labels
-        shift = self.shift and not isinstance(pre, torch.Tensor)
-        total = float(self._count(token_counts(counted, 1, shift).sum()))
+        pre = pre if isinstance(pre, torch.Tensor) else None
+        total = float(self._count(self.rule.counts(labels, 1, pre).sum()))
         if total == 0:
             raise ValueError("the global batch has no labelled token (every label is -100)")
-        return args, {**kwargs, NUM_ITEMS_HF: total / (self.microbatches * self._ranks)}
+        self._items = total / (self.microbatches * self._ranks)
+        return args, {**kwargs, NUM_ITEMS_HF: self._items}
 
     def idle(self) -> None:
         """This rank skips the step: it still joins the others' count (with none)."""

@@ -204,7 +204,12 @@ def run(
         dataloader_config=DataLoaderConfiguration(split_batches=split_batches),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=PG_TIMEOUT)],
     )
-    net = make_llama(init_seed) if model == "llama" else make_model(init_seed)
+    if model == "prepared_llama":  # models.hf's: it asks for the trace split
+        from lightning_zeropp.models.hf import prepare_causal_lm
+
+        net = prepare_causal_lm(make_llama(init_seed))
+    else:
+        net = make_llama(init_seed) if model == "llama" else make_model(init_seed)
     config = ZeroPPConfig(**layout) if layout is not None else None
     resolved = _resolved(config)
     dp = resolved.dp_size
@@ -212,9 +217,10 @@ def run(
     opt, sched = user_objects(net, optimizer, schedule, per_update)
     # The loader's batch is the global batch when split, one data-parallel rank's otherwise.
     batch_size = GLOBAL_BATCH if split_batches else GLOBAL_BATCH // dp
-    data = dataset(steps * accumulate, dicts=model == "llama")
+    hf = model in ("llama", "prepared_llama")
+    data = dataset(steps * accumulate, dicts=hf)
     train_dl = DataLoader(data, batch_size=batch_size, shuffle=False, drop_last=True)
-    loss_fn = llama_loss if model == "llama" else lm_loss
+    loss_fn = llama_loss if hf else lm_loss
     split_fn: Any = split
     if model == "llama" and split is None:
         rows = GLOBAL_BATCH // dp  # per data-parallel rank, either way
@@ -241,12 +247,13 @@ def run(
         accelerator.save_state(save_to)
     out: dict[str, Any] = {"losses": losses, "norms": norms, "lrs": lrs}
     if validate:
-        val = DataLoader(dataset(2, dicts=model == "llama"), batch_size=batch_size, drop_last=True)
+        val = DataLoader(dataset(2, dicts=hf), batch_size=batch_size, drop_last=True)
         engine.eval()
         out["val_losses"] = [float(engine.eval_step(b)) for b in engine.prepare_data_loader(val)]
         engine.train()
     out["params"] = {n: _full(p) for n, p in engine.named_parameters()}
     out["dp"] = (engine.dims.dp_rank, engine.dims.dp_size, engine.dims.pp_rank)
+    out["split"] = engine.core.split if isinstance(engine.core.split, str) else "callable"
     return out
 
 

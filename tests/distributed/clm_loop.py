@@ -10,12 +10,13 @@ process, or DDP) and under `ZeroPPAccelerator`: the only lines that differ are i
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
-from transformers import AutoConfig, AutoModelForCausalLM, get_scheduler
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM, get_scheduler
 
 VOCAB = 64
 TINY = {
@@ -27,7 +28,31 @@ TINY = {
     "num_key_value_heads": 2,
     "pad_token_id": 0,
 }
-EXTRA = {"gemma": {"head_dim": 8}}
+# What each family needs on top (its own names, dropout off: one process and the pipeline draw
+# other random numbers), and which tie their embeddings in their own configs.
+NO_DROPOUT = {"attention_dropout": 0.0}
+EXTRA: dict[str, dict[str, Any]] = {
+    "gemma": {"head_dim": 8},
+    "gemma2": {"head_dim": 8, "sliding_window": 4},  # masks that differ by layer
+    "phi3": {"resid_pdrop": 0.0, "embd_pdrop": 0.0},
+    "gpt_neox": {"hidden_dropout": 0.0},
+    "gpt2": {
+        "n_positions": 32,
+        "n_inner": 64,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+    },
+    "opt": {
+        "ffn_dim": 64,
+        "word_embed_proj_dim": 32,
+        "max_position_embeddings": 32,
+        "dropout": 0.0,
+        "layerdrop": 0.0,
+    },
+}
+FAMILIES = ("llama", "gpt2", "opt", "gemma", "gemma2", "phi3", "qwen2", "mistral", "gpt_neox")
+TIED_BY_DEFAULT = ("gpt2", "opt", "gemma", "gemma2")
 
 
 @dataclass
@@ -49,6 +74,7 @@ class Args:
     empty_init: bool = False  # build under init_empty_weights() (the plugin's load_from fills it)
     lora: bool = False  # PEFT LoRA adapters on the attention and MLP projections
     export_to: str | None = None  # run_clm's closing save_pretrained
+    save_model_to: str | None = None  # accelerator.save_model, after the export
     stop_after: int | None = None  # updates, then save_state(save_to) and stop
     resume_from: str | None = None  # load_state, then skip the batches already trained on
     resumed_updates: int = 0  # how many updates the saved run made (run_clm reads the dir name)
@@ -81,11 +107,26 @@ def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
+class OwnLossLlama(LlamaForCausalLM):
+    """A model computing its own mean loss in its forward (not through `loss_function`): the
+    pipeline cannot weigh its micro-batches by tokens, and must say so."""
+
+    def forward(self, input_ids: Any = None, labels: Any = None, **kwargs: Any) -> Any:
+        kwargs.pop("num_items_in_batch", None)
+        out = super().forward(input_ids=input_ids, **kwargs)
+        if labels is not None:
+            logits, targets = out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()
+            out.loss = torch.nn.functional.cross_entropy(logits, targets, ignore_index=-100)
+        return out
+
+
 def build_model(args: Args) -> torch.nn.Module:
+    if args.family == "llama_own_loss":
+        torch.manual_seed(args.init_seed)
+        return OwnLossLlama(AutoConfig.for_model("llama", **TINY))
     config = AutoConfig.for_model(
         args.family,
-        **TINY,
-        **EXTRA.get(args.family, {}),
+        **{**TINY, **NO_DROPOUT, **EXTRA.get(args.family, {})},
         tie_word_embeddings=args.tie_word_embeddings,
     )
     torch.manual_seed(args.init_seed)
@@ -105,8 +146,14 @@ def build_model(args: Args) -> torch.nn.Module:
     return model
 
 
-def train(accelerator: Any, args: Args, save_to: str | None = None) -> dict[str, Any]:
-    """The loop. Returns per-update losses, learning rates, clip norms, eval results, weights."""
+def train(
+    accelerator: Any,
+    args: Args,
+    save_to: str | None = None,
+    on_update: Callable[[Any], Any] | None = None,
+) -> dict[str, Any]:
+    """The loop. Returns per-update losses, learning rates, clip norms, eval results, weights;
+    `on_update(model)` after each update is recorded under "updates" (a test's probe)."""
     model = build_model(args)
     no_decay = ["bias", "norm.weight", "layernorm.weight"]
     groups = [
@@ -170,6 +217,8 @@ def train(accelerator: Any, args: Args, save_to: str | None = None) -> dict[str,
             if accelerator.sync_gradients:
                 out["loss"].append(running)
                 out["lr"].append(lr_scheduler.get_last_lr()[0])
+                if on_update is not None:
+                    out.setdefault("updates", []).append(on_update(model))
                 running = 0.0
                 completed += 1
                 if completed == args.stop_after:
@@ -180,12 +229,13 @@ def train(accelerator: Any, args: Args, save_to: str | None = None) -> dict[str,
     for batch in eval_dataloader:
         with torch.no_grad():
             outputs = model(**batch)
-        rows = batch["input_ids"].shape[0]
-        losses.append(accelerator.gather_for_metrics(outputs.loss.reshape(1).repeat(rows)))
+        loss = outputs.loss  # run_clm's own lines: one value per sample of this process
+        losses.append(accelerator.gather_for_metrics(loss.repeat(args.per_device_eval_batch_size)))
         out.setdefault("eval_ids", []).append(
             accelerator.gather_for_metrics(batch["input_ids"][:, 0])
         )
     out["eval_loss"] = torch.cat(losses).mean().item()
+    out["perplexity"] = math.exp(out["eval_loss"])
     out["eval_ids"] = torch.cat(out["eval_ids"]).tolist()
     if save_to is not None:
         accelerator.save_state(save_to)
@@ -198,10 +248,15 @@ def train(accelerator: Any, args: Args, save_to: str | None = None) -> dict[str,
     if args.export_to is not None:
         accelerator.wait_for_everyone()
         unwrapped_model = accelerator.unwrap_model(model)
+        head, embedding = unwrapped_model.lm_head, unwrapped_model.get_input_embeddings()
+        out["unwrapped_tied"] = head.weight is embedding.weight  # one parameter, as built
         unwrapped_model.save_pretrained(
             args.export_to,
             is_main_process=accelerator.is_main_process,
             save_function=accelerator.save,
         )
+        accelerator.wait_for_everyone()
+    if args.save_model_to is not None:
+        accelerator.save_model(model, args.save_model_to)
         accelerator.wait_for_everyone()
     return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,16 @@ PG = [InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=120))]
 
 def run(cases: list[dict[str, Any]]) -> dict[str, Any]:
     """Each case: {"id", "args": Args fields, "plugin": ZeroPPPlugin settings or None (plain
-    Accelerator), "save_to": optional}."""
+    Accelerator), "save_to": optional, "tied_gap": record `tied_gap` after every update,
+    "catch": report an error as {"error": ...} instead of raising (one case per launch)}."""
     out = {}
     for case in cases:
+        if case.get("catch"):
+            try:
+                out.update(run([{**case, "catch": False}]))
+            except Exception as err:  # the benchmark's table reports it
+                out[case["id"]] = {"error": f"{type(err).__name__}: {err}"}
+            continue
         args = replace(Args(), **case.get("args", {}))
         acc_kwargs = {"cpu": True, "kwargs_handlers": PG}
         acc_kwargs["gradient_accumulation_steps"] = args.gradient_accumulation_steps
@@ -30,9 +38,51 @@ def run(cases: list[dict[str, Any]]) -> dict[str, Any]:
         else:
             plugin = ZeroPPPlugin(**case["plugin"])
             accelerator = ZeroPPAccelerator(zeropp_plugin=plugin, **acc_kwargs)
-        out[case["id"]] = train(accelerator, args, case.get("save_to"))
+        probe = tied_gap if case.get("tied_gap") else None
+        start = time.monotonic()
+        out[case["id"]] = train(accelerator, args, case.get("save_to"), probe)
+        out[case["id"]]["seconds"] = time.monotonic() - start
         accelerator.free_memory()
     return out
+
+
+def tied_gap(model: Any) -> float:
+    """Collective: the largest difference between the copies of any tied weight, over every
+    rank's stages (0.0 when they are equal; one process holds one tensor)."""
+    import torch.distributed as dist
+
+    if not hasattr(model, "engine") or not dist.is_initialized():
+        return 0.0
+    return copies_gap(tied_names(model.original), model.engine.module)
+
+
+def tied_names(model: Any) -> list[list[str]]:
+    """The names of each tensor `model` holds under several names."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def copies_gap(tied: list[list[str]], stages: Any) -> float:
+    """Collective: the largest difference between the per-stage copies of each name group."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    mine = dict(stages.named_parameters(remove_duplicate=False))
+    local = {}
+    for names in tied:
+        for name in names:
+            if name in mine:  # every data-parallel peer walks the same names: gathers line up
+                p = mine[name]
+                local[name] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, local)
+    gap = 0.0
+    for names in tied:
+        copies = [part[n] for part in everyone for n in names if n in part]
+        gap = max([gap, *(float((c - copies[0]).abs().max()) for c in copies[1:])])
+    return gap
 
 
 def resume(plugin: dict[str, Any], save_to: str, export_to: str) -> dict[str, Any]:

@@ -12,17 +12,23 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Subset
 
 from lightning_zeropp.lightning import ZeroPPStrategy
+from lightning_zeropp.models.hf import export_hf
 from tests.distributed.clm_loop import Args, Texts, build_model, collate
+from tests.distributed.clm_scenarios import copies_gap, tied_names
 
 
 class CausalLM(pl.LightningModule):
     """As an HF user writes one: the model's own loss, with the collator's mask and labels."""
 
-    def __init__(self, family: str, lora: bool = False) -> None:
+    def __init__(self, family: str, tie_word_embeddings: bool = False, lora: bool = False) -> None:
         super().__init__()
-        self.model = build_model(Args(family=family, lora=lora))
+        self.model = build_model(
+            Args(family=family, tie_word_embeddings=tie_word_embeddings, lora=lora)
+        )
         self.lora = lora
         self.losses: list[float] = []
+        self.tied = tied_names(self.model)  # the test's probe: tied copies after each step
+        self.gaps: list[float] = []
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         outputs = self.model(
@@ -33,6 +39,9 @@ class CausalLM(pl.LightningModule):
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.losses.append(float(self.trainer.callback_metrics["train_loss"]))
+        engine = getattr(self.trainer.strategy, "engine", None)
+        if self.tied and engine is not None:
+            self.gaps.append(copies_gap(self.tied, engine.module))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.lora:  # every parameter given: the frozen ones must still get no state
@@ -40,16 +49,37 @@ class CausalLM(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
-def run(
-    family: str, strategy: dict[str, Any] | None, devices: int, lora: bool = False
+def run_cases(
+    cases: list[dict[str, Any]], strategy: dict[str, Any] | None, devices: int
 ) -> dict[str, Any]:
+    """Several models in one launch: each case {"id", "family", "tie_word_embeddings",
+    "export_to"} (an HF export of the trained model, `models.hf.export_hf`)."""
+    return {case["id"]: run(strategy=strategy, devices=devices, **case) for case in cases}
+
+
+def run(
+    family: str,
+    strategy: dict[str, Any] | None,
+    devices: int,
+    tie_word_embeddings: bool = False,
+    catch: bool = False,
+    export_to: str | None = None,
+    id: str = "",  # noqa: A002 - the case's name, ignored here
+    lora: bool = False,
+) -> dict[str, Any]:
+    """4 steps of 8 padded rows; `catch`: report an error as {"error": ...} (the benchmark)."""
+    if catch:
+        try:
+            return run(family, strategy, devices, tie_word_embeddings, lora=lora)
+        except Exception as err:
+            return {"error": f"{type(err).__name__}: {err}"}
     torch.manual_seed(0)
-    loader = DataLoader(Texts(24, 1), batch_size=8, collate_fn=collate)  # 3 steps, same order
+    loader = DataLoader(Texts(32, 1), batch_size=8, collate_fn=collate)  # 4 steps, same order
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=devices,
         strategy=ZeroPPStrategy(**strategy) if strategy else "auto",
-        max_steps=3,
+        max_steps=4,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -58,10 +88,12 @@ def run(
         # distributed sampler would shuffle the training data, as Lightning always does).
         use_distributed_sampler=False,
     )
-    module = CausalLM(family, lora)
+    module = CausalLM(family, tie_word_embeddings, lora)
     trainer.fit(module, loader)
     if strategy:
         params = trainer.strategy.full_state_dict()
+        if export_to is not None:
+            export_hf(export_to, params, module.model.config)
     else:
         params = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
     names = {p: n for n, p in module.named_parameters()}
@@ -71,6 +103,7 @@ def run(
         "params": params,
         "with_state": sorted(names[p] for p, s in optimizer.state.items() if s),
         "frozen": sorted(n for p, n in names.items() if not p.requires_grad),
+        "gaps": module.gaps,
     }
 
 

@@ -1,10 +1,14 @@
 """Plain HF causal LMs in an unmodified LightningModule: `self.model(ids, attention_mask=...,
 labels=...).loss` on right-padded batches trains through `ZeroPPStrategy` as in one process
-(2 pipeline stages, 2 micro-batches whose labelled-token counts differ), with no preparation call.
+(2 pipeline stages, 2 micro-batches whose labelled-token counts differ, 4 steps, no clipping),
+with no preparation call: untied and tied families (each tied weight's copies compared after
+every step), GPT-2 (whose loss shifts labels though its class is no `*ForCausalLM`); a tied
+export reloads tied in one process.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,29 +18,77 @@ from tests.distributed.launch import launch
 
 pytestmark = pytest.mark.distributed
 
-FAMILIES = ["llama", "qwen2"]
+CASES = [
+    {"id": "llama", "family": "llama"},
+    {"id": "qwen2", "family": "qwen2"},
+    {"id": "gpt2-tied", "family": "gpt2", "tie_word_embeddings": True, "export_to": "<out>"},
+    {"id": "opt-tied", "family": "opt", "tie_word_embeddings": True},
+]
+# bench/bench_families.py runs every family through this module too.
+SLOW_CASES = [
+    {"id": "llama-tied", "family": "llama", "tie_word_embeddings": True},
+    {"id": "gemma-tied", "family": "gemma", "tie_word_embeddings": True},
+    {"id": "gemma2-tied", "family": "gemma2", "tie_word_embeddings": True},
+    *({"id": f, "family": f} for f in ("mistral", "phi3", "gpt_neox")),
+]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_plain_hf_model_matches_one_process(tmp_path, family):
+def _launch(out: Path, cases: list[dict]) -> tuple[dict, dict]:
+    cases = [{k: str(out / c["id"]) if v == "<out>" else v for k, v in c.items()} for c in cases]
+    common = {"cases": cases, "init_process_group": False}
     strategy = {"pp_size": 2, "num_microbatches": 2}
-    common = {"family": family, "init_process_group": False}
-    got = launch(
-        2,
-        "hf_lightning_scenarios.run",
-        {**common, "strategy": strategy, "devices": 2},
-        tmp_path / "pp",
-    )
-    ref = launch(
-        1,
-        "hf_lightning_scenarios.run",
-        {**common, "strategy": None, "devices": 1},
-        tmp_path / "one",
-    )[0]
+    got = launch(2, "hf_lightning_scenarios.run_cases", {**common, "strategy": strategy,
+                 "devices": 2}, out / "pp")  # fmt: skip
+    reference = [{k: v for k, v in c.items() if k != "export_to"} for c in cases]
+    ref = launch(1, "hf_lightning_scenarios.run_cases", {**common, "cases": reference,
+                 "strategy": None, "devices": 1}, out / "one")  # fmt: skip
+    return got, ref[0]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf_lightning")
+    return (*_launch(out, CASES), out)
+
+
+@pytest.fixture(scope="module")
+def slow_runs(tmp_path_factory):
+    return _launch(tmp_path_factory.mktemp("hf_lightning_slow"), SLOW_CASES)
+
+
+def _assert_matches(got: list[dict], ref: dict, case: dict) -> None:
+    want = ref[case["id"]]
     for r in got:
-        torch.testing.assert_close(r["losses"], ref["losses"], rtol=0, atol=1e-5)
-    for name, value in ref["params"].items():
-        torch.testing.assert_close(got[0]["params"][name], value, rtol=0, atol=1e-5, msg=name)
+        torch.testing.assert_close(r[case["id"]]["losses"], want["losses"], rtol=0, atol=1e-5)
+        if case.get("tie_word_embeddings"):  # bit-identical copies after every step
+            assert r[case["id"]]["gaps"] == [0.0] * len(want["losses"])
+    params = got[0][case["id"]]["params"]
+    assert params.keys() == want["params"].keys()
+    for name, value in want["params"].items():
+        torch.testing.assert_close(params[name], value, rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
+def test_plain_hf_model_matches_one_process(runs, case):
+    _assert_matches(runs[0], runs[1], case)
+
+
+def test_tied_export_reloads_tied(runs):
+    from transformers import AutoModelForCausalLM
+
+    got, _, out = runs
+    model = AutoModelForCausalLM.from_pretrained(out / "gpt2-tied")
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    trained = got[0]["gpt2-tied"]["params"]
+    state = model.state_dict()
+    for name, value in trained.items():
+        torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SLOW_CASES, ids=[c["id"] for c in SLOW_CASES])
+def test_other_families_match_one_process(slow_runs, case):
+    _assert_matches(*slow_runs, case)
 
 
 def test_lora_adapters_match_one_process(tmp_path):

@@ -130,6 +130,37 @@ def test_full_state_dict_holds_both_names_with_equal_values(results):
     assert all(r["llama-pp2-dp2"]["full"] == {} for r in results[1:])  # rank 0 only
 
 
+def test_full_optimizer_state_is_one_process_s(results):
+    """The optimizer state as one process's `optimizer.state_dict()`: the tied weight once,
+    under its first name, its state the one process's."""
+    model = make_tied("llama")
+    opt = make_optimizer("adamw", model.parameters())
+    for x, y in make_batches(3):
+        model_loss("llama", model, x, y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+    want = opt.state_dict()
+    got = results[0]["llama-pp2-dp2"]["full_optimizer"]
+    names = [n for n, _ in model.named_parameters()]  # each tensor once: the first name
+    assert [g["param_names"] for g in got["param_groups"]] == [names]
+    assert got["param_groups"][0]["params"] == want["param_groups"][0]["params"]
+    for i, state in want["state"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(got["state"][i][key], value, atol=1e-5, rtol=0)
+
+
+def test_full_load_of_one_process_state(results):
+    """A one-process model and optimizer state (numbered, the tied weight once) loaded into the
+    pipeline with `load_full`: every copy gets the tied weight's state; step 3 is one
+    process's."""
+    ref = _reference("llama", "adamw")
+    out = [r["from_one_process"] for r in results]
+    assert abs(out[0]["loss"] - ref["losses"][2]) < 1e-5
+    params = merged_params([{"c": {"params": r["params"]}} for r in out], "c")
+    _assert_parity(ref["losses"], params, ref, tied_names("llama"))
+
+
 def test_trace_split_refuses_tied_weights(results):
     for r in results:
         assert "'tok_emb.weight' and 'head.weight' are the same tensor" in r["trace_error"]

@@ -70,6 +70,7 @@ def engine_cases(cases: list[dict[str, Any]], checkpoint: dict[str, Any]) -> dic
     """Every parity case, the checkpoint round trip and the trace refusal, in one launch."""
     out: dict[str, Any] = {case.pop("id"): _train(**case) for case in cases}
     out["checkpoint"] = checkpoint_round_trip(**checkpoint)
+    out["from_one_process"] = load_one_process_state(checkpoint["layout"])
     try:  # a traced graph cannot keep copies apart: refused, on every rank
         _engine("gpt", {"pp_size": 2, "dp_shard_size": 2, "num_microbatches": 4}, "trace")
         out["trace_error"] = ""
@@ -129,9 +130,10 @@ def _train(
         opt.zero_grad()
     out = {"losses": losses, "norms": norms, "params": _params(engine.module)}
     if export:
-        from lightning_zeropp.core.weights.export import full_state_dict
+        from lightning_zeropp.core.weights.export import full_optimizer_state_dict, full_state_dict
 
         out["full"] = full_state_dict(engine.module, engine.dims)
+        out["full_optimizer"] = full_optimizer_state_dict(engine.module, opt, engine.dims)
     return out
 
 
@@ -172,6 +174,27 @@ def checkpoint_round_trip(out: str, layout: dict[str, Any], load_layout: dict[st
         "losses": losses,
         "params": _params(fresh.module),
     }
+
+
+def load_one_process_state(layout: dict[str, Any]) -> dict[str, Any]:
+    """One process trains 2 steps (AdamW) and keeps `model.state_dict()` and a plain
+    `optimizer.state_dict()` (numbered, no names: the tied weight once); a fresh engine (other
+    weights) loads both with `load_full` and takes step 3."""
+    from lightning_zeropp.core.weights.checkpoint import load_full
+
+    batches = make_batches(3)
+    model = make_tied("llama")
+    opt = make_optimizer("adamw", model.parameters())
+    for x, y in batches[:2]:
+        model_loss("llama", model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    engine = _engine("llama", layout, seed=7)
+    fresh = make_optimizer("adamw", engine.parameters())
+    load_full(engine.module, [fresh], model.state_dict(), [opt.state_dict()])
+    loss = float(_step(engine, "llama", *batches[2]))
+    fresh.step()
+    return {"loss": loss, "params": _params(engine.module)}
 
 
 # ------------------------------------------------------------------------------ Lightning

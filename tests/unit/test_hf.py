@@ -75,6 +75,16 @@ def test_traced_stages_keep_hf_names_and_compose_to_the_model(family, num_stages
     assert get_call_adapter(model).stage_output(logits, (x,), {}).loss is None
 
 
+def test_a_graph_traced_in_float32_is_refused_for_bf16_compute():
+    """HF's norms cast to float32, a no-op when traced in float32: the graph checks it, and would
+    fail on bf16 activations. Refused at the split, naming the fix (float32 compute traces:
+    above; a model without such casts traces for bf16: test_core_parity's bf16 case)."""
+    model = build_causal_lm("llama", seed=0, **TINY)
+    plan = plan_blocks(model, 2)
+    with pytest.raises(ValueError, match=r"activations are torch.float32.*Use split='call'"):
+        split_model(model, plan, [0, 1], "trace", example_args=(_tokens(),), dtype=torch.bfloat16)
+
+
 def test_adapter_feeds_the_first_stage_input_ids_only():
     adapter = get_call_adapter(build_causal_lm("llama", **TINY))
     x = _tokens()

@@ -304,7 +304,7 @@ def _place_bare(
 def _chain(calls: list[list[Any]], leaves: list[Any], spec: TreeSpec, refuse: Callable) -> Any:
     """Which leaf carries the previous block's output, and where that output sits in a return."""
     found: tuple[int, int | None] | None = None
-    for (_, a0, k0, out, _), (_, a1, k1, _, _) in zip(calls, calls[1:], strict=False):
+    for (_, a0, k0, out, src0), (_, a1, k1, _, src1) in zip(calls, calls[1:], strict=False):
         prev, spec0 = tree_flatten((a0, k0))
         now, spec1 = tree_flatten((a1, k1))
         outs = [out] if isinstance(out, torch.Tensor) else list(out)
@@ -319,8 +319,14 @@ def _chain(calls: list[list[Any]], leaves: list[Any], spec: TreeSpec, refuse: Ca
         found = picks[0]
         for p, (x, y) in enumerate(zip(prev, now, strict=True)):
             same = x is y if isinstance(x, torch.Tensor) else x == y
-            if p != found[0] and not same:
-                raise refuse("the blocks' other arguments must be the same for every block")
+            # One computed from the model inputs alone (Gemma2's masks alternate by layer) is
+            # each stage's own, block by block; one computed from an outer module is sent once.
+            own = not src0[p] and not src1[p]
+            if p != found[0] and not same and not own:
+                raise refuse(
+                    "a block argument computed from an outer module's output must be the same "
+                    "for every block"
+                )
     if found is None:  # one block: its first tensor argument is the hidden state
         found = (next(p for p, x in enumerate(leaves) if isinstance(x, torch.Tensor)), None)
         out = calls[0][3]

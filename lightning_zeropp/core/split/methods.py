@@ -29,6 +29,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from lightning_zeropp.core._torch_private import traced_dtype_checks
 from lightning_zeropp.core.split.blocks import BlockPlan, num_params
 from lightning_zeropp.core.split.call_plan import plan_calls
 from lightning_zeropp.core.split.call_stages import build_call_stages
@@ -80,8 +81,8 @@ def split_model(
 ) -> list[nn.Module]:
     """Build the stage modules `stage_ids` of `model` according to `plan`.
 
-    `call_inputs` (a `CallInputs`), `device` and `dtype` (the parameters' compute dtype under
-    mixed precision) are for split="call" only.
+    `call_inputs` (a `CallInputs`) and `device` are for split="call" only; `dtype` is the
+    parameters' compute dtype under mixed precision.
     """
     num_stages = len(plan.ranges)
     if num_stages == 1:
@@ -94,7 +95,7 @@ def split_model(
     if method == "stack":
         return [_stack_stage(model, plan, s) for s in stage_ids]
     if method == "trace":
-        return _trace_stages(model, plan, stage_ids, example_args, example_kwargs)
+        return _trace_stages(model, plan, stage_ids, example_args, example_kwargs, dtype)
     raise ValueError(f"split={method!r} is unknown; use 'trace', 'stack' or a callable.")
 
 
@@ -104,6 +105,7 @@ def _trace_stages(
     stage_ids: Sequence[int],
     example_args: tuple[Any, ...] | None,
     example_kwargs: dict[str, Any] | None,
+    dtype: torch.dtype | None = None,
 ) -> list[nn.Module]:
     from torch.distributed.pipelining import SplitPoint, pipeline
 
@@ -127,7 +129,24 @@ def _trace_stages(
     # through the stages in between: PipelineStage only feeds a stage its predecessor's outputs.
     stages = [pipe.get_stage_module(s) for s in range(pipe.num_stages)]
     chain_stages(pipe.split_gm, stages)
+    if dtype is not None:
+        _check_traced_dtypes(stages, dtype, type(model).__name__)
     return [stages[s] for s in stage_ids]
+
+
+def _check_traced_dtypes(stages: list[nn.Module], dtype: torch.dtype, name: str) -> None:
+    """A graph traced in float32 that checks an activation is float32 (a cast the model's code
+    makes, a no-op when traced, e.g. HF's norms) fails once FSDP2 computes in `dtype`."""
+    for index, stage in enumerate(stages):
+        other = [d for d in traced_dtype_checks(stage) if d is not None and d.is_floating_point]
+        other = [d for d in other if d != dtype]
+        if other:
+            raise ValueError(
+                f"split='trace' cannot run {name} in param_dtype={dtype}: the graph of stage "
+                f"{index}, traced in the parameters' dtype, checks that its activations are "
+                f"{other[0]} (a cast in the model's code, a no-op when traced). Use split='call' "
+                "(the default), which runs the model's code as written."
+            )
 
 
 def _stack_stage(model: nn.Module, plan: BlockPlan, stage: int) -> nn.Module:

@@ -30,7 +30,11 @@ from torch.distributed.tensor import DTensor
 from lightning_zeropp.core.mesh import ParallelDims, world_timeout
 from lightning_zeropp.core.shard.fsdp import local_shard
 
-__all__ = ["TiedWeights", "tied_groups"]
+__all__ = ["TiedWeights", "local_ties", "tied_groups"]
+
+# Set on every per-stage copy of a tied weight: the tie's names in the unsplit model. Whatever
+# walks a rank's stages later (exports, checkpoints, under any prefix) finds the ties there.
+_TIE_ATTR = "_zeropp_tied_names"
 
 
 def tied_groups(model: nn.Module) -> list[tuple[str, ...]]:
@@ -92,6 +96,8 @@ class TiedWeights:
             source = next((p for stage, p in copies if stage == first), None)
             tie = _Tie(names, [p for _, p in copies], subgroups.get(holders), source)
             _check_alike(tie)
+            for p in tie.copies:
+                setattr(p, _TIE_ATTR, tuple(names))
             self._duplicates.update(id(p) for stage, p in copies if stage != first)
             self._ties.append(tie)
 
@@ -142,6 +148,20 @@ class TiedWeights:
                 dist.all_reduce(value, group=tie.group)
             for p in tie.copies:
                 local_shard(p).copy_(value)
+
+
+def local_ties(module: nn.Module) -> dict[str, tuple[str, ...]]:
+    """{name in `module`: the names of its tie} for every per-stage copy of a tied weight that
+    `module` holds (this rank's stages, or a module holding them under a prefix: the tie's names
+    get the same prefix), the tie's names in the model's order."""
+    out = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names = getattr(p, _TIE_ATTR, None)
+        if names is not None:
+            own = next(n for n in names if name == n or name.endswith(f".{n}"))
+            prefix = name[: len(name) - len(own)]
+            out[name] = tuple(prefix + n for n in names)
+    return out
 
 
 def _local_copies(

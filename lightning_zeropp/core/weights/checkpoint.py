@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from lightning_zeropp.core.split.tied import local_ties
 from lightning_zeropp.core.weights import commit
 
 __all__ = ["save_checkpoint", "load_checkpoint", "is_checkpoint", "load_full"]
@@ -108,11 +109,20 @@ def load_full(
     """
     local = get_model_state_dict(module, options=_OPTIONS)
     params = {param: name for name, param in module.named_parameters()}
-    everywhere = _all_gather((list(local), list(params.values())))
-    held = {name for state_names, _ in everywhere for name in state_names}
-    all_params = {name for _, param_names in everywhere for name in param_names}
-    param_order = [name for name in model_state if name in all_params]
+    ties = list(local_ties(module).values())
+    everywhere = _all_gather((list(local), list(params.values()), ties))
+    held = {name for state_names, _, _ in everywhere for name in state_names}
+    all_params = {name for _, param_names, _ in everywhere for name in param_names}
+    all_ties = {tie for _, _, rank_ties in everywhere for tie in rank_ties}
+    # One process's optimizer numbers a tied weight once, at its first name.
+    later = {name for tie in all_ties for name in tie[1:]}
+    param_order = [name for name in model_state if name in all_params and name not in later]
     by_name = [_optimizer_state_by_name(saved, param_order) for saved in optimizer_states]
+    for saved in by_name:  # every copy of a tied weight takes the state saved for it
+        for tie in all_ties:
+            found = next((n for n in tie if n in saved), None)
+            for name in tie if found is not None else ():
+                saved.setdefault(name, saved[found])
     missing = [name for name in local if name not in model_state] if strict else []
     missing += [
         f"optimizer {i}: {params[p]}"

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from lightning_zeropp.core.mesh import ParallelDims
+from lightning_zeropp.core.split.tied import local_ties
 from lightning_zeropp.core.weights import commit
 
 __all__ = ["full_optimizer_state_dict", "full_state_dict", "save_consolidated", "save_file"]
@@ -37,25 +38,82 @@ def full_state_dict(module: nn.Module, dims: ParallelDims) -> dict[str, torch.Te
     `module` is this rank's stages (the engine's `module`, or a module holding them, such as the
     LightningModule whose network they replaced: its keys then carry the attribute prefix, and
     its other, unsplit state is taken from rank 0); `dims` the mesh it was sharded over. Values
-    are contiguous CPU tensors that share no storage, keyed and ordered as the unsplit model's
-    `state_dict()`.
+    are contiguous CPU tensors keyed and ordered as the unsplit model's `state_dict()`; as
+    there, the names of one tied weight share one tensor (its per-stage copies are checked
+    equal), and other tensors share no storage.
     """
     # Sharded view (DTensors, original names): FSDP2-aware, as in core.checkpoint.
     sharded = get_model_state_dict(module, options=StateDictOptions(full_state_dict=False))
     leader = _is_leader(dims)
     # Every data-parallel rank of the stage walks the same names in the same order, so the
-    # all-gathers inside full_tensor() line up.
-    local = {name: _full_cpu(value, leader) for name, value in sharded.items()}
-    parts = _gather_to_rank0(local, dims)
-    if parts is None:
-        return {}
+    # all-gathers inside full_tensor() line up. Names of one tensor (a tie inside a stage) are
+    # gathered once.
+    first_of: dict[tuple[Any, ...], str] = {}
+    local: dict[str, torch.Tensor | None] = {}
+    ties = [tuple(names) for names in _shared_names(sharded, first_of)]
+    for name, value in sharded.items():
+        first = first_of.get(_storage_key(value), name)
+        local[name] = _full_cpu(value, leader) if first == name else local[first]
+    ties += list(local_ties(module).values())
+    parts = _gather_to_rank0((local, ties), dims)
     merged: dict[str, torch.Tensor] = {}
-    for part in parts:
+    problem = None
+    for part, _ in parts or ():
         for name, tensor in part.items():
             # Constant buffers may be copied on several stages: the first copy is the copy.
-            # A tied weight's per-stage copies keep their own names (equal values, core.tied).
             merged.setdefault(name, tensor)
-    return {name: merged[name] for name in _tree_order([list(part) for part in parts])}
+    if parts is not None:
+        problem = _alias_ties(merged, [group for _, groups in parts for group in groups])
+    _raise_everywhere(problem)  # found on rank 0; every rank stops
+    if parts is None:
+        return {}
+    return {name: merged[name] for name in _tree_order([list(state) for state, _ in parts])}
+
+
+def _storage_key(value: Any) -> tuple[Any, ...]:
+    """What makes two state-dict values one tensor: their (local) storage, offset, shape."""
+    if not torch.is_tensor(value) or not value.numel():
+        return (id(value),)
+    local = value.to_local() if isinstance(value, DTensor) else value
+    return (local.data_ptr(), local.storage_offset(), tuple(value.shape), local.dtype)
+
+
+def _shared_names(state: dict[str, Any], first_of: dict[tuple[Any, ...], str]) -> list[list[str]]:
+    """Groups of names whose values are one tensor (fills `first_of`: key -> first name)."""
+    groups: dict[str, list[str]] = {}
+    for name, value in state.items():
+        key = _storage_key(value)
+        first = first_of.setdefault(key, name)
+        groups.setdefault(first, []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _alias_ties(merged: dict[str, torch.Tensor], ties: list[tuple[str, ...]]) -> str | None:
+    """Every name of a tie holds its first name's tensor, as in the unsplit model's state dict;
+    per-stage copies that differ are a bug this refuses to export (the problem, or None)."""
+    for names in ties:
+        present = [n for n in names if n in merged]
+        first = merged[present[0]] if present else None
+        for other in present[1:]:
+            if merged[other] is not first and not torch.equal(merged[other], first):
+                gap = float((merged[other].float() - first.float()).abs().max())
+                return (
+                    f"the pipeline's copies of the tied weight {present[0]!r} and {other!r} "
+                    f"differ (by up to {gap:.3g}); they are kept equal every step, so this is a "
+                    "bug in lightning_zeropp: please report it."
+                )
+            merged[other] = first
+    return None
+
+
+def _raise_everywhere(problem: str | None) -> None:
+    """Raise rank 0's `problem` on every rank (a lone raise would leave the others running)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [problem]
+        dist.broadcast_object_list(box, src=0)
+        problem = box[0]
+    if problem is not None:
+        raise RuntimeError(problem)
 
 
 def full_optimizer_state_dict(
@@ -71,6 +129,7 @@ def full_optimizer_state_dict(
     """
     names = {param: name for name, param in module.named_parameters()}
     leader = _is_leader(dims)
+    ties = list(local_ties(module).values())
     groups = []
     for group in optimizer.param_groups:
         state = {}
@@ -82,15 +141,30 @@ def full_optimizer_state_dict(
             }
         hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
         groups.append({"hyper": hyper, "state": state})
-    parts = _gather_to_rank0({"groups": groups, "order": list(names.values())}, dims)
+    parts = _gather_to_rank0({"groups": groups, "order": list(names.values()), "ties": ties}, dims)
     if parts is None:
         return {}
+    # A tied weight is one parameter to one process's optimizer: its first name's copy stands for
+    # the others (their states are equal: the same gradients, the same steps).
+    held = {name for part in parts for group in part["groups"] for name in group["state"]}
+    doubles = {
+        other
+        for part in parts
+        for tie in part["ties"]
+        for other in tie[1:]
+        if any(n in held for n in tie[: tie.index(other)])
+    }
     rank = {name: i for i, name in enumerate(_tree_order([part["order"] for part in parts]))}
     assert len({len(part["groups"]) for part in parts}) == 1, "param groups differ across ranks"
     out: dict[str, Any] = {"state": {}, "param_groups": []}
     for index in range(len(parts[0]["groups"])):
         members = [part["groups"][index] for part in parts]
-        state = {name: s for member in members for name, s in member["state"].items()}
+        state = {
+            name: s
+            for member in members
+            for name, s in member["state"].items()
+            if name not in doubles
+        }
         # A stage whose parameters all sit in other groups still has this group: take the
         # hyperparameters from a stage that has parameters in it.
         hyper = next((m["hyper"] for m in members if m["state"]), members[0]["hyper"])
