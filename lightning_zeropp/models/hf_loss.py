@@ -154,13 +154,14 @@ class LossWatch:
         self.rule = rule
         self.owner = type(model).__name__
         self._last: tuple[float, float | None] | None = None  # (tokens, num_items_in_batch)
-        inner = model.loss_function
+        owner = _loss_owner(model)
+        inner = owner.loss_function
 
         def watched(*args: Any, **kwargs: Any) -> Any:
             self._last = self._seen(args, kwargs)
             return inner(*args, **kwargs)
 
-        model.loss_function = watched  # HF's property has a setter; else an instance attribute
+        owner.loss_function = watched  # HF's property has a setter; else an instance attribute
 
     def _seen(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[float, float | None]:
         # loss_function(logits, labels, vocab_size, **kwargs), or all by keyword
@@ -192,6 +193,16 @@ class LossWatch:
             "compute the loss outside the model (prepare_pipeline's loss_fn, or a loss from the "
             "logits in your step)."
         )
+
+
+def _loss_owner(model: nn.Module) -> nn.Module:
+    """The module whose own class defines `loss_function` (the one its forward calls as
+    `self.loss_function`): `model` itself, or the model a wrapper forwards attribute reads to
+    (PEFT's `PeftModel` wraps the HF model and reads its `loss_function` through `__getattr__`)."""
+    for module in model.modules():
+        if any("loss_function" in vars(cls) for cls in type(module).__mro__):
+            return module
+    return model
 
 
 def _on_meta(value: Any) -> bool:
