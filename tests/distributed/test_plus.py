@@ -166,7 +166,8 @@ def test_cross_node_bytes_are_the_expected_volumes(fsdp_runs) -> None:
             w8 * 2 + w4,
         ),
     }
-    scalars = 16  # the loss and the step's three agreement flags (cached, checked, skipped): 16 bytes
+    # the loss and the step's three agreement flags (cached, checked, skipped): 16 bytes
+    scalars = 16
     for case, (collectives, cross) in expect.items():
         run = fsdp_runs[case]
         for kind, groups in collectives.items():
