@@ -3,7 +3,9 @@
 Otherwise a rank that raises (say the loss function on the last stage) leaves the others blocked
 in collectives until the timeout or its exit, with transport errors that name nobody.
 
-`FailureBoard.guard()` wraps a region that communicates. On an exception inside it, a rank
+`FailureBoard.guard()` wraps a region that communicates (`failure_guard()`: the process's board,
+`FailureBoard.of_process()`, which the engine and both fronts use from setup on). On an exception
+inside it, a rank
 1. records "who failed, with what" in the c10d store, first writer wins. A RuntimeError (as
    transport errors and timeouts are) may be a symptom: it first waits up to `settle_s` for
    another's record, then calls the roll (below); ranks that do not answer are recorded as lost;
@@ -20,32 +22,39 @@ main thread or not, then cuts this rank's gloo connections (the job is failing: 
 thread blocked on the lost rank before its timeout). No answer within `roll_call_s`: the rank was
 killed, crashed or stopped. The happy path touches no store.
 
+Losing the store itself: every store call has a deadline (`core.step.store`, the world timeout,
+at most 10 s). A rank whose store call fails, because the store's host (global rank 0) died or
+stopped or the network to it is cut, needs no record to know what happened: it raises
+`PeerFailedError` naming the host as lost, by the description the engine gave (`describe`).
+
 After a failure the process groups are unusable; `destroy_process_group()` and interpreter exit
-still return at once. Why sockets: torch 2.13's gloo `ProcessGroup.abort()` is a no-op, and a gloo
-connection ends only when its process destroys the backend or exits. `groups` are still aborted,
-for backends where that acts.
+still return at once. `groups` are aborted too, for backends where that acts (gloo's is a no-op,
+hence the sockets: `core.step.sockets`).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import json
 import os
-import socket
-import stat
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
-from lightning_zeropp.core._torch_private import default_store
+from lightning_zeropp.core._torch_private import default_store, group_timeout
 from lightning_zeropp.core.mesh import describe_rank  # re-exported: its first home
+from lightning_zeropp.core.step.sockets import cut_gloo_connections as _cut_gloo_connections
+from lightning_zeropp.core.step.sockets import tcp_port
+from lightning_zeropp.core.step.store import BoundedStore, StoreLost, store_deadline_s
 
-__all__ = ["FailureBoard", "PeerFailedError", "describe_rank"]
+__all__ = ["FailureBoard", "PeerFailedError", "describe_rank", "failure_guard", "guarded"]
 
 _KEY = "lightning_zeropp/failure"
 _RECORD = f"{_KEY}/first"
@@ -54,6 +63,7 @@ _HERE = f"{_KEY}/here"  # /{rank}: that rank answered the roll call
 _NAME = f"{_KEY}/rank"  # /{rank}: that rank's description, written when its board is built
 _NOTE = "[lightning_zeropp] "  # starts the note on an exception this module already handled
 _MAX_ERROR_CHARS = 4000
+_PROCESS: list[Any] = []  # [world group, its board]: the process's board (`of_process`)
 
 
 class PeerFailedError(RuntimeError):
@@ -65,21 +75,46 @@ class PeerFailedError(RuntimeError):
         self.error = error  # e.g. "ValueError: bad loss shape"
 
 
+@contextlib.contextmanager
+def failure_guard() -> Iterator[None]:
+    """The process's board's guard (`FailureBoard.of_process`) when a default process group of
+    several ranks exists; nothing otherwise."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        yield
+        return
+    with FailureBoard.of_process().guard():
+        yield
+
+
+def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` run under `failure_guard()`: a call that communicates, its failures named everywhere."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with failure_guard():
+            return fn(*args, **kwargs)
+
+    return run
+
+
 class FailureBoard:
     """Makes a failure on one rank raise, on every rank, an error naming that rank.
 
-    Build one on every rank after the process groups exist and wrap each region that
-    communicates in `guard()`. The record sits under a fixed key of `store`: one failure per
-    store, which is no loss, since the process groups are unusable after it.
+    Build one on every rank after the process groups exist (or take the process's,
+    `of_process()`) and wrap each region that communicates in `guard()`. The record sits under a
+    fixed key of `store`: one failure per store, which is no loss, since the process groups are
+    unusable after it.
 
     Args:
         description: this rank's name in messages, e.g. `describe_rank(mesh, stage_ids)`
-            (default: "rank N").
+            (default: "rank N"; `describe` changes it).
         store: a store every rank shares (default: the default process group's).
         groups: process groups to `abort()` on failure, for backends where that wakes peers.
         grace_s: longest wait for the other ranks to read the record before raising.
         settle_s: longest wait for another rank's record when this rank's error may be a symptom.
         roll_call_s: how long a rank has to answer a roll call before it counts as lost.
+        store_deadline_s: longest wait for one store call (default: the world timeout, at most
+            10 s); a store that misses it is lost.
     """
 
     def __init__(
@@ -91,22 +126,48 @@ class FailureBoard:
         grace_s: float = 10.0,
         settle_s: float = 1.0,
         roll_call_s: float = 5.0,
+        store_deadline_s: float | None = None,
     ) -> None:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.description = description or f"rank {self.rank}"
-        self.store = store if store is not None else default_store()
+        self.namer: Callable[[int], str] = lambda r: f"rank {r}"
+        raw = store if store is not None else default_store()
+        deadline = store_deadline_s or _deadline_s()
+        self.store: Any = BoundedStore(raw, deadline)
         self.groups = [g for g in groups if isinstance(g, dist.ProcessGroup)]
         self.grace_s = grace_s
         self.settle_s = settle_s
         self.roll_call_s = roll_call_s
-        self._store_port = _tcp_port(self.store)
+        self._raw = raw
+        self._store_port = tcp_port(raw)
         self._record: dict | None = None  # the first failure, once this rank knows it
-        self._store_lost = False
         if self.world_size > 1:  # alone, no rank can be lost
             # Now, while it can: a rank that is lost writes nothing.
             self.store.set(f"{_NAME}/{self.rank}", self.description)
             self._start_answering()
+
+    @classmethod
+    def of_process(cls) -> FailureBoard:
+        """The board of this process's default process group: made on first use (every rank
+        makes it: a board writes its description to the store), made anew for a new group."""
+        if not _PROCESS or _PROCESS[0] is not dist.group.WORLD:
+            _PROCESS[:] = [dist.group.WORLD, cls()]
+        return _PROCESS[1]
+
+    def describe(self, description: str, namer: Callable[[int], str] | None = None) -> None:
+        """This rank's name in messages from now on, and `namer(rank)`, any rank's: the engine's
+        (pipeline stage, data-parallel coordinates) once its mesh exists."""
+        self.description = description
+        if namer is not None:
+            self.namer = namer
+        if self.world_size > 1 and self._record is None:
+            self.store.set(f"{_NAME}/{self.rank}", description)
+
+    @property
+    def failed(self) -> bool:
+        """Whether this rank has handled a failure: its process groups are unusable."""
+        return self._record is not None
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
@@ -130,14 +191,16 @@ class FailureBoard:
         if self._record is None:
             try:
                 self._record = self._publish(mine | {"where": _where(err)}, err)
-            except Exception as store_err:  # the store is gone (its host died): nothing to learn
-                self._store_lost = True
+            except StoreLost as lost:  # its host died or stopped, or the network to it is cut
                 self._wake_peers()
-                err.add_note(_store_lost_note(store_err))
-                return None
-            self._wake_peers()  # only now: a woken peer must find the record
-            if missing := self._acknowledge():
-                notes.append(f"{_NOTE}ranks {missing} did not report within {self.grace_s}s")
+                if not isinstance(err, RuntimeError):  # this rank's own error: still its own
+                    err.add_note(f"{_NOTE}{self._store_host()} {lost}: no other rank was told.")
+                    return None
+                self._record = self._host_lost(lost)
+            else:
+                self._wake_peers()  # only now: a woken peer must find the record
+                if missing := self._acknowledge():
+                    notes.append(f"{_NOTE}ranks {missing} did not report within {self.grace_s}s")
         first = self._record
         raised: BaseException = err
         if "lost" in first:
@@ -183,22 +246,31 @@ class FailureBoard:
         """The record naming the lost ranks, by the descriptions they wrote when they could."""
         known = lambda r: self.store.check([f"{_NAME}/{r}"])  # noqa: E731 - else get() blocks
         origin = " and ".join(
-            self.store.get(f"{_NAME}/{r}").decode() if known(r) else f"rank {r}" for r in lost
+            self.store.get(f"{_NAME}/{r}").decode() if known(r) else self.namer(r) for r in lost
         )
         why = f"within {self.roll_call_s:g} s (killed, crashed or stopped)"
         said = "was lost: it" if len(lost) == 1 else "were lost: they"
-        return {
-            "rank": ",".join(map(str, lost)),
-            "origin": origin,
-            "error": f"lost: did not answer {why}",
-            "where": "",
-            "lost": lost,
-            "said": f"{origin} {said} did not answer {why}",
-        }
+        return _lost_record(
+            lost, origin, f"lost: did not answer {why}", f"{said} did not answer {why}"
+        )
+
+    def _store_host(self) -> str:
+        if _hosts_store(0):
+            return f"{self.namer(0)}, which hosts the c10d store,"
+        return "the c10d store's host (the launcher's agent)"
+
+    def _host_lost(self, lost: StoreLost) -> dict:
+        """The record of a lost store, from this rank's own deduction (no store to read)."""
+        why = (
+            "its process ended" if lost.answered else "it was stopped, or the network to it is cut"
+        )
+        origin = self.namer(0) if _hosts_store(0) else "the c10d store's host"
+        said = f"was lost: the c10d store it hosts {lost} ({why})"
+        return _lost_record([0] if _hosts_store(0) else [], origin, f"lost: the store {lost}", said)
 
     def _start_answering(self) -> None:
         try:  # a connection of its own: its blocked wait must not hold up this board's calls
-            store = self.store.clone()
+            store = self._raw.clone()
         except Exception:  # a store that cannot clone: only ranks inside a guard answer
             return
         args = (store, self.rank, self._store_port)
@@ -208,7 +280,7 @@ class FailureBoard:
     def _stop_answering(self, thread: threading.Thread) -> None:
         """At exit, before finalizing: a thread waking in C++ then aborts the process. The store's
         host stops every rank's (its exit would wake them, each logging a C++ warning)."""
-        if thread.is_alive() and not self._store_lost:  # a lost store: no wake-up comes
+        if thread.is_alive() and self.store.lost is None:  # a lost store: no wake-up comes
             ranks = range(self.world_size) if _hosts_store(self.rank) else [self.rank]
             with contextlib.suppress(Exception):  # the store is gone: the thread ended with it
                 self.store.multi_set([f"{_WAKE}/{r}" for r in ranks], ["exit"] * len(ranks))
@@ -235,6 +307,12 @@ class FailureBoard:
             return []
 
 
+def _lost_record(lost: list[int], origin: str, error: str, said: str) -> dict:
+    rank = ",".join(map(str, lost))
+    return {"rank": rank, "origin": origin, "error": error, "where": "", "lost": lost,
+            "said": f"{origin} {said}"}  # fmt: skip
+
+
 def _answer_roll_call(store: dist.Store, rank: int, keep_port: int | None) -> None:
     """A board's daemon thread: answers the roll call, if one comes, then cuts this rank's gloo
     connections. A process that can answer is alive; a killed or stopped one cannot."""
@@ -248,14 +326,14 @@ def _answer_roll_call(store: dist.Store, rank: int, keep_port: int | None) -> No
     _cut_gloo_connections(keep_port)
 
 
+def _deadline_s() -> float:
+    world = group_timeout(dist.group.WORLD) if dist.is_initialized() else None
+    return store_deadline_s(world)
+
+
 def _hosts_store(rank: int) -> bool:
     """Whether `rank` hosts the default store: rank 0 does, unless torchrun's agent hosts it."""
     return rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-
-
-def _store_lost_note(store_err: Exception) -> str:
-    host = "global rank 0 (it hosts the default store)" if _hosts_store(0) else "its host"
-    return f"{_NOTE}the c10d store is unreachable ({store_err}): {host} was probably lost."
 
 
 def _error_text(err: BaseException) -> str:
@@ -275,46 +353,3 @@ def _wait_until(done: Callable[[], bool], timeout_s: float, interval_s: float) -
             return False
         time.sleep(interval_s)
     return True
-
-
-def _tcp_port(store: dist.Store) -> int | None:
-    """The TCPStore port behind `store`: its connections must survive the cut."""
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
-    return store.port if isinstance(store, dist.TCPStore) else None
-
-
-def _cut_gloo_connections(keep_port: int | None) -> int:
-    """Shut down this process's gloo TCP connections (the peers see them close); return how many.
-
-    Gloo gives its pair sockets a receive timeout (SO_RCVTIMEO), which a logger's or an HTTP
-    client's lack: those survive. shutdown(), not close(): gloo keeps its descriptor, sees the
-    connection end and fails its own pending operations.
-    """
-    fd_dir = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
-    cut = 0
-    for name in os.listdir(fd_dir):
-        try:
-            fd = int(name)
-            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
-                continue
-            dup = os.dup(fd)  # shares the connection; ours to close
-        except (OSError, ValueError):
-            continue  # closed meanwhile, or not a descriptor
-        try:
-            sock = socket.socket(fileno=dup)
-        except OSError:
-            os.close(dup)
-            continue
-        with sock:
-            if sock.family not in (socket.AF_INET, socket.AF_INET6):
-                continue
-            try:
-                ports = (sock.getsockname()[1], sock.getpeername()[1])
-                timeout = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16)
-                if sock.type == socket.SOCK_STREAM and keep_port not in ports and any(timeout):
-                    sock.shutdown(socket.SHUT_RDWR)
-                    cut += 1
-            except OSError:
-                continue  # a listener (no peer), or already closed
-    return cut
