@@ -27,6 +27,7 @@ from torch import nn
 
 from lightning_zeropp.accelerate.engine import ZeroPPAccelerateEngine
 from lightning_zeropp.core.schedule.build import eval_microbatches
+from lightning_zeropp.core.step.failure import guarded
 from lightning_zeropp.models.hf_loss import (
     NUM_ITEMS,
     accepts_num_items,
@@ -96,6 +97,7 @@ class PipelineModel(nn.Module):
         self._captured: list[Any] | None = None
 
     # ---------------------------------------------------------------- calls
+    @guarded  # token counts and logits are collectives too: a lost rank is named
     def forward(self, *args: Any, **kwargs: Any) -> PipelineOutput:
         target = _target_of(args, kwargs)
         if self.training and torch.is_grad_enabled():

@@ -49,6 +49,7 @@ from lightning_zeropp.core.engine import LossFn, ZeroPPEngine
 from lightning_zeropp.core.settings import env
 from lightning_zeropp.core.settings.config import ZeroPPConfig
 from lightning_zeropp.core.split.methods import SplitMethod
+from lightning_zeropp.core.step.failure import guarded
 from lightning_zeropp.core.weights.materialize import InitFn
 from lightning_zeropp.models.hf_loss import disable_kv_cache
 
@@ -59,6 +60,7 @@ log = logging.getLogger(__name__)
 _SUPPORTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
 
+@guarded  # setup communicates: a rank failing or lost in it is named on every rank
 def prepare_pipeline(
     accelerator: Accelerator,
     model: nn.Module,

@@ -30,6 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zeropp.core._torch_private import default_store
+from lightning_zeropp.core.mesh import world_timeout
+from lightning_zeropp.core.step.failure import raised_everywhere
 from lightning_zeropp.core.step.store import BoundedStore, store_deadline_s
 
 __all__ = ["agree", "check_replicas", "model_layout", "settings_fields"]
@@ -58,14 +60,14 @@ def agree(fields: dict[str, str], what: str = "settings") -> None:
     dist.all_reduce(bounds, op=dist.ReduceOp.MAX)  # under the caller's failure guard
     if int(bounds[0]) == -int(bounds[1]):  # the largest hash is the smallest: all equal
         return
-    raise ValueError(_difference(fields, digest, f"{_KEY}/{call}", what))
+    raise raised_everywhere(ValueError(_difference(fields, digest, f"{_KEY}/{call}", what)))
 
 
 def _difference(fields: dict[str, str], digest: int, key: str, what: str) -> str:
     """The same message on every rank: the first field in which rank 0 and the first rank
     unlike it differ, with each one's `ZEROPP_*` variable."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    store = BoundedStore(default_store(), store_deadline_s(None))
+    store = BoundedStore(default_store(), store_deadline_s(world_timeout()))
     env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIX)}
     store.set(f"{key}/{rank}", json.dumps({"digest": digest, "fields": fields, "env": env}))
     first = json.loads(store.get(f"{key}/0"))
@@ -126,12 +128,14 @@ def check_replicas(
     dist.all_gather_object(everyone, mine)
     found = [name for names_of in everyone for name in names_of]
     if found:
-        raise ValueError(
-            f"the data-parallel replicas (dp_replicate) start from different weights: {found[0]} "
-            f"differs between replicas{' (and more)' if len(found) > 1 else ''}, so they would "
-            "train apart while averaging gradients. Build the model from the same seed on "
-            "every rank (torch.manual_seed(0) or lightning.seed_everything(0) before building "
-            "it), or load its weights (load_from=...)."
+        raise raised_everywhere(
+            ValueError(
+                f"the data-parallel replicas (dp_replicate) start from different weights: {found[0]} "
+                f"differs between replicas{' (and more)' if len(found) > 1 else ''}, so they would "
+                "train apart while averaging gradients. Build the model from the same seed on "
+                "every rank (torch.manual_seed(0) or lightning.seed_everything(0) before building "
+                "it), or load its weights (load_from=...)."
+            )
         )
 
 

@@ -15,6 +15,10 @@ inside it, a rank
    lives in global rank 0's process, which must outlive the others' reads);
 4. re-raises its own exception unchanged if it is the origin or failed with the origin's very
    error, else raises `PeerFailedError` naming the origin, its role and error, chained.
+Before all this it writes its error where the others can read it and waits (at most `settle_s`)
+to see whether every rank raised the very same one (a check every rank makes alike, such as a bad
+setting): then nobody is blocked and nothing needs recording or waking, and the process groups
+stay usable.
 
 The roll: a board (of several ranks) writes its rank's description to the store when built and
 starts a thread that waits, on a store connection of its own, for a roll call. It answers, busy
@@ -44,7 +48,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -54,7 +58,14 @@ from lightning_zeropp.core.step.sockets import cut_gloo_connections as _cut_gloo
 from lightning_zeropp.core.step.sockets import tcp_port
 from lightning_zeropp.core.step.store import BoundedStore, StoreLost, store_deadline_s
 
-__all__ = ["FailureBoard", "PeerFailedError", "describe_rank", "failure_guard", "guarded"]
+__all__ = [
+    "FailureBoard",
+    "PeerFailedError",
+    "describe_rank",
+    "failure_guard",
+    "guarded",
+    "raised_everywhere",
+]
 
 _KEY = "lightning_zeropp/failure"
 _RECORD = f"{_KEY}/first"
@@ -63,6 +74,7 @@ _HERE = f"{_KEY}/here"  # /{rank}: that rank answered the roll call
 _NAME = f"{_KEY}/rank"  # /{rank}: that rank's description, written when its board is built
 _NOTE = "[lightning_zeropp] "  # starts the note on an exception this module already handled
 _MAX_ERROR_CHARS = 4000
+_E = TypeVar("_E", bound=BaseException)
 _PROCESS: list[Any] = []  # [world group, its board]: the process's board (`of_process`)
 
 
@@ -84,6 +96,14 @@ def failure_guard() -> Iterator[None]:
         return
     with FailureBoard.of_process().guard():
         yield
+
+
+def raised_everywhere(err: _E) -> _E:
+    """Mark an error that every rank raises alike, agreed on in a collective that succeeded
+    (`agree`, `raise_on_every_rank`): nobody waits on anybody and the groups stay usable, so
+    the board lets it pass unrecorded."""
+    err._lzpp_everywhere = True  # type: ignore[attr-defined]
+    return err
 
 
 def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -142,6 +162,7 @@ class FailureBoard:
         self._raw = raw
         self._store_port = tcp_port(raw)
         self._record: dict | None = None  # the first failure, once this rank knows it
+        self._generation = 0  # errors every rank raised alike so far (`_everyone_raised`)
         if self.world_size > 1:  # alone, no rank can be lost
             # Now, while it can: a rank that is lost writes nothing.
             self.store.set(f"{_NAME}/{self.rank}", self.description)
@@ -177,6 +198,8 @@ class FailureBoard:
         except PeerFailedError:
             raise
         except Exception as err:
+            if getattr(err, "_lzpp_everywhere", False):
+                raise  # every rank raises it, with the groups intact: nothing to tell
             if any(n.startswith(_NOTE) for n in getattr(err, "__notes__", ())):
                 raise  # an inner guard already handled it
             instead = self._handle(err)
@@ -190,6 +213,8 @@ class FailureBoard:
         notes = []
         if self._record is None:
             try:
+                if self._everyone_raised(mine["error"]):  # nobody waits on anybody: no failure
+                    return None
                 self._record = self._publish(mine | {"where": _where(err)}, err)
             except StoreLost as lost:  # its host died or stopped, or the network to it is cut
                 self._wake_peers()
@@ -219,6 +244,26 @@ class FailureBoard:
         for note in notes:
             raised.add_note(note)
         return None if raised is err else raised
+
+    def _everyone_raised(self, error: str) -> bool:
+        """Whether every rank raised this very error (a check all ranks make alike, before any
+        collective): then the groups are intact and no rank needs waking. Waits at most
+        `settle_s`, less once another rank raised something else or a record appears."""
+        if self.world_size == 1:
+            return False
+        key = f"{_KEY}/{self._generation}/raised"
+        self.store.set(f"{key}/{self.rank}", error)
+        keys = [f"{key}/{r}" for r in range(self.world_size)]
+        deadline = time.monotonic() + self.settle_s
+        while time.monotonic() < deadline and not self.store.check([_RECORD]):
+            present = [k for k in keys if self.store.check([k])]
+            if any(v.decode() != error for v in self.store.multi_get(present)):
+                return False
+            if len(present) == self.world_size:
+                self._generation += 1  # every rank counts alike: they all saw every report
+                return True
+            time.sleep(0.01)
+        return False
 
     def _publish(self, mine: dict, err: Exception) -> dict:
         # A RuntimeError may be a symptom: of a peer's failure, recorded first, or of a peer lost.

@@ -2,8 +2,8 @@
 
 A TCPStore client waits on its socket without a deadline for most calls (`check`, `set`,
 `compare_set`): when the store's host is stopped, or the network to it is cut, the call blocks
-until TCP gives up, a quarter of an hour later. `BoundedStore` runs each call in a daemon thread
-and waits at most `deadline_s`; a call that does not return in time, or that fails because the
+until TCP gives up, a quarter of an hour later. `BoundedStore` hands each call to a daemon thread
+of its own and waits at most `deadline_s`; a call that does not return in time, or that fails because the
 connection ended, marks the store lost and raises `StoreLost` naming why. Every later call then
 raises at once: the blocked call still holds the client's connection, and its thread, a daemon,
 does not keep the process from exiting.
@@ -14,6 +14,7 @@ a training step makes none.
 
 from __future__ import annotations
 
+import queue
 import threading
 from datetime import timedelta
 from typing import Any
@@ -47,6 +48,8 @@ class BoundedStore:
         self.store = store
         self.deadline_s = deadline_s
         self.lost: StoreLost | None = None
+        self._calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self.store, name)
@@ -55,18 +58,12 @@ class BoundedStore:
     def call(self, method: Any, name: str, *args: Any) -> Any:
         if self.lost is not None:
             raise self.lost
-        box: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                box["value"] = method(*args)
-            except BaseException as err:  # noqa: BLE001 - handed to the caller
-                box["error"] = err
-
-        thread = threading.Thread(target=run, name=f"lzpp-store-{name}", daemon=True)
-        thread.start()
-        thread.join(self.deadline_s)
-        if thread.is_alive():
+        if self._worker is None:  # one daemon thread makes the calls, started on first use
+            self._worker = threading.Thread(target=self._work, name="lzpp-store", daemon=True)
+            self._worker.start()
+        done, box = threading.Event(), {}
+        self._calls.put((method, args, done, box))
+        if not done.wait(self.deadline_s):
             self.lost = StoreLost(
                 f"did not answer a {name}() within {self.deadline_s:g} s", answered=False
             )
@@ -78,6 +75,15 @@ class BoundedStore:
                 raise self.lost from err
             raise err
         return box.get("value")
+
+    def _work(self) -> None:
+        while True:
+            method, args, done, box = self._calls.get()
+            try:
+                box["value"] = method(*args)
+            except BaseException as err:  # noqa: BLE001 - handed to the caller
+                box["error"] = err
+            done.set()
 
 
 def _connection_ended(err: BaseException) -> bool:

@@ -63,7 +63,7 @@ class AsyncCheckpointer:
         if self._group is None:
             self._group = dist.new_group(backend="gloo", timeout=world_timeout())
         path = Path(path)
-        tmp = prepare_save(path, meta)
+        tmp = prepare_save(path, meta or {})
         state = checkpoint_state(model, optimizers)
         written = dcp.async_save(
             state, storage_writer=checksum.ChecksumWriter(str(tmp)), process_group=self._group

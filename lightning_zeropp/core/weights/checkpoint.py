@@ -73,7 +73,7 @@ def save_checkpoint(
 ) -> Path:
     """Collective: every rank calls it with the same `path` (on a filesystem all ranks share)."""
     path = Path(path)
-    tmp = prepare_save(path, meta)
+    tmp = prepare_save(path, meta or {})
     writer = checksum.ChecksumWriter(str(tmp))
     dcp.save(checkpoint_state(model, optimizers), storage_writer=writer)
     dist.barrier()
@@ -83,9 +83,9 @@ def save_checkpoint(
     return path
 
 
-def prepare_save(path: Path, meta: dict[str, Any] | None) -> Path:
-    """Collective: the temporary directory of a save of `path`, made (with `meta.pt`) by global
-    rank 0 before any other rank learns its name."""
+def prepare_save(path: Path, meta: dict[str, Any] | None = None) -> Path:
+    """Collective: the temporary directory of a save of `path`, made (with `meta.pt` holding
+    `meta`, unless None) by global rank 0 before any other rank learns its name."""
     tmp = commit.temporary(path)
     if dist.get_rank() == 0:
         folder = path.parent.resolve()
@@ -94,7 +94,8 @@ def prepare_save(path: Path, meta: dict[str, Any] | None) -> Path:
             commit.clean_temporaries(folder)
             _CLEANED.add(folder)
         tmp.mkdir(parents=True)
-        torch.save(meta or {}, tmp / META_FILE)
+        if meta is not None:
+            torch.save(meta, tmp / META_FILE)
     return Path(broadcast_str(str(tmp)))
 
 

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_zeropp.core.step.failure import raised_everywhere
+
 __all__ = ["all_gather", "broadcast_str", "raise_on_every_rank"]
 
 
@@ -22,7 +24,7 @@ def raise_on_every_rank(problem: str | None) -> None:
     """Raise `ValueError` on every rank if any rank has a problem (a lone raise would hang)."""
     problems = [p for p in all_gather(problem) if p is not None]
     if problems:
-        raise ValueError(problems[0])
+        raise raised_everywhere(ValueError(problems[0]))
 
 
 def broadcast_str(value: str) -> str:
