@@ -222,6 +222,33 @@ def _ckpt_missing(work_dir: Path) -> None:
     _fit(ZeroPPStrategy(pp_size=2), ckpt_path=str(work_dir / "never-saved.ckpt"))
 
 
+def _ckpt_of_a_deeper_model(work_dir: Path) -> None:
+    from lightning_zeropp.core.weights.checkpoint import save_checkpoint
+
+    path = work_dir / "deeper.ckpt"  # a sharded (DCP) checkpoint of a model of 10 blocks, not 8
+    save_checkpoint(path, LitGPT(dataclasses.replace(MODEL, num_layers=10)), [], {})
+    _fit(ZeroPPStrategy(pp_size=2), ckpt_path=str(path))
+
+
+# ------------------------------------------------------------------ ranks that disagree
+def _split_points_per_rank() -> dict[str, str]:
+    """ZEROPP_SPLIT_POINTS set differently on the two pipeline stages' ranks (pp-major: ranks 0
+    and 1 hold stage 0)."""
+    return {"ZEROPP_PP_SIZE": "2", "ZEROPP_SPLIT_POINTS": "4" if dist.get_rank() < 2 else "3"}
+
+
+def _lightning_split_points_differ() -> None:
+    with _environ(**_split_points_per_rank()):
+        _fit(ZeroPPStrategy())
+
+
+def _hsdp_unseeded() -> None:
+    # Each rank builds the model from its own seed: the two replicas of each shard differ.
+    engine = _engine(make_model(seed=dist.get_rank()), dp_replicate_size=2, dp_shard_size=2)
+    x = torch.zeros(4, MODEL.seq_len, dtype=torch.long)
+    engine.train_step(x, target=x)
+
+
 # ------------------------------------------------------------------ Accelerate
 def _accelerate(env: dict[str, str] | None = None, batch: int = 16, **settings: Any) -> None:
     """`prepare_pipeline` as a user's script calls it, layout from `settings` or `env`."""
@@ -287,6 +314,11 @@ ATTEMPTS = {
     "accelerate_env_bad_dtype": lambda: _accelerate(
         env={"ZEROPP_PP_SIZE": "2", "ZEROPP_PARAM_DTYPE": "fp8"}
     ),
+    "lightning_ckpt_of_a_deeper_model": _ckpt_of_a_deeper_model,
+    # ranks that must agree
+    "lightning_split_points_differ_per_rank": _lightning_split_points_differ,
+    "accelerate_split_points_differ_per_rank": lambda: _accelerate(env=_split_points_per_rank()),
+    "hsdp_replicas_built_unseeded": _hsdp_unseeded,
     "accelerate_indivisible_loader": lambda: _accelerate(batch=6, pp_size=2, num_microbatches=4),
 }
 _NEEDS_DIR = {
@@ -294,6 +326,7 @@ _NEEDS_DIR = {
     "lightning_full_ckpt_of_another_depth",
     "lightning_ckpt_not_from_lightning",
     "lightning_ckpt_missing",
+    "lightning_ckpt_of_a_deeper_model",
 }
 
 

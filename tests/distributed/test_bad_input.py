@@ -51,6 +51,11 @@ EXPECTED = {
     "lightning_full_ckpt_of_another_depth": "the checkpoint does not fit this model: 22 missing (model.blocks.6.",
     "lightning_ckpt_not_from_lightning": "weights.pt is not a Lightning checkpoint: it has no 'state_dict'",
     "lightning_ckpt_missing": "never-saved.ckpt is not a ZeroPP checkpoint directory (no meta.pt)",
+    "lightning_ckpt_of_a_deeper_model": "deeper.ckpt holds 22 tensors this model lacks (model.blocks.8.attn.proj.bias, model.blocks.8.attn.proj.weight, model.blocks.8.attn.qkv.weight and 19 more): it was saved from another model (a deeper or wider one)",
+    # ranks that must agree
+    "lightning_split_points_differ_per_rank": "the ranks disagree on their settings: split_points is [4] on rank 0 and [3] on rank 2 (ZEROPP_SPLIT_POINTS='4' on rank 0, ZEROPP_SPLIT_POINTS='3' on rank 2). Every rank must run with the same settings: set ZEROPP_SPLIT_POINTS alike on every rank",
+    "accelerate_split_points_differ_per_rank": "the ranks disagree on their settings: split_points is [4] on rank 0 and [3] on rank 2 (ZEROPP_SPLIT_POINTS='4' on rank 0, ZEROPP_SPLIT_POINTS='3' on rank 2)",
+    "hsdp_replicas_built_unseeded": "the data-parallel replicas (dp_replicate) start from different weights: 'tok_emb.weight' (rank 0) differs between replicas (and more), so they would train apart while averaging gradients. Build the model from the same seed on every rank",
     # Accelerate
     "accelerate_env_typo": "unknown environment variable ZEROPP_SCHEDUEL='gpipe'; did you mean ZEROPP_SCHEDULE?",
     "accelerate_env_bad_dtype": "param_dtype='fp8' is not a known dtype; use one of ['16', '32', 'bf16', 'bfloat16', 'float16', 'float32', 'fp16', 'fp32']. (settings from the environment: ZEROPP_PARAM_DTYPE=fp8 (param_dtype)",
