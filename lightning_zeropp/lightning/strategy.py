@@ -154,6 +154,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
         load_from: str | Path | None = None,
         init: InitFn | None = None,
     ) -> None:
+        launch.check_timeout(timeout)
         self._state_dict_type = checkpointing.check_state_dict_type(state_dict_type)
         if async_save and state_dict_type != "sharded":
             raise ValueError(

@@ -48,6 +48,12 @@ CASES: dict[str, tuple[str, int, str, str]] = {
     "accelerate_save_state": ("accelerate", 3, "kill", "save"),
     "accelerate_gather": ("accelerate", 1, "kill", "gather"),
 }
+# Network partitions (no victim: bench/bench_faults.py cuts the link between two emulated nodes
+# once every rank has written `ready<rank>`; the runs go on until then).
+PARTITIONS: dict[str, tuple[str, int, str, str]] = {
+    "lightning_partition": ("lightning", -1, "cut", "partition"),
+    "accelerate_partition": ("accelerate", -1, "cut", "partition"),
+}
 
 
 # ------------------------------------------------------------------------------ the launch
@@ -120,8 +126,9 @@ def _fork_case(case: str, where: Path, port: int, timeout_s: float) -> dict[str,
 def _run(case: str, where: Path, timeout_s: float) -> dict[str, Any]:
     """One case on this rank: what it raised (or its losses) and when it was done."""
     name = case.removeprefix("resume:")
-    front = CASES[name][0] if name in CASES else name.split("_")[0]
-    fault = _Fault(*CASES[name][1:], where) if case in CASES else None
+    known = CASES | PARTITIONS
+    front = known[name][0] if name in known else name.split("_")[0]
+    fault = _Fault(*known[name][1:], where) if case in known else None
     resume_from = where.parent / name if case.startswith("resume:") else None
     seen: dict[str, Any] = {"type": "no error"}
     try:
@@ -146,6 +153,11 @@ class _Fault:
         self.count = 0
 
     def maybe(self, point: str, nth: int = 1) -> None:
+        if point == self.where == "partition":  # every rank: ready to be cut off, going on
+            if not (ready := self.out / f"ready{self.rank}").exists():
+                ready.write_text(repr(time.time()))
+            time.sleep(0.1)
+            return
         if point != self.where or self.rank != self.victim:
             return
         self.count += 1
@@ -187,6 +199,8 @@ def _lightning(
         def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
             if fault and trainer.global_step == 2:
                 fault.maybe("step")
+            if fault and trainer.global_step >= 2:
+                fault.maybe("partition")
 
         def on_validation_batch_start(self, *args: Any) -> None:
             if fault:
@@ -219,7 +233,7 @@ def _lightning(
             timeout=datetime.timedelta(seconds=timeout_s),
             async_save="async" in kind,
         ),
-        max_steps=STEPS,
+        max_steps=10**6 if kind == "partition" else STEPS,
         callbacks=[record, checkpoints, Lose()],
         logger=False,
         enable_progress_bar=False,
@@ -265,9 +279,13 @@ def _accelerate(
         accelerator.load_state(str(saved / "step_2"))
         done = skip = 2
     out: dict[str, Any] = {"steps": [], "losses": []}
-    for batch in accelerator.skip_first_batches(loader, skip) if skip else loader:
+    epochs = 10**6 if fault and fault.where == "partition" else 1
+    batches = (b for _ in range(epochs) for b in loader)
+    for batch in accelerator.skip_first_batches(loader, skip) if skip else batches:
         if fault and done == 2:
             fault.maybe("step")
+        if fault and done >= 2:
+            fault.maybe("partition")
         outputs = model(**batch)
         accelerator.backward(outputs.loss)
         optimizer.step()
@@ -275,7 +293,7 @@ def _accelerate(
         done += 1
         out["steps"].append(done)
         out["losses"].append(float(outputs.loss.detach()))
-        if done % 2 == 0:
+        if done % 2 == 0 and epochs == 1:
             accelerator.save_state(str(saved / f"step_{done}"))
         if done == 3:  # run_clm's evaluation: losses gathered for the perplexity
             model.eval()
@@ -285,7 +303,7 @@ def _accelerate(
                 losses = [accelerator.gather_for_metrics(model(**b).loss.reshape(1)) for b in evals]
             out["perplexity"] = math.exp(float(torch.cat(losses).mean()))
             model.train()
-        if done == STEPS:
+        if done == STEPS and epochs == 1:
             break
     out["params"] = {k: v.clone() for k, v in accelerator.get_state_dict(model).items()}
     return out

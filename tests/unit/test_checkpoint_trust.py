@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_zeropp.core.weights.checkpoint import load_checkpoint, save_checkpoint
 from lightning_zeropp.core.weights.load import load_weights
@@ -115,3 +116,24 @@ def test_hyperparameter_classes_load_only_when_trusted(tmp_path: Path) -> None:
     trusted = trusted_types({"config": Config(), "lr": 0.1})
     assert trusted == {Config}
     assert load_meta(tmp_path / "meta.pt", trusted)["hyper_parameters"]["config"] == Config()
+
+
+def test_a_checkpoint_item_that_would_run_code_is_refused(tmp_path: Path, group: None) -> None:
+    # DCP stores non-tensor items (optimizer hyperparameters) as pickles and reads them with
+    # weights_only=False; the library's planner reads them with weights_only=True first.
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_zeropp.core.weights.trust import SafeLoadPlanner
+
+    dcp.save({"w": torch.ones(2), "lr": RunsCode()}, checkpoint_id=str(tmp_path / "d"))
+    # DCP wraps each rank's error (the library's loads name its cause in one line).
+    with pytest.raises(CheckpointException, match=r"ValueError: the checkpoint item lr would run"):
+        dcp.load({"w": torch.zeros(2), "lr": 0.1}, checkpoint_id=str(tmp_path / "d"),
+                 planner=SafeLoadPlanner())  # fmt: skip
+
+
+def test_a_damaged_sums_file_is_named(tmp_path: Path, group: None) -> None:
+    path = _saved(tmp_path)
+    (path / "SHA256SUMS").write_text("not a checksum line\n")
+    with pytest.raises(ValueError, match=r"SHA256SUMS is damaged .*cannot be trusted"):
+        _load(path)

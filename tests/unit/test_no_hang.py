@@ -35,6 +35,10 @@ class _Stopped(dist.Store):
         time.sleep(3600)
         return False
 
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        time.sleep(3600)
+        return b""
+
 
 def test_a_stopped_store_host_is_given_up_after_the_deadline() -> None:
     store = BoundedStore(_Stopped(), deadline_s=1.0)
@@ -71,8 +75,8 @@ def test_a_board_cut_off_from_its_store_names_the_host(group: None, monkeypatch)
         raise RuntimeError("Timed out waiting 20000ms for recv operation to complete")
     assert time.monotonic() - start < 3.0
     assert str(info.value) == (
-        "rank 0 (pipeline stage 0) was lost: the c10d store it hosts did not answer a check() "
-        "within 1 s (it was stopped, or the network to it is cut); rank 2 (pipeline stage 1) "
+        "rank 0 (pipeline stage 0) was lost: the c10d store it hosts did not answer a "
+        "compare_set() within 1 s; it was stopped, or the network to it is cut; rank 2 (pipeline stage 1) "
         "stopped because of it."
     )
     assert board.failed

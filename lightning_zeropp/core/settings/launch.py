@@ -18,6 +18,7 @@ Three ways a launch can go wrong that torch reports late, on one rank, or never:
 from __future__ import annotations
 
 import contextlib
+import datetime
 import errno
 import os
 import socket
@@ -26,7 +27,7 @@ import threading
 import warnings
 from collections.abc import Iterator, Mapping
 
-__all__ = ["check_port_free", "check_restart", "join_deadline"]
+__all__ = ["check_port_free", "check_restart", "check_timeout", "join_deadline"]
 
 _SHARE_VAR = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
@@ -48,6 +49,17 @@ def check_port_free(addr: str, port: int) -> None:
                 "would wait on whatever holds it. Unset MASTER_PORT (a free port is chosen) or "
                 "set it to a free port."
             ) from None
+
+
+def check_timeout(timeout: object, name: str = "timeout") -> None:
+    """The process groups' timeout: a positive `datetime.timedelta` (torch's own error for a
+    number names neither the setting nor the fix)."""
+    if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
+        seconds = timeout if isinstance(timeout, (int, float)) and timeout > 0 else 60
+        raise ValueError(
+            f"{name}={timeout!r} must be a positive datetime.timedelta, e.g. "
+            f"{name}=datetime.timedelta(seconds={seconds:g}): it bounds every wait on another rank."
+        )
 
 
 def check_restart(environ: Mapping[str, str] | None = None) -> None:

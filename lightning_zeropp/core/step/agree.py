@@ -38,12 +38,18 @@ __all__ = ["agree", "check_replicas", "model_layout", "settings_fields"]
 
 _KEY = "lightning_zeropp/agree"
 _ENV_PREFIX = "ZEROPP_"
-_CALLS = itertools.count()  # every rank calls agree in the same order: the keys match
+_CALLS = itertools.count()
+_VARIABLES = {
+    "split"
+}  # fields that come from a ZEROPP_* variable (`settings_fields` adds)  # every rank calls agree in the same order: the keys match
 
 
 def settings_fields(settings: Any, **extra: Any) -> dict[str, str]:
-    """`settings`' dataclass fields (and `extra` values), each as a comparable string."""
+    """`settings`' dataclass fields (and `extra` values), each as a comparable string. A field
+    of `settings` comes from its `ZEROPP_<FIELD>` variable when not given in code; of the
+    extras only `split` has one (`ZEROPP_SPLIT`)."""
     fields = {f.name: _text(getattr(settings, f.name)) for f in dataclasses.fields(settings)}
+    _VARIABLES.update(f.name for f in dataclasses.fields(settings))
     return fields | {k: _text(v) for k, v in extra.items()}
 
 
@@ -83,8 +89,13 @@ def _difference(fields: dict[str, str], digest: int, key: str, what: str) -> str
     r, seen = other
     names = list(first["fields"]) + [n for n in seen["fields"] if n not in first["fields"]]
     name = next(n for n in names if first["fields"].get(n) != seen["fields"].get(n))
-    var = _ENV_PREFIX + name.upper()
     values = f"{first['fields'].get(name)} on rank 0 and {seen['fields'].get(name)} on rank {r}"
+    if name not in _VARIABLES:
+        return (
+            f"the ranks disagree on their {what}: {name} is {values}. Every rank must build the "
+            "same model (the same blocks, the same parameter shapes) with the same settings."
+        )
+    var = _ENV_PREFIX + name.upper()
     sources = ", ".join(
         f"{var}={env_of[var]!r} on rank {who}" if var in env_of else f"{var} unset on rank {who}"
         for who, env_of in ((0, first["env"]), (r, seen["env"]))
@@ -96,13 +107,13 @@ def _difference(fields: dict[str, str], digest: int, key: str, what: str) -> str
     )
 
 
-def model_layout(model: nn.Module, plan: Any) -> dict[str, str]:
+def model_layout(model: nn.Module, plan: Any) -> dict[str, Any]:
     """What the ranks' models must share: each stage's blocks (`plan`, a `BlockPlan` or None)
     and every parameter's name, shape and dtype (a digest)."""
     shapes = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
     digest = hashlib.sha256(repr(shapes).encode()).hexdigest()[:16]
     stages = [list(r) for r in plan.ranges] if plan is not None else None
-    return {"stage_blocks": repr(stages), "model_parameters": f"{len(shapes)} tensors, {digest}"}
+    return {"stage_blocks": stages, "model_parameters": f"{len(shapes)} tensors, {digest}"}
 
 
 @torch.no_grad()

@@ -89,7 +89,7 @@ def failure_guard() -> Iterator[None]:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         yield
         return
-    with FailureBoard.of_process().guard():
+    with FailureBoard.of_process().guard(patient=True):
         yield
 
 
@@ -186,8 +186,13 @@ class FailureBoard:
         return self._record is not None
 
     @contextlib.contextmanager
-    def guard(self) -> Iterator[None]:
-        """Turn an exception inside into the job's root cause on every rank (see the module)."""
+    def guard(self, patient: bool = False) -> Iterator[None]:
+        """Turn an exception inside into the job's root cause on every rank (see the module).
+
+        `patient`: a region where an error other than a RuntimeError is most likely a check every
+        rank makes alike (setup, a front's call): wait up to `grace_s`, not `settle_s`, for every
+        rank to report the same error (ranks reach such checks seconds apart). Inside a step an
+        error is most likely one rank's own (the loss function's) and is told at once."""
         try:
             yield
         except PeerFailedError:
@@ -197,18 +202,19 @@ class FailureBoard:
                 raise  # every rank raises it, with the groups intact: nothing to tell
             if any(n.startswith(_NOTE) for n in getattr(err, "__notes__", ())):
                 raise  # an inner guard already handled it
-            instead = self._handle(err)
+            instead = self._handle(err, patient)
             if instead is None:
                 raise
             raise instead from err
 
-    def _handle(self, err: Exception) -> BaseException | None:
+    def _handle(self, err: Exception, patient: bool = False) -> BaseException | None:
         """Record or learn the first failure, wake the peers; the error to raise instead, if any."""
         mine = {"rank": str(self.rank), "origin": self.description, "error": _error_text(err)}
         notes = []
         if self._record is None:
             try:
-                if self._everyone_raised(mine["error"]):  # nobody waits on anybody: no failure
+                wait_s = self.grace_s if patient and not isinstance(err, RuntimeError) else None
+                if self._everyone_raised(mine["error"], wait_s or self.settle_s):  # no failure
                     return None
                 self._record = self._publish(mine | {"where": _where(err)}, err)
             except StoreLost as lost:  # its host died or stopped, or the network to it is cut
@@ -240,24 +246,26 @@ class FailureBoard:
             raised.add_note(note)
         return None if raised is err else raised
 
-    def _everyone_raised(self, error: str) -> bool:
+    def _everyone_raised(self, error: str, wait_s: float) -> bool:
         """Whether every rank raised this very error (a check all ranks make alike, before any
         collective): then the groups are intact and no rank needs waking. Waits at most
-        `settle_s`, less once another rank raised something else or a record appears."""
+        `wait_s`, less once another rank raised something else or a record appears."""
         if self.world_size == 1:
             return False
         key = f"{KEY}/{self._generation}/raised"
-        self.store.set(f"{key}/{self.rank}", error)
-        keys = [f"{key}/{r}" for r in range(self.world_size)]
-        deadline = time.monotonic() + self.settle_s
-        while time.monotonic() < deadline and not self.store.check([RECORD]):
-            present = [k for k in keys if self.store.check([k])]
-            if any(v.decode() != error for v in self.store.multi_get(present)):
+        # The first report's text: a rank that raised something else says so to all at once.
+        if self.store.compare_set(f"{key}/text", "", error).decode() != error:
+            self.store.set(f"{key}/differs", "1")
+            return False
+        self.store.add(f"{key}/count", 1)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if self.store.check([RECORD]) or self.store.check([f"{key}/differs"]):
                 return False
-            if len(present) == self.world_size:
+            if self.store.add(f"{key}/count", 0) == self.world_size:
                 self._generation += 1  # every rank counts alike: they all saw every report
                 return True
-            time.sleep(0.01)
+            time.sleep(0.02)
         return False
 
     def _publish(self, mine: dict, err: Exception) -> dict:

@@ -118,7 +118,7 @@ def host_lost_record(why_lost: Exception, answered: bool, namer: Callable[[int],
     """The record of a lost store, from this rank's own deduction (no store to read)."""
     why = "its process ended" if answered else "it was stopped, or the network to it is cut"
     origin = namer(0) if hosts_store(0) else "the c10d store's host"
-    said = f"was lost: the c10d store it hosts {why_lost} ({why})"
+    said = f"was lost: the c10d store it hosts {why_lost}; {why}"
     return _record([0] if hosts_store(0) else [], origin, f"lost: the store {why_lost}", said)
 
 

@@ -118,6 +118,12 @@ def load_checkpoint(
     if _rank() == 0:
         commit.recover(path)  # a save killed in its one non-atomic window left it aside
     raise_on_every_rank(None)  # doubles as the barrier: nobody looks before the recovery
+    if commit.is_temporary(path):
+        raise ValueError(
+            f"{path} is the temporary of a save that did not finish (its name ends in "
+            f"{path.name[path.name.rindex('.') :]}): load the checkpoint under its own name, "
+            f"{path.name[1 : path.name.rindex('.')]}."
+        )
     if not is_checkpoint(path):
         raise FileNotFoundError(f"{path} is not a ZeroPP checkpoint directory (no {META_FILE})")
     raise_on_every_rank(_content_problem(path, _rank(), _world()))

@@ -31,7 +31,7 @@ import uuid
 import warnings
 from pathlib import Path
 
-__all__ = ["clean_temporaries", "publish", "recover", "remove", "temporary"]
+__all__ = ["clean_temporaries", "is_temporary", "publish", "recover", "remove", "temporary"]
 
 # `.NAME.KIND-TOKEN`: a temporary, a complete version, a directory moved aside, a link in the
 # making. Nothing else is ever touched (`last.ckpt.bak` or `.last.ckpt.mine` are not ours).
@@ -44,6 +44,11 @@ def temporary(path: str | Path) -> Path:
     """A fresh hidden sibling of `path` to write the new checkpoint into (not created)."""
     path = Path(path)
     return path.with_name(f".{path.name}.tmp-{_token()}")
+
+
+def is_temporary(path: str | Path) -> bool:
+    """Whether `path` names a temporary (or a link in the making) of a save, not a checkpoint."""
+    return _ANY_TEMPORARY.fullmatch(Path(path).name) is not None
 
 
 def publish(tmp: Path, path: str | Path, *, link: bool = True) -> Path:

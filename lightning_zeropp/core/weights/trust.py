@@ -90,6 +90,11 @@ def check_metadata(path: Path) -> None:
     """Read `path/.metadata` as DCP would, but with only DCP's own classes allowed; raise
     `ValueError` naming the file and the first other global it names."""
     file = path / ".metadata"
+    if not file.is_file():
+        raise ValueError(
+            f"{path} has no .metadata: it is not a complete distributed checkpoint (a save "
+            "killed before it finished, or a partial copy). Use another checkpoint."
+        )
     with open(file, "rb") as stream:
         try:
             _MetadataUnpickler(stream).load()
