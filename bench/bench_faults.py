@@ -91,10 +91,9 @@ def run_job(tree: Path, mode: str, name: str, out: Path, victim: int = -1, clust
         env |= {"LOCAL_WORLD_SIZE": "4", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
         env |= {"MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tree)}
         prefix: list[str] = []
-        if cluster is not None:
-            env |= cluster.env(rank)
-            env["LOCAL_RANK"] = str(rank % 2)  # two ranks per emulated node
-            env["LOCAL_WORLD_SIZE"] = "2"
+        if cluster is not None:  # its node's address and interface; ranks numbered as on one
+            placed = cluster.env(rank)  # node (Lightning's devices=4 counts them so)
+            env |= {k: placed[k] for k in ("MASTER_ADDR", "GLOO_SOCKET_IFNAME")}
             prefix = cluster.command_prefix(rank)
         cmd = [*prefix, sys.executable, str(WORKER), str(tree), mode, name, str(out)]
         log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 - closed with the process

@@ -29,9 +29,9 @@ def _bench() -> object:
 
 @pytest.mark.parametrize("case", ["lightning_partition", "accelerate_partition"])
 def test_a_partition_ends_every_rank_in_time_naming_the_other_side(tmp_path: Path, case: str):
+    bench = _bench()  # puts bench/ on the path
     from netns import EmulatedCluster, unavailable
 
-    bench = _bench()
     if (why := unavailable()) is not None:
         pytest.skip(why)
     spec = bench._scenarios().PARTITIONS[case]
