@@ -465,8 +465,10 @@ class ZeroPPStrategy(ModelParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        if self.is_global_zero:
-            commit.remove(filepath)  # a published directory is a link and its version
+        if self._async is not None:  # not before the save that replaces it is complete
+            self._async.remove(filepath)
+        elif self.is_global_zero:
+            commit.remove(filepath)
 
     def _raw_optimizers(self) -> list[torch.optim.Optimizer]:
         return [getattr(o, "_optimizer", o) for o in self.optimizers]

@@ -287,3 +287,30 @@ def test_a_failed_async_save_raises_at_the_next_wait(tmp_path: Path, group: None
     with pytest.raises(RuntimeError, match=r"the asynchronous checkpoint save failed: killed here"):
         saver.wait()
     assert not (tmp_path / "ckpt").exists() and saver.wait() is None
+
+
+def test_a_checkpoint_replaced_by_a_pending_save_goes_only_once_that_is_complete(
+    tmp_path: Path, group: None, monkeypatch
+):
+    # ModelCheckpoint(save_top_k=1) deletes the previous checkpoint right after starting the
+    # next save: until that is written, the previous one is the last complete one.
+    import threading
+
+    from lightning_zeropp.core.weights import checkpoint
+    from lightning_zeropp.core.weights.async_checkpoint import AsyncCheckpointer
+
+    saver, model = AsyncCheckpointer(), nn.Linear(3, 3)
+    saver.save(tmp_path / "step=2.ckpt", model, [])
+    saver.wait()
+    release = threading.Event()
+    finish = checkpoint.finish_save
+    monkeypatch.setattr(
+        "lightning_zeropp.core.weights.async_checkpoint.finish_save",
+        lambda tmp, path: (release.wait(30), finish(tmp, path)),
+    )
+    saver.save(tmp_path / "step=4.ckpt", model, [])
+    saver.remove(tmp_path / "step=2.ckpt")
+    assert (tmp_path / "step=2.ckpt" / "meta.pt").is_file()  # the new one is not written yet
+    release.set()
+    saver.wait()
+    assert _entries(tmp_path) == ["step=4.ckpt"]

@@ -9,7 +9,8 @@ when its write finishes, which is after every rank's (DCP gathers their results 
 the metadata). Until then the name still holds the previous checkpoint.
 
 One save runs at a time: a save started while another writes first waits for it (every rank
-waits alike, so the saves stay in one order). DCP's thread synchronizes the ranks on a gloo group
+waits alike, so the saves stay in one order). A checkpoint the pending save replaces is deleted
+only once that save is complete (`remove`). DCP's thread synchronizes the ranks on a gloo group
 of its own, created (collectively, with the world timeout) at the first save: collectives from
 two threads must not share the training's groups. A failure in the background (a rank lost while
 it writes, a full disk) goes to the failure board at once (`core.step.failure`): every rank's
@@ -35,7 +36,7 @@ from lightning_zeropp.core.step.failure import (
     failure_guard,
     guarded,
 )
-from lightning_zeropp.core.weights import checksum
+from lightning_zeropp.core.weights import checksum, commit
 from lightning_zeropp.core.weights.checkpoint import checkpoint_state, finish_save, prepare_save
 
 __all__ = ["AsyncCheckpointer"]
@@ -84,6 +85,19 @@ class AsyncCheckpointer:
         written.add_done_callback(publish)
         self._pending = done
         return done
+
+    def remove(self, path: str | Path) -> None:
+        """Delete the checkpoint at `path` (on global rank 0) once the pending save is complete:
+        `ModelCheckpoint` drops the checkpoint a new one replaces right after starting the new
+        one, and until it is written the old one is the last complete one. Not collective."""
+        if dist.get_rank() != 0:
+            return
+        pending = self._pending
+        if pending is None or pending.done():
+            commit.remove(path)
+            return
+        # Runs in the thread that completes the save; a failed save keeps the old checkpoint.
+        pending.add_done_callback(lambda done: done.exception() or commit.remove(path))
 
     @guarded
     def wait(self) -> Path | None:
