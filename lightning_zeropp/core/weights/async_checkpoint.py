@@ -19,6 +19,7 @@ next collective raises naming it, not only the next save's wait.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,8 @@ class AsyncCheckpointer:
     def __init__(self) -> None:
         self._group: dist.ProcessGroup | None = None
         self._pending: Future[Path] | None = None
+        self._removals: list[Path] = []  # to delete once the pending save is published
+        self._lock = threading.Lock()
 
     @guarded
     def save(
@@ -77,6 +80,7 @@ class AsyncCheckpointer:
                     _result(future, path)
                     if dist.get_rank() == 0:
                         finish_save(tmp, path)
+                        self._remove_queued()
             except BaseException as err:  # handed to whoever waits
                 done.set_exception(err)
             else:
@@ -92,12 +96,17 @@ class AsyncCheckpointer:
         one, and until it is written the old one is the last complete one. Not collective."""
         if dist.get_rank() != 0:
             return
-        pending = self._pending
-        if pending is None or pending.done():
+        with self._lock:  # the save's thread removes what is queued once it has published
+            if self._pending is not None and not self._pending.done():
+                self._removals.append(Path(path))
+                return
+        commit.remove(path)
+
+    def _remove_queued(self) -> None:
+        with self._lock:
+            queued, self._removals = self._removals, []
+        for path in queued:
             commit.remove(path)
-            return
-        # Runs in the thread that completes the save; a failed save keeps the old checkpoint.
-        pending.add_done_callback(lambda done: done.exception() or commit.remove(path))
 
     @guarded
     def wait(self) -> Path | None:
