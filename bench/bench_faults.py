@@ -184,9 +184,9 @@ def bad_inputs(tree: Path, root: Path) -> list[dict]:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     expected = module.EXPECTED
-    results, hung, _ = run_job(tree, "attempts", ",".join(NEW_ATTEMPTS), root / "bad_inputs")
     rows = []
-    for name in NEW_ATTEMPTS:
+    for name in NEW_ATTEMPTS:  # each in a job of its own: one input's failure cannot hide another's
+        results, _, _ = run_job(tree, "attempts", name, root / "bad_inputs" / name)
         seen = [results.get(r, {}).get(name, "no result (hung or crashed)") for r in range(4)]
         rows.append(
             {
@@ -223,6 +223,7 @@ def _busy_port(tree: Path, root: Path) -> dict:
         env.pop(var, None)
     proc = subprocess.Popen(
         [sys.executable, "-c", _BUSY_PORT],
+        cwd=tree,  # the tree's library, not this checkout's (the current folder comes first)
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -375,11 +376,21 @@ def main() -> None:
     args = parser.parse_args()
     only = set(args.only.split(",")) if args.only else None
     results: dict[str, dict] = {}
+    earlier_file = ROOT / "bench" / "results" / "faults.json"
+    earlier = json.loads(earlier_file.read_text()) if only and earlier_file.exists() else {}
     if args.before:
         results["before"] = measure(_tree_of(args.before), only, "before")
         results["before"]["commit"] = _commit(ROOT, args.before)
     results["after"] = measure(ROOT, only, "after")
     results["after"]["commit"] = _commit(ROOT) + (" + uncommitted changes" if _dirty() else "")
+    for label, result in results.items():  # --only: the other figures come from the last run
+        kept = earlier.get(label, {})
+        ran = {c["case"] for c in result["cases"]}
+        result["cases"] = [c for c in kept.get("cases", []) if c["case"] not in ran] + result[
+            "cases"
+        ]
+        if not result["bad_inputs"]:
+            result["bad_inputs"] = kept.get("bad_inputs", [])
     write(results)
     print((ROOT / "bench" / "results" / "faults.md").read_text())
 

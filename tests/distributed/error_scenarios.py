@@ -447,12 +447,33 @@ _NEEDS_DIR = {
 }
 
 
-def attempt_all(work_dir: str, only: list[str] | None = None) -> dict[str, str]:
+# Attempts run only by the slow test (and bench/bench_faults.py): variants of ones CI runs, or
+# checked in one process by unit tests (tests/unit/test_checkpoint_trust.py, test_no_hang.py).
+SLOW_ATTEMPTS = {
+    "accelerate_split_points_differ_per_rank",
+    "lightning_pp_size_differs_per_rank",
+    "lightning_schedule_differs_per_rank",
+    "accelerate_param_dtype_differs_per_rank",
+    "accelerate_quantized_weights_differ_per_rank",
+    "model_depth_differs_per_rank",
+    "lightning_ckpt_metadata_runs_code",
+    "lightning_ckpt_truncated_shard",
+    "lightning_ckpt_without_metadata",
+    "lightning_ckpt_a_temporary",
+    "load_from_a_deeper_model",
+    "lightning_timeout_not_a_timedelta",
+}
+
+
+def attempt_all(work_dir: str, only: list[str] | None = None, slow: bool = False) -> dict[str, str]:
     """Each attempt's error, as 'Type: message' (or 'no error'). `work_dir`: a directory every
-    rank shares, for the checkpoints the attempts write; `only`: these attempts (debugging)."""
+    rank shares, for the checkpoints the attempts write; `only`: these attempts, else those CI
+    runs (`slow`: those the slow test runs, `SLOW_ATTEMPTS`)."""
     out = {}
     for name, fn in ATTEMPTS.items():
         if only is not None and name not in only:
+            continue
+        if only is None and (name in SLOW_ATTEMPTS) != slow:
             continue
         try:
             if name in _NEEDS_DIR:

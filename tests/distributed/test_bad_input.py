@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.distributed.error_scenarios import SLOW_ATTEMPTS
 from tests.distributed.launch import launch
 
 pytestmark = pytest.mark.distributed
@@ -89,16 +90,28 @@ def errors(tmp_path_factory):
 
 
 def test_every_attempt_is_checked(errors):
-    assert set(errors[0]) == set(EXPECTED)
+    assert set(errors[0]) == set(EXPECTED) - SLOW_ATTEMPTS
 
 
-@pytest.mark.parametrize("name", EXPECTED)
+@pytest.mark.parametrize("name", sorted(set(EXPECTED) - SLOW_ATTEMPTS))
 def test_every_rank_gets_a_clear_error(errors, name):
     for rank, rank_errors in enumerate(errors):
         message = rank_errors[name]
         kind = ERROR_TYPE.get(name, "ValueError")
         assert message.startswith(f"{kind}: "), f"rank {rank}: {message}"
         assert EXPECTED[name] in message, f"rank {rank}: {message}"
+
+
+@pytest.mark.slow  # another 4-rank launch: bench/slow_tests.py
+def test_every_rank_gets_a_clear_error_in_the_slow_attempts(tmp_path):
+    params = {"work_dir": str(tmp_path / "work"), "slow": True}
+    seen = launch(4, "error_scenarios.attempt_all", params, tmp_path, timeout=400)
+    assert set(seen[0]) == SLOW_ATTEMPTS
+    for name in sorted(SLOW_ATTEMPTS):
+        for rank, rank_errors in enumerate(seen):
+            kind = ERROR_TYPE.get(name, "ValueError")
+            assert rank_errors[name].startswith(f"{kind}: "), f"{name}, rank {rank}"
+            assert EXPECTED[name] in rank_errors[name], f"{name}, rank {rank}: {rank_errors[name]}"
 
 
 def test_a_bad_batch_on_one_data_parallel_rank_is_named_on_every_rank(errors):
