@@ -117,6 +117,11 @@ class EmulatedCluster:
         _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
              "rate", f"{mbit}mbit", "burst", str(burst), "limit", str(limit))  # fmt: skip
 
+    def cut(self, node: int) -> None:
+        """Partition: take down the hub's end of `node`'s link (packets to and from the node are
+        dropped; its sockets stay open, as behind a failed switch)."""
+        _run("ip", "-n", f"lzpp{self.tag}hub", "link", "set", f"h{self.tag}n{node}", "down")
+
     # ------------------------------------------------------------------ ranks
     def node_of(self, rank: int) -> int:
         return rank // self.ranks_per_node

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import copy
 import re
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -49,7 +48,10 @@ from lightning_zeropp.accelerate.pipeline_model import NUM_ITEMS, PipelineModel
 from lightning_zeropp.accelerate.plugin import prepare_pipeline
 from lightning_zeropp.accelerate.shares import in_process_order, process_order, share
 from lightning_zeropp.accelerate.zeropp_plugin import ZeroPPPlugin
+from lightning_zeropp.core.settings import launch
+from lightning_zeropp.core.step.failure import guarded
 from lightning_zeropp.core.weights import commit
+from lightning_zeropp.core.weights.checkpoint import prepare_save
 from lightning_zeropp.core.weights.export import full_state_dict
 from lightning_zeropp.models.hf_loss import LossWatch, disable_kv_cache, token_rule
 
@@ -61,6 +63,7 @@ class ZeroPPAccelerator(Accelerator):
     the `ZEROPP_*` variables `accelerate launch` carries, then the library's defaults)."""
 
     def __init__(self, *args: Any, zeropp_plugin: ZeroPPPlugin | None = None, **kwargs: Any):
+        launch.check_restart()  # before Accelerate forms the process group
         super().__init__(*args, **kwargs)
         self.zeropp_plugin = zeropp_plugin or ZeroPPPlugin()
         self.pipeline: PipelineModel | None = None
@@ -217,20 +220,15 @@ class ZeroPPAccelerator(Accelerator):
                     f"Checkpoint directory {final} ({self.save_iteration}) already exists; set "
                     "accelerator.project_configuration.iteration to the next free number."
                 )
-            tmp = commit.temporary(Path(self.project_dir) / final.name)
+            tmp = Path(self.project_dir) / final.name
         elif output_dir is None:
             raise ValueError("save_state needs output_dir (or automatic_checkpoint_naming)")
         else:
-            final = Path(output_dir)
-            tmp = commit.temporary(final)
-        box = [str(tmp)]  # one temporary for all ranks: each writes its own files into it
-        dist.broadcast_object_list(box, src=0)
-        tmp = Path(box[0])
-        if self.is_main_process:
-            if automatic:
-                _prune(final.parent, project.total_limit)
-            shutil.rmtree(tmp, ignore_errors=True)
-        self.wait_for_everyone()
+            final = tmp = Path(output_dir)
+        if self.is_main_process and automatic:
+            _prune(final.parent, project.total_limit)
+        # One temporary for all ranks, made before its name is shared: each writes its files in.
+        tmp = prepare_save(tmp)
         project.automatic_checkpoint_naming = False  # write where told: the temporary
         try:
             super().save_state(str(tmp), safe_serialization, **kw)
@@ -268,6 +266,24 @@ class ZeroPPAccelerator(Accelerator):
                     owner, _, attr = name.rpartition(".")
                     setattr(whole.get_submodule(owner), attr, shared)
         return whole
+
+
+# Every call that communicates runs under the failure board: a rank failing or lost in it is
+# named on every rank (`core.step.failure`), as inside a training step.
+for _name in (
+    "prepare",
+    "gather",
+    "gather_for_metrics",
+    "reduce",
+    "pad_across_processes",
+    "wait_for_everyone",
+    "save_state",
+    "load_state",
+    "get_state_dict",
+    "save_model",
+    "unwrap_model",
+):
+    setattr(ZeroPPAccelerator, _name, guarded(getattr(ZeroPPAccelerator, _name)))
 
 
 # ---------------------------------------------------------------------------------- helpers

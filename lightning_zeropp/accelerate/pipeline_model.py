@@ -28,6 +28,7 @@ from torch import nn
 from lightning_zeropp.accelerate.engine import ZeroPPAccelerateEngine
 from lightning_zeropp.accelerate.shares import eval_microbatches_by_share, share_losses
 from lightning_zeropp.core.schedule.build import eval_microbatches
+from lightning_zeropp.core.step.failure import guarded
 from lightning_zeropp.models.hf_loss import (
     NUM_ITEMS,
     LossWatch,
@@ -116,6 +117,7 @@ class PipelineModel(nn.Module):
         self.rows: int | None = None  # of the last call's batch (`shares`)
 
     # ---------------------------------------------------------------- calls
+    @guarded  # token counts and logits are collectives too: a lost rank is named
     def forward(self, *args: Any, **kwargs: Any) -> PipelineOutput:
         shaped = self._reshaped(args, kwargs)
         kwargs = shaped.batch

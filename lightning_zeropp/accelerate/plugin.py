@@ -52,6 +52,7 @@ from lightning_zeropp.core.settings.config import ZeroPPConfig, ZeroPPLayout
 from lightning_zeropp.core.settings.merge import RunSettings, merge_settings
 from lightning_zeropp.core.settings.values import fields_of, setting_error
 from lightning_zeropp.core.split.methods import SplitMethod
+from lightning_zeropp.core.step.failure import guarded
 from lightning_zeropp.core.weights.materialize import InitFn
 from lightning_zeropp.models.hf_loss import disable_kv_cache
 
@@ -62,6 +63,7 @@ log = logging.getLogger(__name__)
 _SUPPORTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
 
+@guarded  # setup communicates: a rank failing or lost in it is named on every rank
 def prepare_pipeline(
     accelerator: Accelerator,
     model: nn.Module,

@@ -33,7 +33,7 @@ from lightning_zeropp.core.measure.memory import (
     measure,
 )
 from lightning_zeropp.core.measure.planning import PlanningStats
-from lightning_zeropp.core.mesh import ParallelDims, build_mesh
+from lightning_zeropp.core.mesh import ParallelDims, build_mesh, mesh_coordinates
 from lightning_zeropp.core.schedule.build import (
     build_eval_schedule,
     build_schedule,
@@ -62,6 +62,7 @@ from lightning_zeropp.core.split.methods import (
 )
 from lightning_zeropp.core.split.modules import merge_stage_modules
 from lightning_zeropp.core.split.tied import TiedWeights, tied_groups
+from lightning_zeropp.core.step.agree import agree, check_replicas, model_layout, settings_fields
 from lightning_zeropp.core.step.batch import (
     ShapeGuard,
     agree_on_step,
@@ -69,7 +70,7 @@ from lightning_zeropp.core.step.batch import (
     check_divisible,
     shape_key,
 )
-from lightning_zeropp.core.step.failure import FailureBoard, describe_rank
+from lightning_zeropp.core.step.failure import FailureBoard, describe_rank, guarded
 from lightning_zeropp.core.step.grads import StepGrads, average_whole_grads, clip_grad_norm_
 from lightning_zeropp.core.step.nonfinite import NonFiniteWatch
 from lightning_zeropp.core.weights.materialize import (
@@ -114,6 +115,7 @@ class ZeroPPEngine:
             rank's shards from (`core.weights.load`), after sharding; the whole model is never read.
     """
 
+    @guarded
     def __init__(
         self,
         model: nn.Module,
@@ -133,21 +135,25 @@ class ZeroPPEngine:
         self.config = config.resolve(dist.get_world_size(), launcher_node_size())
         cfg = self.config
         self.device = device or torch.device("cpu")
+        self.num_stages = cfg.num_stages
+        self._meta = has_meta(model)
+        self.plan = _plan(model, self.num_stages, cfg.split_points)
+        self.split = resolve_split(model, split)
+        # Setup communicates: a rank failing or lost in it is named on every rank (the board
+        # guards this constructor), and ranks that would build other layouts stop here.
+        self.failures = FailureBoard.of_process()
+        agree(settings_fields(cfg, split=self.split, **model_layout(model, self.plan)))
         self.dims: ParallelDims = dims or build_mesh(cfg, self.device.type)
         self.style = schedule_style(cfg.schedule)
         self.stage_ids = stage_ids_for_rank(
             self.style, self.dims.pp_rank, cfg.pp_size, cfg.num_chunks
         )
-        self.num_stages = cfg.num_stages
-        self._meta = has_meta(model)
-        self.plan = _plan(model, self.num_stages, cfg.split_points)
         if cfg.compile and self.plan is None:
             raise ValueError(
                 f"compile=True compiles each block of the model, but {type(model).__name__} has "
                 "no blocks (a ModuleList, ModuleDict or nn.Sequential of at least 2 layers); "
                 "compile the model yourself (torch.compile) and leave compile=False."
             )
-        self.split = resolve_split(model, split)
         if self._meta and self.split == "trace" and self.num_stages > 1:
             # Tracing records the device of every value: a meta model's graph runs on meta.
             if split != "auto":
@@ -207,7 +213,8 @@ class ZeroPPEngine:
             self._shapes = ShapeGuard(example, cfg.num_microbatches)
         # A failure inside a step (say the loss raising on the last stage) becomes, on every
         # rank, an error naming the failing rank and its error, instead of transport errors.
-        self.failures = FailureBoard(describe_rank(self.dims.mesh, self.stage_ids))
+        self.failures.describe(describe_rank(self.dims.mesh, self.stage_ids), self._describe)
+        self._replicas_checked = False  # at the first step: after a checkpoint was loaded
         self.nonfinite = NonFiniteWatch(
             modules, self.stage_ids, self.num_stages, self.device, cfg.nonfinite
         )
@@ -219,6 +226,24 @@ class ZeroPPEngine:
         self._activation_peak: int | None = None  # the same step's
 
     # ------------------------------------------------------------------ set-up
+    def _describe(self, rank: int) -> str:
+        """Any rank's name in messages (`describe_rank`, with that rank's stages)."""
+        coords = mesh_coordinates(self.dims.mesh, rank)
+        stages = stage_ids_for_rank(
+            self.style, coords.get("pp", 0), self.config.pp_size, self.config.num_chunks
+        )
+        return describe_rank(self.dims.mesh, stages, rank=rank)
+
+    def _check_replicas_once(self) -> None:
+        """Before the first step (after any checkpoint was loaded): replicas start alike."""
+        if not self._replicas_checked:
+            group = None
+            if self.config.dp_replicate_size > 1:
+                group = self.dims.mesh.get_group("dp_replicate")
+            with self.failures.guard():
+                check_replicas(self.module.named_parameters(), group)
+            self._replicas_checked = True
+
     def _prepare_stage(self, module: nn.Module, stage_id: int) -> None:
         blocks = self.plan.stage_blocks(stage_id) if self.plan is not None else []
         if self._meta:
@@ -422,6 +447,7 @@ class ZeroPPEngine:
         all-reduce per step decides it, and stops every rank when one rank's batch fails its
         checks (`agree_on_step`). None when the step is skipped (on every rank).
         """
+        self._check_replicas_once()
         problem, microbatches, key, popped = None, 0, None, None
         if not skip:
             try:  # this rank's own checks, before any communication

@@ -21,7 +21,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from lightning_zeropp.core._torch_private import group_timeout, mesh_group_options
 from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 
-__all__ = ["ParallelDims", "build_mesh", "build_partition_mesh", "describe_rank", "world_timeout"]
+__all__ = [
+    "ParallelDims",
+    "build_mesh",
+    "build_partition_mesh",
+    "describe_rank",
+    "mesh_coordinates",
+    "world_timeout",
+]
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard")
 
@@ -104,21 +111,34 @@ def world_timeout() -> timedelta | None:
     return group_timeout(dist.group.WORLD) if dist.is_initialized() else None
 
 
-def describe_rank(mesh: DeviceMesh | None = None, stage_ids: Sequence[int] = ()) -> str:
-    """This rank's name for messages: 'rank 3 (pipeline stage 1, dp_shard 1)'.
+def describe_rank(
+    mesh: DeviceMesh | None = None, stage_ids: Sequence[int] = (), rank: int | None = None
+) -> str:
+    """A rank's name for messages: 'rank 3 (pipeline stage 1, dp_shard 1)'; this rank's unless
+    `rank` is given (then `stage_ids` are that rank's).
 
-    Names the stages given, then this rank's coordinate on every mesh axis longer than one
+    Names the stages given, then the rank's coordinate on every mesh axis longer than one
     (the "pp" coordinate only when no stages are given).
     """
+    rank = dist.get_rank() if rank is None else rank
+    coords = mesh_coordinates(mesh, rank) if mesh is not None else {}
     parts = []
     if stage_ids:
         plural = "s" if len(stage_ids) > 1 else ""
         parts.append(f"pipeline stage{plural} " + " and ".join(str(s) for s in stage_ids))
     if mesh is not None:
         for dim, name in enumerate(mesh.mesh_dim_names or ()):
-            if mesh.size(dim) > 1 and not (name == "pp" and stage_ids):
-                parts.append(f"{name} {mesh.get_local_rank(name)}")
-    return f"rank {dist.get_rank()}" + (f" ({', '.join(parts)})" if parts else "")
+            if mesh.size(dim) > 1 and not (name == "pp" and stage_ids) and name in coords:
+                parts.append(f"{name} {coords[name]}")
+    return f"rank {rank}" + (f" ({', '.join(parts)})" if parts else "")
+
+
+def mesh_coordinates(mesh: DeviceMesh, rank: int) -> dict[str, int]:
+    """`rank`'s coordinate on each named axis of `mesh` (empty when it is not in the mesh)."""
+    where = (mesh.mesh == rank).nonzero()
+    if not len(where):
+        return {}
+    return dict(zip(mesh.mesh_dim_names or (), where[0].tolist(), strict=True))
 
 
 def device_for_rank(device_type: str) -> torch.device:

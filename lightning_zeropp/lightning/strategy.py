@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 from collections.abc import Generator
 from pathlib import Path
 from typing import Any
@@ -35,12 +36,15 @@ from typing_extensions import override
 
 from lightning_zeropp.core.engine import ZeroPPEngine
 from lightning_zeropp.core.mesh import ParallelDims, build_mesh
+from lightning_zeropp.core.settings import launch
 from lightning_zeropp.core.settings.config import ZeroPPConfig, ZeroPPLayout
 from lightning_zeropp.core.settings.merge import merge_settings, takes_settings
 from lightning_zeropp.core.split.methods import SplitMethod, check_split
+from lightning_zeropp.core.step.agree import agree, settings_fields
+from lightning_zeropp.core.step.failure import failure_guard, guarded
 from lightning_zeropp.core.step.grads import StepGrads
 from lightning_zeropp.core.weights import checkpoint as ckpt
-from lightning_zeropp.core.weights import commit, export
+from lightning_zeropp.core.weights import commit, export, trust
 from lightning_zeropp.core.weights.async_checkpoint import AsyncCheckpointer
 from lightning_zeropp.core.weights.materialize import InitFn, empty_parameters
 from lightning_zeropp.lightning import checkpointing, hooks, resume, settings
@@ -111,6 +115,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
         init: InitFn | None = None,
         **settings: Any,
     ) -> None:
+        launch.check_timeout(timeout)
         if split is not None:
             check_split(split)
         # One path for every front: these arguments over the ZEROPP_* variables; the layout is
@@ -200,13 +205,29 @@ class ZeroPPStrategy(ModelParallelStrategy):
             yield
 
     @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        env_ = self.cluster_environment
+        if self._launcher is not None and "MASTER_PORT" in os.environ and env_.node_rank() == 0:
+            # This process starts the ranks and hosts their store: a busy port would leave
+            # the ranks it starts waiting on whatever holds it.
+            launch.check_port_free(env_.main_address, env_.main_port)
+
+    @override
     def setup_environment(self) -> None:
         # Validate on every rank before the process group exists: a bad size fails everywhere.
         world_size = self.num_nodes * self.num_processes
         self.zeropp_config = self._settings.resolve(world_size)
-        self._setup_distributed()
-        if self._dims is None:  # fit then validate on one Trainer sets up twice: keep one mesh
-            self._dims = build_mesh(self.zeropp_config, self.root_device.type)
+        launch.check_restart()
+        timeout = self._timeout.total_seconds() if self._timeout else 1800.0
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        with launch.join_deadline(timeout + 30, f"joining the process group (store at {where})"):
+            self._setup_distributed()
+        # Ranks that resolved other settings (a ZEROPP_* variable set on one node) stop here.
+        with failure_guard():
+            agree(settings_fields(self.zeropp_config))
+            if self._dims is None:  # fit then validate on one Trainer sets up twice: one mesh
+                self._dims = build_mesh(self.zeropp_config, self.root_device.type)
         self._device_mesh = self._dims.mesh
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._dims.mesh
@@ -351,7 +372,8 @@ class ZeroPPStrategy(ModelParallelStrategy):
             return checkpointing.load_full_file(
                 path, module, self._raw_optimizers(), weights_only, module.strict_loading
             )
-        return ckpt.load_checkpoint(path, self.lightning_module, self._raw_optimizers())
+        trusted = trust.trusted_types(dict(self.lightning_module.hparams))  # built here already
+        return ckpt.load_checkpoint(path, self.lightning_module, self._raw_optimizers(), trusted)
 
     @override
     def teardown(self) -> None:
@@ -364,8 +386,10 @@ class ZeroPPStrategy(ModelParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        if self.is_global_zero:
-            commit.remove(filepath)  # a published directory is a link and its version
+        if self._async is not None:  # not before the save that replaces it is complete
+            self._async.remove(filepath)
+        elif self.is_global_zero:
+            commit.remove(filepath)
 
     def _raw_optimizers(self) -> list[torch.optim.Optimizer]:
         return [getattr(o, "_optimizer", o) for o in self.optimizers]
@@ -384,6 +408,27 @@ class ZeroPPStrategy(ModelParallelStrategy):
         to an exporter such as `lightning_zeropp.models.hf.export_hf`."""
         return export.full_state_dict(self.engine.module, self.engine.dims)
 
+
+# Every call that communicates runs under the failure board: a rank failing or lost in it is
+# named on every rank (`core.step.failure`), as inside a training step.
+for _name in (
+    "setup",
+    "training_step",
+    "validation_step",
+    "test_step",
+    "predict_step",
+    "barrier",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "save_checkpoint",
+    "load_checkpoint",
+    "lightning_module_state_dict",
+    "optimizer_state",
+    "remove_checkpoint",
+    "teardown",
+):
+    setattr(ZeroPPStrategy, _name, guarded(getattr(ZeroPPStrategy, _name)))
 
 if "zeropp" not in StrategyRegistry:
     ZeroPPStrategy.register_strategies(StrategyRegistry)

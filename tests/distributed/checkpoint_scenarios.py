@@ -14,6 +14,7 @@ AdamW, 3 steps per epoch):
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,11 @@ MICRO_BATCH = GLOBAL_BATCH // 2 // 2  # global batch / dp / micro-batches
 def run_all(out: str) -> dict[str, Any]:
     root = Path(out)
     sharded = fit(
-        2, checkpoint_dir=root / "sharded", save_to=root / "after-fit.ckpt", async_save=True
+        2,
+        checkpoint_dir=root / "sharded",
+        save_to=root / "after-fit.ckpt",
+        async_save=True,
+        every_two=root / "every2",
     )
     full = fit(
         1, state_dict_type="full", checkpoint_dir=root / "full", save_to=root / "explicit.ckpt"
@@ -65,6 +70,8 @@ def fit(
     resume_from: Path | None = None,
     init_seed: int = 0,
     async_save: bool = False,
+    every_two: Path | None = None,
+    max_steps: int = -1,
 ) -> dict[str, Any]:
     strategy = ZeroPPStrategy(
         split="stack", state_dict_type=state_dict_type, async_save=async_save, **LAYOUT
@@ -73,14 +80,17 @@ def fit(
     callbacks: list[pl.Callback] = [record]
     if checkpoint_dir is not None:
         callbacks.append(ModelCheckpoint(dirpath=checkpoint_dir, filename="{epoch}", save_top_k=-1))
+    if every_two is not None:  # saves that follow each other closely, in the background too
+        callbacks.append(ModelCheckpoint(dirpath=every_two, every_n_train_steps=2, save_last=True))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=_world_size(),
         strategy=strategy,
         max_epochs=epochs,
+        max_steps=max_steps,
         callbacks=callbacks,
         logger=False,
-        enable_checkpointing=checkpoint_dir is not None,
+        enable_checkpointing=checkpoint_dir is not None or every_two is not None,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
@@ -101,3 +111,12 @@ def fit(
     if state_dict_type == "full":  # the exporters' gather: the network alone, on rank 0
         out["network_state"] = strategy.full_state_dict()
     return out
+
+
+def async_every_two(out: str, steps: int) -> dict[str, Any]:
+    """`steps` steps with `async_save=True` and `ModelCheckpoint(every_n_train_steps=2,
+    save_last=True)`: a save every other step, each followed by last.ckpt's."""
+    root = Path(out)
+    epochs = -(-steps // STEPS_PER_EPOCH)
+    result = fit(epochs, async_save=True, every_two=root / "every2", max_steps=steps)
+    return {"logged": len(result["logged"]), "files": sorted(os.listdir(root / "every2"))}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import pickle
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -249,6 +250,106 @@ def _ckpt_missing(work_dir: Path) -> None:
     _fit(ZeroPPStrategy(pp_size=2), ckpt_path=str(work_dir / "never-saved.ckpt"))
 
 
+def _ckpt_of_a_deeper_model(work_dir: Path) -> None:
+    from lightning_zeropp.core.weights.checkpoint import save_checkpoint
+
+    path = work_dir / "deeper.ckpt"  # a sharded (DCP) checkpoint of a model of 10 blocks, not 8
+    save_checkpoint(path, LitGPT(dataclasses.replace(MODEL, num_layers=10)), [], {})
+    _fit(ZeroPPStrategy(pp_size=2), ckpt_path=str(path))
+
+
+class _RunsCode:
+    """Unpickling it calls print: harmless here, but a crafted checkpoint could call anything."""
+
+    def __reduce__(self) -> tuple:
+        return (print, ("[a crafted checkpoint ran code]",))
+
+
+def _saved_sharded(work_dir: Path, name: str = "saved.ckpt") -> Path:
+    from lightning_zeropp.core.weights.checkpoint import save_checkpoint
+
+    return save_checkpoint(work_dir / name, LitGPT(MODEL), [], {"global_step": 0})
+
+
+def _changed_and_loaded(work_dir: Path, change: Any) -> None:
+    """A sharded checkpoint that rank 0 changes after the save, then `ckpt_path=` it."""
+    path = _saved_sharded(work_dir)
+    _barrier_after_rank0(lambda: change(path))
+    _fit(ZeroPPStrategy(pp_size=2), ckpt_path=str(path))
+
+
+def _crafted(file: Path, write: Any, value: Any) -> None:
+    """An attacker's file in a checkpoint, the checksums removed (they would give it away)."""
+    write(value, file)
+    (file.parent / "SHA256SUMS").unlink(missing_ok=True)
+
+
+def _pickle_to(value: Any, file: Path) -> None:
+    file.write_bytes(pickle.dumps(value))
+
+
+def _flip_a_byte(file: Path, at: float = 0.5, truncate: bool = False) -> None:
+    data = bytearray(file.read_bytes())
+    if truncate:
+        file.write_bytes(bytes(data[: len(data) // 2]))
+        return
+    data[int(len(data) * at)] ^= 0x10
+    file.write_bytes(bytes(data))
+
+
+def _ckpt_a_temporary(work_dir: Path) -> None:
+    # What a save killed mid-write leaves: `.saved.ckpt.tmp-<id>` holding meta.pt and shards.
+    path = _saved_sharded(work_dir)
+    temporary = work_dir / ".saved.ckpt.tmp-0123abcd"
+    _barrier_after_rank0(lambda: os.rename(path, temporary))
+    _fit(ZeroPPStrategy(pp_size=2), ckpt_path=str(temporary))
+
+
+def _load_from_a_deeper_model(work_dir: Path) -> None:
+    from lightning_zeropp.core.weights.checkpoint import save_checkpoint
+
+    path = work_dir / "deeper"
+    save_checkpoint(path, GPT(dataclasses.replace(MODEL, num_layers=10)), [], {})
+    example = (torch.zeros(2, MODEL.seq_len, dtype=torch.long),)
+    config = ZeroPPConfig(pp_size=2, dp_shard_size=2)
+    ZeroPPEngine(make_model(), config, loss_fn=lm_loss, example_args=example, load_from=path)
+
+
+# ------------------------------------------------------------------ ranks that disagree
+def _split_points_per_rank() -> dict[str, str]:
+    """ZEROPP_SPLIT_POINTS set differently on the two pipeline stages' ranks (pp-major: ranks 0
+    and 1 hold stage 0)."""
+    return {"ZEROPP_PP_SIZE": "2", "ZEROPP_SPLIT_POINTS": "4" if dist.get_rank() < 2 else "3"}
+
+
+def _with_env(env: dict[str, str], run: Any) -> None:
+    with _environ(**env):
+        run()
+
+
+def _lightning_split_points_differ() -> None:
+    with _environ(**_split_points_per_rank()):
+        _fit(ZeroPPStrategy())
+
+
+def _per_rank_env(**pairs: tuple[str, str]) -> dict[str, str]:
+    """Variables set one way on ranks 0 and 1 (pipeline stage 0), another on ranks 2 and 3."""
+    return {k: (first if dist.get_rank() < 2 else second) for k, (first, second) in pairs.items()}
+
+
+def _depth_per_rank() -> None:
+    # One node built a deeper model (another config file): the ranks would cut other blocks.
+    depth = 8 if dist.get_rank() < 2 else 10
+    _engine(GPT(dataclasses.replace(MODEL, num_layers=depth)), pp_size=2, dp_shard_size=2)
+
+
+def _hsdp_unseeded() -> None:
+    # Each rank builds the model from its own seed: the two replicas of each shard differ.
+    engine = _engine(make_model(seed=dist.get_rank()), dp_replicate_size=2, dp_shard_size=2)
+    x = torch.zeros(4, MODEL.seq_len, dtype=torch.long)
+    engine.train_step(x, target=x)
+
+
 # ------------------------------------------------------------------ Accelerate
 def _accelerate(env: dict[str, str] | None = None, batch: int = 16, **settings: Any) -> None:
     """`prepare_pipeline` as a user's script calls it, layout from `settings` or `env`."""
@@ -320,6 +421,47 @@ ATTEMPTS = {
     "accelerate_env_bad_dtype": lambda: _accelerate(
         env={"ZEROPP_PP_SIZE": "2", "ZEROPP_PARAM_DTYPE": "fp8"}
     ),
+    "lightning_ckpt_of_a_deeper_model": _ckpt_of_a_deeper_model,
+    # ranks that must agree
+    "lightning_split_points_differ_per_rank": _lightning_split_points_differ,
+    "accelerate_split_points_differ_per_rank": lambda: _accelerate(env=_split_points_per_rank()),
+    "hsdp_replicas_built_unseeded": _hsdp_unseeded,
+    "lightning_pp_size_differs_per_rank": lambda: _with_env(
+        _per_rank_env(ZEROPP_PP_SIZE=("2", "4")), lambda: _fit(ZeroPPStrategy())
+    ),
+    "lightning_schedule_differs_per_rank": lambda: _with_env(
+        _per_rank_env(ZEROPP_PP_SIZE=("2", "2"), ZEROPP_SCHEDULE=("1f1b", "gpipe")),
+        lambda: _fit(ZeroPPStrategy()),
+    ),
+    "accelerate_param_dtype_differs_per_rank": lambda: _accelerate(
+        env=_per_rank_env(ZEROPP_PP_SIZE=("2", "2"), ZEROPP_PARAM_DTYPE=("fp32", "bf16"))
+    ),
+    "accelerate_quantized_weights_differ_per_rank": lambda: _accelerate(
+        env=_per_rank_env(
+            ZEROPP_PP_SIZE=("2", "2"),
+            ZEROPP_SCHEDULE=("zeropp", "zeropp"),
+            ZEROPP_QUANTIZED_WEIGHTS=("int8", "fp"),
+        )
+    ),
+    "model_depth_differs_per_rank": _depth_per_rank,
+    "lightning_ckpt_meta_runs_code": lambda work_dir: _changed_and_loaded(
+        work_dir, lambda path: _crafted(path / "meta.pt", torch.save, {"step": _RunsCode()})
+    ),
+    "lightning_ckpt_metadata_runs_code": lambda work_dir: _changed_and_loaded(
+        work_dir, lambda path: _crafted(path / ".metadata", _pickle_to, _RunsCode())
+    ),
+    "lightning_ckpt_changed_shard": lambda work_dir: _changed_and_loaded(
+        work_dir, lambda path: _flip_a_byte(path / "__1_0.distcp")
+    ),
+    "lightning_ckpt_truncated_shard": lambda work_dir: _changed_and_loaded(
+        work_dir, lambda path: _flip_a_byte(path / "__2_0.distcp", truncate=True)
+    ),
+    "lightning_ckpt_without_metadata": lambda work_dir: _changed_and_loaded(
+        work_dir, lambda path: (path / ".metadata").unlink()
+    ),
+    "lightning_ckpt_a_temporary": _ckpt_a_temporary,
+    "load_from_a_deeper_model": _load_from_a_deeper_model,
+    "lightning_timeout_not_a_timedelta": lambda: ZeroPPStrategy(timeout=60),
     "accelerate_indivisible_loader": lambda: _accelerate(batch=6, pp_size=2, num_microbatches=4),
 }
 _NEEDS_DIR = {
@@ -327,15 +469,44 @@ _NEEDS_DIR = {
     "lightning_full_ckpt_of_another_depth",
     "lightning_ckpt_not_from_lightning",
     "lightning_ckpt_missing",
+    "lightning_ckpt_of_a_deeper_model",
+    "lightning_ckpt_meta_runs_code",
+    "lightning_ckpt_metadata_runs_code",
+    "lightning_ckpt_changed_shard",
+    "lightning_ckpt_truncated_shard",
+    "lightning_ckpt_without_metadata",
+    "lightning_ckpt_a_temporary",
+    "load_from_a_deeper_model",
 }
 
 
-def attempt_all(work_dir: str, only: list[str] | None = None) -> dict[str, str]:
+# Attempts run only by the slow test (and bench/bench_faults.py): variants of ones CI runs, or
+# checked in one process by unit tests (tests/unit/test_checkpoint_trust.py, test_no_hang.py).
+SLOW_ATTEMPTS = {
+    "accelerate_split_points_differ_per_rank",
+    "lightning_pp_size_differs_per_rank",
+    "lightning_schedule_differs_per_rank",
+    "accelerate_param_dtype_differs_per_rank",
+    "accelerate_quantized_weights_differ_per_rank",
+    "model_depth_differs_per_rank",
+    "lightning_ckpt_metadata_runs_code",
+    "lightning_ckpt_truncated_shard",
+    "lightning_ckpt_without_metadata",
+    "lightning_ckpt_a_temporary",
+    "load_from_a_deeper_model",
+    "lightning_timeout_not_a_timedelta",
+}
+
+
+def attempt_all(work_dir: str, only: list[str] | None = None, slow: bool = False) -> dict[str, str]:
     """Each attempt's error, as 'Type: message' (or 'no error'). `work_dir`: a directory every
-    rank shares, for the checkpoints the attempts write; `only`: these attempts (debugging)."""
+    rank shares, for the checkpoints the attempts write; `only`: these attempts, else those CI
+    runs (`slow`: those the slow test runs, `SLOW_ATTEMPTS`)."""
     out = {}
     for name, fn in ATTEMPTS.items():
         if only is not None and name not in only:
+            continue
+        if only is None and (name in SLOW_ATTEMPTS) != slow:
             continue
         try:
             if name in _NEEDS_DIR:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import glob
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -42,14 +43,42 @@ class Crash(RuntimeError):
     pass
 
 
-def test_publish_replaces_through_a_link_and_cleans_up(tmp_path: Path) -> None:
+@pytest.fixture
+def links(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A filesystem that cannot exchange two directories: publish falls back to links."""
+    monkeypatch.setitem(commit._EXCHANGE, "supported", False)
+
+
+def test_publish_replaces_a_plain_directory_in_one_step(tmp_path: Path) -> None:
     path = tmp_path / "last.ckpt"
     _save(path, "one")
     _save(path, "two")
-    assert path.is_symlink() and _read(path) == "two"
-    assert len(_entries(tmp_path)) == 2  # the link and its one version, no old, no temporary
-    # Lightning's `ckpt_path="last"` globs `*last*.ckpt`: the link only, never a version.
+    assert path.is_dir() and not path.is_symlink() and _read(path) == "two"
+    assert _entries(tmp_path) == ["last.ckpt"]  # no version, no old, no temporary beside it
+    # Lightning's `ckpt_path="last"` globs `*last*.ckpt`: the checkpoint only.
     assert glob.glob(str(tmp_path / "*last*.ckpt")) == [str(path)]
+
+
+def test_a_copy_of_a_checkpoint_is_complete(tmp_path: Path) -> None:
+    # `cp -r` copies what it finds: a plain directory (a link would be copied dangling).
+    path = tmp_path / "ckpt"
+    _save(path, "one")
+    _save(path, "two")
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-r", str(path), str(copy)], check=True)
+    assert not copy.is_symlink() and _read(copy) == "two"
+
+
+def test_killed_after_the_exchange_keeps_the_new_and_the_next_save_cleans(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt"
+    _save(path, "one")
+    with monkeypatch.context() as m:  # killed before the replaced checkpoint was deleted
+        m.setattr(commit, "_discard", _raise)
+        with pytest.raises(Crash):
+            _save(path, "two")
+    assert _read(path) == "two" and len(_entries(tmp_path)) == 2  # "one" at a temporary name
+    _save(path, "three")
+    assert _read(path) == "three" and _entries(tmp_path) == ["ckpt"]
 
 
 def test_crash_while_writing_keeps_the_previous_and_the_next_save_cleans(tmp_path: Path) -> None:
@@ -58,10 +87,28 @@ def test_crash_while_writing_keeps_the_previous_and_the_next_save_cleans(tmp_pat
     _write(path, "half")  # killed before publish: a temporary stays behind
     assert _read(path) == "one"
     _save(path, "two")
-    assert _read(path) == "two" and len(_entries(tmp_path)) == 2
+    assert _read(path) == "two" and _entries(tmp_path) == ["ckpt"]
 
 
-def test_crash_before_the_link_moves_keeps_the_previous(tmp_path, monkeypatch) -> None:
+def test_a_runs_first_save_cleans_every_crashed_temporary(tmp_path: Path) -> None:
+    _save(tmp_path / "a", "done")
+    _write(tmp_path / "step=10.ckpt", "half")  # a name this run will never save again
+    (tmp_path / ".b.link-0123abcd").symlink_to("nowhere")
+    (tmp_path / ".c.tmp-notours").mkdir()  # not a token of ours: left alone
+    assert len(commit.clean_temporaries(tmp_path)) == 2
+    assert _entries(tmp_path) == [".c.tmp-notours", "a"]
+
+
+def test_links_replace_through_a_link_and_clean_up(tmp_path: Path, links: None) -> None:
+    path = tmp_path / "last.ckpt"
+    _save(path, "one")
+    _save(path, "two")
+    assert path.is_symlink() and _read(path) == "two"
+    assert len(_entries(tmp_path)) == 2  # the link and its one version, no old, no temporary
+    assert glob.glob(str(tmp_path / "*last*.ckpt")) == [str(path)]
+
+
+def test_links_crash_before_the_link_moves_keeps_the_previous(tmp_path, monkeypatch, links):
     path = tmp_path / "ckpt"
     _save(path, "one")
     with monkeypatch.context() as m:
@@ -70,11 +117,12 @@ def test_crash_before_the_link_moves_keeps_the_previous(tmp_path, monkeypatch) -
             _save(path, "two")
     assert _read(path) == "one"  # the name still holds a complete checkpoint
     assert not commit.recover(path)  # nothing to recover: the name is fine
-    _save(path, "three")
-    assert _read(path) == "three" and len(_entries(tmp_path)) == 2
+    with pytest.warns(UserWarning, match=r"kept \.ckpt\.v-.*complete checkpoints a crashed"):
+        _save(path, "three")  # the version the crash left is complete: kept, not deleted
+    assert _read(path) == "three" and len(_entries(tmp_path)) == 3
 
 
-def test_first_save_crashed_before_linking_is_recovered(tmp_path, monkeypatch) -> None:
+def test_first_save_crashed_before_linking_is_recovered(tmp_path, monkeypatch, links) -> None:
     path = tmp_path / "ckpt"
     with monkeypatch.context() as m:
         m.setattr(commit.os, "replace", _raise)
@@ -82,10 +130,29 @@ def test_first_save_crashed_before_linking_is_recovered(tmp_path, monkeypatch) -
             _save(path, "one")
     assert not path.exists()
     assert commit.recover(path)
-    assert _read(path) == "one" and len(_entries(tmp_path)) == 2
+    assert _read(path) == "one" and not path.is_symlink() and _entries(tmp_path) == ["ckpt"]
 
 
-def test_a_real_directory_is_migrated_and_its_window_recovered(tmp_path, monkeypatch) -> None:
+def test_a_real_directory_killed_while_replaced_is_recovered_not_deleted(
+    tmp_path, monkeypatch, links
+) -> None:
+    # Killed after moving the real directory aside: the name is missing, two complete
+    # checkpoints sit beside it. The next save of the name must delete neither of them.
+    path = tmp_path / "last.ckpt"
+    path.mkdir()
+    (path / "data").write_text("legacy")
+    with monkeypatch.context() as m:
+        m.setattr(Path, "symlink_to", _raise)
+        with pytest.raises(Crash):
+            _save(path, "new")
+    assert not path.exists() and len(_entries(tmp_path)) == 2
+    with pytest.warns(UserWarning, match="complete checkpoints a crashed save left"):
+        _save(path, "newer")  # as a run that started from scratch would
+    kept = [p for p in tmp_path.iterdir() if p.name != "last.ckpt" and p != path.resolve()]
+    assert sorted(_read(p) for p in kept) == ["legacy", "new"] and _read(path) == "newer"
+
+
+def test_a_real_directory_killed_while_replaced_loads_the_newest(tmp_path, monkeypatch, links):
     path = tmp_path / "ckpt"
     path.mkdir()
     (path / "data").write_text("legacy")
@@ -93,13 +160,11 @@ def test_a_real_directory_is_migrated_and_its_window_recovered(tmp_path, monkeyp
         m.setattr(Path, "symlink_to", _raise)
         with pytest.raises(Crash):
             _save(path, "new")
-    assert not path.exists()
     assert commit.recover(path)
     assert _read(path) == "new"  # the newest complete version, not the legacy one
-    assert len(_entries(tmp_path)) == 2
 
 
-def test_non_link_publish_keeps_a_plain_directory(tmp_path: Path) -> None:
+def test_non_link_publish_keeps_a_plain_directory(tmp_path: Path, links: None) -> None:
     path = tmp_path / "export"
     commit.publish(_write(path, "one"), path, link=False)
     commit.publish(_write(path, "two"), path, link=False)
@@ -116,9 +181,12 @@ def test_files_are_replaced_in_one_step(tmp_path: Path) -> None:
     assert path.read_text() == "two" and _entries(tmp_path) == ["last.ckpt"]
 
 
-def test_remove_deletes_the_link_and_its_version_only(tmp_path: Path) -> None:
+@pytest.mark.parametrize("exchange", [True, False])
+def test_remove_deletes_the_checkpoint_only(tmp_path: Path, monkeypatch, exchange: bool) -> None:
+    monkeypatch.setitem(commit._EXCHANGE, "supported", exchange)
     path = tmp_path / "epoch=0.ckpt"
     _save(path, "one")
+    _save(path, "two")
     mine = [tmp_path / ".epoch=0.ckpt.mine", tmp_path / "epoch=0.ckpt.bak", tmp_path / "other"]
     for p in mine:
         p.write_text("not the library's")
@@ -128,7 +196,7 @@ def test_remove_deletes_the_link_and_its_version_only(tmp_path: Path) -> None:
     assert not path.exists() and not path.is_symlink()
     assert all(p.read_text() == "not the library's" for p in mine)
     assert _read(other) == "a neighbour whose name extends this one's"
-    assert len(_entries(tmp_path)) == 5  # the three files, the neighbour's link and version
+    assert len(_entries(tmp_path)) == 4 + (not exchange)  # the files, the neighbour (+ version)
 
 
 def _raise(*args: object, **kwargs: object) -> None:
@@ -147,7 +215,7 @@ def test_checkpoint_errors_name_their_cause_in_one_line(tmp_path: Path, group: N
         load_checkpoint(path, other_model, [])
     shard = next(p for p in path.resolve().iterdir() if p.suffix == ".distcp")
     os.remove(shard)
-    with pytest.raises(RuntimeError, match=r"failed on rank 0: FileNotFoundError: .*distcp"):
+    with pytest.raises(ValueError, match=r"__0_0.distcp is missing \(listed in SHA256SUMS\)"):
         load_checkpoint(path, nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)), [])
 
 
@@ -164,7 +232,7 @@ def test_a_whole_state_of_another_width_is_named_in_one_line(group: None) -> Non
         load_full(wider, [], saved, [])
 
 
-def test_a_checkpoint_left_aside_by_a_kill_loads(tmp_path: Path, group: None, monkeypatch) -> None:
+def test_a_checkpoint_left_aside_by_a_kill_loads(tmp_path: Path, group: None, monkeypatch, links):
     model = nn.Linear(3, 3)
     path = tmp_path / "ckpt"
     with monkeypatch.context() as m:
@@ -194,8 +262,8 @@ def test_async_save_writes_the_state_at_the_call_and_commits_it(tmp_path: Path, 
     with torch.no_grad():  # what the next steps do while the thread writes
         model.weight.add_(1.0)
     opt.state[model.weight]["exp_avg"].add_(1.0)
-    assert saver.wait() == path and path.is_symlink()
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([path.name, path.resolve().name])
+    assert saver.wait() == path and path.is_dir() and not path.is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
     fresh = nn.Linear(256, 256)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
     fresh(torch.randn(1, 256)).sum().backward()
@@ -207,7 +275,7 @@ def test_async_save_writes_the_state_at_the_call_and_commits_it(tmp_path: Path, 
     # A second save of the name replaces the first, and cleans its version.
     saver.save(path, model, [opt], {"step": 2})
     assert saver.wait() == path and load_checkpoint(path, fresh, [fresh_opt]) == {"step": 2}
-    assert len(list(tmp_path.iterdir())) == 2
+    assert len(list(tmp_path.iterdir())) == 1
 
 
 def test_a_failed_async_save_raises_at_the_next_wait(tmp_path: Path, group: None, monkeypatch):
@@ -224,3 +292,30 @@ def test_a_failed_async_save_raises_at_the_next_wait(tmp_path: Path, group: None
 def test_a_missing_checkpoint_is_named_missing(tmp_path: Path, group: None) -> None:
     with pytest.raises(FileNotFoundError, match=r"checkpoint .*nowhere\.ckpt does not exist"):
         load_checkpoint(tmp_path / "nowhere.ckpt", nn.Linear(3, 3), [])
+
+
+def test_a_checkpoint_replaced_by_a_pending_save_goes_only_once_that_is_complete(
+    tmp_path: Path, group: None, monkeypatch
+):
+    # ModelCheckpoint(save_top_k=1) deletes the previous checkpoint right after starting the
+    # next save: until that is written, the previous one is the last complete one.
+    import threading
+
+    from lightning_zeropp.core.weights import checkpoint
+    from lightning_zeropp.core.weights.async_checkpoint import AsyncCheckpointer
+
+    saver, model = AsyncCheckpointer(), nn.Linear(3, 3)
+    saver.save(tmp_path / "step=2.ckpt", model, [])
+    saver.wait()
+    release = threading.Event()
+    finish = checkpoint.finish_save
+    monkeypatch.setattr(
+        "lightning_zeropp.core.weights.async_checkpoint.finish_save",
+        lambda tmp, path: (release.wait(30), finish(tmp, path)),
+    )
+    saver.save(tmp_path / "step=4.ckpt", model, [])
+    saver.remove(tmp_path / "step=2.ckpt")
+    assert (tmp_path / "step=2.ckpt" / "meta.pt").is_file()  # the new one is not written yet
+    release.set()
+    saver.wait()
+    assert _entries(tmp_path) == ["step=4.ckpt"]

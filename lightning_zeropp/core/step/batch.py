@@ -12,6 +12,9 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_zeropp.core._torch_private import default_store
+from lightning_zeropp.core.mesh import world_timeout
+from lightning_zeropp.core.step.failure import raised_everywhere
+from lightning_zeropp.core.step.store import BoundedStore, store_deadline_s
 
 __all__ = [
     "ShapeGuard",
@@ -122,7 +125,7 @@ def agree_on_step(
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     if problem is not None:
-        default_store().set(f"{_REASON}/{rank}", f"{description}: {problem}")
+        _store().set(f"{_REASON}/{rank}", f"{description}: {problem}")
     flags = torch.tensor(
         [int(cached), rank if problem is not None else world, int(not skip)],
         dtype=torch.int32,
@@ -133,7 +136,14 @@ def agree_on_step(
     cached_everywhere, first, stepping = flags.tolist()
     if first < world:
         if problem is not None:
-            raise problem
-        reason = default_store().get(f"{_REASON}/{first}").decode()
-        raise ValueError(f"{reason} (this rank's batch passed; every rank stops at this step)")
+            raise raised_everywhere(problem)
+        reason = _store().get(f"{_REASON}/{first}").decode()
+        raise raised_everywhere(
+            ValueError(f"{reason} (this rank's batch passed; every rank stops at this step)")
+        )
     return bool(cached_everywhere), not stepping
+
+
+def _store() -> BoundedStore:
+    """The default store, each call with a deadline (`core.step.store`)."""
+    return BoundedStore(default_store(), store_deadline_s(world_timeout()))

@@ -1,18 +1,26 @@
-"""Distributed checkpoints: sharded, layout-independent, written atomically.
+"""Distributed checkpoints: sharded, layout-independent, written atomically, read as data.
 
 Model and optimizer state go through torch's distributed checkpoint (DCP) with the model's original
 parameter names, so a checkpoint written under one layout loads under another. Optimizer state is
 saved flattened (keyed by parameter name): nested per-stage `param_groups` keys would collide across
-pipeline stages. The checkpoint is written to a temporary sibling directory and published under its
-name only after every rank has finished (`core.weights.commit`): the name always holds a complete
-checkpoint, the previous one until the new one is.
+pipeline stages.
 
-`load_full` is the other direction of `core.weights.export`: every rank reads one whole, unsharded state
-(the model's `state_dict()`, an optimizer's one-process `state_dict()`) and keeps its own shards.
+Saving: global rank 0 makes the temporary directory (`core.weights.commit`) and writes `meta.pt`
+into it before it shares the name; every rank writes its shards and their checksums
+(`core.weights.checksum`); when all have, rank 0 writes `SHA256SUMS` and publishes the directory
+under its name in one step: the name always holds a complete checkpoint, the previous one until
+the new one is. A run's first save into a folder removes the temporaries crashed saves left there.
+
+Loading checks, on every rank and before any value is read: the checksums (naming a changed or
+missing file), that no pickle in the checkpoint names code (`core.weights.trust`; `meta.pt` is
+read with `weights_only=True` always), and that the checkpoint holds exactly this model's
+tensors with their shapes (a deeper or wider model's is refused in one line). Every function
+here is collective and runs under the failure board (`core.step.failure`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -29,21 +37,34 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_zeropp.core.split.tied import local_ties
-from lightning_zeropp.core.weights import commit
+from lightning_zeropp.core.step.failure import guarded
+from lightning_zeropp.core.weights import checksum, commit, trust
+from lightning_zeropp.core.weights.collective import all_gather, broadcast_str, raise_on_every_rank
+from lightning_zeropp.core.weights.full_state import load_full, other_sizes
 
-__all__ = ["save_checkpoint", "load_checkpoint", "is_checkpoint", "load_full"]
+__all__ = [
+    "checkpoint_state",
+    "finish_save",
+    "is_checkpoint",
+    "load_checkpoint",
+    "load_full",
+    "prepare_save",
+    "raise_on_every_rank",
+    "save_checkpoint",
+    "shape_problem",
+]
 
 META_FILE = "meta.pt"
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+_CLEANED: set[Path] = set()  # folders whose crashed saves' temporaries this process removed
 
 
 def is_checkpoint(path: str | Path) -> bool:
     return (Path(path) / META_FILE).is_file()
 
 
+@guarded
 def save_checkpoint(
     path: str | Path,
     model: nn.Module,
@@ -52,33 +73,67 @@ def save_checkpoint(
 ) -> Path:
     """Collective: every rank calls it with the same `path` (on a filesystem all ranks share)."""
     path = Path(path)
-    tmp = broadcast_str(str(commit.temporary(path)))
-    dcp.save(checkpoint_state(model, optimizers), checkpoint_id=tmp)
-    if dist.get_rank() == 0:
-        torch.save(meta or {}, Path(tmp) / META_FILE)
+    tmp = prepare_save(path, meta or {})
+    writer = checksum.ChecksumWriter(str(tmp))
+    dcp.save(checkpoint_state(model, optimizers), storage_writer=writer)
     dist.barrier()
     if dist.get_rank() == 0:
-        commit.publish(Path(tmp), path)
+        finish_save(tmp, path)
     dist.barrier()
     return path
 
 
+def prepare_save(path: Path, meta: dict[str, Any] | None = None) -> Path:
+    """Collective: the temporary directory of a save of `path`, made (with `meta.pt` holding
+    `meta`, unless None) by global rank 0 before any other rank learns its name."""
+    tmp = commit.temporary(path)
+    if dist.get_rank() == 0:
+        folder = path.parent.resolve()
+        if folder not in _CLEANED:  # the run's first save here: crashed saves' leftovers go
+            folder.mkdir(parents=True, exist_ok=True)
+            commit.clean_temporaries(folder)
+            _CLEANED.add(folder)
+        tmp.mkdir(parents=True)
+        if meta is not None:
+            torch.save(meta, tmp / META_FILE)
+    return Path(broadcast_str(str(tmp)))
+
+
+def finish_save(tmp: Path, path: Path) -> None:
+    """On global rank 0, once every rank has written: the checksums, then the name."""
+    checksum.write_sums(tmp)
+    commit.publish(tmp, path)
+
+
+@guarded
 def load_checkpoint(
-    path: str | Path, model: nn.Module, optimizers: list[torch.optim.Optimizer]
+    path: str | Path,
+    model: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    trusted: Iterable[type] = (),
 ) -> dict[str, Any]:
-    """Load model (and optimizer) state in place; return the non-tensor metadata saved with it."""
+    """Load model (and optimizer) state in place; return the non-tensor metadata saved with it
+    (`meta.pt`, read with `weights_only=True`: `trusted` classes may appear in it)."""
     path = Path(path)
     if _rank() == 0:
         commit.recover(path)  # a save killed in its one non-atomic window left it aside
     raise_on_every_rank(None)  # doubles as the barrier: nobody looks before the recovery
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {path} does not exist: there is nothing to load")
+    if commit.is_temporary(path):
+        raise ValueError(
+            f"{path} is the temporary of a save that did not finish (its name ends in "
+            f"{path.name[path.name.rindex('.') :]}): load the checkpoint under its own name, "
+            f"{path.name[1 : path.name.rindex('.')]}."
+        )
     if not is_checkpoint(path):
         raise FileNotFoundError(f"{path} is not a ZeroPP checkpoint directory (no {META_FILE})")
+    raise_on_every_rank(_content_problem(path, _rank(), _world()))
+    meta = trust.load_meta(path / META_FILE, trusted)
     state = checkpoint_state(model, optimizers)
-    raise_on_every_rank(shape_problem(path, state["model"]))
+    raise_on_every_rank(shape_problem(path, state["model"], all_gather(list(state["model"]))))
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, checkpoint_id=str(path), planner=trust.SafeLoadPlanner())
     except CheckpointException as err:  # DCP's wraps every rank's traceback: name the cause
         rank, (cause, _) = next(iter(err.failures.items()))
         raise RuntimeError(
@@ -87,181 +142,26 @@ def load_checkpoint(
     set_model_state_dict(model, state["model"], options=_OPTIONS)
     for i, opt in enumerate(optimizers):
         set_optimizer_state_dict(model, opt, state[f"optimizer_{i}"], options=_OPTIONS)
-    return torch.load(path / META_FILE, weights_only=False)
+    return meta
 
 
-def load_full(
-    module: nn.Module,
-    optimizers: list[torch.optim.Optimizer],
-    model_state: dict[str, torch.Tensor],
-    optimizer_states: list[dict[str, Any]],
-    strict: bool = True,
-) -> None:
-    """Collective: load whole (unsharded) state into this rank's shards, in place.
-
-    Every rank passes the same `model_state` (keyed as `module.state_dict()` of the unsplit
-    model) and `optimizer_states`, one per optimizer: one-process `optimizer.state_dict()`s,
-    matched by their groups' `param_names` or else by numbering the unsplit model's parameters
-    (in `model_state`'s order) group after group, or flattened ones
-    (`state.<name>.<key>`, `param_groups.<name>.<key>`). Each rank slices its own shards without
-    communication. With `strict`, a name missing on either side raises (on every rank); a
-    parameter of `optimizers` missing from its saved state always does.
-    """
-    local = get_model_state_dict(module, options=_OPTIONS)
-    params = {param: name for name, param in module.named_parameters()}
-    ties = list(local_ties(module).values())
-    everywhere = _all_gather((list(local), list(params.values()), ties))
-    held = {name for state_names, _, _ in everywhere for name in state_names}
-    all_params = {name for _, param_names, _ in everywhere for name in param_names}
-    all_ties = {tie for _, _, rank_ties in everywhere for tie in rank_ties}
-    # One process's optimizer numbers a tied weight once, at its first name.
-    later = {name for tie in all_ties for name in tie[1:]}
-    param_order = [name for name in model_state if name in all_params and name not in later]
-    by_name = [_optimizer_state_by_name(saved, param_order) for saved in optimizer_states]
-    for saved in by_name:  # every copy of a tied weight takes the state saved for it
-        for tie in all_ties:
-            found = next((n for n in tie if n in saved), None)
-            for name in tie if found is not None else ():
-                saved.setdefault(name, saved[found])
-    missing = [name for name in local if name not in model_state] if strict else []
-    missing += [
-        f"optimizer {i}: {params[p]}"
-        for i, (opt, saved) in enumerate(zip(optimizers, by_name, strict=True))
-        for group in opt.param_groups
-        for p in group["params"]
-        if params[p] not in saved
-    ]
-    unexpected = [name for name in model_state if name not in held] if strict else []
-    raise_on_every_rank(_naming_problem(missing, unexpected) or _size_problem(model_state, local))
-    shards = {
-        name: _shard_like(model_state[name], like)
-        for name, like in local.items()
-        if name in model_state
-    }
-    set_model_state_dict(module, shards, options=StateDictOptions(strict=strict))
-    for opt, saved in zip(optimizers, by_name, strict=True):
-        _load_optimizer(opt, params, saved)
+def _content_problem(path: Path, rank: int, world: int) -> str | None:
+    """This rank's share of the checks that read files: checksums, then `.metadata`'s globals."""
+    try:
+        return checksum.verify(path, rank, world) or trust.check_metadata(path)
+    except ValueError as err:
+        return str(err)
 
 
-def _size_problem(model_state: dict[str, Any], local: dict[str, Any]) -> str | None:
-    """A whole state of another size than this rank's part of the model, in one line (a DTensor's
-    shape is the whole tensor's)."""
-    differ = [
-        (name, model_state[name].shape, like.shape)
-        for name, like in local.items()
-        if name in model_state
-        and torch.is_tensor(like)
-        and tuple(model_state[name].shape) != tuple(like.shape)
-    ]
-    return _other_sizes("the checkpoint", differ)
-
-
-def _other_sizes(checkpoint: str, differ: list[tuple[str, Any, Any]]) -> str | None:
-    """One line for tensors saved with another size than the model's (name, saved, model size):
-    the first of them and how many more."""
-    if not differ:
-        return None
-    name, saved, model = differ[0]
-    more = f" (and {len(differ) - 1} more)" if len(differ) > 1 else ""
-    return (
-        f"{checkpoint} has `{name}` {list(saved)}, the model {list(model)}{more}: it was saved "
-        "from another model"
-    )
-
-
-def _optimizer_state_by_name(
-    saved: dict[str, Any], param_order: list[str]
-) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
-    """{parameter name: (its state, its group's hyperparameters)} from a saved optimizer state."""
-    out: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
-    if "param_groups" not in saved:  # flattened
-        for key, value in saved.items():
-            kind, _, rest = key.partition(".")
-            name, _, field = rest.rpartition(".")
-            out.setdefault(name, ({}, {}))[0 if kind == "state" else 1][field] = value
-        return out
-    for group in saved["param_groups"]:
-        ids = group["params"]
-        if "param_names" in group:
-            names = group["param_names"]
-        elif max(ids, default=-1) < len(param_order):
-            names = [param_order[i] for i in ids]
-        else:
-            raise ValueError(
-                f"the optimizer state numbers {max(ids) + 1} parameters, the model has "
-                f"{len(param_order)}: it was saved for another model"
-            )
-        hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
-        for i, name in zip(ids, names, strict=True):
-            out[name] = (saved["state"].get(i, {}), hyper)
-    return out
-
-
-def _load_optimizer(
-    optimizer: torch.optim.Optimizer,
-    names: dict[torch.Tensor, str],
-    saved: dict[str, tuple[dict[str, Any], dict[str, Any]]],
-) -> None:
-    """`optimizer.load_state_dict` with this rank's parameters' slices of the saved state."""
-    state: dict[int, dict[str, Any]] = {}
-    groups = []
-    next_id = 0
-    for group in optimizer.param_groups:
-        hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
-        ids = list(range(next_id, next_id + len(group["params"])))
-        next_id += len(ids)
-        for i, param in zip(ids, group["params"], strict=True):
-            values, saved_hyper = saved[names[param]]
-            hyper |= saved_hyper
-            if values:
-                state[i] = {
-                    k: _shard_like(v, param) if torch.is_tensor(v) and v.shape == param.shape else v
-                    for k, v in values.items()
-                }
-        groups.append({**hyper, "params": ids})
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
-
-
-def _shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of `full`, laid out as `like` (a DTensor shard, or a whole tensor)."""
-    if isinstance(like, DTensor):
-        # src_data_rank=None: every rank holds `full` and slices its own piece, no communication.
-        full = distribute_tensor(
-            full.to(like.device), like.device_mesh, like.placements, src_data_rank=None
-        )
-    # A copy, not a view: the piece must not keep the whole tensor (or a mapped file) alive.
-    return full.clone()
-
-
-def _naming_problem(missing: list[str], unexpected: list[str]) -> str | None:
-    parts = [
-        f"{len(names)} {kind} ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''})"
-        for kind, names in (("missing", missing), ("unexpected", unexpected))
-        if names
-    ]
-    return "the checkpoint does not fit this model: " + "; ".join(parts) if parts else None
-
-
-def _all_gather(value: Any) -> list[Any]:
-    if not (dist.is_available() and dist.is_initialized()):
-        return [value]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
-
-
-def raise_on_every_rank(problem: str | None) -> None:
-    """Raise `ValueError` on every rank if any rank has a problem (a lone raise would hang)."""
-    problems = [p for p in _all_gather(problem) if p is not None]
-    if problems:
-        raise ValueError(problems[0])
-
-
-def shape_problem(path: Path, model_state: dict[str, Any]) -> str | None:
+def shape_problem(
+    path: Path, model_state: dict[str, Any], everywhere: list[list[str]] | None = None
+) -> str | None:
     """What keeps this rank's part of the model from loading `path`, in one line, or None.
 
     Read from the checkpoint's metadata before DCP starts, so a checkpoint of another model (or
-    another size) is named as such instead of failing inside DCP's planner.
+    another size) is named as such instead of failing inside DCP's planner. `everywhere`: every
+    rank's model names (`all_gather`), to refuse a checkpoint holding tensors no rank has (a
+    deeper model's).
     """
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     missing, other = [], []
@@ -276,12 +176,21 @@ def shape_problem(path: Path, model_state: dict[str, Any]) -> str | None:
         ):
             other.append((name, meta.size, value.shape))
     if other:
-        return _other_sizes(f"the checkpoint {path}", other)
+        return other_sizes(f"the checkpoint {path}", other)
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         return (
             f"the checkpoint {path} lacks {', '.join(missing[:3])}{more}: it was saved from "
             "another model"
+        )
+    known = {f"model.{n}" for names in everywhere or [] for n in names}
+    extra = sorted(k for k in saved if k.startswith("model.") and k not in known)
+    if everywhere is not None and extra:
+        more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
+        return (
+            f"the checkpoint {path} holds {len(extra)} tensors this model lacks "
+            f"({', '.join(k.removeprefix('model.') for k in extra[:3])}{more}): it was saved from "
+            "another model (a deeper or wider one); build the model it was saved from"
         )
     return None
 
@@ -290,16 +199,13 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def checkpoint_state(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
     """What DCP saves and loads: the model's state and each optimizer's, flattened."""
     state: dict[str, Any] = {"model": get_model_state_dict(model, options=_OPTIONS)}
     for i, opt in enumerate(optimizers):
         state[f"optimizer_{i}"] = get_optimizer_state_dict(model, opt, options=_OPTIONS)
     return state
-
-
-def broadcast_str(value: str) -> str:
-    """Rank 0's string on every rank (temporary names must agree)."""
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -33,7 +34,9 @@ from torch.distributed.checkpoint.state_dict import (
 
 from lightning_zeropp.core._torch_private import local_chunk
 from lightning_zeropp.core.shard.fsdp import local_shard
-from lightning_zeropp.core.weights.checkpoint import raise_on_every_rank
+from lightning_zeropp.core.weights.checksum import verify
+from lightning_zeropp.core.weights.collective import all_gather, raise_on_every_rank
+from lightning_zeropp.core.weights.trust import SafeLoadPlanner, check_metadata
 
 __all__ = ["load_weights", "weight_source_kind"]
 
@@ -75,26 +78,48 @@ def load_weights(
 def _load_dcp(module: nn.Module, path: Path) -> None:
     options = StateDictOptions(strict=True)
     state = get_model_state_dict(module, options=options)
+    # Checksums and `.metadata`'s globals first: nothing is unpickled before (`weights.trust`).
+    distributed = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    raise_on_every_rank(_content_problem(path, rank, world))
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     # This library's checkpoints nest the model under "model."; a plain DCP directory does not
     # (and an HF model's own names start with "model." too): take the reading that finds more.
     nested = sum(f"model.{n}" in saved for n in state) > sum(n in saved for n in state)
     missing = [n for n in state if (f"model.{n}" if nested else n) not in saved]
+    known = {f"model.{n}" if nested else n for names in all_gather(list(state)) for n in names}
+    extra = [k for k in saved if k not in known and (k.startswith("model.") or not nested)]
     problem = None
     if missing:
         problem = (
             f"the checkpoint {path} lacks {len(missing)} of this model's tensors (e.g. "
             f"{missing[:3]}): it was saved from another model."
         )
+    elif extra:
+        problem = (
+            f"the checkpoint {path} holds {len(extra)} tensors this model lacks (e.g. "
+            f"{extra[:3]}): it was saved from another model (a deeper or wider one)."
+        )
     raise_on_every_rank(problem)
     try:
-        dcp.load({"model": state} if nested else state, checkpoint_id=str(path))
+        dcp.load(
+            {"model": state} if nested else state,
+            checkpoint_id=str(path),
+            planner=SafeLoadPlanner(),
+        )
     except CheckpointException as err:
         rank, (cause, _) = next(iter(err.failures.items()))
         raise RuntimeError(
             f"loading weights from {path} failed on rank {rank}: {type(cause).__name__}: {cause}"
         ) from err
     set_model_state_dict(module, state, options=options)
+
+
+def _content_problem(path: Path, rank: int, world: int) -> str | None:
+    try:
+        return verify(path, rank, world) or check_metadata(path)
+    except ValueError as err:
+        return str(err)
 
 
 def _load_safetensors(

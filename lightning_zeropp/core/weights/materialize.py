@@ -36,7 +36,7 @@ from torch import nn
 from lightning_zeropp.core._torch_private import local_chunk
 from lightning_zeropp.core.shard.fsdp import local_shard
 from lightning_zeropp.core.split.tied import TiedWeights
-from lightning_zeropp.core.weights.checkpoint import raise_on_every_rank
+from lightning_zeropp.core.weights.collective import raise_on_every_rank
 from lightning_zeropp.core.weights.init_record import follow_parameter, recording, tape_of
 from lightning_zeropp.core.weights.init_tape import replay_into, unrecorded
 from lightning_zeropp.core.weights.load import load_weights
