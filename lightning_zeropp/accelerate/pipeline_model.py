@@ -164,13 +164,13 @@ class PipelineModel(nn.Module):
         # Micro-batches inside one process's share each: the loss is the share's (`shares`).
         by_share = eval_microbatches_by_share(rows, cfg.num_microbatches, cfg.pp_size)
         micro = by_share or eval_microbatches(rows, cfg.num_microbatches)
-        scale = None
+        scale, chosen = None, False
         if target is None and self.token_weighted:
             # No loss to weigh, but every call must reach the blocks alike (HF hands its keyword
             # arguments down to them): the split checked a call carrying the count.
             kwargs = {NUM_ITEMS: 1.0, **kwargs}
         if target is not None:
-            chosen = NUM_ITEMS in kwargs
+            chosen = NUM_ITEMS in kwargs and self.token_weighted
             kwargs = self._weighted(kwargs, target, micro)
             scale = kwargs[NUM_ITEMS] if self.token_weighted and not chosen else None
         self._captured = [] if self.eval_logits else None
@@ -185,6 +185,10 @@ class PipelineModel(nn.Module):
             logits = self._broadcast_logits() if self.eval_logits else None
             if target is not None and by_share is not None:
                 loss = self._share_loss(target, kwargs, scale)
+            if target is not None and chosen:
+                # Each micro-batch's loss is its token sum over the caller's count: the model
+                # called on these rows returns their sum over it, not the micro-batches' mean.
+                loss = loss * (micro // cfg.pp_size if by_share is not None else micro)
         finally:
             self._captured = self._losses = None
         out = PipelineOutput()

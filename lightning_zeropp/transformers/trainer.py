@@ -178,6 +178,8 @@ class ZeroPPTrainer(Trainer):
         """
         pipeline = model if isinstance(model, PipelineModel) else self._pipeline
         assert pipeline is not None
+        if not model.training and num_items_in_batch is not None and pipeline.token_weighted:
+            return self._eval_loss(pipeline, inputs, float(num_items_in_batch), return_outputs)
         window = model.training and num_items_in_batch is not None
         if window and pipeline.token_weighted:
             engine = pipeline.engine
@@ -189,6 +191,22 @@ class ZeroPPTrainer(Trainer):
             # The Trainer leaves the division by the accumulation steps to a model taking the
             # count; this one returned a batch mean.
             loss = loss / self.current_gradient_accumulation_steps
+        return (loss, outputs) if return_outputs else loss
+
+    def _eval_loss(
+        self, pipeline: PipelineModel, inputs: dict[str, Any], items: float, return_outputs: bool
+    ) -> Any:
+        """The loss the Trainer computes in evaluation under DDP: each process's token sum over
+        the global batch's labelled tokens (`items`), times the processes, so that the mean of
+        the gathered losses is the global batch's token mean (as one process computes it).
+
+        A batch that splits into the processes' shares gives each its share's sum; one that
+        does not gives every process of a pipeline its data-parallel rank's sum, weighted by
+        the data-parallel ranks instead (the mean over processes is the same)."""
+        outputs = pipeline(**{**inputs, NUM_ITEMS: items})
+        dims = pipeline.engine.dims
+        shared = pipeline.rows is not None and pipeline.rows % pipeline.engine.config.pp_size == 0
+        loss = outputs["loss"] * (dist.get_world_size() if shared else dims.dp_size)
         return (loss, outputs) if return_outputs else loss
 
     def prediction_step(

@@ -14,6 +14,7 @@ import torch
 
 from tests.distributed.launch import launch
 from tests.distributed.trainer_scenarios import initial_weights
+from tests.distributed.trainer_script import Script, texts
 
 pytestmark = pytest.mark.distributed
 
@@ -22,7 +23,13 @@ CLIPPED = {"max_grad_norm": 0.3, "gradient_accumulation_steps": 2}
 EVAL = {"eval_strategy": "steps", "eval_steps": 2, "lr_scheduler_type": "cosine", "warmup_steps": 1}
 LORA = {"lora": True, "rows": "padded"}
 PACKED = {"rows": "packed", "args": {"optim": "sgd", "learning_rate": 0.5, "max_grad_norm": 0}}
-PADDED = {"rows": "padded", "args": CLIPPED}
+PADDED = {"rows": "padded", "args": CLIPPED, "predict": True}
+# GPT-2: tied embeddings, learned positions; dropout off (the runs draw other random numbers)
+GPT2 = {
+    "family": "gpt2",
+    "tie_word_embeddings": None,
+    "config": {"n_positions": 32, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+}
 CASES = [
     # equal rows: the plain Trainer's DDP is exact there, and runs in the same launch.
     # evaluate() before train() here, eval_on_start there: the plain Trainer under DDP trains
@@ -30,12 +37,12 @@ CASES = [
     {
         "id": "equal",
         "plugin": PP,
-        "script": {"evaluate_first": True, "predict": True, "args": {**CLIPPED, **EVAL}},
+        "script": {**GPT2, "evaluate_first": True, "predict": True, "args": {**CLIPPED, **EVAL}},
     },
     {
         "id": "equal-ddp",
         "plugin": None,
-        "script": {"predict": True, "args": {**CLIPPED, **EVAL, "eval_on_start": True}},
+        "script": {**GPT2, "predict": True, "args": {**CLIPPED, **EVAL, "eval_on_start": True}},
     },
     # padded rows against one process; lengths padded to multiples of 8 (two schedules)
     {
@@ -130,9 +137,22 @@ def test_padded_rows_match_one_process(runs):
     got = four[0]["padded"]
     _assert_same_training(got, one["padded"])
     _assert_same_weights(got, one["padded"])
+    # the Trainer's evaluation loss: each process's token sum over the global batch's tokens
+    # (times the processes), so its mean is the global batch's token mean, as one process's
+    want = one["padded"]["predict_metrics"]["test_loss"]
+    assert got["predict_metrics"]["test_loss"] == pytest.approx(want, abs=1e-5)
+    _assert_same_logits(got["predictions"], one["padded"]["predictions"], PADDED)
     # lengths 3..12 padded to 8 or 16: two training shapes, built once each, plus evaluation
     assert got["planning"]["schedule_evictions"] == 0
     assert got["planning"]["schedules_built"] <= 4
+
+
+def _assert_same_logits(got: np.ndarray, ref: np.ndarray, script: dict) -> None:
+    """Every real token's logits (rows are padded to other lengths in other batches)."""
+    lengths = [len(row["input_ids"]) for row in texts(Script(**script).eval_rows, 2, False)]
+    assert got.shape[0] == ref.shape[0] == len(lengths)
+    for i, n in enumerate(lengths):
+        np.testing.assert_allclose(got[i, :n], ref[i, :n], atol=1e-5, rtol=0, err_msg=str(i))
 
 
 def test_lora_trains_adapters_as_one_process(runs):
@@ -175,7 +195,7 @@ def test_resume_mid_epoch_continues(runs):
 # Over the suite's time budget: bench/slow_tests.py runs them.
 SLOW_CASES = [
     # bf16=True is FSDP2 mixed precision (bf16 compute, fp32 reduction), not autocast
-    {"id": "bf16", "plugin": PP, "script": {"args": {**CLIPPED, **EVAL, "bf16": True}}},
+    {"id": "bf16", "plugin": PP, "script": {**GPT2, "args": {**CLIPPED, **EVAL, "bf16": True}}},
     # a streamed training set (IterableDataset), against DDP
     {"id": "stream", "plugin": PP, "script": {"iterable": True, "args": CLIPPED}},
     {"id": "stream-ddp", "plugin": None, "script": {"iterable": True, "args": CLIPPED}},

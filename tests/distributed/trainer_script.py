@@ -44,7 +44,8 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 @dataclass
 class Script:
     family: str = "llama"
-    tie_word_embeddings: bool = False
+    tie_word_embeddings: bool | None = False  # None: the family's own default
+    config: dict[str, Any] = field(default_factory=dict)  # more of the family's config
     lora: bool = False
     rows: str = "equal"  # "equal" (12 tokens each), "padded" (3..12), "packed" (flattened)
     train_rows: int = 64
@@ -85,9 +86,12 @@ def texts(rows: int, seed: int, equal: bool) -> list[dict[str, list[int]]]:
 
 
 def build_model(script: Script) -> torch.nn.Module:
-    config = AutoConfig.for_model(
-        script.family, **TINY, tie_word_embeddings=script.tie_word_embeddings
+    tie = (
+        {}
+        if script.tie_word_embeddings is None
+        else {"tie_word_embeddings": script.tie_word_embeddings}
     )
+    config = AutoConfig.for_model(script.family, **TINY, **tie, **script.config)
     torch.manual_seed(script.init_seed)
     model = AutoModelForCausalLM.from_config(config)
     if script.lora:
