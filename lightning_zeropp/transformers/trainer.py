@@ -313,3 +313,23 @@ def release_weights(model: nn.Module) -> None:
                 meta = torch.empty_like(param, device="meta")
                 released[id(param)] = nn.Parameter(meta, requires_grad=param.requires_grad)
             module._parameters[name] = released[id(param)]
+    for module in model.modules():  # the model, and the HF model inside a PeftModel
+        if module is model or callable(getattr(module, "save_pretrained", None)):
+            module.register_state_dict_pre_hook(_refuse_released)
+
+
+_RELEASED = (
+    "this model's weights moved into the pipeline's stages when ZeroPPTrainer built it (its "
+    "parameters are on the meta device now), so it has no weights to save or read. Use "
+    "trainer.save_model(dir) (an HF directory; the adapter only for a PEFT model), or "
+    "whole = trainer.accelerator.unwrap_model(trainer.model_wrapped) on every rank, then "
+    "whole.save_pretrained(dir) / whole.merge_and_unload() on the main process."
+)
+
+
+def _refuse_released(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    """A state dict of the released model (`model.save_pretrained(dir)`, the usual closing line
+    of a PEFT script) says what to use instead of failing on a meta tensor; once
+    `unwrap_model` has put the trained weights back (the main process), it is the model's."""
+    if any(p.device.type == "meta" for p in module.parameters()):
+        raise RuntimeError(_RELEASED)

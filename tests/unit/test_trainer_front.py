@@ -149,3 +149,29 @@ def test_packed_batches_that_cannot_be_regrouped():
         reshape({**batch, "weights": torch.ones_like(labels)}, 2, None)
     # rows that already split into the micro-batches are left as they are
     assert reshape(batch, 1, None).batch is batch
+
+
+def test_released_model_says_where_its_weights_are(tmp_path):
+    """After the pipeline is built the model passed in holds no weights: saving it (a PEFT
+    script's closing `model.save_pretrained`, or a merge's) names the calls that save the
+    trained weights, instead of failing on a meta tensor; once the weights are back
+    (`unwrap_model` puts them into this model on the main process), it saves as usual."""
+    from peft import LoraConfig, get_peft_model
+
+    from lightning_zeropp.transformers import release_weights
+
+    def peft_model() -> torch.nn.Module:
+        return get_peft_model(_model(), LoraConfig(r=2, target_modules=["q_proj"]))
+
+    model = peft_model()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    release_weights(model)
+    with pytest.raises(RuntimeError, match=r"trainer\.save_model\(dir\)"):
+        model.save_pretrained(tmp_path / "adapter")
+    model.load_state_dict(state, assign=True)
+    model.save_pretrained(tmp_path / "adapter")
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    released = peft_model()
+    release_weights(released)
+    with pytest.raises(RuntimeError, match="unwrap_model"):
+        released.merge_and_unload().save_pretrained(tmp_path / "merged")
