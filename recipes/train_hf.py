@@ -8,7 +8,7 @@ conf/train_hf.yaml); the script is an ordinary Trainer script with `ZeroPPTraine
 rank reads only its own shards of the directory (`ZeroPPPlugin(load_from=...)`).
 
     torchrun --standalone --nproc_per_node 4 recipes/train_hf.py model.net.path=/models/llama
-    accelerate launch --num_processes 4 recipes/train_hf.py model.net.path=/models/llama
+    accelerate launch --multi_gpu --num_processes 4 recipes/train_hf.py model.net.path=/models/llama
 
 Writes into one run directory (outputs/<torchrun rendezvous id>/): `.hydra/` and
 `train_hf.log` (rank 0 only), `metrics.jsonl` (the Trainer's logs, rank 0), `summary.json`,

@@ -23,7 +23,19 @@ CLIPPED = {"max_grad_norm": 0.3, "gradient_accumulation_steps": 2}
 EVAL = {"eval_strategy": "steps", "eval_steps": 2, "lr_scheduler_type": "cosine", "warmup_steps": 1}
 LORA = {"lora": True, "rows": "padded"}
 PACKED = {"rows": "packed", "args": {"optim": "sgd", "learning_rate": 0.5, "max_grad_norm": 0}}
-PADDED = {"rows": "padded", "args": CLIPPED, "predict": True}
+# the best checkpoint by a metric that is not the last step's (the higher loss), loaded at the
+# end; the Trainer's rotation (save_total_limit=1) keeps it alone
+BEST = {
+    "eval_strategy": "steps",
+    "eval_steps": 2,
+    "save_strategy": "steps",
+    "save_steps": 2,
+    "load_best_model_at_end": True,
+    "metric_for_best_model": "eval_loss",
+    "greater_is_better": True,
+    "save_total_limit": 1,
+}
+PADDED = {"rows": "padded", "args": {**CLIPPED, **BEST}, "predict": True}
 # GPT-2: tied embeddings, learned positions; dropout off (the runs draw other random numbers)
 GPT2 = {
     "family": "gpt2",
@@ -136,7 +148,9 @@ def test_padded_rows_match_one_process(runs):
     four, one = runs
     got = four[0]["padded"]
     _assert_same_training(got, one["padded"])
-    _assert_same_weights(got, one["padded"])
+    _assert_same_weights(got, one["padded"])  # the best checkpoint's, loaded at the end
+    assert got["best"] == one["padded"]["best"] == "checkpoint-2"
+    assert got["checkpoints"] == one["padded"]["checkpoints"] == ["checkpoint-2"]
     # the Trainer's evaluation loss: each process's token sum over the global batch's tokens
     # (times the processes), so its mean is the global batch's token mean, as one process's
     want = one["padded"]["predict_metrics"]["test_loss"]

@@ -44,6 +44,9 @@ def _run_case(case: dict[str, Any], folder: Path, resume: str | None = None) -> 
     if "predict" in done:
         out["predictions"] = done["predict"].predictions
         out["predict_metrics"] = done["predict"].metrics
+    best = trainer.state.best_model_checkpoint
+    out["best"] = Path(best).name if best else None
+    out["checkpoints"] = sorted(p.name for p in folder.glob("checkpoint-*"))
     trainer.save_model(str(folder / "final"))
     out.update(_saved(script, folder / "final"))
     if script.lora:
