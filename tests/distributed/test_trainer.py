@@ -68,7 +68,7 @@ CASES = [
     # initial weights resumes from checkpoint-2
     {
         "id": "resume",
-        "plugin": PP,
+        "env": {"ZEROPP_PP_SIZE": "2", "ZEROPP_NUM_MICROBATCHES": "2"},  # no zeropp_plugin
         "script": {"args": {"save_strategy": "steps", "save_steps": 2}},
         "resume": {"init_seed": 7},
     },
@@ -197,6 +197,8 @@ def test_packed_rows_match_one_process(runs):
 def test_resume_mid_epoch_continues(runs):
     four, _ = runs
     full, resumed = four[0]["resume"], four[0]["resume"]["resumed"]
+    # the layout came from ZEROPP_* variables: two stages, two micro-batches
+    assert full["layout"] == resumed["layout"] == {"pp_size": 2, "num_microbatches": 2}
     full_steps = _steps(full["logs"])
     again = _steps(resumed["logs"])
     assert [s["step"] for s in again] == [3, 4] if "step" in again[0] else len(again) == 2

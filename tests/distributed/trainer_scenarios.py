@@ -3,7 +3,9 @@ process; each returns what the tests compare: logs, evaluation, predictions and 
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +36,11 @@ def run(cases: list[dict[str, Any]], out_dir: str) -> dict[str, Any]:
 def _run_case(case: dict[str, Any], folder: Path, resume: str | None = None) -> dict[str, Any]:
     script = Script(**case.get("script", {}))
     plugin = case.get("plugin")
-    if plugin is None:
+    if "env" in case:  # no plugin: the layout from ZEROPP_* variables, as a launcher sets them
+        with _environment(case["env"]):
+            done = run_script(ZeroPPTrainer, script, str(folder), resume=resume)
+        plugin = case["env"]
+    elif plugin is None:
         done = run_script(Trainer, script, str(folder), resume=resume)
     else:
         zeropp = ZeroPPPlugin(**plugin)
@@ -55,6 +61,20 @@ def _run_case(case: dict[str, Any], folder: Path, resume: str | None = None) -> 
         out.update(_pipeline_facts(trainer))
     trainer.accelerator.free_memory()
     return out
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key)
+            else:
+                os.environ[key] = value
 
 
 def _saved(script: Script, folder: Path) -> dict[str, Any]:
@@ -96,6 +116,10 @@ def _pipeline_facts(trainer: Any) -> dict[str, Any]:
         "frozen": frozen,
         "planning": pipeline.engine.core.planning.summary(),
         "param_dtype": str(pipeline.engine.config.param_dtype),
+        "layout": {
+            "pp_size": pipeline.engine.config.pp_size,
+            "num_microbatches": pipeline.engine.config.num_microbatches,
+        },
     }
     if whole:
         facts["whole"] = {k: v.clone() for k, v in whole.items()}
