@@ -9,9 +9,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_zeropp.core._torch_private import default_store
+from lightning_zeropp.core._torch_private import default_store, tree_flatten, tree_map
 from lightning_zeropp.core.mesh import world_timeout
 from lightning_zeropp.core.step.failure import raised_everywhere
 from lightning_zeropp.core.step.store import BoundedStore, store_deadline_s
