@@ -104,11 +104,11 @@ def _reached_private_attributes() -> set[str]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and _private(node.attr) and not _on_self(node):
                 reached.add(node.attr)
-            elif isinstance(node, ast.Call) and _private(_string_arg(node) or ""):
-                reached.add(_string_arg(node))  # type: ignore[arg-type]
-    # Names the package defines (its helpers, an override's own state) are not torch's.
-    own = {n for n in _defined_names(inside) if not n.startswith("_lzpp")}
-    return {n for n in reached - own if not n.startswith("_lzpp")}
+            elif isinstance(node, ast.Call) and _private(attr := _string_arg(node) or ""):
+                reached.add(attr)
+    # Names the package defines (its helpers, an override's own state) are not torch's, nor is
+    # the state it keeps on torch's objects under the library's prefix (`_lzpp_...`).
+    return {n for n in reached - _defined_names(inside) if not n.startswith("_lzpp")}
 
 
 def private_uses(
