@@ -35,7 +35,7 @@ PROFILE_ITEMS: list[tuple[str, str, tuple[str, ...], str]] = [
     ("          stage perform_reduce_grad (gradient reduce-scatter, end of step)", "torch/distributed/pipelining/stage.py", ("perform_reduce_grad",), "ct"),
     ("          ZeroPP: scheduled loss (the user's training_step, per micro-batch)", "lightning_zeropp/lightning/", ("_scheduled_loss", "scheduled_loss"), "ct"),
     ("          ZeroPP: call-split stage forward (the model's own forward, stubs)", "lightning_zeropp/core/split/call_stages.py", ("run",), "ct"),
-    ("        ZeroPP: _broadcast_loss", "lightning_zeropp/core/engine.py", ("_broadcast_loss",), "ct"),
+    ("        ZeroPP: broadcast_loss", "lightning_zeropp/core/step/loss.py", ("broadcast_loss",), "ct"),
     ("      ZeroPP: LogRecorder.replay (log values to every stage)", "lightning_zeropp/lightning/logging.py", ("replay",), "ct"),
     ("        broadcast_object_list", "torch/distributed/distributed_c10d.py", ("broadcast_object_list",), "ct"),
     ("      ZeroPP: StepGrads take + apply", "lightning_zeropp/core/step/grads.py", ("__init__", "apply"), "ct"),

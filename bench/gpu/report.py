@@ -39,7 +39,7 @@ def machine() -> list[str]:
             lines.append(
                 f"- **torch {version} is outside the supported range ({SUPPORTED_TORCH}.x, "
                 "pyproject.toml)**: the pipelining internals the core reaches "
-                "(`core/_torch_private.py`) differ between releases; read failures below with "
+                "(`core/_torch_private/`) differ between releases; read failures below with "
                 "that in mind."
             )
         if torch.cuda.is_available():

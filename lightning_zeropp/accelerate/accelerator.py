@@ -23,7 +23,7 @@ What differs from the base class, and why:
   DDP's order (`shares`): every sample once, where DDP would put it; in eval mode
   `outputs.loss` is the loss of the process's share, as under DDP.
 - `save_state(dir)` commits atomically (a temporary sibling renamed when complete); the sharded
-  model and optimizer go through `prepare_pipeline`'s checkpoint hooks.
+  model and optimizer go through `prepare_pipeline`'s checkpoint hooks (`checkpointing`).
 - `get_state_dict` / `save_model` / `unwrap_model` give the whole model (collective calls, like
   Accelerate's FSDP full state dict: every rank calls them; the weights land on the main process).
 """
@@ -31,9 +31,7 @@ What differs from the base class, and why:
 from __future__ import annotations
 
 import copy
-import re
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,14 +42,13 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from lightning_zeropp.accelerate.pipeline_model import NUM_ITEMS, PipelineModel
-from lightning_zeropp.accelerate.plugin import prepare_pipeline
+from lightning_zeropp.accelerate.build import prepare_pipeline
+from lightning_zeropp.accelerate.checkpointing import commit_state
+from lightning_zeropp.accelerate.settings import ZeroPPPlugin
 from lightning_zeropp.accelerate.shares import in_process_order, process_order, share
-from lightning_zeropp.accelerate.zeropp_plugin import ZeroPPPlugin
+from lightning_zeropp.accelerate.steps import NUM_ITEMS, PipelineModel
 from lightning_zeropp.core.settings import launch
 from lightning_zeropp.core.step.failure import guarded
-from lightning_zeropp.core.weights import commit
-from lightning_zeropp.core.weights.checkpoint import prepare_save
 from lightning_zeropp.core.weights.export import full_state_dict
 from lightning_zeropp.models.hf_loss import LossWatch, disable_kv_cache, token_rule
 
@@ -201,45 +198,11 @@ class ZeroPPAccelerator(Accelerator):
 
     # ------------------------------------------------------------------------- state
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kw: Any):
-        """`Accelerator.save_state`, committed atomically (`core.weights.commit`).
-
-        A named `output_dir` always holds a complete state (the previous one until the new one
-        is). Under `ProjectConfiguration(automatic_checkpoint_naming=True)` the state is written
-        outside `checkpoints/` and renamed in as `checkpoint_<iteration>`, so Accelerate's own
-        `load_state()` (the newest folder) never meets a half-written one; `total_limit` prunes
-        as Accelerate does.
-        """
+        """`Accelerator.save_state`, committed atomically (`accelerate.checkpointing`)."""
         if self.pipeline is None:
             return super().save_state(output_dir, safe_serialization, **kw)
-        project = self.project_configuration
-        automatic = project.automatic_checkpoint_naming
-        if automatic:
-            final = Path(self.project_dir) / "checkpoints" / f"checkpoint_{self.save_iteration}"
-            if final.exists():
-                raise ValueError(
-                    f"Checkpoint directory {final} ({self.save_iteration}) already exists; set "
-                    "accelerator.project_configuration.iteration to the next free number."
-                )
-            tmp = Path(self.project_dir) / final.name
-        elif output_dir is None:
-            raise ValueError("save_state needs output_dir (or automatic_checkpoint_naming)")
-        else:
-            final = tmp = Path(output_dir)
-        if self.is_main_process and automatic:
-            _prune(final.parent, project.total_limit)
-        # One temporary for all ranks, made before its name is shared: each writes its files in.
-        tmp = prepare_save(tmp)
-        project.automatic_checkpoint_naming = False  # write where told: the temporary
-        try:
-            super().save_state(str(tmp), safe_serialization, **kw)
-        finally:
-            project.automatic_checkpoint_naming = automatic
-        self.wait_for_everyone()
-        if self.is_main_process:
-            final.parent.mkdir(parents=True, exist_ok=True)
-            commit.publish(tmp, final, link=not automatic)
-        self.wait_for_everyone()
-        return str(final)
+        base = super().save_state
+        return commit_state(self, output_dir, lambda tmp: base(tmp, safe_serialization, **kw))
 
     def get_state_dict(self, model: Any, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """Collective: the whole model's state dict on the main process ({} elsewhere)."""
@@ -287,17 +250,6 @@ for _name in (
 
 
 # ---------------------------------------------------------------------------------- helpers
-def _prune(folder: Path, total_limit: int | None) -> None:
-    """Make room for one more `checkpoint_<n>` under `total_limit`, oldest first (Accelerate's
-    rule, applied to the committed folders only)."""
-    if total_limit is None or not folder.is_dir():
-        return
-    saved = [p for p in folder.iterdir() if re.fullmatch(r"checkpoint_\d+", p.name)]
-    saved.sort(key=lambda p: int(p.name.split("_")[1]))
-    for old in saved[: max(0, len(saved) + 1 - total_limit)]:
-        commit.remove(old)
-
-
 def _unpack_call(token_weighted: bool) -> Any:
     """The example batch as the pipeline will call the model: `model(**batch)`, plus the
     `num_items_in_batch` it adds (HF passes it down to every block: the split's check must see

@@ -2,33 +2,31 @@
 
 Steps through the core engine (with Accelerate's gradient-accumulation scaling), global-norm
 clipping, extra loaders sharded like the training data, and the sharded model + optimizer
-checkpoint that `accelerator.save_state` / `load_state` write and read through their pre-hooks.
+checkpoint (`accelerate.checkpointing`) that `accelerator.save_state` / `load_state` write and
+read through their pre-hooks.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from accelerate import Accelerator
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
+from lightning_zeropp.accelerate import checkpointing
+from lightning_zeropp.accelerate.checkpointing import CHECKPOINT_DIR
 from lightning_zeropp.accelerate.data import Unpack, check_loader, shard_loader, widen_loader
 from lightning_zeropp.core.engine import ZeroPPEngine
 from lightning_zeropp.core.mesh import ParallelDims
 from lightning_zeropp.core.settings.resolve import ZeroPPLayout
-from lightning_zeropp.core.weights import checkpoint as ckpt
 
 __all__ = ["CHECKPOINT_DIR", "ZeroPPAccelerateEngine"]
-
-CHECKPOINT_DIR = "zeropp"  # the sharded model + optimizer checkpoint inside save_state's folder
 
 
 class ZeroPPAccelerateEngine:
@@ -122,24 +120,11 @@ class ZeroPPAccelerateEngine:
     # ---------------------------------------------------------------- checkpoints
     def save(self, output_dir: str | os.PathLike[str]) -> Path:
         """Collective: write the sharded model and optimizer state to `output_dir/zeropp`."""
-        meta = {"zeropp_config": _plain(self.config), "world_size": dist.get_world_size()}
-        with _nonempty_groups(self.optimizer):
-            return ckpt.save_checkpoint(
-                Path(output_dir) / CHECKPOINT_DIR, self.module, [self.optimizer], meta
-            )
+        return checkpointing.save_sharded(output_dir, self.module, self.optimizer, self.config)
 
     def load(self, input_dir: str | os.PathLike[str]) -> dict[str, Any]:
         """Collective: read what `save` wrote (under any layout: names are the model's own)."""
-        path = Path(input_dir) / CHECKPOINT_DIR
-        if not ckpt.is_checkpoint(path):
-            raise FileNotFoundError(
-                f"{input_dir} holds no ZeroPP checkpoint ({path} is missing); save it with "
-                "accelerator.save_state after prepare_pipeline."
-            )
-        with _nonempty_groups(self.optimizer):
-            meta = ckpt.load_checkpoint(path, self.module, [self.optimizer])
-        _fill_empty_groups(self.optimizer)
-        return meta
+        return checkpointing.load_sharded(input_dir, self.module, self.optimizer)
 
     def _register_hooks(self) -> None:
         acc = self.accelerator
@@ -147,47 +132,3 @@ class ZeroPPAccelerateEngine:
             acc.register_save_state_pre_hook(lambda models, weights, out: self.save(out)),
             acc.register_load_state_pre_hook(lambda models, inp: self.load(inp)),
         ]
-
-
-# ------------------------------------------------------------------------------------ checkpoints
-@contextlib.contextmanager
-def _nonempty_groups(optimizer: Optimizer) -> Iterator[None]:
-    """Hide param groups that are empty on this rank from the distributed checkpoint.
-
-    Groups stay aligned across ranks, so a group may hold no parameter of this rank's stages;
-    torch's flattened optimizer state dict cannot load such a group (it reads the group's
-    hyperparameters from its first parameter). Loading replaces the group dicts it sees, so the
-    full list is rebuilt from the loaded ones afterwards.
-    """
-    groups = optimizer.param_groups
-    optimizer.param_groups = [g for g in groups if g["params"]]
-    try:
-        yield
-    finally:
-        loaded = iter(optimizer.param_groups)
-        optimizer.param_groups = [next(loaded) if g["params"] else g for g in groups]
-
-
-def _fill_empty_groups(optimizer: Optimizer) -> None:
-    """Give groups that are empty here the hyperparameters another rank loaded for them.
-
-    The checkpoint keeps a group's hyperparameters (its learning rate, ...) with its parameters,
-    so a rank holding none of them has nothing to load. Schedulers that update the learning rate
-    from its current value (cosine annealing's recursive form) would then drift on that rank.
-    """
-    mine = [
-        {k: v for k, v in g.items() if k != "params"} if g["params"] else None
-        for g in optimizer.param_groups
-    ]
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    for i, group in enumerate(optimizer.param_groups):
-        if not group["params"]:
-            loaded = next((r[i] for r in everyone if r[i] is not None), None)
-            if loaded is not None:
-                group.update(loaded)
-
-
-def _plain(config: ZeroPPLayout) -> dict[str, Any]:
-    """The config as plain values (dtypes as strings) for the checkpoint's metadata."""
-    return {k: str(v) if isinstance(v, torch.dtype) else v for k, v in vars(config).items()}

@@ -2,7 +2,8 @@
 
 Rooms, in build order (each imports only rooms below it; `docs/architecture.md` has the map):
 `settings/` -> `schedule/` -> `mesh.py`, `shard/` -> `split/`, `step/`, `measure/` ->
-`weights/` -> `engine.py`; `_torch_private.py` is the one home of torch's private names.
+`weights/` -> `engine_build.py`, `engine_schedules.py`, `engine_reports.py` -> `engine.py`;
+`_torch_private/` is the one home of torch's private names.
 """
 
 from lightning_zeropp.core import _moved

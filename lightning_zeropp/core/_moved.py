@@ -6,6 +6,11 @@ they now live in folders by concern (`settings/`, `schedule/`, `shard/`, `split/
 the module at its new path (the same module object, so patches and `isinstance` agree), with a
 `DeprecationWarning` naming the new path. `schedule`, `shard` and `split` became folders of the
 same name, which re-export what the file held.
+
+The same mechanism serves any package whose modules moved: `install(package, moved)` puts one
+finder per package on `sys.meta_path` (the fronts install theirs, naming their own old files, when
+they are imported: a front's old path imports its package first). `TABLES` holds every package's
+table, for the tests.
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ import importlib.machinery
 import sys
 import types
 import warnings
+from collections.abc import Mapping
 
-__all__ = ["MOVED", "install"]
+__all__ = ["MOVED", "TABLES", "install"]
 
 _CORE = "lightning_zeropp.core"
 
@@ -57,27 +63,47 @@ MOVED: dict[str, str] = {
 }
 
 
+# package -> (old module name under it -> its new path under it), for every installed finder
+TABLES: dict[str, Mapping[str, str]] = {}
+
+
 class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds `lightning_zeropp.core.<old>` and loads it as the module at its new path."""
+    """Finds `<package>.<old>` and loads it as the module at its new path."""
+
+    def __init__(self, package: str, moved: Mapping[str, str]) -> None:
+        self.package, self.moved = package, moved
+
+    def _new(self, fullname: str) -> str | None:
+        old = fullname.removeprefix(f"{self.package}.")
+        if old == fullname or old not in self.moved:
+            return None
+        return f"{self.package}.{self.moved[old]}"
 
     def find_spec(self, fullname: str, path: object, target: object = None):  # type: ignore[override]
-        old = fullname.removeprefix(f"{_CORE}.")
-        if old == fullname or old not in MOVED:
+        if self._new(fullname) is None:
             return None
         return importlib.machinery.ModuleSpec(fullname, self)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        new = f"{_CORE}.{MOVED[spec.name.removeprefix(f'{_CORE}.')]}"
+        new = self._new(spec.name)
+        assert new is not None
         warnings.warn(
             f"{spec.name} moved to {new}; import it from there.", DeprecationWarning, stacklevel=2
         )
-        return importlib.import_module(new)
+        module = importlib.import_module(new)
+        # The import system sets `__spec__` on what this returns: keep the module's own.
+        spec._moved_own_spec = module.__spec__  # type: ignore[attr-defined]
+        return module
 
     def exec_module(self, module: types.ModuleType) -> None:
-        pass  # the module at its new path has run already
+        # The module at its new path has run already; give it back its own spec.
+        own = getattr(module.__spec__, "_moved_own_spec", None)
+        if own is not None:
+            module.__spec__ = own
 
 
-def install() -> None:
-    """Put the finder on `sys.meta_path` once (importing the core does)."""
-    if not any(isinstance(f, _Alias) for f in sys.meta_path):
-        sys.meta_path.append(_Alias())
+def install(package: str = _CORE, moved: Mapping[str, str] = MOVED) -> None:
+    """Put `package`'s finder on `sys.meta_path` once (importing the package does)."""
+    TABLES[package] = moved
+    if not any(isinstance(f, _Alias) and f.package == package for f in sys.meta_path):
+        sys.meta_path.append(_Alias(package, moved))

@@ -23,7 +23,8 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ThroughputMonitor
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
+
+from lightning_zeropp.core._torch_private import tree_flatten
 
 __all__ = ["ShardReads", "count_pipelines", "grad_norm"]
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from lightning_zeropp.core._torch_private import tree_flatten, tree_unflatten
 from lightning_zeropp.core.engine import ZeroPPEngine
 
 __all__ = ["check_loss", "concat_calls", "detached", "merge", "scalar", "sync_random_state", "zero"]

@@ -21,6 +21,8 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
+from lightning_zeropp.core._torch_private import make_subclass
+
 __all__ = [
     "Elsewhere",
     "ElsewhereTensor",
@@ -85,7 +87,7 @@ class ElsewhereTensor(torch.Tensor):
 
     @staticmethod
     def make(owner: str, name: str) -> ElsewhereTensor:
-        guard = torch.Tensor._make_subclass(ElsewhereTensor, torch.empty(0))
+        guard = make_subclass(ElsewhereTensor, torch.empty(0))
         guard._message = _outside_forward(owner, name)
         return guard
 

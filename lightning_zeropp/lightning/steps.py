@@ -23,8 +23,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_map
 
+from lightning_zeropp.core._torch_private import tree_map
 from lightning_zeropp.core.engine import ZeroPPEngine
 from lightning_zeropp.core.schedule import eval_microbatches
 from lightning_zeropp.core.split.call_adapter import CallAdapter

@@ -38,8 +38,8 @@ from lightning_zeropp.core.engine import ZeroPPEngine
 from lightning_zeropp.core.mesh import ParallelDims, build_mesh
 from lightning_zeropp.core.settings import launch
 from lightning_zeropp.core.settings.config import ZeroPPConfig, ZeroPPLayout
-from lightning_zeropp.core.settings.merge import merge_settings, takes_settings
-from lightning_zeropp.core.split.methods import SplitMethod, check_split
+from lightning_zeropp.core.settings.merge import takes_settings
+from lightning_zeropp.core.split.methods import SplitMethod
 from lightning_zeropp.core.step.agree import agree, settings_fields
 from lightning_zeropp.core.step.failure import failure_guard, guarded
 from lightning_zeropp.core.step.grads import StepGrads
@@ -47,9 +47,10 @@ from lightning_zeropp.core.weights import checkpoint as ckpt
 from lightning_zeropp.core.weights import commit, export, trust
 from lightning_zeropp.core.weights.async_checkpoint import AsyncCheckpointer
 from lightning_zeropp.core.weights.materialize import InitFn, empty_parameters
-from lightning_zeropp.lightning import checkpointing, hooks, resume, settings
+from lightning_zeropp.lightning import checkpointing, data, hooks
 from lightning_zeropp.lightning.build import build_engine
 from lightning_zeropp.lightning.precision import ZeroPPPrecision
+from lightning_zeropp.lightning.settings import strategy_settings
 from lightning_zeropp.lightning.steps import StepRunner
 from lightning_zeropp.lightning.weighting import UNWEIGHTED, GlobalTokenCount
 
@@ -116,14 +117,11 @@ class ZeroPPStrategy(ModelParallelStrategy):
         **settings: Any,
     ) -> None:
         launch.check_timeout(timeout)
-        if split is not None:
-            check_split(split)
         # One path for every front: these arguments over the ZEROPP_* variables; the layout is
-        # resolved at setup, when the world size is known.
-        self._settings = merge_settings(settings, split=split, owner="ZeroPPStrategy")
+        # resolved at setup, when the world size is known (`lightning.settings`).
+        self._settings = strategy_settings(settings, split)
         self.zeropp_config: ZeroPPConfig | ZeroPPLayout = self._settings.config
         self._split = self._settings.split
-        check_split(self._split)
         self._state_dict_type = checkpointing.check_state_dict_type(state_dict_type)
         if async_save and state_dict_type != "sharded":
             raise ValueError(
@@ -162,11 +160,11 @@ class ZeroPPStrategy(ModelParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        # A fit resumed mid-epoch continues with the next unseen batch (`lightning.resume`).
+        # A fit resumed mid-epoch continues with the next unseen batch (`lightning.data`).
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or not trainer.training:
             return dataloader
-        return resume.resuming_loader(dataloader, trainer)
+        return data.resuming_loader(dataloader, trainer)
 
     @property
     @override
@@ -382,7 +380,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
             self._async.wait()  # the last checkpoint is complete when fit returns
         super().teardown()
         if trainer is not None:
-            settings.check_trained(trainer)
+            data.check_trained(trainer)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:

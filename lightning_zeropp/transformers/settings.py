@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
 
-from lightning_zeropp.accelerate.zeropp_plugin import ZeroPPPlugin
+from lightning_zeropp.accelerate.settings import ZeroPPPlugin
 from lightning_zeropp.core.settings.values import parse_dtype
 
 __all__ = ["accelerator_arguments", "check_trainer_arguments", "plugin_for"]

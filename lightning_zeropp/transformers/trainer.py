@@ -16,7 +16,7 @@ callbacks, checkpoints, schedulers, gradient accumulation). What differs, and wh
   Trainer's token count over the whole accumulation window, so the loss and gradients are one
   process's (the mean over every labelled token of the global batch), with no DDP scaling.
 - Gradient norms (clipping, the logged `grad_norm`) are over every stage and shard.
-- Checkpoints are sharded (`checkpoint.py`) and committed atomically; `save_model` writes an
+- Checkpoints are sharded (`checkpointing.py`) and committed atomically; `save_model` writes an
   ordinary HF directory (adapters only for a PEFT model, as the Trainer does).
 """
 
@@ -36,9 +36,9 @@ from transformers import Trainer, TrainingArguments
 
 from lightning_zeropp.accelerate.accelerator import ZeroPPAccelerator
 from lightning_zeropp.accelerate.optim import retarget_scheduler
-from lightning_zeropp.accelerate.pipeline_model import NUM_ITEMS, PipelineModel
-from lightning_zeropp.accelerate.zeropp_plugin import ZeroPPPlugin
-from lightning_zeropp.transformers import checkpoint
+from lightning_zeropp.accelerate.settings import ZeroPPPlugin
+from lightning_zeropp.accelerate.steps import NUM_ITEMS, PipelineModel
+from lightning_zeropp.transformers import checkpointing
 from lightning_zeropp.transformers.settings import (
     accelerator_arguments,
     check_trainer_arguments,
@@ -281,24 +281,24 @@ class ZeroPPTrainer(Trainer):
 
     # ------------------------------------------------------------------ checkpoints
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
-        checkpoint.save(self, trial)
+        checkpointing.save(self, trial)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         """Checked here, on every rank; loaded once the pipeline exists (`_prepare_for_training`)."""
-        checkpoint.check_resumable(resume_from_checkpoint)
+        checkpointing.check_resumable(resume_from_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint_dir: str | None) -> None:
         """Collective: the sharded model and optimizer, and the scheduler, of a checkpoint."""
         if checkpoint_dir is not None:
-            checkpoint.load(self, checkpoint_dir)
+            checkpointing.load(self, checkpoint_dir)
 
     def _load_best_model(self) -> None:
-        checkpoint.load_best_model(self)
+        checkpointing.load_best_model(self)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Collective: an ordinary HF directory (`from_pretrained` reads it) from the main
         process; a PEFT model's adapters only, as the Trainer writes them."""
-        checkpoint.save_model(self, output_dir or self.args.output_dir)
+        checkpointing.save_model(self, output_dir or self.args.output_dir)
 
 
 def release_weights(model: nn.Module) -> None:

@@ -17,9 +17,12 @@ from tests.distributed.common import MODEL, lm_loss, make_batches, make_model
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 
+RECORDED = 3  # steps recorded after the warm-up: the test reads the fastest
+
+
 def steps(layouts: list[dict[str, Any]], forward_s: float) -> list[dict[str, Any]]:
-    """For each layout: one warm-up step, then one recorded step (from a barrier to the
-    device's last task), its device spans and busy seconds."""
+    """For each layout: one warm-up step, then `RECORDED` steps, each from a barrier to the
+    device's last task, with its device spans and busy seconds (the loss: the last step's)."""
     from emulated_device import BlockCost, EmulatedDevice, emulate_blocks, install
 
     out = []
@@ -33,17 +36,30 @@ def steps(layouts: list[dict[str, Any]], forward_s: float) -> list[dict[str, Any
         example = (torch.zeros(micro, MODEL.seq_len, dtype=torch.long),)
         engine = ZeroPPEngine(model, config, loss_fn=lm_loss, example_args=example)
         ((x, y),) = make_batches(1)
+        runs = []  # (start, end, busy seconds, spans) of each recorded step
         with install(device):
-            for record in (False, True):
+            for record in (False, *[True] * RECORDED):
                 device.sync()
                 dist.barrier()
+                device.spans = []
                 device.record, busy = record, device.busy
                 start = time.perf_counter()
                 loss = engine.train_step(x, target=y)
                 device.sync()
                 end = time.perf_counter()
+                if record:
+                    runs.append((start, end, device.busy - busy, list(device.spans)))
         out.append({
-            "pp_rank": engine.dims.pp_rank, "start": start, "end": end,
-            "busy": device.busy - busy, "spans": device.spans, "loss": float(loss),
+            "pp_rank": engine.dims.pp_rank, "loss": float(loss), "cpu_share": cpu_share(),
+            "steps": [{"start": a, "end": b, "busy": c, "spans": d} for a, b, c, d in runs],
         })  # fmt: skip
     return out
+
+
+def cpu_share(seconds: float = 0.1) -> float:
+    """The share of a core this process gets now: CPU time over wall time of a busy loop (near 1
+    when a core is free; a fraction when other processes compete for the cores)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    while time.perf_counter() - wall < seconds:
+        pass
+    return (time.process_time() - cpu) / (time.perf_counter() - wall)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_zeropp.lightning.resume import ResumingLoader, resuming_loader, skip_batches
+from lightning_zeropp.lightning.data import ResumingLoader, resuming_loader, skip_batches
 from tests.distributed.conftest import merged_params
 from tests.distributed.launch import ROOT, launch
 

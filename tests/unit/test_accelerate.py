@@ -15,19 +15,19 @@ from torch import nn
 from torch.optim import lr_scheduler as lrs
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_zeropp.accelerate.build import _check_accelerator, _resolved, _settings
+from lightning_zeropp.accelerate.checkpointing import _nonempty_groups
 from lightning_zeropp.accelerate.data import (
     check_loader,
     example_microbatch,
     unpack_batch,
 )
-from lightning_zeropp.accelerate.engine import _nonempty_groups
 from lightning_zeropp.accelerate.optim import (
     PipelineScheduler,
     optimizer_param_names,
     rebuild_optimizer,
     retarget_scheduler,
 )
-from lightning_zeropp.accelerate.plugin import _check_accelerator, _resolved, _settings
 from lightning_zeropp.core.settings import env
 from lightning_zeropp.core.settings.config import ZeroPPConfig
 

@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_zeropp.accelerate import ZeroPPAccelerator, ZeroPPPlugin
-from lightning_zeropp.accelerate.pipeline_model import PipelineOutput, accepts_num_items, loss_of
+from lightning_zeropp.accelerate.steps import PipelineOutput, accepts_num_items, loss_of
 from lightning_zeropp.core.settings.config import ZeroPPConfig
 
 
@@ -68,10 +68,20 @@ def _objects():
 
 
 def test_a_layout_larger_than_the_launch_says_how_to_start_processes(monkeypatch):
+    """The hint names commands that start several CPU processes: torchrun, or `accelerate launch
+    --multi_gpu` with cpu=True; not `accelerate launch --cpu --num_processes N`, which starts one
+    (its CPU launcher is not the distributed one), so the user would rerun what failed."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     accelerator = ZeroPPAccelerator(zeropp_plugin=ZeroPPPlugin(pp_size=2), cpu=True)
-    with pytest.raises(ValueError, match=r"pp_size \(2\).*--num_processes N"):
+    with pytest.raises(ValueError, match=r"pp_size \(2\).*--num_processes N") as err:
         accelerator.prepare(*_objects())
+    hint = str(err.value)
+    assert "torchrun --nproc_per_node N" in hint
+    assert (
+        "accelerate launch --multi_gpu --num_processes N script.py` with Accelerator(cpu=True)"
+        in hint
+    )
+    assert "add --cpu" not in hint
 
 
 def test_prepare_needs_the_optimizer_and_the_model_first(monkeypatch):
@@ -113,4 +123,4 @@ def test_prepare_uses_the_variables_without_calling_them_ignored(monkeypatch, ca
             torch.distributed.destroy_process_group()
     assert pipeline.engine.config.num_microbatches == 2
     assert "ignoring" not in caplog.text
-    assert "ZeroPP layout: world 1 = pp 1" in capsys.readouterr().out
+    assert capsys.readouterr().out.count("ZeroPP layout: world 1 = pp 1") == 1  # once, at setup

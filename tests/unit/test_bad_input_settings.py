@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_zeropp import ZeroPPConfig, ZeroPPStrategy
-from lightning_zeropp.accelerate.plugin import _resolved, _settings
+from lightning_zeropp.accelerate.build import _resolved, _settings
 from lightning_zeropp.core.settings import env
 
 

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from lightning_zeropp.accelerate.optim import optimizer_param_names, rebuild_optimizer
-from lightning_zeropp.accelerate.pipeline_model import PipelineOutput
 from lightning_zeropp.accelerate.shares import eval_microbatches_by_share, share, share_losses
+from lightning_zeropp.accelerate.steps import PipelineOutput
 from lightning_zeropp.models.hf_loss import NUM_ITEMS, TokenCountAdapter, TokenRule, token_rule
 from tests.distributed.clm_loop import Args, OwnLossLlama, Texts, build_model, collate
 

@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader, RandomSampler
 
 from lightning_zeropp.accelerate.data import widen_loader
 from lightning_zeropp.core.step.loader import rebuild_loader
-from lightning_zeropp.lightning.resume import _without_first, skip_batches
+from lightning_zeropp.lightning.data import _without_first, skip_batches
 
 
 def _collate(rows):

@@ -25,7 +25,7 @@ import yaml
 
 from lightning_zeropp import ZeroPPStrategy
 from lightning_zeropp.accelerate import ZeroPPPlugin
-from lightning_zeropp.accelerate.plugin import _settings
+from lightning_zeropp.accelerate.build import _settings
 from lightning_zeropp.core.settings import env
 from lightning_zeropp.core.settings.config import ZeroPPConfig, ZeroPPLayout
 from lightning_zeropp.core.settings.merge import merge_settings

@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lightning_zeropp.core._torch_private import unsharded_parameter_bytes
+from lightning_zeropp.core._torch_private import unsharded_parameter_bytes, view_base
 from lightning_zeropp.core.shard.fsdp import local_shard
 
 __all__ = [
@@ -204,7 +204,7 @@ class SavedActivations:
 
 def _pack_for_all(tensor: torch.Tensor) -> torch.Tensor:
     # Parameters are saved for backward too; they are weights, not activations.
-    base = tensor._base
+    base = view_base(tensor)
     if isinstance(tensor, nn.Parameter) or isinstance(base, nn.Parameter):
         return tensor
     local = tensor

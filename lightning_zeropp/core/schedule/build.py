@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed.pipelining as pipelining
 
+from lightning_zeropp.core._torch_private import PipelineSchedule
 from lightning_zeropp.core.schedule.zeropp import (
     Step,
     Task,
@@ -57,7 +58,7 @@ def build_schedule(
     config: ZeroPPLayout,
     stages: list[pipelining.PipelineStage],
     loss_fn: Callable | None,
-) -> pipelining.schedules._PipelineSchedule:
+) -> PipelineSchedule:
     """Instantiate the (resolved) config's schedule over this rank's stages.
 
     Losses are per-micro-batch means and the schedule divides gradients by the micro-batch count
@@ -87,7 +88,7 @@ def zeropp_orders(config: ZeroPPLayout) -> dict[int, list[Task]]:
 
 def _build_zeropp(
     config: ZeroPPLayout, stages: list[pipelining.PipelineStage], loss_fn: Callable | None
-) -> pipelining.schedules._PipelineSchedule:
+) -> PipelineSchedule:
     from lightning_zeropp.core.schedule.runtime import UnitScheduleRuntime
 
     return UnitScheduleRuntime(stages, config.num_microbatches, loss_fn, zeropp_plans(config))
@@ -118,7 +119,7 @@ def build_eval_schedule(
     stages: list[pipelining.PipelineStage],
     loss_fn: Callable | None,
     num_microbatches: int,
-) -> pipelining.schedules._PipelineSchedule:
+) -> PipelineSchedule:
     """A forward-only schedule for any schedule's placement and any number of micro-batches.
 
     Each rank runs its stages in order, every micro-batch through one stage before the next

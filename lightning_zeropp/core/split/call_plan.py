@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 
+from lightning_zeropp.core._torch_private import TreeSpec, tree_flatten, tree_map, tree_unflatten
 from lightning_zeropp.core.split.blocks import BlockPlan
 from lightning_zeropp.core.split.copies import meta_copy
 from lightning_zeropp.core.split.tags import Tagger

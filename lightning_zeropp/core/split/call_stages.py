@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 
+from lightning_zeropp.core._torch_private import TreeSpec, tree_flatten, tree_map, tree_unflatten
 from lightning_zeropp.core.split.call_plan import CallInputs, CallPlan
 from lightning_zeropp.core.split.copies import meta_copy, stage_copy
 

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
+
+from lightning_zeropp.core._torch_private import tree_flatten, tree_map
 
 __all__ = ["Tagger"]
 

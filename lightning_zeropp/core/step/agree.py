@@ -22,6 +22,7 @@ import hashlib
 import itertools
 import json
 import os
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -38,6 +39,7 @@ __all__ = ["agree", "check_replicas", "model_layout", "settings_fields"]
 
 _KEY = "lightning_zeropp/agree"
 _ENV_PREFIX = "ZEROPP_"
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 _CALLS = itertools.count()  # every rank calls agree in the same order: the keys match
 _VARIABLES = {"split"}  # fields that come from a ZEROPP_* variable (`settings_fields` adds)
 
@@ -163,4 +165,10 @@ def _checksum(tensor: torch.Tensor) -> tuple[int, int]:
 
 
 def _text(value: Any) -> str:
-    return str(value) if isinstance(value, torch.dtype) else repr(value)
+    """A value as every rank writes it alike: a function by its qualified name, and no object's
+    address (a default repr names one, and it differs between processes)."""
+    if isinstance(value, torch.dtype):
+        return str(value)
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', None)}.{value.__qualname__}"
+    return _ADDRESS.sub("", repr(value))

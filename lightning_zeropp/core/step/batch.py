@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_zeropp.core._torch_private import default_store
+from lightning_zeropp.core._torch_private import default_store, tree_flatten, tree_map
 from lightning_zeropp.core.mesh import world_timeout
+from lightning_zeropp.core.schedule.build import eval_microbatches
 from lightning_zeropp.core.step.failure import raised_everywhere
 from lightning_zeropp.core.step.store import BoundedStore, store_deadline_s
 
@@ -21,8 +21,10 @@ __all__ = [
     "agree_on_step",
     "batch_size",
     "take_rows",
+    "check_batch",
     "check_divisible",
     "shape_key",
+    "step_microbatches",
 ]
 
 _REASON = "lightning_zeropp/batch_check"  # /{rank}: why that rank's batch failed its checks
@@ -51,6 +53,47 @@ def check_divisible(size: int, num_microbatches: int) -> None:
             f"micro-batches; use a per-rank batch size that is a multiple of {num_microbatches} "
             "(and drop_last=True in the data loader)."
         )
+
+
+def check_batch(
+    mode: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    target: Any,
+    shapes: ShapeGuard | None = None,
+) -> int:
+    """Checks every rank makes from its own arguments, before any communication; returns the
+    batch's rows. `shapes`: the guard of stages specialised to an example's shapes (traced)."""
+    present = [x for x in (args or None, kwargs or None, target) if x is not None]
+    if not present:
+        raise ValueError(
+            "train_step / eval_step got no batch: every rank passes the same batch (the "
+            "model inputs, and target=)."
+        )
+    if shapes is not None:  # traced stages are specialised to the example's shapes
+        shapes.check(mode, args, kwargs, present)
+    rows = batch_size(present)
+    if target is not None and (args or kwargs) and batch_size(target) != rows:
+        # The schedule would cut them into micro-batches of other rows: the loss would pair
+        # outputs with other rows' targets, or fail on the last stage only.
+        raise ValueError(
+            f"target= has {batch_size(target)} rows and the model inputs {rows}; pass the "
+            "targets of the same rows (the same batch, split the same way)."
+        )
+    return rows
+
+
+def step_microbatches(mode: str, rows: int, configured: int, chosen: int | None = None) -> int:
+    """How many micro-batches a step of `rows` runs in: `configured` for training (which must
+    divide the rows); for evaluation `chosen` (checked alike), else as many equal ones as divide
+    the rows (at most `configured`: `eval_microbatches`)."""
+    if mode == "train":
+        check_divisible(rows, configured)
+        return configured
+    if chosen is not None:
+        check_divisible(rows, chosen)
+        return chosen
+    return eval_microbatches(rows, configured)
 
 
 def shape_key(batch: Any) -> tuple[Any, ...]:

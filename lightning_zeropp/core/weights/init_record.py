@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_zeropp.core._torch_private import tree_flatten, tree_map
 from lightning_zeropp.core.weights.init_tape import (
     InitTape,
     _Call,

@@ -28,9 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_zeropp.core._torch_private import local_chunk
+from lightning_zeropp.core._torch_private import local_chunk, tree_flatten, tree_map
 from lightning_zeropp.core.shard.fsdp import local_shard
 
 __all__ = [

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_zeropp.core._torch_private import local_chunk
+from lightning_zeropp.core._torch_private import local_chunk, tensor_version
 from lightning_zeropp.core.shard.fsdp import local_shard
 from lightning_zeropp.core.split.tied import TiedWeights
 from lightning_zeropp.core.weights.collective import raise_on_every_rank
@@ -259,7 +259,7 @@ def _init_stage(
     """Initialize each module's own meta-born tensors at full size, keep this rank's rows."""
     # Only meta-born tensors are watched: an init may rightly reset a kept buffer of its own.
     watched = [(m, n, t) for m, n, t in _tensors(stage) if (m, n) in born]
-    versions = {id(t): local_shard(t)._version for _, _, t in watched}
+    versions = {id(t): tensor_version(local_shard(t)) for _, _, t in watched}
     written: dict[int, int] = {}
     done: set[int] = set()
     for module_name, module in stage.named_modules():
@@ -280,7 +280,7 @@ def _init_stage(
             done.add(id(t))
             written[id(t)] = written.get(id(t), 0) + 1
     for module_name, name, t in watched:
-        if local_shard(t)._version != versions[id(t)] + written.get(id(t), 0):
+        if tensor_version(local_shard(t)) != versions[id(t)] + written.get(id(t), 0):
             full = f"{module_name}.{name}" if module_name else name
             raise ValueError(
                 f"the init wrote into '{full}' while initializing another module (a parent's "

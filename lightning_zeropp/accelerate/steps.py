@@ -10,11 +10,8 @@ reaches that leaf with the gradient `c = d(what the loop differentiates) / dL` (
 the step's gradients are added to `.grad` times `c`, as autograd would add them in one process.
 A step that is never backpropagated adds nothing.
 
-The loss is the mean over the global batch's real tokens: for a model whose forward takes HF's
-`num_items_in_batch` (every HF causal LM does), each micro-batch's loss is its token sum divided by
-the global count (times the micro-batch and data-parallel counts the engine averages over). For
-other models the loss is the mean of micro-batch means, which equals the global mean only when
-every micro-batch has as many labelled tokens: a batch where they differ is refused.
+The loss is the mean over the global batch's real tokens, as one process computes it
+(`accelerate.weighting`).
 """
 
 from __future__ import annotations
@@ -27,6 +24,7 @@ from torch import nn
 
 from lightning_zeropp.accelerate.engine import ZeroPPAccelerateEngine
 from lightning_zeropp.accelerate.shares import eval_microbatches_by_share, share_losses
+from lightning_zeropp.accelerate.weighting import weigh_tokens
 from lightning_zeropp.core.schedule.build import eval_microbatches
 from lightning_zeropp.core.step.failure import guarded
 from lightning_zeropp.models.hf_loss import (
@@ -34,7 +32,6 @@ from lightning_zeropp.models.hf_loss import (
     LossWatch,
     TokenRule,
     accepts_num_items,
-    token_counts,
 )
 from lightning_zeropp.models.packing import Reshaped, SeqBuckets, reshape
 
@@ -247,42 +244,11 @@ class PipelineModel(nn.Module):
 
     # ---------------------------------------------------------------- token weighting
     def _weighted(self, kwargs: dict[str, Any], target: torch.Tensor, micro: int) -> dict[str, Any]:
-        """`kwargs` with `num_items_in_batch` set so that the engine's mean over micro-batches
-        and data-parallel ranks is the mean over the global batch's labelled tokens, counted by
-        the model's own rule."""
-        self._items = None
-        if NUM_ITEMS in kwargs:
-            return kwargs  # the loop chose its own normalisation
-        pre = kwargs.get("shift_labels")
-        pre = pre if isinstance(pre, torch.Tensor) else None
-        if self.rule is not None:
-            counts = self.rule.counts(target, micro, pre)
-        else:  # no rule to read: only equal micro-batches are accepted below
-            counts = token_counts(pre if pre is not None else target, micro, 0)
-        counts = counts.to(self.engine.device)
-        dims = self.engine.dims
-        total = counts.sum()
-        low, high = counts.min().clone(), counts.max().clone()
-        for group in dims.dp_groups:
-            dist.all_reduce(total, group=group)
-            dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
-            dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
-        if self.token_weighted:
-            if int(total) == 0:
-                raise ValueError("the global batch has no labelled token (every label is -100)")
-            items = float(total) / (micro * dims.dp_size)
-            # checked against the forward's own loss call on the last stage (`LossWatch`)
-            self._items = items if pre is None else None
-            return {**kwargs, NUM_ITEMS: items}
-        if int(low) != int(high):
-            raise ValueError(
-                f"micro-batches of this batch hold between {int(low)} and {int(high)} labelled "
-                f"tokens, and {type(self.original).__name__}'s loss cannot be weighed by tokens "
-                "(its forward does not pass num_items_in_batch to a loss_function that divides "
-                "its token sum by it): its per-micro-batch mean losses would not average to the "
-                "batch's token mean. Accept num_items_in_batch (divide the summed loss by it), "
-                "or pass batches whose micro-batches hold equal numbers of labelled tokens."
-            )
+        """`kwargs` weighted by the global batch's tokens (`accelerate.weighting`); remembers
+        the count the forward's own loss call must have used."""
+        kwargs, self._items = weigh_tokens(
+            kwargs, target, micro, self.rule, self.engine.dims, self.engine.device, self.original
+        )
         return kwargs
 
     def _broadcast_logits(self) -> torch.Tensor | None:

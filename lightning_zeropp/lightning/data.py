@@ -1,4 +1,5 @@
-"""Resuming mid-epoch in the Lightning front: the training loader continues with the next unseen batch.
+"""Data in the Lightning front: a training loader that resumes mid-epoch with the next unseen
+batch, and the check that a fit had data to train on (`check_trained`).
 
 What Lightning 2.6 does by itself: a checkpoint holds the loops' progress (the epoch, and how many
 of its batches were trained, `fit_loop.epoch_loop.batch_progress`), and `fit(ckpt_path=...)`
@@ -31,12 +32,13 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.types import _Stateful
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader
 
 from lightning_zeropp.core.step.loader import rebuild_loader
 
-__all__ = ["ResumingLoader", "resuming_loader", "skip_batches"]
+__all__ = ["ResumingLoader", "check_trained", "resuming_loader", "skip_batches"]
 
 _REPLAY_WARNING = "You're resuming from a checkpoint that ended before the epoch ended"
 
@@ -115,3 +117,21 @@ def _without_first(loader: DataLoader, count: int) -> DataLoader:
     """A one-pass copy of `loader` over its own batch sampler (so the sampler's epoch, set on the
     original, holds) without the first `count` batches."""
     return rebuild_loader(loader, batch_sampler=_SkipFirst(loader.batch_sampler, count))
+
+
+def check_trained(trainer: pl.Trainer) -> None:
+    """A fit that ended normally without one training batch was not meant: say so, on every
+    rank (each rank's loader has the same length), instead of exiting 0 with an untrained model.
+    `limit_train_batches=0` and `max_steps=0` ask for no training and are left alone."""
+    state = trainer.state
+    if state.fn != TrainerFn.FITTING or state.status != TrainerStatus.RUNNING:
+        return
+    if trainer.limit_train_batches == 0 or trainer.max_steps == 0:
+        return
+    if trainer.num_training_batches == 0:
+        raise ValueError(
+            "the training dataloader gave no batches on this data-parallel rank, so fit trained "
+            "0 steps: the dataset is smaller than one batch per data-parallel rank (with "
+            "drop_last=True, or after the sampler split it). Use more data, a smaller "
+            "batch_size, or drop_last=False."
+        )

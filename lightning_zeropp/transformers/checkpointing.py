@@ -23,7 +23,7 @@ from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_AR
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
 
-from lightning_zeropp.accelerate.engine import CHECKPOINT_DIR
+from lightning_zeropp.accelerate.checkpointing import CHECKPOINT_DIR
 from lightning_zeropp.core.weights import checkpoint as ckpt
 from lightning_zeropp.core.weights import commit
 

@@ -1,0 +1,163 @@
+"""Checkpoints in the Accelerate front: `accelerator.save_state` / `load_state`, with the model
+and optimizer sharded, committed atomically.
+
+`save_state(dir)` writes Accelerate's own files (the scheduler, RNG states, registered objects)
+and, through its save pre-hook, the sharded model and optimizer as a distributed checkpoint in
+`dir/zeropp` (`save_sharded`: each rank writes its shards; loadable under any layout, the names
+being the model's own). The folder is written as a temporary sibling and renamed into place when
+every rank has finished (`commit_state`, `core.weights.commit`), so a named folder always holds a
+complete state. `load_state(dir)` reads it back through the load pre-hook (`load_sharded`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_zeropp.core.settings.resolve import ZeroPPLayout
+from lightning_zeropp.core.weights import checkpoint as ckpt
+from lightning_zeropp.core.weights import commit
+
+__all__ = ["CHECKPOINT_DIR", "commit_state", "load_sharded", "save_sharded"]
+
+CHECKPOINT_DIR = "zeropp"  # the sharded model + optimizer checkpoint inside save_state's folder
+
+
+def save_sharded(
+    output_dir: str | os.PathLike[str],
+    module: nn.Module,
+    optimizer: Optimizer,
+    config: ZeroPPLayout,
+) -> Path:
+    """Collective: write the sharded model and optimizer state to `output_dir/zeropp`."""
+    meta = {"zeropp_config": _plain(config), "world_size": dist.get_world_size()}
+    with _nonempty_groups(optimizer):
+        return ckpt.save_checkpoint(Path(output_dir) / CHECKPOINT_DIR, module, [optimizer], meta)
+
+
+def load_sharded(
+    input_dir: str | os.PathLike[str], module: nn.Module, optimizer: Optimizer
+) -> dict[str, Any]:
+    """Collective: read what `save_sharded` wrote (under any layout: names are the model's own)."""
+    path = Path(input_dir) / CHECKPOINT_DIR
+    if not ckpt.is_checkpoint(path):
+        raise FileNotFoundError(
+            f"{input_dir} holds no ZeroPP checkpoint ({path} is missing); save it with "
+            "accelerator.save_state after prepare_pipeline."
+        )
+    with _nonempty_groups(optimizer):
+        meta = ckpt.load_checkpoint(path, module, [optimizer])
+    _fill_empty_groups(optimizer)
+    return meta
+
+
+def commit_state(
+    accelerator: Accelerator, output_dir: str | None, save: Callable[[str], Any]
+) -> str:
+    """`Accelerator.save_state`, committed atomically (`core.weights.commit`): `save(folder)` is
+    the base class's `save_state`, run into a temporary folder.
+
+    A named `output_dir` always holds a complete state (the previous one until the new one
+    is). Under `ProjectConfiguration(automatic_checkpoint_naming=True)` the state is written
+    outside `checkpoints/` and renamed in as `checkpoint_<iteration>`, so Accelerate's own
+    `load_state()` (the newest folder) never meets a half-written one; `total_limit` prunes
+    as Accelerate does.
+    """
+    project = accelerator.project_configuration
+    automatic = project.automatic_checkpoint_naming
+    if automatic:
+        final = (
+            Path(accelerator.project_dir)
+            / "checkpoints"
+            / f"checkpoint_{accelerator.save_iteration}"
+        )
+        if final.exists():
+            raise ValueError(
+                f"Checkpoint directory {final} ({accelerator.save_iteration}) already exists; set "
+                "accelerator.project_configuration.iteration to the next free number."
+            )
+        tmp = Path(accelerator.project_dir) / final.name
+    elif output_dir is None:
+        raise ValueError("save_state needs output_dir (or automatic_checkpoint_naming)")
+    else:
+        final = tmp = Path(output_dir)
+    if accelerator.is_main_process and automatic:
+        _prune(final.parent, project.total_limit)
+    # One temporary for all ranks, made before its name is shared: each writes its files in.
+    tmp = ckpt.prepare_save(tmp)
+    project.automatic_checkpoint_naming = False  # write where told: the temporary
+    try:
+        save(str(tmp))
+    finally:
+        project.automatic_checkpoint_naming = automatic
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        commit.publish(tmp, final, link=not automatic)
+    accelerator.wait_for_everyone()
+    return str(final)
+
+
+def _prune(folder: Path, total_limit: int | None) -> None:
+    """Make room for one more `checkpoint_<n>` under `total_limit`, oldest first (Accelerate's
+    rule, applied to the committed folders only)."""
+    if total_limit is None or not folder.is_dir():
+        return
+    saved = [p for p in folder.iterdir() if re.fullmatch(r"checkpoint_\d+", p.name)]
+    saved.sort(key=lambda p: int(p.name.split("_")[1]))
+    for old in saved[: max(0, len(saved) + 1 - total_limit)]:
+        commit.remove(old)
+
+
+# ------------------------------------------------------------------------------------ helpers
+@contextlib.contextmanager
+def _nonempty_groups(optimizer: Optimizer) -> Iterator[None]:
+    """Hide param groups that are empty on this rank from the distributed checkpoint.
+
+    Groups stay aligned across ranks, so a group may hold no parameter of this rank's stages;
+    torch's flattened optimizer state dict cannot load such a group (it reads the group's
+    hyperparameters from its first parameter). Loading replaces the group dicts it sees, so the
+    full list is rebuilt from the loaded ones afterwards.
+    """
+    groups = optimizer.param_groups
+    optimizer.param_groups = [g for g in groups if g["params"]]
+    try:
+        yield
+    finally:
+        loaded = iter(optimizer.param_groups)
+        optimizer.param_groups = [next(loaded) if g["params"] else g for g in groups]
+
+
+def _fill_empty_groups(optimizer: Optimizer) -> None:
+    """Give groups that are empty here the hyperparameters another rank loaded for them.
+
+    The checkpoint keeps a group's hyperparameters (its learning rate, ...) with its parameters,
+    so a rank holding none of them has nothing to load. Schedulers that update the learning rate
+    from its current value (cosine annealing's recursive form) would then drift on that rank.
+    """
+    mine = [
+        {k: v for k, v in g.items() if k != "params"} if g["params"] else None
+        for g in optimizer.param_groups
+    ]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for i, group in enumerate(optimizer.param_groups):
+        if not group["params"]:
+            loaded = next((r[i] for r in everyone if r[i] is not None), None)
+            if loaded is not None:
+                group.update(loaded)
+
+
+def _plain(config: ZeroPPLayout) -> dict[str, Any]:
+    """The config as plain values (dtypes as strings) for the checkpoint's metadata."""
+    return {k: str(v) if isinstance(v, torch.dtype) else v for k, v in vars(config).items()}

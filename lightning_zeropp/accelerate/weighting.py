@@ -1,0 +1,73 @@
+"""Token weighting in the Accelerate front: the loss is the mean over the global batch's real
+tokens, as one process computes it over the whole batch.
+
+The engine averages what the loss returns over micro-batches and data-parallel ranks. For a model
+whose forward takes HF's `num_items_in_batch` (every HF causal LM does) the front passes it the
+global batch's labelled tokens, counted by the model's own rule (`models.hf_loss.token_rule`),
+divided by the micro-batch and data-parallel counts the engine averages over: each micro-batch's
+loss is then its token sum over the global count, and the average is the global token mean. For
+other models the loss is the mean of micro-batch means, which equals the global mean only when
+every micro-batch holds as many labelled tokens: a batch where they differ is refused.
+Each process's share of an eval loss is weighted the same way (`accelerate.shares`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_zeropp.core.mesh import ParallelDims
+from lightning_zeropp.models.hf_loss import NUM_ITEMS, TokenRule, token_counts
+
+__all__ = ["weigh_tokens"]
+
+
+def weigh_tokens(
+    kwargs: dict[str, Any],
+    target: torch.Tensor,
+    micro: int,
+    rule: TokenRule | None,
+    dims: ParallelDims,
+    device: torch.device,
+    model: nn.Module,
+) -> tuple[dict[str, Any], float | None]:
+    """Collective over the data-parallel groups: `kwargs` with `num_items_in_batch` set so that
+    the engine's mean over micro-batches and data-parallel ranks is the mean over the global
+    batch's labelled tokens, counted by the model's own `rule`; and the count the forward's own
+    loss call must have used (to check it, `LossWatch`), or None when there is none to check.
+
+    `kwargs` that carry `num_items_in_batch` already are the loop's own normalisation: kept."""
+    if NUM_ITEMS in kwargs:
+        return kwargs, None
+    pre = kwargs.get("shift_labels")
+    pre = pre if isinstance(pre, torch.Tensor) else None
+    if rule is not None:
+        counts = rule.counts(target, micro, pre)
+    else:  # no rule to read: only equal micro-batches are accepted below
+        counts = token_counts(pre if pre is not None else target, micro, 0)
+    counts = counts.to(device)
+    total = counts.sum()
+    low, high = counts.min().clone(), counts.max().clone()
+    for group in dims.dp_groups:
+        dist.all_reduce(total, group=group)
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+    if rule is not None:
+        if int(total) == 0:
+            raise ValueError("the global batch has no labelled token (every label is -100)")
+        items = float(total) / (micro * dims.dp_size)
+        # checked against the forward's own loss call on the last stage (`LossWatch`)
+        return {**kwargs, NUM_ITEMS: items}, items if pre is None else None
+    if int(low) != int(high):
+        raise ValueError(
+            f"micro-batches of this batch hold between {int(low)} and {int(high)} labelled "
+            f"tokens, and {type(model).__name__}'s loss cannot be weighed by tokens "
+            "(its forward does not pass num_items_in_batch to a loss_function that divides "
+            "its token sum by it): its per-micro-batch mean losses would not average to the "
+            "batch's token mean. Accept num_items_in_batch (divide the summed loss by it), "
+            "or pass batches whose micro-batches hold equal numbers of labelled tokens."
+        )
+    return kwargs, None

@@ -1,0 +1,185 @@
+"""How `ZeroPPEngine` sets up this rank's part of the model: the block plan, the split method the
+model can take, and its stages split, compiled, checkpointed, sharded and given their values.
+
+The order is the engine's build order (docs/architecture.md): split (`core.split`), shard
+(`core.shard`), values (`core.weights`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_zeropp.core.mesh import ParallelDims, mesh_coordinates
+from lightning_zeropp.core.settings.placement import splits_backward, stage_ids_for_rank
+from lightning_zeropp.core.settings.resolve import ZeroPPLayout
+from lightning_zeropp.core.shard.compile import compile_blocks
+from lightning_zeropp.core.shard.fsdp import apply_activation_checkpointing, shard_stage
+from lightning_zeropp.core.shard.plus import Plus
+from lightning_zeropp.core.split.blocks import BlockPlan, find_blocks, plan_blocks
+from lightning_zeropp.core.split.call_plan import CallInputs
+from lightning_zeropp.core.split.call_stages import flatten_outputs
+from lightning_zeropp.core.split.methods import SplitMethod, check_no_tied_parameters, split_model
+from lightning_zeropp.core.split.modules import merge_stage_modules
+from lightning_zeropp.core.split.tied import TiedWeights, tied_groups
+from lightning_zeropp.core.step.failure import describe_rank
+from lightning_zeropp.core.weights.materialize import (
+    InitFn,
+    Source,
+    default_init,
+    fill_values,
+    real_to,
+)
+
+__all__ = ["Built", "block_plan", "build_stages", "rank_describer", "settle_split"]
+
+
+def block_plan(
+    model: nn.Module, num_stages: int, split_points: list[int] | None
+) -> BlockPlan | None:
+    """The block plan; a single stage without a block container is sharded at its root only."""
+    if num_stages == 1:
+        try:
+            find_blocks(model)
+        except ValueError:
+            return None
+    return plan_blocks(model, num_stages, split_points)
+
+
+def settle_split(
+    model: nn.Module,
+    asked: SplitMethod,
+    resolved: SplitMethod,
+    config: ZeroPPLayout,
+    plan: BlockPlan | None,
+    meta: bool,
+) -> SplitMethod:
+    """The split method the model's stages are cut with: `resolved` (from `asked`), unless the
+    model prefers tracing (`asked="auto"`) and its meta build or mixed precision rules it out.
+    Raises when `compile=True` finds no blocks, or an explicit `split="trace"` a meta model."""
+    if config.compile and plan is None:
+        raise ValueError(
+            f"compile=True compiles each block of the model, but {type(model).__name__} has "
+            "no blocks (a ModuleList, ModuleDict or nn.Sequential of at least 2 layers); "
+            "compile the model yourself (torch.compile) and leave compile=False."
+        )
+    split = resolved
+    if meta and split == "trace" and config.num_stages > 1:
+        # Tracing records the device of every value: a meta model's graph runs on meta.
+        if asked != "auto":
+            raise ValueError(
+                "split='trace' cannot cut a model whose parameters are on the meta device "
+                "(the traced graph would keep running on it); use split='call' (the "
+                "default), or build the model with its weights."
+            )
+        split = "call"  # the model prefers tracing; its meta build rules it out
+    if split == "trace" and asked == "auto" and _recast(model, config.param_dtype):
+        # A traced graph keeps the dtypes it was traced in: a cast to float32 that was a
+        # no-op then (HF's norms) is recorded as a check, and fails on bf16 activations
+        # (an explicit split="trace" is checked for such casts once traced).
+        split = "call"  # the model prefers tracing; mixed precision rules it out
+    return split
+
+
+@dataclass
+class Built:
+    """This rank's stages, as `build_stages` leaves them."""
+
+    modules: list[nn.Module]  # one per stage id, in `stage_ids` order
+    module: nn.Module  # all of them under one root (`merge_stage_modules`)
+    tied: TiedWeights
+    call_inputs: CallInputs | None  # split="call" stages take the model inputs on every rank
+    plus: Plus  # ZeRO++'s groups
+
+
+def build_stages(
+    model: nn.Module,
+    config: ZeroPPLayout,
+    plan: BlockPlan | None,
+    stage_ids: list[int],
+    split: SplitMethod,
+    dims: ParallelDims,
+    device: torch.device,
+    meta: bool,
+    example_args: tuple[Any, ...] | None,
+    example_kwargs: dict[str, Any] | None,
+    init: InitFn | None,
+    load_from: str | Path | None,
+) -> Built:
+    """Split `model` into this rank's stages, prepare and shard each, and fill their values
+    (a meta model's from `init` or `load_from`; a built one's from `load_from` if given)."""
+    num_stages = config.num_stages
+    # Tied weights get a copy per stage under split="call" / "stack" (see core.tied).
+    tied = tied_groups(model) if num_stages > 1 else []
+    if num_stages > 1 and split not in ("call", "stack"):
+        check_no_tied_parameters(model)
+    # split="call" stages take the model inputs on every rank (see core.call_split).
+    call_inputs = CallInputs() if split == "call" and num_stages > 1 else None
+    modules = split_model(
+        model,
+        plan,
+        stage_ids,
+        split,
+        example_args,
+        example_kwargs,
+        call_inputs=call_inputs,
+        device=device,
+        dtype=config.param_dtype,
+    )
+    if num_stages == 1:
+        flatten_outputs(modules[0])  # call stages flatten their own outputs
+    plus = Plus.build(dims.mesh, config)  # ZeRO++'s groups: every rank, in one order
+    for stage_id, module in zip(stage_ids, modules, strict=True):
+        blocks = plan.stage_blocks(stage_id) if plan is not None else []
+        _prepare_stage(module, stage_id, blocks, config, dims, device, meta, plus)
+    tied_weights = TiedWeights(tied, list(zip(stage_ids, modules, strict=True)), dims)
+    merged = merge_stage_modules(modules)
+    if meta or load_from is not None:
+        source = Source(init or default_init(model), load_from, model, init is not None)
+        fill_values(modules, merged, device, meta, source, tied_weights)
+    return Built(modules, merged, tied_weights, call_inputs, plus)
+
+
+def rank_describer(mesh: Any, style: Any, config: ZeroPPLayout) -> Callable[[int], str]:
+    """Any rank's name in messages (`describe_rank`, with that rank's stages)."""
+
+    def describe(rank: int) -> str:
+        coords = mesh_coordinates(mesh, rank)
+        stages = stage_ids_for_rank(style, coords.get("pp", 0), config.pp_size, config.num_chunks)
+        return describe_rank(mesh, stages, rank=rank)
+
+    return describe
+
+
+def _prepare_stage(
+    module: nn.Module,
+    stage_id: int,
+    blocks: list[str],
+    config: ZeroPPLayout,
+    dims: ParallelDims,
+    device: torch.device,
+    meta: bool,
+    plus: Plus,
+) -> None:
+    """One stage moved to `device`, its blocks compiled and checkpointed as configured, sharded."""
+    if meta:
+        real_to(module, device)  # the rest is allocated once sharded
+    else:
+        module.to(device)
+    if config.compile:  # inside the checkpoint, outside FSDP's hooks
+        regions = splits_backward(config.schedule, config.split_backward)
+        compile_blocks(module, blocks, regions=regions)
+    if config.recomputes(stage_id):
+        apply_activation_checkpointing(module, blocks)
+    shard_stage(module, blocks, dims.dp_mesh, config, plus)
+
+
+def _recast(model: nn.Module, dtype: torch.dtype | None) -> bool:
+    """Whether the stages compute in another dtype than the model's floating parameters hold."""
+    held = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    return dtype is not None and bool(held - {dtype})

@@ -1,0 +1,82 @@
+"""What `ZeroPPEngine` reports besides the loss: the last step's collectives as metrics, and
+memory (bytes held per rank, the first step's measured peaks), from `core.measure`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_zeropp.core.measure.comm import PLUS_AXES, flatten_summary
+from lightning_zeropp.core.measure.memory import format_report, measure
+from lightning_zeropp.core.mesh import ParallelDims
+
+__all__ = ["EngineReports"]
+
+
+class EngineReports:
+    """`ZeroPPEngine`'s reports, over the state the engine keeps (declared here)."""
+
+    count_comms: bool
+    # {kind: {axis: {"count", "bytes"}}} of the last train_step, when count_comms is on
+    last_comms: dict[str, dict[str, dict[str, int]]] | None
+    dims: ParallelDims
+    device: torch.device
+    module: nn.Module
+    _gathered_peak: int | None  # measured in the first training step
+    _activation_peak: int | None  # the same step's
+
+    def comm_metrics(self, prefix: str = "comm") -> dict[str, float]:
+        """The last training step's collectives as flat metrics, averaged over every rank.
+
+        Keys are `{prefix}/{kind}/{axis}/count` and `.../bytes` (kinds: all_gather,
+        reduce_scatter, all_reduce, broadcast, all_to_all, send and recv for point-to-point, ...;
+        axes: the mesh's, "world", or ZeRO++'s `PLUS_AXES`), per rank and step; kinds and axes that never occur on any
+        rank are left out. Collective: every rank must call it. Needs `count_comms=True`.
+        """
+        if not self.count_comms or self.last_comms is None:
+            raise RuntimeError("comm_metrics needs count_comms=True and one train_step first")
+        axes = [*(self.dims.mesh.mesh_dim_names or ()), "world", *PLUS_AXES, "other"]
+        flat = flatten_summary(self.last_comms, axes, prefix)
+        values = torch.tensor(list(flat.values()), dtype=torch.float64, device=self.device)
+        dist.all_reduce(values)  # outside the counter: not part of any step's traffic
+        values /= dist.get_world_size()
+        return {k: float(v) for k, v in zip(flat, values.tolist(), strict=True) if v}
+
+    @property
+    def gathered_peak(self) -> int | None:
+        """The most unsharded weight bytes this rank held at once in its first training step."""
+        return self._gathered_peak
+
+    @property
+    def activation_peak(self) -> int | None:
+        """The most bytes saved for backward at once (weights excluded) in the first step."""
+        return self._activation_peak
+
+    def memory_report(
+        self, optimizers: Sequence[torch.optim.Optimizer] = (), title: str = "now"
+    ) -> str:
+        """Collective: every rank's parameter, gradient and optimizer-state bytes and measured
+        peaks (`core.measure.memory`), one line per rank, the same text on every rank."""
+        mine = measure(
+            self.module, optimizers, self.device, self._gathered_peak, self._activation_peak
+        )
+        return format_report(mine, title)
+
+    def report_memory_after_first_update(
+        self, optimizers: Sequence[torch.optim.Optimizer], emit: Callable[[str], None]
+    ) -> None:
+        """Call `emit(memory_report(...))` once, right after the first optimizer step (when
+        the optimizer state exists); every rank steps its optimizers together."""
+        handles: list[Any] = []
+
+        def after_step(*_: Any) -> None:
+            for handle in handles:
+                handle.remove()
+            emit(self.memory_report(optimizers, "after the first update"))
+
+        handles.extend(opt.register_step_post_hook(after_step) for opt in optimizers)
