@@ -21,7 +21,21 @@ PP = {"pp_size": 2, "num_microbatches": 2}
 CLIPPED = {"max_grad_norm": 0.3, "gradient_accumulation_steps": 2}
 EVAL = {"eval_strategy": "steps", "eval_steps": 2, "lr_scheduler_type": "cosine", "warmup_steps": 1}
 LORA = {"lora": True, "rows": "padded"}
-PACKED = {"rows": "packed", "args": {"optim": "sgd", "learning_rate": 0.5, "max_grad_norm": 0}}
+# packed rows regrouped into 3 micro-batches: in evaluation the 3 rows do not split into the 2
+# processes' shares (each process of a pipeline reports its data-parallel rank's sum)
+PACKED = {
+    "rows": "packed",
+    "per_device_train_batch_size": 3,
+    "per_device_eval_batch_size": 3,
+    "eval_rows": 12,
+    "args": {
+        "optim": "sgd",
+        "learning_rate": 0.5,
+        "max_grad_norm": 0,
+        "eval_strategy": "steps",
+        "eval_steps": 2,
+    },
+}
 # the best checkpoint by a metric that is not the last step's (the higher loss), loaded at the
 # end; the Trainer's rotation (save_total_limit=1) keeps it alone
 BEST = {
@@ -62,7 +76,12 @@ CASES = [
         "script": PADDED,
     },
     {"id": "lora", "plugin": PP, "script": LORA},
-    {"id": "packed", "plugin": PP, "script": PACKED},
+    {
+        "id": "packed",
+        "plugin": {"pp_size": 2, "num_microbatches": 3},
+        "script": PACKED,
+        "one": {"per_device_train_batch_size": 12, "per_device_eval_batch_size": 12},
+    },
     # checkpoints at steps 2 and 4 of a shuffled epoch of 8 steps; a fresh run from other
     # initial weights resumes from checkpoint-2
     {
@@ -75,7 +94,7 @@ CASES = [
 # one process reads the 4 processes' per-device batches at once
 ONE = {"per_device_train_batch_size": 8, "per_device_eval_batch_size": 8}
 REFERENCES = [
-    {"id": case["id"], "plugin": None, "script": {**case["script"], **ONE}}
+    {"id": case["id"], "plugin": None, "script": {**case["script"], **case.get("one", ONE)}}
     for case in CASES
     if case["id"] in ("padded", "lora", "packed")
 ]
@@ -186,6 +205,10 @@ def test_packed_rows_match_one_process(runs):
     four, one = runs
     _assert_same_training(four[0]["packed"], one["packed"])
     _assert_same_weights(four[0]["packed"], one["packed"])
+    evals = [log["eval_loss"] for log in four[0]["packed"]["logs"] if "eval_loss" in log]
+    want = [log["eval_loss"] for log in one["packed"]["logs"] if "eval_loss" in log]
+    assert len(evals) == len(want) == 2
+    assert evals == pytest.approx(want, abs=1e-5)
 
 
 def test_resume_mid_epoch_continues(runs):
