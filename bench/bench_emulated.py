@@ -1,8 +1,10 @@
 """Every schedule on an emulated 8-GPU, 2-node cluster, measured against the planner's plan.
 
     python bench/bench_emulated.py [--pp 2,4,8] [--rows gpipe,1f1b,...] [--steps 3] [--scale 10]
+                                   [--out-name emulated] [--render]
 
-Needs root (network namespaces). Writes bench/results/emulated.md and emulated.json.
+Needs root (network namespaces). Writes bench/results/emulated.md and emulated.json (after every
+row; `--out-name` names them otherwise, `--render` rewrites the Markdown from the JSON).
 
 The emulated run: a reference model (Llama-2-7B's block, 4096 tokens a micro-batch, bf16) on H100s
 at `EFFICIENCY` of their bf16 peak, slowed `--scale` times. Each of the stand-in GPT's 16 blocks
@@ -38,6 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import launch_ranks, machine, proc_stat  # noqa: E402
+from emulated_report import rounded, write_markdown  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(os.environ.get("BENCH_RESULTS", ROOT / "bench" / "results"))
@@ -119,6 +122,7 @@ def run_rank(row: str, steps: int, warmup: int, forward_s: float, out: Path) -> 
     torch.manual_seed(0)
     model = GPT(cfg)
     device = EmulatedDevice()
+    _time_gc(device)
     cost = BlockCost(forward_s, forward_s, forward_s)
     emulate_blocks(list(model.blocks), [cost] * len(model.blocks), device)
     example = (torch.zeros(1, cfg.seq_len, dtype=torch.long),)
@@ -159,6 +163,26 @@ def run_rank(row: str, steps: int, warmup: int, forward_s: float, out: Path) -> 
     dist.barrier()
     # gloo's teardown inside the namespaces hangs now and then; the figures are written
     os._exit(0)
+
+
+def _time_gc(device: Any) -> None:
+    """Record the garbage collector's pauses as host waits named "gc" (the idle table then tells
+    them from the rest of the host's own time)."""
+    import gc
+
+    started: list[float] = []
+
+    def callback(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started and device.record:
+            device.host_waits.append(
+                (f"gc{info['generation']}", started.pop(), time.perf_counter())
+            )
+        elif started:
+            started.pop()
+
+    gc.callbacks.append(callback)
 
 
 def calibrate_rank(out: Path) -> None:
@@ -212,7 +236,7 @@ def calibrate_rank(out: Path) -> None:
         result[name] = times
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
-    dist.destroy_process_group()
+    os._exit(0)  # as run_rank: gloo's teardown inside the namespaces hangs now and then
 
 
 # ---------------------------------------------------------------------------------- driver
@@ -285,6 +309,12 @@ def main() -> None:
         help="the ranks' priority (they sleep most of the time; on a shared machine a prompt "
         "wake-up is what their timing needs): nice value, or 0 to leave it",
     )  # fmt: skip
+    parser.add_argument(
+        "--render", action="store_true", help="rewrite <out-name>.md from <out-name>.json"
+    )
+    parser.add_argument(
+        "--out-name", default="emulated", help="results file names (a subset run's, say)"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--forward", type=float, help=argparse.SUPPRESS)
@@ -294,6 +324,11 @@ def main() -> None:
         return
     if args.worker:
         run_rank(args.worker, args.steps, args.warmup, args.forward, Path(args.out))
+        return
+    if args.render:
+        saved = json.loads((RESULTS / f"{args.out_name}.json").read_text())
+        write_markdown(saved, saved["rows"], RESULTS / f"{args.out_name}.md", EFFICIENCY, STANDIN)
+        print((RESULTS / f"{args.out_name}.md").read_text())
         return
     from emulated_cluster import RankCluster
     from netns import unavailable
@@ -328,70 +363,30 @@ def main() -> None:
             print(f"{row}: step {got['step_s']:.2f} s (plan {plan['step_s']:.2f}), bubble "
                   f"{got['bubble']:.1%} (plan {plan['bubble']:.1%}) "
                   f"[{time.monotonic() - t0:.0f} s, load {os.getloadavg()[0]:.1f}]", flush=True)  # fmt: skip
-    cpu1 = proc_stat()
+            # after every row: a run stopped early keeps what it measured
+            write(where, s, calib, link, args, started, cpu0, results, done=row == rows[-1])
+    print((RESULTS / f"{args.out_name}.md").read_text())
+
+
+def write(
+    where: dict[str, Any], s: dict[str, float], calib: dict[str, Any], link: dict[str, float],
+    args: argparse.Namespace, started: float, cpu0: dict[str, int], results: list[dict[str, Any]],
+    done: bool,
+) -> None:  # fmt: skip
     meta = {"machine": where, "scaling": s, "calibration": calib, "links": link, "nice": args.nice,
             "steps": args.steps, "warmup": args.warmup, "wall_s": time.monotonic() - started,
-            "steal_share": _steal(cpu0, cpu1), "load_1m_at_end": os.getloadavg()[0]}  # fmt: skip
+            "steal_share": _steal(cpu0, proc_stat()), "load_1m_at_end": os.getloadavg()[0],
+            "complete": done}  # fmt: skip
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "emulated.json").write_text(json.dumps({**meta, "rows": results}, indent=1))
-    write_markdown(meta, results, RESULTS / "emulated.md")
-    print((RESULTS / "emulated.md").read_text())
+    # Compact, times to 10 us: every rank's spans make the file large.
+    rows = json.dumps(rounded({**meta, "rows": results}), separators=(",", ":"))
+    (RESULTS / f"{args.out_name}.json").write_text(rows)
+    write_markdown(meta, results, RESULTS / f"{args.out_name}.md", EFFICIENCY, STANDIN)
 
 
 def _steal(a: dict[str, int], b: dict[str, int]) -> float:
     total = sum(b.values()) - sum(a.values())
     return (b.get("steal", 0) - a.get("steal", 0)) / total if total else 0.0
-
-
-def write_markdown(meta: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> None:
-    m, s, link = meta["machine"], meta["scaling"], meta["links"]
-    loads = [x for r in rows for x in r["load_1m"]]
-    lines = [
-        "# Every schedule on an emulated 8-GPU cluster, against the planner's plan",
-        "",
-        f"- Machine: {m['cpu']}, {m['cores']} cores (8 ranks, one thread each); {m['date']}; "
-        f"torch {m['torch']}; commit {m['commit']}; {meta['wall_s'] / 60:.0f} min",
-        f"- Load (1-minute average, other work on the machine included) from {min(loads):.1f} "
-        f"to {max(loads):.1f} during the rows; CPU steal {meta['steal_share']:.1%}",
-        f"- Emulated: Llama-2-7B blocks at 4096 tokens a micro-batch on H100s at "
-        f"{EFFICIENCY:.0%} of 989 TFLOP/s, {s['scale']:g}x slower: a block's forward "
-        f"{s['forward_s'] * 1e3:.1f} ms, input and weight gradients the same each; stand-in "
-        f"GPT {STANDIN} (16 blocks), links of 4-rank nodes at NVLink and InfiniBand rates times "
-        f"{s['bytes_ratio']:.2e} (stand-in / reference block bytes) / {s['scale']:g}: "
-        f"{s['intra_Bps'] / 1e6:.1f} and {s['inter_Bps'] / 1e6:.2f} MB/s per rank each way",
-        f"- Calibrated on those links (gloo, one way): inside a node "
-        f"{link['intra_Bps'] / 1e6:.1f} MB/s + {link['intra_latency_s'] * 1e3:.2f} ms, across "
-        f"{link['inter_Bps'] / 1e6:.2f} MB/s + {link['inter_latency_s'] * 1e3:.2f} ms: the plan's "
-        "link figures",
-        f"- Ranks at nice {meta['nice']} (they sleep most of the time; a prompt wake-up is what "
-        "their timing needs on a shared machine)",
-        f"- {meta['warmup']} warm-up and {meta['steps']} timed steps a row (median); a step is "
-        "forward and backward of every micro-batch (no optimizer); bubble: the largest share of "
-        "the step one rank's device is idle",
-        "",
-        "| Row | pp x shard | Measured step (s) | Planned (s) | Error | Measured bubble | "
-        "Planned bubble | Host late | CPU (cores) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        lay, got, plan = r["layout"], r["measured"], r["planned"]
-        err = got["step_s"] / plan["step_s"] - 1
-        lines.append(
-            f"| {r['row']} | {lay.get('pp_size', 1)} x {lay['dp_shard_size']} | "
-            f"{got['step_s']:.2f} | {plan['step_s']:.2f} | {err:+.1%} | {got['bubble']:.1%} | "
-            f"{plan['bubble']:.1%} | {got['host_late']:.1%} | {got['cpu_cores']:.2f} |"
-        )
-    within = [r for r in rows if abs(r["measured"]["step_s"] / r["planned"]["step_s"] - 1) <= 0.1]
-    lines += [
-        "",
-        f"Within 10% of the plan: {len(within)} of {len(rows)} rows.",
-        "",
-        "Host late: the largest share of the step one rank's device sat idle while its host was "
-        "neither receiving nor in a collective (the host fell behind its device: Python per "
-        "action, or a machine too loaded to run 8 hosts). CPU: the ranks' CPU time over the step, "
-        "in cores (2 on this machine).",
-    ]
-    path.write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

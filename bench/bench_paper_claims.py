@@ -354,7 +354,9 @@ def write_markdown(
     lines = [
         "# The ZeroPP paper's setting, predicted by the planner (not measured)",
         "",
-        f"- {m['date']}; commit {m['commit']}; computed on {m['cpu']} in {meta['wall_s']} s",
+        f"- {m['date']}; commit {m['commit']}; computed on {m['cpu']} in {meta['wall_s']} s, load "
+        f"average {m['load_average_1m_at_start']:.1f} at the start (predictions: no figure here "
+        "depends on the machine)",
         f"- LLaMA-2-7B shape (HF Llama, 6.7B parameters), sequence {SEQ}, {ROWS_PER_GPU} sequences "
         "per GPU a step, bf16 compute, fp32 gradient reduction, AdamW",
         "- H100 SXM figures from conf/cluster/h100_4x8.yaml: 989 TFLOP/s bf16 at the middle of "

@@ -64,7 +64,9 @@ def main() -> None:
         f"{where['load_average_1m_at_start']:.1f} at the start; {where['date']}; commit "
         f"{where['commit']}",
         f"- `python -m lightning_zeropp.plan model=... cluster=... write=none top=3`, one thread, "
-        f"best of {args.runs} fresh processes; CPU time is the command's (one core's) total",
+        f"best of {args.runs} fresh processes at nice {os.nice(0)}; CPU time is the command's "
+        "(one core's) total, the figure the targets are held to: on a loaded machine the wall "
+        "time says how busy the machine was",
         "",
         "| Case | Wall (s) | CPU (s) | Target (s) | Best layout |",
         "|---|---:|---:|---:|---|",

@@ -86,7 +86,9 @@ def launch_ranks(
                 p.wait()
             for log in logs:
                 log.close()
-        if done_at is None or any(p.returncode not in (0, -9) for p in procs):
+        # ranks that exit right after writing can all be gone before a poll saw their files
+        written = all(f.exists() for f in results)
+        if not written or any(p.returncode not in (0, -9) for p in procs):
             tails = "\n".join(
                 f"--- rank {r} ---\n" + "\n".join(read_tail(out / f"rank{r}.log"))
                 for r in range(world)

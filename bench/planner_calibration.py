@@ -181,7 +181,9 @@ def write_published(rows: list[dict[str, Any]], path: Path) -> None:
     lines = [
         "# The planner against published H100 runs",
         "",
-        f"- {m['date']}; commit {m['commit']}; `python bench/planner_calibration.py --published`",
+        f"- {m['date']}; commit {m['commit']}; computed on {m['cpu']}, {m['cores']} cores, load "
+        f"average {m['load_average_1m_at_start']:.1f} (pure arithmetic: no figure here depends on "
+        "the machine); `python bench/planner_calibration.py --published`",
         "- Share: the fraction of 989 TFLOP/s at which the planner predicts the run's published "
         "figure; range: the planner's prediction at the ends of conf/cluster/h100_4x8.yaml's "
         "efficiency range for the run's mode",
