@@ -9,6 +9,8 @@
   log), skips batch 1 by returning None before the network, returns extra keys; the module logs
   `grad_norm` in `on_before_optimizer_step`; AdamW with two parameter groups under
   `LearningRateMonitor`, and a `ThroughputMonitor`.
+- `DrawingFlatGPT`: `FlatGPT` seeded once, whose head draws from the generator (as dropout does):
+  its step's random mask must be the same on the first stage and on the last.
 The test (`test_lightning_steps.py`) trains each the way one process would and compares.
 """
 
@@ -79,6 +81,37 @@ class FlatGPT(Seeded):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+class DrawingHead(nn.Linear):
+    """A head that draws from the random generator without changing its output (as dropout
+    draws its mask): only the stage holding it draws (other stages see it on the meta device),
+    so without the strategy's random-state sync the stages' generators part."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.rand_like(x[..., :1])  # on the stage's device: dropout's draw
+        return super().forward(x)
+
+
+class DrawingFlatGPT(FlatGPT):
+    """`FlatGPT` seeded once (at construction, as `seed_everything` before `fit`), not before
+    every batch, with a head that draws: the mask its step draws before the network must be the
+    one the first stage reads (inputs) and the one the loss reads (targets, last stage)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = DrawingHead(CFG.dim, CFG.vocab_size, bias=False)
+        self.masks: list[torch.Tensor] = []
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        pass  # seeded once, in __init__
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = masked(*batch)
+        self.masks.append((y != -100).clone())  # this micro-batch's mask, on every stage
+        loss = F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
 
 
 class Encoder(nn.Module):
@@ -189,7 +222,12 @@ class Losses(pl.Callback):
         self.tokens.append(float(trainer.callback_metrics.get("tokens", float("nan"))))
 
 
-MODULES = {"flat": FlatGPT, "encoder_head": EncoderHead, "counting": Counting}
+MODULES = {
+    "flat": FlatGPT,
+    "encoder_head": EncoderHead,
+    "counting": Counting,
+    "drawing": DrawingFlatGPT,
+}
 
 
 def fit_cases(cases: list[dict[str, Any]]) -> dict[str, Any]:
@@ -227,6 +265,8 @@ def _fit(module: str, layout: dict[str, Any], steps: int = 3) -> dict[str, Any]:
     if module == "counting":
         out |= {"tokens": lit.tokens, "logged_tokens": losses.tokens, "norms": lit.norms}
         out["extras"] = lit.extras
+    if module == "drawing":
+        out["masks"] = lit.masks
     return out
 
 
