@@ -14,16 +14,15 @@ carry a per-run tag; everything is deleted on exit.
 from __future__ import annotations
 
 import os
-import subprocess
 from dataclasses import dataclass, field
 
-from netns import _run
+from netns import Namespaces, _run
 
 __all__ = ["RankCluster"]
 
 
 @dataclass
-class RankCluster:
+class RankCluster(Namespaces):
     """`world` ranks in nodes of `ranks_per_node`; link rates in Mbit/s per rank and direction."""
 
     world: int
@@ -46,37 +45,11 @@ class RankCluster:
     def node_of(self, rank: int) -> int:
         return rank // self.ranks_per_node
 
-    def __enter__(self) -> RankCluster:
-        try:
-            self._create()
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for name in reversed(self._made):
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
-        self._made.clear()
-
     def _create(self) -> None:
-        hub = f"lzpp{self.tag}hub"
-        _run("ip", "netns", "add", hub)
-        self._made.append(hub)
-        _run("ip", "-n", hub, "link", "add", "br0", "type", "bridge")
-        _run("ip", "-n", hub, "link", "set", "br0", "up")
+        hub = self._add_hub()
         for rank in range(self.world):
             ns, dev, peer = self.ns(rank), self.veth(rank), f"h{self.tag}r{rank}"
-            _run("ip", "netns", "add", ns)
-            self._made.append(ns)
-            _run("ip", "-n", ns, "link", "set", "lo", "up")
-            _run("ip", "link", "add", dev, "type", "veth", "peer", "name", peer)
-            _run("ip", "link", "set", dev, "netns", ns)
-            _run("ip", "link", "set", peer, "netns", hub)
-            _run("ip", "-n", ns, "addr", "add", f"{self.address(rank)}/24", "dev", dev)
-            _run("ip", "-n", ns, "link", "set", dev, "up")
-            _run("ip", "-n", hub, "link", "set", peer, "master", "br0")
-            _run("ip", "-n", hub, "link", "set", peer, "up")
+            self._add_member(hub, ns, dev, peer, self.address(rank))
             mates = [
                 self.address(r)
                 for r in range(self.world)

@@ -20,8 +20,9 @@ import os
 import shutil
 import subprocess
 from dataclasses import dataclass, field
+from typing import Self
 
-__all__ = ["EmulatedCluster", "unavailable"]
+__all__ = ["EmulatedCluster", "Namespaces", "unavailable"]
 
 
 def _run(*cmd: str) -> str:
@@ -51,8 +52,56 @@ def unavailable() -> str | None:
     return None
 
 
+class Namespaces:
+    """What the emulated clusters share: a hub namespace with a bridge, member namespaces each
+    joined to it by a veth pair, and every namespace made deleted on exit (in reverse; deleting
+    a namespace deletes its veth ends). A subclass holds `tag` and `_made` and defines
+    `_create`."""
+
+    tag: str
+    _made: list[str]
+
+    def __enter__(self) -> Self:
+        try:
+            self._create()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name in reversed(self._made):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        self._made.clear()
+
+    def _create(self) -> None:
+        raise NotImplementedError
+
+    def _add_hub(self) -> str:
+        hub = f"lzpp{self.tag}hub"
+        _run("ip", "netns", "add", hub)
+        self._made.append(hub)
+        _run("ip", "-n", hub, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", hub, "link", "set", "br0", "up")
+        return hub
+
+    def _add_member(self, hub: str, ns: str, dev: str, peer: str, address: str) -> None:
+        """Namespace `ns` with loopback up and `dev` at `address`, whose veth peer `peer` is a
+        port of the hub's bridge."""
+        _run("ip", "netns", "add", ns)
+        self._made.append(ns)
+        _run("ip", "-n", ns, "link", "set", "lo", "up")
+        _run("ip", "link", "add", dev, "type", "veth", "peer", "name", peer)
+        _run("ip", "link", "set", dev, "netns", ns)
+        _run("ip", "link", "set", peer, "netns", hub)
+        _run("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", dev)
+        _run("ip", "-n", ns, "link", "set", dev, "up")
+        _run("ip", "-n", hub, "link", "set", peer, "master", "br0")
+        _run("ip", "-n", hub, "link", "set", peer, "up")
+
+
 @dataclass
-class EmulatedCluster:
+class EmulatedCluster(Namespaces):
     """`nodes` namespaces of `ranks_per_node` ranks; link rates in Mbit/s (None: unlimited)."""
 
     nodes: int
@@ -71,37 +120,11 @@ class EmulatedCluster:
     def address(self, node: int) -> str:
         return f"10.99.0.{node + 1}"
 
-    def __enter__(self) -> EmulatedCluster:
-        try:
-            self._create()
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for name in reversed(self._made):
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
-        self._made.clear()
-
     def _create(self) -> None:
-        hub = f"lzpp{self.tag}hub"
-        _run("ip", "netns", "add", hub)
-        self._made.append(hub)
-        _run("ip", "-n", hub, "link", "add", "br0", "type", "bridge")
-        _run("ip", "-n", hub, "link", "set", "br0", "up")
+        hub = self._add_hub()
         for node in range(self.nodes):
             ns, dev, peer = self.ns(node), self.veth(node), f"h{self.tag}n{node}"
-            _run("ip", "netns", "add", ns)
-            self._made.append(ns)
-            _run("ip", "-n", ns, "link", "set", "lo", "up")
-            _run("ip", "link", "add", dev, "type", "veth", "peer", "name", peer)
-            _run("ip", "link", "set", dev, "netns", ns)
-            _run("ip", "link", "set", peer, "netns", hub)
-            _run("ip", "-n", ns, "addr", "add", f"{self.address(node)}/24", "dev", dev)
-            _run("ip", "-n", ns, "link", "set", dev, "up")
-            _run("ip", "-n", hub, "link", "set", peer, "master", "br0")
-            _run("ip", "-n", hub, "link", "set", peer, "up")
+            self._add_member(hub, ns, dev, peer, self.address(node))
             if self.inter_mbit is not None:
                 self._limit(ns, dev, self.inter_mbit)  # what the node sends
                 self._limit(hub, peer, self.inter_mbit)  # what it receives
