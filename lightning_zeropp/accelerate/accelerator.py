@@ -110,7 +110,7 @@ class ZeroPPAccelerator(Accelerator):
         plugin = self.zeropp_plugin
         # How the model's own loss counts tokens, observed; its stages' loss calls are watched.
         rule = token_rule(model)
-        if plugin.seq_buckets is not None and (rule is None or rule.shift != 1):
+        if plugin.seq_buckets is not None and (rule is None or not rule.causal):
             raise ValueError(
                 f"ZeroPPPlugin(seq_buckets={plugin.seq_buckets!r}) pads sequences, which leaves "
                 f"the numbers unchanged only for causal LMs; {type(model).__name__} is not one. "

@@ -105,7 +105,7 @@ class PipelineModel(nn.Module):
         self.token_weighted = rule is not None
         # A causal LM (its loss skips each row's first label): packed rows may be regrouped and
         # lengths padded to buckets without changing a number (`models.packing`).
-        self.shifts = rule is not None and rule.shift == 1
+        self.shifts = rule is not None and rule.causal
         self.eval_logits = True
         self.seq_buckets: SeqBuckets = None
         self._captured: list[Any] | None = None

@@ -69,6 +69,12 @@ class TokenRule:
     shift: int
     pre_shift: int | None = None
 
+    @property
+    def causal(self) -> bool:
+        """A causal LM's rule: position t predicts token t+1, so each row's first label is
+        never a target (what makes padding a row or regrouping packed rows exact)."""
+        return self.shift == 1
+
     def counts(
         self, labels: torch.Tensor, micro: int, shift_labels: torch.Tensor | None = None
     ) -> torch.Tensor:
