@@ -30,7 +30,6 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from lightning_zeropp.models.hf_loss import NUM_ITEMS as NUM_ITEMS_HF
 from lightning_zeropp.models.hf_loss import LossWatch, TokenCountAdapter, TokenRule
 
 __all__ = ["NUM_ITEMS", "UNWEIGHTED", "GlobalTokenCount", "WeightWatch", "loss_weight"]
@@ -128,27 +127,9 @@ class GlobalTokenCount(TokenCountAdapter):
         count: Callable[[torch.Tensor], torch.Tensor],
         ranks: int,
     ) -> None:
-        super().__init__(rule, watch)
-        self._count, self._ranks = count, ranks
-        self.counts = False  # whether the calls carry labels to count (then every rank counts)
-
-    def stage_inputs(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        labels = kwargs.get("labels")
-        self._items = None
-        if not isinstance(labels, torch.Tensor) or NUM_ITEMS_HF in kwargs:
-            return args, kwargs
-        self.counts = True
-        pre = kwargs.get("shift_labels")
-        pre = pre if isinstance(pre, torch.Tensor) else None
-        total = float(self._count(self.rule.counts(labels, 1, pre).sum()))
-        if total == 0:
-            raise ValueError("the global batch has no labelled token (every label is -100)")
-        self._items = total / (self.microbatches * self._ranks)
-        return args, {**kwargs, NUM_ITEMS_HF: self._items}
+        super().__init__(rule, watch, count, ranks)
 
     def idle(self) -> None:
         """This rank skips the step: it still joins the others' count (with none)."""
-        if self.counts:
+        if self.counts and self._count is not None:
             self._count(torch.zeros((), dtype=torch.float64))

@@ -227,10 +227,20 @@ class TokenCountAdapter(CallAdapter):
     loss function on them (`LossWatch`).
     """
 
-    def __init__(self, rule: TokenRule, watch: LossWatch | None = None) -> None:
+    def __init__(
+        self,
+        rule: TokenRule,
+        watch: LossWatch | None = None,
+        count: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        ranks: int = 1,
+    ) -> None:
         self.rule = rule
         self.watch = watch
         self.microbatches = 1
+        # `count`: this batch's token count -> the count over every rank sharing the step
+        # (`ranks` of them: each rank's micro-batch losses are averaged over all of them).
+        self._count, self._ranks = count, ranks
+        self.counts = False  # whether a call carried labels to count
         self._items: float | None = None  # what the last call was given
 
     @classmethod
@@ -247,13 +257,14 @@ class TokenCountAdapter(CallAdapter):
         self._items = None
         if not isinstance(labels, torch.Tensor) or NUM_ITEMS in kwargs:
             return args, kwargs
+        self.counts = True
         pre = kwargs.get("shift_labels")
-        total = float(
-            self.rule.counts(labels, 1, pre if isinstance(pre, torch.Tensor) else None).sum()
-        )
+        tokens = self.rule.counts(labels, 1, pre if isinstance(pre, torch.Tensor) else None).sum()
+        total = float(tokens if self._count is None else self._count(tokens))
         if total == 0:
-            raise ValueError("the batch has no labelled token (every label is -100)")
-        self._items = total / self.microbatches
+            scope = "batch" if self._count is None else "global batch"
+            raise ValueError(f"the {scope} has no labelled token (every label is -100)")
+        self._items = total / (self.microbatches * self._ranks)
         return args, {**kwargs, NUM_ITEMS: self._items}
 
     def stage_output(self, output: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
