@@ -11,21 +11,13 @@ lower-level entry (the loop calls `engine.step(batch)` with its own `loss_fn`). 
 `accelerate` extra.
 """
 
-from lightning_zeropp.core import _moved
-
-# Old module names, from before the fronts shared their file names, keep importing (the same
-# module, with a DeprecationWarning naming the new path).
-_moved.install(
-    __name__, {"zeropp_plugin": "settings", "plugin": "build", "pipeline_model": "steps"}
-)
-
-from lightning_zeropp.accelerate.accelerator import ZeroPPAccelerator  # noqa: E402
-from lightning_zeropp.accelerate.build import prepare_pipeline  # noqa: E402
-from lightning_zeropp.accelerate.engine import ZeroPPAccelerateEngine  # noqa: E402
-from lightning_zeropp.accelerate.optim import PipelineScheduler  # noqa: E402
-from lightning_zeropp.accelerate.settings import ZeroPPPlugin  # noqa: E402
-from lightning_zeropp.accelerate.steps import PipelineModel, PipelineOutput  # noqa: E402
-from lightning_zeropp.core.settings.env import CONFIG_VARS, SPLIT_VAR, config_from_env  # noqa: E402
+from lightning_zeropp.accelerate.accelerator import ZeroPPAccelerator
+from lightning_zeropp.accelerate.build import prepare_pipeline
+from lightning_zeropp.accelerate.engine import ZeroPPAccelerateEngine
+from lightning_zeropp.accelerate.optim import PipelineScheduler
+from lightning_zeropp.accelerate.settings import ZeroPPPlugin
+from lightning_zeropp.accelerate.steps import PipelineModel, PipelineOutput
+from lightning_zeropp.core.settings.env import CONFIG_VARS, SPLIT_VAR, config_from_env
 
 __all__ = [
     "CONFIG_VARS",

@@ -6,15 +6,11 @@ Rooms, in build order (each imports only rooms below it; `docs/architecture.md` 
 `_torch_private/` is the one home of torch's private names.
 """
 
-from lightning_zeropp.core import _moved
-
-_moved.install()  # old flat paths (lightning_zeropp.core.config, ...) keep importing
-
-from lightning_zeropp.core.engine import ZeroPPEngine  # noqa: E402
-from lightning_zeropp.core.mesh import ParallelDims, build_mesh  # noqa: E402
-from lightning_zeropp.core.schedule.build import SCHEDULES  # noqa: E402
-from lightning_zeropp.core.settings.config import ZeroPPConfig  # noqa: E402
-from lightning_zeropp.core.step.failure import (  # noqa: E402
+from lightning_zeropp.core.engine import ZeroPPEngine
+from lightning_zeropp.core.mesh import ParallelDims, build_mesh
+from lightning_zeropp.core.schedule.build import SCHEDULES
+from lightning_zeropp.core.settings.config import ZeroPPConfig
+from lightning_zeropp.core.step.failure import (
     FailureBoard,
     PeerFailedError,
     describe_rank,

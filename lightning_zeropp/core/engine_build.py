@@ -114,11 +114,11 @@ def build_stages(
     """Split `model` into this rank's stages, prepare and shard each, and fill their values
     (a meta model's from `init` or `load_from`; a built one's from `load_from` if given)."""
     num_stages = config.num_stages
-    # Tied weights get a copy per stage under split="call" / "stack" (see core.tied).
+    # Tied weights get a copy per stage under split="call" / "stack" (see core.split.tied).
     tied = tied_groups(model) if num_stages > 1 else []
     if num_stages > 1 and split not in ("call", "stack"):
         check_no_tied_parameters(model)
-    # split="call" stages take the model inputs on every rank (see core.call_split).
+    # split="call" stages take the model inputs on every rank (see core.split.call_plan).
     call_inputs = CallInputs() if split == "call" and num_stages > 1 else None
     modules = split_model(
         model,

@@ -1,15 +1,9 @@
 """The Lightning front: `Trainer(strategy="zeropp")` or `Trainer(strategy=ZeroPPStrategy(...))`;
 `grad_norm`, Lightning's `grad_norm` over the whole pipelined model."""
 
-from lightning_zeropp.core import _moved
-
-# Old module names, from before the fronts shared their file names, keep importing (the same
-# module, with a DeprecationWarning naming the new path).
-_moved.install(__name__, {"resume": "data"})
-
 # The strategy module first: importing Lightning runs the hook that imports it (see
 # `lightning_zeropp/__init__.py`), which must find it already on its way.
-from lightning_zeropp.lightning.strategy import ZeroPPPrecision, ZeroPPStrategy  # noqa: E402  # isort: skip
-from lightning_zeropp.lightning.hooks import grad_norm  # noqa: E402
+from lightning_zeropp.lightning.strategy import ZeroPPPrecision, ZeroPPStrategy  # isort: skip
+from lightning_zeropp.lightning.hooks import grad_norm
 
 __all__ = ["ZeroPPPrecision", "ZeroPPStrategy", "grad_norm"]

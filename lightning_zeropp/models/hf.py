@@ -252,7 +252,7 @@ def _hf_state(state_dict: dict[str, torch.Tensor], config: Any) -> dict[str, tor
         raise ValueError(
             f"the state dict lacks {len(missing)} of the model's tensors (e.g. {missing[:3]}); "
             "pass the full state dict from ZeroPPStrategy.full_state_dict() or "
-            "core.export.full_state_dict(), which is complete on global rank 0 only."
+            "core.weights.export.full_state_dict(), which is complete on global rank 0 only."
         )
     for first, *others in _tied_groups(model):
         for other in others:

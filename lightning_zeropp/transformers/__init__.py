@@ -12,13 +12,7 @@ transformers. Launch with `torchrun` or `accelerate launch`; settings left out o
 from `ZEROPP_*` variables, as in the Accelerate front. Needs the `hf` and `accelerate` extras.
 """
 
-from lightning_zeropp.core import _moved
-
-# Old module names, from before the fronts shared their file names, keep importing (the same
-# module, with a DeprecationWarning naming the new path).
-_moved.install(__name__, {"checkpoint": "checkpointing"})
-
-from lightning_zeropp.accelerate.settings import ZeroPPPlugin  # noqa: E402
-from lightning_zeropp.transformers.trainer import ZeroPPTrainer, release_weights  # noqa: E402
+from lightning_zeropp.accelerate.settings import ZeroPPPlugin
+from lightning_zeropp.transformers.trainer import ZeroPPTrainer, release_weights
 
 __all__ = ["ZeroPPPlugin", "ZeroPPTrainer", "release_weights"]

@@ -1,4 +1,4 @@
-"""core.failure on 4 gloo ranks, a (pp 2 x dp_shard 2) mesh: ranks 0, 1 hold stage 0; 2, 3 stage 1.
+"""core.step.failure on 4 gloo ranks, a (pp 2 x dp_shard 2) mesh: ranks 0, 1 hold stage 0; 2, 3 stage 1.
 
 Each scenario initializes its own process group, most with a 300 s timeout, so a rank that wakes
 within seconds was woken by the failure board, not by the timeout (`mesh_timeouts` and a stopped

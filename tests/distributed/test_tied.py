@@ -27,7 +27,7 @@ CASES = [
         "layout": PP2,
         "optimizer": "adamw",
         "clip": True,
-        "export": True,  # and core.export.full_state_dict afterwards
+        "export": True,  # and core.weights.export.full_state_dict afterwards
     },
     # the middle stages hold no copy
     {"id": "llama-pp4", "family": "llama", "layout": {"pp_size": 4, "num_microbatches": 4}},

@@ -1,4 +1,4 @@
-"""The ZeroPP plan as data: `zeropp_schedule.lower`, and one lowering read by the runtime and the
+"""The ZeroPP plan as data: `schedule.zeropp.lower`, and one lowering read by the runtime and the
 pictures (the planner reads `zeropp_plans` too)."""
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ def _build_zeropp(
 
 
 def zeropp_plans(config: ZeroPPLayout) -> dict[int, list[Step]]:
-    """Every pipeline rank's lowered ZeroPP plan (`zeropp_schedule.lower`): what the runtime
+    """Every pipeline rank's lowered ZeroPP plan (`schedule.zeropp.lower`): what the runtime
     runs, the pictures draw and the planner prices."""
     assert config.unit_size is not None, "a zeropp layout has a unit size"
     return {

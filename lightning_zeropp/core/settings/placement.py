@@ -33,7 +33,7 @@ STYLES: dict[str, Style] = {
     "interleaved_zb": "looped",
     "zbv": "v",
     "dualpipev": "v",
-    "zeropp": "looped",  # ZeroPP's unit schedule (core.zeropp_schedule)
+    "zeropp": "looped",  # ZeroPP's unit schedule (core.schedule.zeropp)
 }
 
 

@@ -11,7 +11,7 @@ node. Where it acts:
 - FSDP alone, and torch's pipeline schedules with `reshard_after_forward=True`: FSDP reshards to
   the secondary copy after every forward;
 - `schedule="zeropp"`: the schedule releases a chunk's weights itself; a release after a block of
-  forwards whose chunk will run backward later keeps the secondary copy (`zeropp_schedule.lower`,
+  forwards whose chunk will run backward later keeps the secondary copy (`schedule.zeropp.lower`,
   run by `core.schedule.runtime.UnitScheduleRuntime`);
 - torch's pipeline schedules without resharding (their default) gather once per step and never in
   backward: hpZ has nothing to do there.

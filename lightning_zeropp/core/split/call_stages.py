@@ -1,4 +1,4 @@
-"""The stage modules of `split="call"`: copies of the model cut at block calls (see `call_split`).
+"""The stage modules of `split="call"`: copies of the model cut at block calls (see `call_plan`).
 
 A stage is a copy of the model whose blocks and outer modules held by other stages are `_Stub`s
 (so parameter names, indexing and attribute reads are as in the model), and whose `forward` runs the model's own forward on the model

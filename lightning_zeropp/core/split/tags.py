@@ -1,4 +1,4 @@
-"""Where every value of a dry run came from: the check behind `split="call"` (see `call_split`).
+"""Where every value of a dry run came from: the check behind `split="call"` (see `call_plan`).
 
 A torch-function mode tags each tensor with its sources (an outer module's output, a block's
 output, an outer module's parameters, a random draw before the blocks) and records the first
