@@ -5,7 +5,8 @@ field of `ZeroPPConfig`:
 1. the field of `ZeroPPConfig` (`core/settings/config.py`), the request a user writes;
 2. its typed field in `ZeroPPLayout` and its check in `core/settings/resolve.py`;
 3. its key, with the default and a comment, in `conf/parallel/base.yaml` (the recipes);
-4. its row in README.md's settings table.
+4. its words (default and meaning) in `core/settings/reference.py`, from which the docs site
+   renders the settings page.
 Everything else follows from the field: its `ZEROPP_*` variable and parser (from the field's
 type), `ZeroPPStrategy`'s and `ZeroPPPlugin`'s keyword arguments and signatures, and the
 checkpoint metadata.
@@ -29,6 +30,7 @@ from lightning_zeropp.accelerate.build import _settings
 from lightning_zeropp.core.settings import env
 from lightning_zeropp.core.settings.config import ZeroPPConfig, ZeroPPLayout
 from lightning_zeropp.core.settings.merge import merge_settings
+from lightning_zeropp.core.settings.reference import SETTINGS_REFERENCE, settings_table
 
 ROOT = Path(__file__).resolve().parents[2]
 FIELDS = [f.name for f in dataclasses.fields(ZeroPPConfig)]
@@ -38,11 +40,13 @@ def test_every_setting_is_written_in_the_four_places():
     layout = {f.name for f in dataclasses.fields(ZeroPPLayout)} - {"world_size"}
     assert layout == set(FIELDS), "ZeroPPLayout and ZeroPPConfig must have the same fields"
     base = yaml.safe_load((ROOT / "conf/parallel/base.yaml").read_text())
-    readme = (ROOT / "README.md").read_text()
-    rows = set(re.findall(r"^\| `([a-z_]+)` \|", readme, flags=re.M))
     for name in FIELDS:
         assert name in base, f"conf/parallel/base.yaml lacks {name}"
-        assert name in rows, f"README.md's settings table lacks {name}"
+    assert set(SETTINGS_REFERENCE) == set(FIELDS), "core/settings/reference.py: one row per field"
+    # the docs page's table, as the site renders it: every field once, in the config's order
+    rows = re.findall(r"^\| `([a-z_]+)` \|", settings_table(FIELDS), flags=re.M)
+    assert rows == FIELDS
+    assert "<!-- settings-table -->" in (ROOT / "docs/settings.md").read_text()
 
 
 def test_everything_else_follows_from_the_field():
