@@ -1,6 +1,6 @@
 """The ZeroPP paper's setting on paper: a LLaMA-2-7B-shaped model, sequence 2048, micro-batch 1,
 on 32 GPUs (4 nodes x 8) and 64 GPUs (8 x 8), priced by the planner. No process runs: these are
-predictions under stated assumptions (README "The planner"), not measurements.
+predictions under stated assumptions (docs/planner.md), not measurements.
 
     python bench/bench_paper_claims.py [--quick]
 

@@ -62,7 +62,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
 
     Settings (keyword arguments) are `ZeroPPConfig`'s fields: `pp_size`, `dp_shard_size`,
     `dp_replicate_size`, `num_microbatches`, `schedule`, `num_chunks`, `param_dtype`, ... (see
-    `ZeroPPConfig` and the README's settings list). One left out (None) takes its `ZEROPP_*`
+    `ZeroPPConfig` and the settings page, docs/settings.md). One left out (None) takes its `ZEROPP_*`
     variable when set, else `ZeroPPConfig`'s default; one given wins over its variable, as in
     every front (`core.settings.merge`); a misspelt one is a `TypeError` naming the closest. Plus:
         split: "auto" (default: "call" unless the model names another), "call" (the network's

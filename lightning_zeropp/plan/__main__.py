@@ -19,8 +19,8 @@ Keys (besides Hydra's `model=` and `cluster=` groups and any `model.*` / `cluste
 The model is built on the meta device from its config (no weights, no download); the cluster's
 bandwidths and `planner` figures (peak TFLOP/s, the share of it sustained eager and compiled,
 memory) come from its `conf/cluster/` file. Step times and MFU are printed as the middle of the
-cluster's efficiency range, with its ends in brackets. Every figure is a prediction: see README
-"The planner".
+cluster's efficiency range, with its ends in brackets. Every figure is a prediction: see
+docs/planner.md.
 """
 
 from __future__ import annotations
