@@ -14,7 +14,7 @@
   input back, where the two stages sit on different ranks; sizes from running the stages on the
   meta device;
 - ZeRO++ (`plan.plus`): qwZ's gathers move the packed shard; hpZ's backward gathers (axis "hpz")
-  its in-node copy, where the step's programs (`plan.steptime.programs_for`) read it; qgZ
+  its in-node copy, where the step's programs (`plan.programs.programs_for`) read it; qgZ
   replaces each reduce-scatter with all-to-alls inside the node ("zeropp_plus_intra") and
   across nodes ("zeropp_plus_cross"), each counted with its whole packed input.
 
@@ -38,13 +38,14 @@ from lightning_zeropp.plan.activations import stage_parts
 from lightning_zeropp.plan.memory import stage_units
 from lightning_zeropp.plan.plus import unit_traffic
 from lightning_zeropp.plan.profile import micro_batch_rows
+from lightning_zeropp.plan.programs import programs_for
 
-__all__ = ["predict_comm"]
+__all__ = ["padded_shard", "predict_comm"]
 
 Summary = dict[str, dict[str, dict[str, int]]]
 
 
-def _padded_shard(shapes: list[tuple[int, ...]], shards: int) -> int:
+def padded_shard(shapes: list[tuple[int, ...]], shards: int) -> int:
     return sum(math.ceil(s[0] / shards) * math.prod(s[1:]) if s else 1 for s in shapes)
 
 
@@ -53,8 +54,6 @@ def predict_comm(
 ) -> dict[int, Summary]:
     """Each global rank's predicted `CommCounter` summary of one training step (all-gather,
     reduce-scatter, ZeRO++'s all-to-alls, send and recv only)."""
-    from lightning_zeropp.plan.steptime import programs_for  # (steptime reads this module)
-
     cfg = config.resolve(world_size)
     if cfg.pp_size > 1 and cfg.reshard_after_forward:
         raise NotImplementedError("resharding after forward under a pipeline is not modelled")

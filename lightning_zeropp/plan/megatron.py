@@ -38,8 +38,8 @@ from lightning_zeropp.plan.activations import task_orders
 from lightning_zeropp.plan.hardware import Hardware
 from lightning_zeropp.plan.memory import stage_ranges
 from lightning_zeropp.plan.profile import ModelProfile, micro_batch_rows, profile_model
+from lightning_zeropp.plan.programs import programs_for
 from lightning_zeropp.plan.simulate import StageCost, simulate
-from lightning_zeropp.plan.steptime import programs_for
 
 __all__ = ["ThreeD", "predict_3d"]
 

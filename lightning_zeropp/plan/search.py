@@ -33,12 +33,8 @@ from lightning_zeropp.plan.activations import activation_peaks
 from lightning_zeropp.plan.hardware import Hardware
 from lightning_zeropp.plan.memory import predict_memory, stage_parameter_shapes, stage_units
 from lightning_zeropp.plan.plus import plus_memory
-from lightning_zeropp.plan.steptime import (
-    StepTimePlan,
-    predict_range,
-    price,
-    programs_for,
-)
+from lightning_zeropp.plan.programs import programs_for
+from lightning_zeropp.plan.steptime import StepTimePlan, predict_range, price
 
 __all__ = ["Candidate", "enumerate_layouts", "gradient_buffers", "rank_memory", "search"]
 

@@ -9,7 +9,7 @@
   ((k - 1) hops of latency plus a shard each), HSDP's all-reduce over `dp_replicate`, and stage
   boundaries as one message each way; a group spanning nodes runs at the cross-node rate.
 - Which task gathers and which reduces: `plan.comm`'s counts, placed where the runtime does them
-  (`programs_for`: FSDP gathers a stage's units when a task reaches them ungathered, reshards
+  (`plan.programs.programs_for`: FSDP gathers a stage's units when a task reaches them ungathered, reshards
   after forward when told to, and reduces after the stage's last gradient task; ZeroPP follows
   its lowered plan, `core.schedule.build.zeropp_plans`).
 - The optimizer step updates each rank's shard at `Hardware.optimizer_rate` (by default AdamW
@@ -32,13 +32,14 @@ from torch import nn
 from lightning_zeropp.core.settings.config import ZeroPPConfig
 from lightning_zeropp.core.settings.placement import rank_of_stage, schedule_style
 from lightning_zeropp.core.settings.plus import hpz_size
-from lightning_zeropp.plan.activations import schedule_key, stage_parts, task_orders, zeropp_plans
-from lightning_zeropp.plan.comm import _padded_shard
+from lightning_zeropp.plan.activations import stage_parts
+from lightning_zeropp.plan.comm import padded_shard
 from lightning_zeropp.plan.hardware import Hardware, compile_mode
 from lightning_zeropp.plan.memory import StageUnits, predict_memory, stage_ranges, stage_units
 from lightning_zeropp.plan.plus import unit_traffic
 from lightning_zeropp.plan.profile import micro_batch_rows, profile_model
-from lightning_zeropp.plan.simulate import Op, RankTimeline, StageCost, compute_seconds, simulate
+from lightning_zeropp.plan.programs import programs_for
+from lightning_zeropp.plan.simulate import RankTimeline, StageCost, compute_seconds, simulate
 
 __all__ = [
     "StepTimePlan",
@@ -47,7 +48,6 @@ __all__ = [
     "predict_range",
     "price",
     "predict_step_time",
-    "programs_for",
     "stage_costs",
     "stage_flops",
 ]
@@ -88,78 +88,6 @@ def stage_flops(model: nn.Module, cfg: ZeroPPConfig, rows: int, seq: int) -> lis
         )
         out.append([own, *(profile.blocks[i].flops for i in blocks)])
     return out
-
-
-_PROGRAMS: dict[tuple, dict[int, list[Op]]] = {}
-
-
-def programs_for(cfg: ZeroPPConfig) -> dict[int, list[Op]]:
-    """Each pipeline rank's tasks for a resolved config, flagged where they gather and reduce
-    (shared between configs of one schedule: do not modify)."""
-    key = schedule_key(cfg)
-    if key not in _PROGRAMS:
-        _PROGRAMS[key] = _zeropp_programs(cfg) if cfg.schedule == "zeropp" else _programs(cfg)
-    return _PROGRAMS[key]
-
-
-def _programs(cfg: ZeroPPConfig) -> dict[int, list[Op]]:
-    programs = {}
-    reshard = bool(cfg.reshard_after_forward)
-    copy = hpz_size(cfg) is not None
-    for rank, order in task_orders(cfg).items():
-        last = {stage: i for i, (kind, stage, _) in enumerate(order) if kind in "BW"}
-        gathered: set[int] = set()
-        in_node: set[int] = set()  # resharded to hpZ's in-node copy
-        ops = []
-        for i, (kind, stage, mb) in enumerate(order):
-            # FSDP gathers a unit that is not gathered when a forward or backward reaches it; it
-            # reshards after forward when told to (to hpZ's copy with hpZ), and keeps a
-            # backward's weights until the next forward (gradient accumulation): FSDP alone
-            # gathers M + 1 times a step.
-            gather = kind != "W" and stage not in gathered
-            from_node = gather and stage in in_node
-            gathered.add(stage)
-            in_node.discard(stage)
-            if kind == "F" and reshard:
-                gathered.discard(stage)
-                if copy:
-                    in_node.add(stage)
-            ops.append(
-                Op(kind, stage, mb, gather=gather, reduce=i == last[stage], from_node=from_node)
-            )
-        programs[rank] = ops
-    return programs
-
-
-def _zeropp_programs(cfg: ZeroPPConfig) -> dict[int, list[Op]]:
-    programs = {}
-    for rank, plan in zeropp_plans(cfg).items():
-        ops: list[Op] = []
-        pending: set[int] = set()
-        in_node: set[int] = set()  # released to hpZ's in-node copy
-        for step in plan:
-            if step.kind == "gather":
-                pending.add(step.stage)
-            elif step.kind == "compute":
-                t = step.task
-                assert t is not None
-                gather = t.stage in pending
-                ops.append(
-                    Op(t.kind, t.stage, t.microbatch, gather=gather,
-                       from_node=gather and t.stage in in_node)
-                )  # fmt: skip
-                if gather:
-                    in_node.discard(t.stage)
-                pending.discard(t.stage)
-            elif step.kind == "reduce":
-                ops[-1] = Op(**{**ops[-1].__dict__, "reduce": True})
-            elif step.kind == "release" and step.node_copy:
-                in_node.add(step.stage)
-        last = {op.stage: i for i, op in enumerate(ops) if op.kind in "BW"}
-        for i in last.values():  # the end-of-step reduction
-            ops[i] = Op(**{**ops[i].__dict__, "reduce": True})
-        programs[rank] = ops
-    return programs
 
 
 def predict_step_time(
@@ -409,7 +337,7 @@ def _collectives(
             nodes = k // local
             rs += (nodes - 1) * x_lat + t.cross * (nodes - 1) / nodes / x_bw
         if r > 1 and shapes:  # HSDP: a ring all-reduce of the reduced shard over the replicas
-            numel = _padded_shard(shapes, k)
+            numel = padded_shard(shapes, k)
             rs += 2 * (r - 1) * (ar_lat + math.ceil(numel / r) * red / ar_bw)
         reduces.append(rs)
     return tuple(gathers), tuple(node_gathers), tuple(reduces)

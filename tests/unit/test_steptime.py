@@ -12,8 +12,8 @@ from lightning_zeropp.models import GPT, GPTConfig
 from lightning_zeropp.plan import Hardware, predict_comm, predict_step_time
 from lightning_zeropp.plan.activations import task_orders
 from lightning_zeropp.plan.memory import stage_units
+from lightning_zeropp.plan.programs import programs_for
 from lightning_zeropp.plan.simulate import Op, StageCost, simulate
-from lightning_zeropp.plan.steptime import programs_for
 
 
 def _uniform(cfg: ZeroPPConfig, f: float, b: float) -> list[StageCost]:
