@@ -82,7 +82,8 @@ def _run(case: str, where: Path, timeout_s: float) -> dict[str, Any]:
     signal_at = point if signalled and resume is None else None
     seen: dict[str, Any] = {"type": "no error", "code": 0}
     try:
-        seen |= _lightning(where, point, signal_at, timeout_s, resume)
+        run = _lightning if front == "lightning" else _accelerate
+        seen |= run(where, point, signal_at, timeout_s, resume)
     except SystemExit as err:
         code = err.code if isinstance(err.code, int) else 1
         seen |= {"type": type(err).__name__, "message": str(err)[:2000], "code": code}
@@ -179,3 +180,60 @@ def _lightning(
         value = p.full_tensor() if hasattr(p, "full_tensor") else p
         params[name] = value.detach().clone()
     return {"steps": record.steps, "losses": record.losses, "params": params}
+
+
+def _accelerate(
+    where: Path, point: str, signal_at: str | None, timeout_s: float, resume: Path | None
+) -> dict[str, Any]:
+    """run_clm's loop under ZeroPPAccelerator; a restart loads the state the stop saved and
+    skips the batches trained before it, as run_clm resumes."""
+    from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
+    from torch.utils.data import DataLoader
+
+    from lightning_zeropp.accelerate import ZeroPPAccelerator, ZeroPPPlugin
+    from tests.distributed.clm_loop import Args, Texts, build_model, collate
+
+    root = resume or where
+    accelerator = ZeroPPAccelerator(
+        zeropp_plugin=ZeroPPPlugin(**LAYOUT, save_on_sigterm=point != "straight"),
+        cpu=True,
+        project_dir=str(root),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=timeout_s))],
+    )
+    model = build_model(Args(init_seed=7 if resume else 0))
+    set_seed(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    loader = DataLoader(Texts(24, 1), shuffle=True, collate_fn=collate, batch_size=2)
+    evals = DataLoader(Texts(4, 2), collate_fn=collate, batch_size=2)
+    if signal_at == "setup":
+        _sigterm()  # before prepare: the first step stops
+    model, optimizer, loader, evals = accelerator.prepare(model, optimizer, loader, evals)
+    done = 0
+    if resume is not None:
+        saved = sorted(resume.glob("sigterm_step_*"))[-1]
+        accelerator.load_state(str(saved))
+        done = int(saved.name.rsplit("_", 1)[1])
+    if signal_at == "step":  # inside the schedule, on this rank's stage, during step 4
+        for module in model.module.modules():
+            module.register_forward_hook(lambda *_: _sigterm() if done == 3 else None)
+    out: dict[str, Any] = {"steps": [], "losses": []}
+    for batch in accelerator.skip_first_batches(loader, done) if done else loader:
+        outputs = model(**batch)
+        accelerator.backward(outputs.loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        done += 1
+        out["steps"].append(done)
+        out["losses"].append(float(outputs.loss.detach()))
+        if done == 2:  # run_clm's evaluation
+            model.eval()
+            if signal_at == "validation":
+                _sigterm()
+            with torch.no_grad():
+                [model(**b) for b in evals]
+            model.train()
+        if done == STEPS:
+            break
+    out["params"] = {k: v.clone() for k, v in accelerator.get_state_dict(model).items()}
+    return out

@@ -78,3 +78,22 @@ def test_sigterm_in_lightning_at_setup_in_a_save_and_after_the_last_step(tmp_pat
     _assert_stopped(reports, "lightning_step_all", 2)
     _assert_stopped(reports, "lightning_save_one", 2)  # in the save after step 2
     _assert_stopped(reports, "lightning_last_one", 6)  # no later step: the end of fit agrees
+
+
+def test_sigterm_in_an_accelerate_loop_stops_every_rank_named_and_resumes_exactly(
+    tmp_path: Path,
+) -> None:
+    cases = [
+        "accelerate_straight",
+        "accelerate_setup_one",
+        "accelerate_step_one",
+        "accelerate_validation_all",
+        "resume:accelerate_step_one",
+    ]
+    reports = _run(tmp_path, cases)
+    _assert_stopped(reports, "accelerate_setup_one", 0)
+    # rank 1 is signalled inside step 4's schedule: the step ends, then every rank stops
+    _assert_stopped(reports, "accelerate_step_one", 4)
+    assert "saved state at" in reports[0]["accelerate_step_one"]["message"]
+    _assert_stopped(reports, "accelerate_validation_all", 2)
+    _assert_resumes(reports, "accelerate_step_one", 4)
