@@ -82,7 +82,7 @@ def _run(case: str, where: Path, timeout_s: float) -> dict[str, Any]:
     signal_at = point if signalled and resume is None else None
     seen: dict[str, Any] = {"type": "no error", "code": 0}
     try:
-        run = _lightning if front == "lightning" else _accelerate
+        run = {"lightning": _lightning, "accelerate": _accelerate, "trainer": _trainer}[front]
         seen |= run(where, point, signal_at, timeout_s, resume)
     except SystemExit as err:
         code = err.code if isinstance(err.code, int) else 1
@@ -237,3 +237,28 @@ def _accelerate(
             break
     out["params"] = {k: v.clone() for k, v in accelerator.get_state_dict(model).items()}
     return out
+
+
+def _trainer(
+    where: Path, point: str, signal_at: str | None, timeout_s: float, resume: Path | None
+) -> dict[str, Any]:
+    """The HF fine-tuning script under ZeroPPTrainer; a restart resumes from the checkpoint the
+    stop saved (`resume_from_checkpoint=True`)."""
+    from lightning_zeropp.accelerate import ZeroPPPlugin
+    from lightning_zeropp.transformers import ZeroPPTrainer
+    from tests.distributed import trainer_script
+
+    class Signalled(ZeroPPTrainer):
+        def training_step(self, *args: Any, **kwargs: Any) -> Any:
+            if signal_at == "step" and self.state.global_step == 2:
+                _sigterm()  # before step 3's agreement
+            return super().training_step(*args, **kwargs)
+
+    script = trainer_script.Script(args={"max_steps": STEPS, "seed": 0})
+    plugin = ZeroPPPlugin(**LAYOUT, save_on_sigterm=point != "straight")
+    out = trainer_script.run(
+        Signalled, script, str(resume or where), resume=bool(resume) or None, zeropp_plugin=plugin
+    )
+    losses = [log["loss"] for log in out["logs"] if "loss" in log]
+    steps = list(range(STEPS - len(losses) + 1, STEPS + 1))  # one log per step: the last ones
+    return {"steps": steps, "losses": losses, "params": {}}

@@ -97,3 +97,13 @@ def test_sigterm_in_an_accelerate_loop_stops_every_rank_named_and_resumes_exactl
     assert "saved state at" in reports[0]["accelerate_step_one"]["message"]
     _assert_stopped(reports, "accelerate_validation_all", 2)
     _assert_resumes(reports, "accelerate_step_one", 4)
+
+
+def test_sigterm_in_the_hf_trainer_stops_every_rank_named_and_resumes_exactly(
+    tmp_path: Path,
+) -> None:
+    cases = ["trainer_straight", "trainer_step_one", "resume:trainer_step_one"]
+    reports = _run(tmp_path, cases)
+    _assert_stopped(reports, "trainer_step_one", 2)  # rank 1, before step 3's agreement
+    assert "checkpoint-2" in reports[0]["trainer_step_one"]["message"]
+    _assert_resumes(reports, "trainer_step_one", 2)
