@@ -18,9 +18,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lightning_zeropp.core.step.preempt import PreemptedError, announce
+from lightning_zeropp.core.step.preempt import PreemptedError, Preemption, announce
 
-__all__ = ["Stopper", "accelerate_saver"]
+__all__ = ["Stopper", "accelerate_saver", "agree_at_end"]
 
 # what a front saves with: `save(steps)` -> a sentence naming the checkpoint and how to resume
 Saver = Callable[[int], str]
@@ -76,3 +76,18 @@ def accelerate_saver(accelerator: Any) -> Saver:
         return f"saved state at {path} ({how})"
 
     return save
+
+
+def agree_at_end(pipeline: Any) -> None:
+    """Collective, at the end of `ZeroPPTrainer.train`: a SIGTERM during the last step or save
+    stops every rank here (one all-reduce), not exit 0. (A bare Accelerate loop has no call
+    every rank makes after its last step: there such a signal goes unreported.)"""
+    stopper = getattr(pipeline, "stopper", None)
+    if stopper is None:
+        return
+    core = pipeline.engine.core
+    try:
+        with core.failures.guard():
+            Preemption.of_process().agree_now(core.device)
+    except PreemptedError as err:
+        raise stopper.stopped(err, core.failures.description) from None

@@ -38,6 +38,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from lightning_zeropp.accelerate.accelerator import ZeroPPAccelerator
 from lightning_zeropp.accelerate.optim import retarget_scheduler
+from lightning_zeropp.accelerate.preempt import agree_at_end
 from lightning_zeropp.accelerate.settings import ZeroPPPlugin
 from lightning_zeropp.accelerate.steps import NUM_ITEMS, PipelineModel
 from lightning_zeropp.transformers import checkpointing
@@ -68,6 +69,13 @@ class ZeroPPTrainer(Trainer):
         self._zeropp_plugin = plugin_for(zeropp_plugin, training_args)
         self._pipeline: PipelineModel | None = None
         super().__init__(*args, **kwargs)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """`Trainer.train`; then every rank agrees whether SIGTERM came after the last step's
+        agreement (it stops there, 143, and saves with `save_on_sigterm`)."""
+        result = super().train(*args, **kwargs)
+        agree_at_end(self._pipeline)
+        return result
 
     # ------------------------------------------------------------------ the accelerator
     def create_accelerator_and_postprocess(self) -> None:

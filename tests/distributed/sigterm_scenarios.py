@@ -252,7 +252,10 @@ def _trainer(
         def training_step(self, *args: Any, **kwargs: Any) -> Any:
             if signal_at == "step" and self.state.global_step == 2:
                 _sigterm()  # before step 3's agreement
-            return super().training_step(*args, **kwargs)
+            loss = super().training_step(*args, **kwargs)
+            if signal_at == "last" and self.state.global_step == STEPS - 1:
+                _sigterm()  # after the last step's agreement: train() ends, then agrees
+            return loss
 
     script = trainer_script.Script(args={"max_steps": STEPS, "seed": 0})
     plugin = ZeroPPPlugin(**LAYOUT, save_on_sigterm=point != "straight")

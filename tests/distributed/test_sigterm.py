@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.distributed.launch import launch
+from tests.distributed.sigterm_scenarios import STEPS
 
 pytestmark = pytest.mark.distributed
 TIMEOUT_S = 20.0
@@ -102,8 +103,9 @@ def test_sigterm_in_an_accelerate_loop_stops_every_rank_named_and_resumes_exactl
 def test_sigterm_in_the_hf_trainer_stops_every_rank_named_and_resumes_exactly(
     tmp_path: Path,
 ) -> None:
-    cases = ["trainer_straight", "trainer_step_one", "resume:trainer_step_one"]
+    cases = ["trainer_straight", "trainer_step_one", "trainer_last_one", "resume:trainer_step_one"]
     reports = _run(tmp_path, cases)
+    _assert_stopped(reports, "trainer_last_one", STEPS)  # after the last step: train() agrees
     _assert_stopped(reports, "trainer_step_one", 2)  # rank 1, before step 3's agreement
     assert "checkpoint-2" in reports[0]["trainer_step_one"]["message"]
     _assert_resumes(reports, "trainer_step_one", 2)
