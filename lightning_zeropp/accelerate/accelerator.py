@@ -44,11 +44,13 @@ from torch.utils.data import DataLoader
 
 from lightning_zeropp.accelerate.build import prepare_pipeline
 from lightning_zeropp.accelerate.checkpointing import commit_state
+from lightning_zeropp.accelerate.preempt import Stopper, accelerate_saver
 from lightning_zeropp.accelerate.settings import ZeroPPPlugin
 from lightning_zeropp.accelerate.shares import in_process_order, process_order, share
 from lightning_zeropp.accelerate.steps import NUM_ITEMS, PipelineModel
 from lightning_zeropp.core.settings import launch
 from lightning_zeropp.core.step.failure import guarded
+from lightning_zeropp.core.step.preempt import Preemption
 from lightning_zeropp.core.weights.export import full_state_dict
 from lightning_zeropp.models.hf_loss import LossWatch, disable_kv_cache, token_rule
 
@@ -61,6 +63,8 @@ class ZeroPPAccelerator(Accelerator):
 
     def __init__(self, *args: Any, zeropp_plugin: ZeroPPPlugin | None = None, **kwargs: Any):
         launch.check_restart()  # before Accelerate forms the process group
+        # SIGTERM is recorded from here on, never acted on in the handler (`accelerate.preempt`).
+        Preemption.of_process().install()
         super().__init__(*args, **kwargs)
         self.zeropp_plugin = zeropp_plugin or ZeroPPPlugin()
         self.pipeline: PipelineModel | None = None
@@ -135,6 +139,9 @@ class ZeroPPAccelerator(Accelerator):
         pipeline = PipelineModel(engine, skeleton, rule, watch)
         pipeline.eval_logits = plugin.eval_logits
         pipeline.seq_buckets = plugin.seq_buckets
+        save = bool(engine.core.config.save_on_sigterm)
+        steps = lambda: self.gradient_accumulation_steps  # noqa: E731 - read at the stop
+        pipeline.stopper = Stopper(accelerate_saver(self), save, steps)
         holder.append(pipeline)
         self.pipeline, self._skeleton = pipeline, skeleton
         self._order = process_order(engine.dims.pp_rank, engine.dims.dp_rank)

@@ -23,10 +23,12 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zeropp.accelerate.engine import ZeroPPAccelerateEngine
+from lightning_zeropp.accelerate.preempt import Stopper
 from lightning_zeropp.accelerate.shares import eval_microbatches_by_share, share_losses
 from lightning_zeropp.accelerate.weighting import weigh_tokens
 from lightning_zeropp.core.schedule.build import eval_microbatches
 from lightning_zeropp.core.step.failure import guarded
+from lightning_zeropp.core.step.preempt import PreemptedError
 from lightning_zeropp.models.hf_loss import (
     NUM_ITEMS,
     LossWatch,
@@ -112,10 +114,19 @@ class PipelineModel(nn.Module):
         self._losses: list[torch.Tensor] | None = None  # an eval call's, per micro-batch
         self._items: float | None = None  # num_items_in_batch given to this call
         self.rows: int | None = None  # of the last call's batch (`shares`)
+        self.stopper: Stopper | None = None  # on SIGTERM: save and name the step (the front's)
 
     # ---------------------------------------------------------------- calls
     @guarded  # token counts and logits are collectives too: a lost rank is named
     def forward(self, *args: Any, **kwargs: Any) -> PipelineOutput:
+        try:
+            return self._forward(args, kwargs)
+        except PreemptedError as err:  # SIGTERM, agreed on by every rank before this step
+            if self.stopper is None:
+                raise
+            raise self.stopper.stopped(err, self.engine.core.failures.description) from None
+
+    def _forward(self, args: Any, kwargs: dict[str, Any]) -> PipelineOutput:
         shaped = self._reshaped(args, kwargs)
         kwargs = shaped.batch
         target = _target_of(args, kwargs)
@@ -144,6 +155,8 @@ class PipelineModel(nn.Module):
         self.rows = _rows(args, kwargs)
         kwargs = self._weighted(kwargs, target, core.config.num_microbatches)
         loss, grads = core.train_step_deferred(*args, target=target, **kwargs)
+        if self.stopper is not None:
+            self.stopper.batches += 1
         leaf = loss.detach().clone().requires_grad_()
         # The loop's backward reaches the loss with d(what it differentiates)/dL: this step's
         # gradients go to .grad times that (on the device: no host sync).

@@ -87,7 +87,7 @@ class Schedules:
             key = (mode, microbatches, shape_key((args, kwargs, target)))
             popped = self._entries.pop(key, None)
         entry, skipped = popped, skip
-        if self.config.dp_size > 1:
+        if self.config.world_size > 1:  # SIGTERM on any rank stops every rank (`agree_on_step`)
             cached, skipped = agree_on_step(
                 entry is not None,
                 problem,

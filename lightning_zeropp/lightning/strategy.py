@@ -47,7 +47,7 @@ from lightning_zeropp.core.weights import checkpoint as ckpt
 from lightning_zeropp.core.weights import commit, export, trust
 from lightning_zeropp.core.weights.async_checkpoint import AsyncCheckpointer
 from lightning_zeropp.core.weights.materialize import InitFn, empty_parameters
-from lightning_zeropp.lightning import checkpointing, data, hooks
+from lightning_zeropp.lightning import checkpointing, data, hooks, preempt
 from lightning_zeropp.lightning.build import build_engine
 from lightning_zeropp.lightning.precision import ZeroPPPrecision
 from lightning_zeropp.lightning.settings import strategy_settings
@@ -213,6 +213,9 @@ class ZeroPPStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        # SIGTERM is the library's from here on: Lightning's handler broadcasts inside it.
+        assert self.lightning_module is not None
+        preempt.take_over_signals(self.lightning_module.trainer)
         # Validate on every rank before the process group exists: a bad size fails everywhere.
         world_size = self.num_nodes * self.num_processes
         self.zeropp_config = self._settings.resolve(world_size)
@@ -272,7 +275,8 @@ class ZeroPPStrategy(ModelParallelStrategy):
         # Lightning zeroes the previous step's gradients (unless accumulating) only after
         # training_step, and expects this step's gradients to appear in backward: the engine
         # holds them (`StepGrads`) until then.
-        outcome = self._runner.run(self.lightning_module.training_step, args, "train")
+        with self._stopping():
+            outcome = self._runner.run(self.lightning_module.training_step, args, "train")
         assert outcome.grads is not None
         if outcome.skipped:  # the step returned None: no gradient from this batch, anywhere
             outcome.grads.discard()
@@ -297,19 +301,35 @@ class ZeroPPStrategy(ModelParallelStrategy):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self.lightning_module is not None
-        return self._runner.run(self.lightning_module.validation_step, args, "eval").loss
+        with self._stopping():
+            return self._runner.run(self.lightning_module.validation_step, args, "eval").loss
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self.lightning_module is not None
-        return self._runner.run(self.lightning_module.test_step, args, "eval").loss
+        with self._stopping():
+            return self._runner.run(self.lightning_module.test_step, args, "eval").loss
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """The user's predict_step per micro-batch on the last stage; the batch's predictions
         (tensors concatenated along rows) on every rank of the pipeline."""
         assert self.lightning_module is not None
-        return self._runner.run(self.lightning_module.predict_step, args, "predict").predictions
+        with self._stopping():
+            return self._runner.run(self.lightning_module.predict_step, args, "predict").predictions
+
+    def _stopping(self) -> contextlib.AbstractContextManager[None]:
+        """SIGTERM agreed on in the step: save (`save_on_sigterm`), name it, exit 143."""
+        assert self.lightning_module is not None
+        trainer, save = self.lightning_module.trainer, bool(self.zeropp_config.save_on_sigterm)
+        return preempt.stopping(trainer, save, self.engine.failures.description)
+
+    @override
+    def on_train_end(self) -> None:
+        # A SIGTERM during the last step or save: no later step agrees on it.
+        assert self.lightning_module is not None
+        trainer, save = self.lightning_module.trainer, bool(self.zeropp_config.save_on_sigterm)
+        preempt.agree_at_end(trainer, self.root_device, save, self.engine.failures.description)
 
     def _release_gradients(self) -> None:
         assert self.lightning_module is not None

@@ -19,7 +19,7 @@
   across nodes ("zeropp_plus_cross"), each counted with its whole packed input.
 
 Not modelled (it raises): resharding after forward under a pipeline; left out: the engine's few
-scalar collectives (the loss, two agreement flags).
+scalar collectives (the loss, the step's four agreement flags).
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,9 +34,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from lightning_zeropp.accelerate.accelerator import ZeroPPAccelerator
 from lightning_zeropp.accelerate.optim import retarget_scheduler
+from lightning_zeropp.accelerate.preempt import agree_at_end
 from lightning_zeropp.accelerate.settings import ZeroPPPlugin
 from lightning_zeropp.accelerate.steps import NUM_ITEMS, PipelineModel
 from lightning_zeropp.transformers import checkpointing
@@ -66,6 +69,13 @@ class ZeroPPTrainer(Trainer):
         self._zeropp_plugin = plugin_for(zeropp_plugin, training_args)
         self._pipeline: PipelineModel | None = None
         super().__init__(*args, **kwargs)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """`Trainer.train`; then every rank agrees whether SIGTERM came after the last step's
+        agreement (it stops there, 143, and saves with `save_on_sigterm`)."""
+        result = super().train(*args, **kwargs)
+        agree_at_end(self._pipeline)
+        return result
 
     # ------------------------------------------------------------------ the accelerator
     def create_accelerator_and_postprocess(self) -> None:
@@ -136,7 +146,17 @@ class ZeroPPTrainer(Trainer):
             self.lr_scheduler = retarget_scheduler(given, whole, optimizer.optimizer)
         release_weights(self.model)
         self._pipeline = self.model_wrapped = pipeline
+        if pipeline.stopper is not None:  # on SIGTERM: the Trainer's own checkpoint and step
+            pipeline.stopper.saver = self._save_on_sigterm
+            pipeline.stopper.step = lambda: self.state.global_step
         return prepared
+
+    def _save_on_sigterm(self, steps: int) -> str:
+        """Collective: `checkpoint-<global_step>`, which `resume_from_checkpoint=True` finds."""
+        self._save_checkpoint(self.model_wrapped, trial=None)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        path = os.path.join(self._get_output_dir(trial=None), name)
+        return f"saved checkpoint at {path} (resume with train(resume_from_checkpoint=True))"
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> Any:
         if self._pipeline is None:  # evaluation_loop asks after building its loader

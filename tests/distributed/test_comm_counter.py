@@ -44,10 +44,11 @@ def test_fsdp_step_traffic_is_on_dp_shard(tmp_path: Path) -> None:
         assert summary["all_gather"] == {
             "dp_shard": {"count": 2 * len(units), "bytes": 2 * shard_bytes}
         }
-        # The loss, and the three int32 flags by which the ranks agree whether to rebuild the
+        # The loss, and the four int32 flags by which the ranks agree whether to rebuild the
         # step's schedule (a rebuild gathers weights, so all rebuild when any must), whether
-        # every rank's batch passed its checks, and whether some rank's step skips the batch.
-        assert summary["all_reduce"] == {"dp_shard": {"count": 2, "bytes": FP32 + 12}}
+        # every rank's batch passed its checks, whether some rank's step skips the batch, and
+        # whether some rank received SIGTERM (then every rank stops before the step).
+        assert summary["all_reduce"] == {"dp_shard": {"count": 2, "bytes": FP32 + 16}}
         assert set(summary) == {"all_gather", "reduce_scatter", "all_reduce"}
 
 
@@ -65,5 +66,7 @@ def test_pipeline_step_traffic_is_on_pp(tmp_path: Path) -> None:
         assert summary["send"] == per_microbatch
         assert summary["recv"] == per_microbatch
         assert summary["broadcast"] == {"pp": {"count": 1, "bytes": FP32}}  # the loss
+        # The step's four agreement flags (see above): SIGTERM on either stage stops both.
+        assert summary["all_reduce"] == {"pp": {"count": 1, "bytes": 16}}
         # dp_shard has one rank: FSDP2 issues no collective, and nothing else crosses pp.
-        assert set(summary) == {"send", "recv", "broadcast"}
+        assert set(summary) == {"send", "recv", "broadcast", "all_reduce"}

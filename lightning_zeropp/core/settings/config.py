@@ -66,6 +66,10 @@ class ZeroPPConfig:
     `hpz_partition_size` (hpZ), `quantized_gradients` (qgZ), `gradient_error_feedback`,
     `quant_block_size`, `cpu_offload`, and `node_size` (ranks per node).
 
+    `save_on_sigterm`: on SIGTERM (a scheduler preempting the job) every rank stops at the next
+    step boundary and exits with 143 naming SIGTERM; with this on, the front first saves a
+    checkpoint where a restart resumes from (`core.step.preempt`).
+
     `compile`: `torch.compile` each block after the model is cut into stages; under schedules
     that split backward into input- and weight-gradient tasks, the regions between the blocks'
     weights (`core.shard.compile`).
@@ -94,6 +98,7 @@ class ZeroPPConfig:
     cpu_offload: bool = False
     node_size: int | None = None
     compile: bool = False
+    save_on_sigterm: bool = False
 
     def resolve(self, world_size: int, node_size: int | None = None) -> ZeroPPLayout:
         """Every default filled in and every setting checked, for `world_size` processes of which

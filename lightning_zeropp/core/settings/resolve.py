@@ -64,6 +64,7 @@ class ZeroPPLayout:
     cpu_offload: bool
     node_size: int
     compile: bool
+    save_on_sigterm: bool
 
     @property
     def num_stages(self) -> int:
@@ -189,6 +190,10 @@ def _resolve_policies(cfg: Any) -> None:
     cfg.nonfinite = nonfinite
     if not isinstance(cfg.compile, bool):
         raise setting_error("compile", f"compile={cfg.compile!r} must be True or False.")
+    if not isinstance(cfg.save_on_sigterm, bool):
+        raise setting_error(
+            "save_on_sigterm", f"save_on_sigterm={cfg.save_on_sigterm!r} must be True or False."
+        )
 
 
 def _default_pp(world_size: int, dp_replicate: int, dp_shard: int | None) -> int:

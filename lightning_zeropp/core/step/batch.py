@@ -14,6 +14,7 @@ from lightning_zeropp.core._torch_private import default_store, tree_flatten, tr
 from lightning_zeropp.core.mesh import world_timeout
 from lightning_zeropp.core.schedule.build import eval_microbatches
 from lightning_zeropp.core.step.failure import raised_everywhere
+from lightning_zeropp.core.step.preempt import Preemption
 from lightning_zeropp.core.step.store import BoundedStore, store_deadline_s
 
 __all__ = [
@@ -156,8 +157,10 @@ def agree_on_step(
 ) -> tuple[bool, bool]:
     """One small all-reduce over the world before a step: whether every rank has the schedule
     for its batch's shapes cached (else all build one: see `ZeroPPEngine._schedule_for`),
-    whether every rank's batch passed its checks, and whether some rank skips the step (a
-    front's step that returned before it produced its inputs): then every rank skips it.
+    whether every rank's batch passed its checks, whether some rank skips the step (a
+    front's step that returned before it produced its inputs): then every rank skips it, and
+    whether some rank received SIGTERM: then every rank raises `PreemptedError` here, before
+    any enters the schedule (`core.step.preempt`).
 
     Data-parallel ranks read different batches, so one may fail a check the others pass. Then
     every rank raises, before any enters the schedule: the failing rank its own error, the
@@ -169,14 +172,22 @@ def agree_on_step(
     world, rank = dist.get_world_size(), dist.get_rank()
     if problem is not None:
         _store().set(f"{_REASON}/{rank}", f"{description}: {problem}")
+    preemption = Preemption.of_process()
     flags = torch.tensor(
-        [int(cached), rank if problem is not None else world, int(not skip)],
+        [
+            int(cached),
+            rank if problem is not None else world,
+            int(not skip),
+            preemption.flag(rank, world),
+        ],
         dtype=torch.int32,
         device=device,
     )
     with guard():
         dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-    cached_everywhere, first, stepping = flags.tolist()
+    cached_everywhere, first, stepping, signalled = flags.tolist()
+    if (stop := preemption.stopped(signalled, world)) is not None:
+        raise stop  # a SystemExit: no failure board records it, the groups stay usable
     if first < world:
         if problem is not None:
             raise raised_everywhere(problem)
