@@ -74,6 +74,10 @@ SETTINGS_REFERENCE: dict[str, tuple[str, str]] = {
         "`raise`",
         "a NaN/inf loss: `raise` naming step and stage, or `skip` the step's gradients",
     ),
+    "save_on_sigterm": (
+        "False",
+        "on SIGTERM every rank stops at the next step and exits 143 naming it; `True` first saves a checkpoint a restart resumes from ([reliability](reliability.md))",
+    ),
     "quantized_weights": (
         "None",
         "ZeRO++ qwZ: `int8` (or `bf16`, `fp`) weight gathers",
