@@ -13,7 +13,9 @@ LightningModule's `state_dict()` in one process, `optimizer_states` as one-proce
 `optimizer.state_dict()`s (plus each group's `param_names`), and the usual Lightning keys.
 
 Either kind resumes under any layout (`ckpt_path=`): a directory through DCP, a file by every rank
-reading it and keeping its own shards.
+reading it and keeping its own shards. Both are read as data (`core.weights.trust`): a file with
+`torch.load(weights_only=True)` whatever `weights_only` Lightning passes, the classes of the
+running module's own hyperparameters allowed.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from torch import nn
 
 from lightning_zeropp.core.weights import checkpoint as ckpt
+from lightning_zeropp.core.weights import trust
 
 __all__ = ["STATE_DICT_TYPES", "check_state_dict_type", "load_full_file"]
 
@@ -45,14 +48,20 @@ def load_full_file(
     path: Path,
     module: nn.Module,
     optimizers: list[torch.optim.Optimizer],
-    weights_only: bool | None = None,
+    trusted: set[type] | None = None,
     strict: bool = True,
 ) -> dict[str, Any]:
-    """Collective: every rank reads the checkpoint file at `path` and keeps its own shards of the
-    model (and of each optimizer's state, if `optimizers` and the file has them). Returns the
-    checkpoint, for Lightning to restore the rest (loops, schedulers, callbacks)."""
+    """Collective: every rank reads the checkpoint file at `path` (as data: `trusted` classes
+    may appear in it) and keeps its own shards of the model (and of each optimizer's state, if
+    `optimizers` and the file has them). Returns the checkpoint, for Lightning to restore the
+    rest (loops, schedulers, callbacks)."""
     # mmap: ranks on one machine share the file's pages instead of each holding a copy.
-    checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+    try:
+        checkpoint = trust.read_data(path, trusted or (), mmap=True)
+        problem = None
+    except ValueError as err:
+        problem = str(err)
+    ckpt.raise_on_every_rank(problem)
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise ValueError(f"{path} is not a Lightning checkpoint: it has no 'state_dict'")
     optimizer_states = checkpoint.get("optimizer_states") or []

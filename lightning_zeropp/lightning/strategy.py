@@ -365,12 +365,14 @@ class ZeroPPStrategy(ModelParallelStrategy):
         assert self.lightning_module is not None
         if self._async is not None:
             self._async.wait()  # it may be the checkpoint still being written
+        # Read as data whatever `weights_only` asks; the module's own hyperparameters' classes
+        # (built in this process already) may come back.
+        trusted = trust.trusted_types(dict(self.lightning_module.hparams))
         if path.is_file():  # a full checkpoint (state_dict_type="full", or consolidated)
             module = self.lightning_module
             return checkpointing.load_full_file(
-                path, module, self._raw_optimizers(), weights_only, module.strict_loading
+                path, module, self._raw_optimizers(), trusted, module.strict_loading
             )
-        trusted = trust.trusted_types(dict(self.lightning_module.hparams))  # built here already
         return ckpt.load_checkpoint(path, self.lightning_module, self._raw_optimizers(), trusted)
 
     @override
