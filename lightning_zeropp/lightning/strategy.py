@@ -139,6 +139,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
         self._module_name = module_name
         self._dims: ParallelDims | None = None
         self._engine: ZeroPPEngine | None = None
+        self._saved_rows: int | None = None  # the global batch of the checkpoint resumed
         # the last training step's gradients and what they are worth, until backward
         self._pending: tuple[StepGrads, torch.Tensor | float] | None = None
         self._runner = StepRunner()
@@ -164,7 +165,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or not trainer.training:
             return dataloader
-        return data.resuming_loader(dataloader, trainer)
+        return data.resuming_loader(dataloader, trainer, lambda: self._saved_rows)
 
     @property
     @override
@@ -342,6 +343,9 @@ class ZeroPPStrategy(ModelParallelStrategy):
         if storage_options is not None:
             raise TypeError("ZeroPPStrategy.save_checkpoint does not take storage_options")
         path = Path(self.broadcast(str(filepath)))
+        assert self.lightning_module is not None
+        # The global batch, so that a resume mid-epoch with another one is named (`data`).
+        checkpoint = {**checkpoint, data.BATCH_ROWS: data.batch_rows(self.lightning_module.trainer)}
         if self._state_dict_type == "full":
             export.save_file(path, checkpoint)  # complete on rank 0; tmp file + rename
             return
@@ -370,12 +374,15 @@ class ZeroPPStrategy(ModelParallelStrategy):
         # Read as data whatever `weights_only` asks; the module's own hyperparameters' classes
         # (built in this process already) may come back.
         trusted = trust.trusted_types(dict(self.lightning_module.hparams))
+        module = self.lightning_module
         if path.is_file():  # a full checkpoint (state_dict_type="full", or consolidated)
-            module = self.lightning_module
-            return checkpointing.load_full_file(
+            loaded = checkpointing.load_full_file(
                 path, module, self._raw_optimizers(), trusted, module.strict_loading
             )
-        return ckpt.load_checkpoint(path, self.lightning_module, self._raw_optimizers(), trusted)
+        else:
+            loaded = ckpt.load_checkpoint(path, module, self._raw_optimizers(), trusted)
+        self._saved_rows = loaded.get(data.BATCH_ROWS)
+        return loaded
 
     @override
     def teardown(self) -> None:
