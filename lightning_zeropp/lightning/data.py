@@ -98,6 +98,12 @@ def resuming_loader(
     # this one does not.
     warnings.filterwarnings("ignore", _REPLAY_WARNING, PossibleUserWarning)
     progress = trainer.fit_loop.epoch_loop.batch_progress
+    # Here already (the loops' progress is restored before their data is set up): a resume whose
+    # new loader has no more batches than the restored count would end the epoch before any
+    # batch is fetched, and the check at the first batch would never run.
+    check_resumed_rows(
+        progress.current.ready, saved_rows(), batch_rows(trainer, loader), trainer.current_epoch
+    )
 
     def consumed() -> int:
         count = progress.current.ready

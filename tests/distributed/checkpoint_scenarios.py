@@ -55,8 +55,9 @@ def run_all(out: str) -> dict[str, Any]:
         torch.save(_format_checkpoint(checkpoint), consolidated)
     dist.barrier()
     resumed_consolidated = fit(2, resume_from=consolidated, init_seed=7)
-    try:  # mid-epoch (step 2 of 3), with twice the global batch it was saved with
-        fit(2, resume_from=root / "every2" / "epoch=0-step=2.ckpt", init_seed=7, batch_scale=2)
+    fit(1, save_to=root / "step2.ckpt", max_steps=2)  # mid-epoch: 2 of the epoch's 3 batches
+    try:  # resumed with twice the global batch it was saved with
+        fit(2, resume_from=root / "step2.ckpt", init_seed=7, batch_scale=2)
         other_batch = "resumed"
     except ValueError as err:
         other_batch = str(err)
