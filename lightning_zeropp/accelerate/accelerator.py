@@ -52,6 +52,7 @@ from lightning_zeropp.core.settings import launch
 from lightning_zeropp.core.step.failure import guarded
 from lightning_zeropp.core.step.preempt import Preemption
 from lightning_zeropp.core.weights.export import full_state_dict
+from lightning_zeropp.core.weights.trust import weights_only_loads
 from lightning_zeropp.models.hf_loss import LossWatch, disable_kv_cache, token_rule
 
 __all__ = ["ZeroPPAccelerator"]
@@ -210,6 +211,13 @@ class ZeroPPAccelerator(Accelerator):
             return super().save_state(output_dir, safe_serialization, **kw)
         base = super().save_state
         return commit_state(self, output_dir, lambda tmp: base(tmp, safe_serialization, **kw))
+
+    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kw: Any):
+        """`Accelerator.load_state`, every file read as data: the pre-hook checks them
+        (`accelerate.checkpointing.check_state_files`), and Accelerate's own reads, which take
+        registered objects with `weights_only=False`, run with `weights_only` forced."""
+        with weights_only_loads():
+            return super().load_state(input_dir, load_kwargs, **kw)
 
     def get_state_dict(self, model: Any, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """Collective: the whole model's state dict on the main process ({} elsewhere)."""

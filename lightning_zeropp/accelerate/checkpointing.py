@@ -7,13 +7,23 @@ and, through its save pre-hook, the sharded model and optimizer as a distributed
 being the model's own). The folder is written as a temporary sibling and renamed into place when
 every rank has finished (`commit_state`, `core.weights.commit`), so a named folder always holds a
 complete state. `load_state(dir)` reads it back through the load pre-hook (`load_sharded`).
+
+Every file `load_state` reads is read as data. Accelerate reads its registered objects
+(`custom_checkpoint_<i>.pkl`: the scheduler, the user's objects) with `weights_only=False`; the
+front's `load_state` runs it under torch's switch forcing `weights_only=True`, and before any of
+it the load pre-hook (`check_state_files`) checks the folder's checksums (`SHA256SUMS`, written at
+save) and reads each file as data, naming one that would run code. Accelerate drops an unreadable
+RNG state (`random_states_<i>.pkl`) without a word; here it is an error naming the file and the
+fix, and a missing one a warning.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,14 +31,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
+from accelerate.utils.constants import RNG_STATE_NAME
+from accelerate.utils.other import TORCH_SAFE_GLOBALS
 from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 from lightning_zeropp.core.weights import checkpoint as ckpt
-from lightning_zeropp.core.weights import commit
+from lightning_zeropp.core.weights import checksum, commit, trust
 
-__all__ = ["CHECKPOINT_DIR", "commit_state", "load_sharded", "save_sharded"]
+__all__ = [
+    "CHECKPOINT_DIR",
+    "check_state_files",
+    "commit_state",
+    "load_sharded",
+    "save_sharded",
+]
 
 CHECKPOINT_DIR = "zeropp"  # the sharded model + optimizer checkpoint inside save_state's folder
 
@@ -102,10 +120,51 @@ def commit_state(
         project.automatic_checkpoint_naming = automatic
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        checksum.write_folder_sums(tmp)  # Accelerate's files, checked before load_state reads
         final.parent.mkdir(parents=True, exist_ok=True)
         commit.publish(tmp, final, link=not automatic)
     accelerator.wait_for_everyone()
     return str(final)
+
+
+def check_state_files(input_dir: str | os.PathLike[str], process_index: int) -> None:
+    """Collective (the load pre-hook): raise on every rank, naming the file, if a file of
+    `input_dir` that `load_state` reads changed since the save, would run code, or (this
+    process's RNG state) does not restore a random state; warn if the RNG state is missing."""
+    folder = Path(input_dir)
+    try:
+        problem = checksum.verify(folder, 0, 1)
+        if problem is None:
+            for file in sorted(folder.iterdir()):
+                if file.is_file() and file.suffix in (".pkl", ".bin"):
+                    trust.read_data(file, allowed=TORCH_SAFE_GLOBALS)
+            _check_rng_state(folder / f"{RNG_STATE_NAME}_{process_index}.pkl")
+    except ValueError as err:
+        problem = str(err)
+    ckpt.raise_on_every_rank(problem)
+
+
+def _check_rng_state(file: Path) -> None:
+    if not file.is_file():
+        warnings.warn(
+            f"{file} is missing: load_state restores no random state for this process (dropout "
+            "and shuffling differ from an uninterrupted run). Saved with fewer processes?",
+            stacklevel=3,
+        )
+        return
+    fix = (
+        "Delete it to resume without restoring the random state (dropout and shuffling then "
+        "differ from an uninterrupted run), or load another checkpoint."
+    )
+    states = trust.read_data(file, allowed=TORCH_SAFE_GLOBALS)
+    try:  # what Accelerate sets from it, tried here: Accelerate would drop it without a word
+        random.Random().setstate(states["random_state"])
+        torch.Generator().set_state(states["torch_manual_seed"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as err:
+        raise ValueError(
+            f"{file} does not restore the random state ({type(err).__name__}: {err}): it was "
+            f"edited or replaced. {fix}"
+        ) from None
 
 
 def _prune(folder: Path, total_limit: int | None) -> None:

@@ -130,5 +130,10 @@ class ZeroPPAccelerateEngine:
         acc = self.accelerator
         self._hooks = [
             acc.register_save_state_pre_hook(lambda models, weights, out: self.save(out)),
-            acc.register_load_state_pre_hook(lambda models, inp: self.load(inp)),
+            acc.register_load_state_pre_hook(lambda models, inp: self._load_state(inp)),
         ]
+
+    def _load_state(self, input_dir: str) -> None:
+        """The load pre-hook: the folder's files checked as data, then the sharded state."""
+        checkpointing.check_state_files(input_dir, self.accelerator.process_index)
+        self.load(input_dir)

@@ -13,20 +13,28 @@ LightningModule's `state_dict()` in one process, `optimizer_states` as one-proce
 `optimizer.state_dict()`s (plus each group's `param_names`), and the usual Lightning keys.
 
 Either kind resumes under any layout (`ckpt_path=`): a directory through DCP, a file by every rank
-reading it and keeping its own shards.
+reading it and keeping its own shards. `ckpt_path="last"` finds the newest complete checkpoint
+whatever point of a save a kill interrupted (`recover_last`, `core.weights.commit.recover`).
+Both kinds are read as data (`core.weights.trust`): a file with
+`torch.load(weights_only=True)` whatever `weights_only` Lightning passes, the classes of the
+running module's own hyperparameters allowed.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from lightning_zeropp.core.weights import checkpoint as ckpt
+from lightning_zeropp.core.weights import commit, trust
 
-__all__ = ["STATE_DICT_TYPES", "check_state_dict_type", "load_full_file"]
+__all__ = ["STATE_DICT_TYPES", "check_state_dict_type", "load_full_file", "recover_last"]
 
 STATE_DICT_TYPES = ("sharded", "full")
 
@@ -45,14 +53,20 @@ def load_full_file(
     path: Path,
     module: nn.Module,
     optimizers: list[torch.optim.Optimizer],
-    weights_only: bool | None = None,
+    trusted: set[type] | None = None,
     strict: bool = True,
 ) -> dict[str, Any]:
-    """Collective: every rank reads the checkpoint file at `path` and keeps its own shards of the
-    model (and of each optimizer's state, if `optimizers` and the file has them). Returns the
-    checkpoint, for Lightning to restore the rest (loops, schedulers, callbacks)."""
+    """Collective: every rank reads the checkpoint file at `path` (as data: `trusted` classes
+    may appear in it) and keeps its own shards of the model (and of each optimizer's state, if
+    `optimizers` and the file has them). Returns the checkpoint, for Lightning to restore the
+    rest (loops, schedulers, callbacks)."""
     # mmap: ranks on one machine share the file's pages instead of each holding a copy.
-    checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+    try:
+        checkpoint = trust.read_data(path, trusted or (), mmap=True)
+        problem = None
+    except ValueError as err:
+        problem = str(err)
+    ckpt.raise_on_every_rank(problem)
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise ValueError(f"{path} is not a Lightning checkpoint: it has no 'state_dict'")
     optimizer_states = checkpoint.get("optimizer_states") or []
@@ -64,3 +78,36 @@ def load_full_file(
         strict=strict,
     )
     return checkpoint
+
+
+_VERSION = re.compile(r"\.(?P<name>.+)\.(v|old)-[0-9a-f]{8}")  # commit's complete versions
+
+
+def recover_last(trainer: Any) -> None:
+    """Collective, at setup: a `last` checkpoint of a `ModelCheckpoint` whose name a killed save
+    left missing (a real directory moved aside on a filesystem without an atomic directory
+    exchange) is put back, and the run stops on every rank saying so.
+
+    Lightning resolves `ckpt_path="last"` by listing the folder before the strategy runs: it
+    found no `last*.ckpt` and would start from step 0, unsaid, with complete checkpoints beside.
+    (A name that holds an older checkpoint than a complete version beside it is moved to the
+    newest when it is loaded: `core.weights.checkpoint.load_checkpoint`.)"""
+    problem = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        for callback in trainer.checkpoint_callbacks:
+            folder = getattr(callback, "dirpath", None)
+            if not isinstance(callback, ModelCheckpoint) or not folder or not Path(folder).is_dir():
+                continue
+            names = {m["name"] for p in Path(folder).iterdir() if (m := _VERSION.fullmatch(p.name))}
+            for name in sorted(names):
+                last = re.match(rf"^{callback.CHECKPOINT_NAME_LAST}", Path(name).stem)
+                path = Path(folder) / name
+                missing = last and name.endswith(callback.FILE_EXTENSION) and not path.exists()
+                if missing and commit.recover(path):
+                    problem = (
+                        f"{path} was missing: a save killed while publishing it left the "
+                        "complete checkpoint beside it, so ckpt_path='last' found none and "
+                        "this run would have started from step 0. It is back under its name "
+                        "now: run again, and fit(ckpt_path='last') resumes from it."
+                    )
+    ckpt.raise_on_every_rank(problem)

@@ -21,6 +21,9 @@ Data-parallel ranks each read their own shard (`distributed_sampler_kwargs`), wi
 of batches per step; every rank's loop has the same count, so each skips its own first batches.
 The count is in per-rank batches, so with the same global batch size it names the same samples
 under another data-parallel layout too (the sampler's permutation does not depend on the layout).
+With another global batch it would not: the checkpoint records its global batch (`BATCH_ROWS`),
+and a resume mid-epoch with another one is refused on every rank, naming the rows it would skip
+or train twice and the fix (the saved batch size, or a checkpoint at an epoch's end).
 """
 
 from __future__ import annotations
@@ -38,7 +41,16 @@ from torch.utils.data import DataLoader
 
 from lightning_zeropp.core.step.loader import rebuild_loader
 
-__all__ = ["ResumingLoader", "check_trained", "resuming_loader", "skip_batches"]
+__all__ = [
+    "BATCH_ROWS",
+    "ResumingLoader",
+    "batch_rows",
+    "check_trained",
+    "resuming_loader",
+    "skip_batches",
+]
+
+BATCH_ROWS = "zeropp_batch_rows"  # in a checkpoint: rows of one training loader batch, all ranks
 
 _REPLAY_WARNING = "You're resuming from a checkpoint that ended before the epoch ended"
 
@@ -71,8 +83,11 @@ class ResumingLoader:
         setattr(self.loader, name, value)
 
 
-def resuming_loader(loader: object, trainer: pl.Trainer) -> object:
-    """`loader` for `trainer`'s training epochs, resuming mid-epoch (see the module docstring).
+def resuming_loader(
+    loader: object, trainer: pl.Trainer, saved_rows: Callable[[], int | None] = lambda: None
+) -> object:
+    """`loader` for `trainer`'s training epochs, resuming mid-epoch (see the module docstring);
+    `saved_rows`: the global batch the restored checkpoint recorded (None if it did not).
 
     Loaders that resume by themselves (`state_dict` / `load_state_dict`, restored by Lightning)
     are returned unchanged: skipping as well would skip twice.
@@ -83,7 +98,47 @@ def resuming_loader(loader: object, trainer: pl.Trainer) -> object:
     # this one does not.
     warnings.filterwarnings("ignore", _REPLAY_WARNING, PossibleUserWarning)
     progress = trainer.fit_loop.epoch_loop.batch_progress
-    return ResumingLoader(loader, lambda: progress.current.ready)  # type: ignore[arg-type]
+    # Here already (the loops' progress is restored before their data is set up): a resume whose
+    # new loader has no more batches than the restored count would end the epoch before any
+    # batch is fetched, and the check at the first batch would never run.
+    check_resumed_rows(
+        progress.current.ready, saved_rows(), batch_rows(trainer, loader), trainer.current_epoch
+    )
+
+    def consumed() -> int:
+        count = progress.current.ready
+        check_resumed_rows(count, saved_rows(), batch_rows(trainer, loader), trainer.current_epoch)
+        return count
+
+    return ResumingLoader(loader, consumed)  # type: ignore[arg-type]
+
+
+def batch_rows(trainer: pl.Trainer, loader: object = None) -> int | None:
+    """Rows of one training loader batch over all data-parallel ranks, if the loader says."""
+    loader = trainer.train_dataloader if loader is None else loader
+    size = getattr(loader, "batch_size", None)
+    replicas = trainer.strategy.distributed_sampler_kwargs.get("num_replicas", 1)
+    return size * replicas if isinstance(size, int) else None
+
+
+def check_resumed_rows(count: int, saved: int | None, now: int | None, epoch: int) -> None:
+    """Refuse (every rank has the same numbers) a resume `count` batches into an epoch whose
+    global batch differs from the checkpoint's: skipping `count` batches would skip other rows
+    than the trained ones."""
+    if count <= 0 or saved is None or now is None or saved == now:
+        return
+    trained, skipped = count * saved, count * now
+    what = (
+        f"skip {skipped} rows, {skipped - trained} of them never trained"
+        if skipped > trained
+        else f"skip {skipped} rows and train {trained - skipped} trained rows again"
+    )
+    raise ValueError(
+        f"this fit resumes {count} batches into epoch {epoch}, saved with a global batch of "
+        f"{saved} rows ({trained} rows trained this epoch); this run's global batch is {now} "
+        f"rows, so skipping {count} batches would {what}. Resume with the batch size the "
+        "checkpoint was saved with, or from a checkpoint saved at the end of an epoch."
+    )
 
 
 def skip_batches(loader: Iterable[Any], count: int) -> Iterator[Any]:

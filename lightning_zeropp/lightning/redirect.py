@@ -173,7 +173,31 @@ def first_batch(trainer: pl.Trainer) -> Any:
         try:
             return next(iter(loader))
         except StopIteration:
-            raise ValueError(f"the {attr} is empty: there is no batch to train on.") from None
+            raise ValueError(_empty_loader(attr, loader)) from None
+
+
+def _empty_loader(attr: str, loader: Any) -> str:
+    """Why `loader` gave no batch, with the fix: most often a dataset smaller than one batch
+    per data-parallel rank under `drop_last=True`."""
+    try:
+        rows: int | None = len(loader.dataset)
+    except (AttributeError, TypeError):
+        rows = None
+    batch = getattr(loader, "batch_size", None)
+    ranks = getattr(getattr(loader, "sampler", None), "num_replicas", 1)
+    if rows == 0 or rows is None or not batch:
+        return (
+            f"the {attr} gave no batch: its dataset is empty ({rows} rows), so there is nothing "
+            "to run on. Give it data (check the dataset's path and filters)."
+        )
+    drop = getattr(loader, "drop_last", False)
+    how = " with drop_last=True, which drops the short batch" if drop else ""
+    return (
+        f"the {attr} gave no batch on this data-parallel rank: its dataset's {rows} rows are "
+        f"fewer than one batch of {batch} rows per data-parallel rank ({ranks} ranks){how}, so "
+        f"there is nothing to train on. Use more data, a smaller batch_size"
+        f"{', or drop_last=False' if drop else ''}."
+    )
 
 
 @contextmanager

@@ -139,6 +139,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
         self._module_name = module_name
         self._dims: ParallelDims | None = None
         self._engine: ZeroPPEngine | None = None
+        self._saved_rows: int | None = None  # the global batch of the checkpoint resumed
         # the last training step's gradients and what they are worth, until backward
         self._pending: tuple[StepGrads, torch.Tensor | float] | None = None
         self._runner = StepRunner()
@@ -164,7 +165,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or not trainer.training:
             return dataloader
-        return data.resuming_loader(dataloader, trainer)
+        return data.resuming_loader(dataloader, trainer, lambda: self._saved_rows)
 
     @property
     @override
@@ -229,6 +230,8 @@ class ZeroPPStrategy(ModelParallelStrategy):
             agree(settings_fields(self.zeropp_config))
             if self._dims is None:  # fit then validate on one Trainer sets up twice: one mesh
                 self._dims = build_mesh(self.zeropp_config, self.root_device.type)
+            assert self.lightning_module is not None
+            checkpointing.recover_last(self.lightning_module.trainer)
         self._device_mesh = self._dims.mesh
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._dims.mesh
@@ -360,6 +363,9 @@ class ZeroPPStrategy(ModelParallelStrategy):
         if storage_options is not None:
             raise TypeError("ZeroPPStrategy.save_checkpoint does not take storage_options")
         path = Path(self.broadcast(str(filepath)))
+        assert self.lightning_module is not None
+        # The global batch, so that a resume mid-epoch with another one is named (`data`).
+        checkpoint = {**checkpoint, data.BATCH_ROWS: data.batch_rows(self.lightning_module.trainer)}
         if self._state_dict_type == "full":
             export.save_file(path, checkpoint)  # complete on rank 0; tmp file + rename
             return
@@ -385,13 +391,18 @@ class ZeroPPStrategy(ModelParallelStrategy):
         assert self.lightning_module is not None
         if self._async is not None:
             self._async.wait()  # it may be the checkpoint still being written
+        # Read as data whatever `weights_only` asks; the module's own hyperparameters' classes
+        # (built in this process already) may come back.
+        trusted = trust.trusted_types(dict(self.lightning_module.hparams))
+        module = self.lightning_module
         if path.is_file():  # a full checkpoint (state_dict_type="full", or consolidated)
-            module = self.lightning_module
-            return checkpointing.load_full_file(
-                path, module, self._raw_optimizers(), weights_only, module.strict_loading
+            loaded = checkpointing.load_full_file(
+                path, module, self._raw_optimizers(), trusted, module.strict_loading
             )
-        trusted = trust.trusted_types(dict(self.lightning_module.hparams))  # built here already
-        return ckpt.load_checkpoint(path, self.lightning_module, self._raw_optimizers(), trusted)
+        else:
+            loaded = ckpt.load_checkpoint(path, module, self._raw_optimizers(), trusted)
+        self._saved_rows = loaded.get(data.BATCH_ROWS)
+        return loaded
 
     @override
     def teardown(self) -> None:

@@ -6,7 +6,12 @@ distributed checkpoint in `zeropp/` (each rank writes its shards; loadable under
 never gathered into one process. The folder is written under a hidden temporary name and renamed
 into place once every rank has finished (`core.weights.commit`): `get_last_checkpoint` and
 `resume_from_checkpoint=True` never meet a half-written one, and the Trainer's rotation
-(`save_total_limit`) deletes them as its own. `save_model` is different: the whole model, as an
+(`save_total_limit`) deletes them as its own.
+
+Resuming reads the folder as data: its files' checksums (`SHA256SUMS`, written at save) first,
+then every pickle with `weights_only=True` (`core.weights.trust`): `meta.pt`, `scheduler.pt` and
+this process's `rng_state_<i>.pth` (the Trainer's own RNG load runs under torch's switch that
+forces `weights_only`); a file that would run code, or that does not fit, is named with the fix. `save_model` is different: the whole model, as an
 ordinary HF directory, written by the main process.
 """
 
@@ -21,13 +26,21 @@ import torch.distributed as dist
 from transformers import Trainer
 from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_callback import ExportableState
+from transformers.trainer_pt_utils import safe_globals
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
 
 from lightning_zeropp.accelerate.checkpointing import CHECKPOINT_DIR
 from lightning_zeropp.core.weights import checkpoint as ckpt
-from lightning_zeropp.core.weights import commit
+from lightning_zeropp.core.weights import checksum, commit, trust
 
-__all__ = ["check_resumable", "load", "load_best_model", "save", "save_model"]
+__all__ = [
+    "check_resumable",
+    "load",
+    "load_best_model",
+    "load_rng_state",
+    "save",
+    "save_model",
+]
 
 _MODEL_ONLY = "model_only"  # in the sharded checkpoint's metadata: saved with save_only_model
 
@@ -54,6 +67,7 @@ def save(trainer: Any, trial: Any) -> None:
         _save_trainer_state(trainer, tmp)
     dist.barrier()
     if dist.get_rank() == 0:
+        checksum.write_folder_sums(tmp)  # the Trainer's files, checked before a resume reads them
         run_dir.mkdir(parents=True, exist_ok=True)
         commit.publish(tmp, final, link=False)  # a real folder: the Trainer lists and deletes it
     dist.barrier()
@@ -106,7 +120,10 @@ def check_resumable(folder: str | os.PathLike[str]) -> None:
             f"resume_from_checkpoint={str(folder)!r} is not a ZeroPPTrainer checkpoint (no "
             f"sharded state in {sharded}).{hint}"
         )
-    meta = torch.load(sharded / ckpt.META_FILE, weights_only=False)
+    problem = checksum.verify(Path(folder), 0, 1) or checksum.verify(sharded, 0, 1, shards=False)
+    if problem is not None:
+        raise ValueError(problem)
+    meta = trust.load_meta(sharded / ckpt.META_FILE)
     if meta.get(_MODEL_ONLY):
         raise ValueError(
             f"{folder} was saved with save_only_model=True: it holds no optimizer or scheduler "
@@ -120,7 +137,44 @@ def load(trainer: Any, folder: str | os.PathLike[str]) -> None:
     check_resumable(folder)
     trainer.pipeline.engine.load(folder)
     scheduler = Path(folder) / SCHEDULER_NAME
-    trainer.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+    state = trust.read_data(scheduler)
+    try:
+        trainer.lr_scheduler.load_state_dict(state)
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise ValueError(
+            f"{scheduler} does not fit the scheduler {type(trainer.lr_scheduler).__name__} "
+            f"({type(err).__name__}: {err}): it was saved by another scheduler, or edited. "
+            "Resume with the scheduler (lr_scheduler_type) the checkpoint was saved with, or "
+            "from another checkpoint."
+        ) from None
+
+
+def load_rng_state(trainer: Any, folder: str | os.PathLike[str]) -> None:
+    """Collective: `Trainer._load_rng_state`, reading this process's `rng_state_<i>.pth` as
+    data; a file that names code or holds no RNG state is named on every rank, with the fix."""
+    name = f"rng_state_{trainer.args.process_index}.pth"
+    file = Path(folder) / (name if trainer.args.world_size > 1 else "rng_state.pth")
+    fix = (
+        "Delete it to resume without restoring the random state (dropout and shuffling then "
+        "differ from an uninterrupted run), or resume from another checkpoint."
+    )
+    problem = None
+    try:
+        if file.is_file():
+            with safe_globals():  # the Trainer's own allowlist: numpy's RNG state types
+                state = trust.read_data(file, allowed=torch.serialization.get_safe_globals())
+            if not isinstance(state, dict) or not {"python", "numpy", "cpu"} <= set(state):
+                raise ValueError(
+                    f"{file} holds no RNG state the Trainer wrote (keys python, numpy, cpu): "
+                    f"it was edited or replaced. {fix}"
+                )
+        with trust.weights_only_loads():  # the Trainer reads it again: as data, whatever it asks
+            Trainer._load_rng_state(trainer, str(folder))
+    except ValueError as err:
+        problem = str(err) if str(file) in str(err) else f"{file}: {err}. {fix}"
+    except (KeyError, TypeError, RuntimeError) as err:
+        problem = f"{file} does not restore the random state ({type(err).__name__}: {err}). {fix}"
+    ckpt.raise_on_every_rank(problem)
 
 
 def load_best_model(trainer: Any) -> None:

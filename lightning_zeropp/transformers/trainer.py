@@ -312,6 +312,11 @@ class ZeroPPTrainer(Trainer):
         if checkpoint_dir is not None:
             checkpointing.load(self, checkpoint_dir)
 
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        """The Trainer's, reading the RNG file as data (named, with the fix, if it is not)."""
+        if checkpoint is not None:
+            checkpointing.load_rng_state(self, checkpoint)
+
     def _load_best_model(self) -> None:
         checkpointing.load_best_model(self)
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.load import _load_distributed_checkpoint
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.consolidate_checkpoint import _format_checkpoint
+from torch.utils.data import DataLoader
 
 from lightning_zeropp import ZeroPPStrategy
 from lightning_zeropp.models.lit_gpt import LitGPT
@@ -54,11 +55,18 @@ def run_all(out: str) -> dict[str, Any]:
         torch.save(_format_checkpoint(checkpoint), consolidated)
     dist.barrier()
     resumed_consolidated = fit(2, resume_from=consolidated, init_seed=7)
+    fit(1, save_to=root / "step2.ckpt", max_steps=2)  # mid-epoch: 2 of the epoch's 3 batches
+    try:  # resumed with twice the global batch it was saved with
+        fit(2, resume_from=root / "step2.ckpt", init_seed=7, batch_scale=2)
+        other_batch = "resumed"
+    except ValueError as err:
+        other_batch = str(err)
     return {
         "sharded": sharded,
         "full": full,
         "resumed": resumed,
         "resumed_consolidated": resumed_consolidated,
+        "other_batch": other_batch,
     }
 
 
@@ -72,6 +80,7 @@ def fit(
     async_save: bool = False,
     every_two: Path | None = None,
     max_steps: int = -1,
+    batch_scale: int = 1,
 ) -> dict[str, Any]:
     strategy = ZeroPPStrategy(
         split="stack", state_dict_type=state_dict_type, async_save=async_save, **LAYOUT
@@ -96,10 +105,15 @@ def fit(
         num_sanity_val_steps=0,
         deterministic=True,
     )
-    module = LitGPT(MODEL, micro_batch_size=MICRO_BATCH, optimizer="adamw", lr=1e-3)
+    micro = MICRO_BATCH * batch_scale
+    module = LitGPT(MODEL, micro_batch_size=micro, optimizer="adamw", lr=1e-3)
     module.model.load_state_dict(make_model(init_seed).state_dict())
     dp = _world_size() // LAYOUT["pp_size"]
-    trainer.fit(module, _loader(STEPS_PER_EPOCH, dp), ckpt_path=resume_from)
+    loader = _loader(STEPS_PER_EPOCH, dp)
+    if batch_scale != 1:
+        size = loader.batch_size * batch_scale
+        loader = DataLoader(loader.dataset, batch_size=size, shuffle=False, drop_last=True)
+    trainer.fit(module, loader, ckpt_path=resume_from)
     if save_to is not None:
         trainer.save_checkpoint(save_to)
         # Complete on return, on every rank: read it back before anything else runs.

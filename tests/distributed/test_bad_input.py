@@ -64,7 +64,7 @@ EXPECTED = {
     "accelerate_param_dtype_differs_per_rank": "the ranks disagree on their settings: param_dtype is torch.float32 on rank 0 and torch.bfloat16 on rank 2 (ZEROPP_PARAM_DTYPE='fp32' on rank 0, ZEROPP_PARAM_DTYPE='bf16' on rank 2)",
     "accelerate_quantized_weights_differ_per_rank": "the ranks disagree on their settings: quantized_weights is 'int8' on rank 0 and 'fp' on rank 2 (ZEROPP_QUANTIZED_WEIGHTS='int8' on rank 0, ZEROPP_QUANTIZED_WEIGHTS='fp' on rank 2)",
     "model_depth_differs_per_rank": "the ranks disagree on their settings: stage_blocks is [[0, 1, 2, 3], [4, 5, 6, 7]] on rank 0 and [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]] on rank 2. Every rank must build the same model",
-    "lightning_ckpt_meta_runs_code": "meta.pt names builtins.print, which loading would construct or call: the library reads its own checkpoint files with weights_only=True",
+    "lightning_ckpt_meta_runs_code": "meta.pt names builtins.print, which loading would call: a checkpoint this library or its fronts write holds data only",
     "lightning_ckpt_metadata_runs_code": ".metadata names builtins.print, which unpickling would call: it is not the metadata torch's distributed checkpoint writes",
     "lightning_ckpt_changed_shard": "__1_0.distcp does not match its checksum in",
     "lightning_ckpt_truncated_shard": "__2_0.distcp does not match its checksum in",

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import re
 import runpy
 import sys
 from pathlib import Path
@@ -165,3 +166,15 @@ def test_resume_from_a_file_continues_exactly(run, run_id):
     trained, resumed = _trained(results, "sharded"), _trained(results, run_id)
     for name, want in trained.items():
         torch.testing.assert_close(resumed[name], want, rtol=0, atol=1e-6, msg=name)
+
+
+def test_a_resume_mid_epoch_with_another_global_batch_is_refused_naming_the_rows(run):
+    # Saved at step 2 of 3 with 16 rows a batch (32 trained); resumed with 32: skipping 2
+    # batches would skip 64 rows, 32 never trained. Every rank says so.
+    _, results = run
+    for rank_result in results:
+        assert re.search(
+            r"saved with a global batch of 16 rows \(32 rows trained.*global batch is 32 rows.*"
+            r"skip 64 rows, 32 of them never trained",
+            rank_result["other_batch"],
+        ), rank_result["other_batch"]

@@ -8,6 +8,8 @@ One launch of 4 ranks runs every case; one launch of 1 rank runs the references.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -209,6 +211,16 @@ def test_packed_rows_match_one_process(runs):
     want = [log["eval_loss"] for log in one["packed"]["logs"] if "eval_loss" in log]
     assert len(evals) == len(want) == 2
     assert evals == pytest.approx(want, abs=1e-5)
+
+
+def test_a_resume_from_a_checkpoint_with_planted_code_runs_nothing(runs):
+    # zeropp/meta.pt replaced by a pickle that creates a file, its checksums rewritten: before,
+    # the code ran on every rank, which then printed that the file was refused.
+    four, _ = runs
+    for rank in four:
+        planted = rank["resume"]["planted"]
+        assert not planted["code_ran"]
+        assert re.search(r"checkpoint-planted/zeropp/meta.pt names io.open", planted["error"] or "")
 
 
 def test_resume_mid_epoch_continues(runs):

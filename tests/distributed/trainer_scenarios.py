@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,38 @@ def run(cases: list[dict[str, Any]], out_dir: str) -> dict[str, Any]:
             again = {**case, "script": {**case["script"], **case["resume"]}}
             resumed = _run_case(again, folder / "again", resume=str(folder / "checkpoint-2"))
             results[case["id"]]["resumed"] = resumed
+            results[case["id"]]["planted"] = _planted_resume(again, folder)
     return results
+
+
+class _Planted:
+    """Unpickling it creates the file `path`: whether a resume ran code from the checkpoint."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self) -> tuple:
+        return (open, (self.path, "w"))
+
+
+def _planted_resume(case: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """Resume from a copy of checkpoint-2 whose `zeropp/meta.pt` runs code when unpickled, its
+    checksums rewritten to match: every rank must refuse it, naming the file, and run nothing."""
+    from lightning_zeropp.core.weights import checksum
+
+    planted, marker = folder / "checkpoint-planted", folder / "code-ran"
+    if torch.distributed.get_rank() == 0:
+        shutil.copytree(folder / "checkpoint-2", planted)
+        torch.save({"world_size": _Planted(marker)}, planted / "zeropp" / "meta.pt")
+        checksum.write_sums(planted / "zeropp")
+    torch.distributed.barrier()
+    try:
+        _run_case(case, folder / "planted", resume=str(planted))
+        error = None
+    except ValueError as err:
+        error = str(err)
+    torch.distributed.barrier()
+    return {"error": error, "code_ran": marker.exists()}
 
 
 def _run_case(case: dict[str, Any], folder: Path, resume: str | None = None) -> dict[str, Any]:

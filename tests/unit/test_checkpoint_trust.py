@@ -65,7 +65,7 @@ def test_a_meta_pt_that_would_run_code_is_refused(tmp_path: Path, group: None) -
     path = _saved(tmp_path)
     torch.save({"epoch": RunsCode()}, path / "meta.pt")
     (path / "SHA256SUMS").unlink()  # an attacker rewrites the sums too; the code is still refused
-    with pytest.raises(ValueError, match=r"meta.pt names .*mark_code_ran.*weights_only=True"):
+    with pytest.raises(ValueError, match=r"meta.pt names .*mark_code_ran.*Do not load it"):
         _load(path)
 
 
@@ -137,3 +137,23 @@ def test_a_damaged_sums_file_is_named(tmp_path: Path, group: None) -> None:
     (path / "SHA256SUMS").write_text("not a checksum line\n")
     with pytest.raises(ValueError, match=r"SHA256SUMS is damaged .*cannot be trusted"):
         _load(path)
+
+
+class _Lit(nn.Module):
+    """A LightningModule's layout: the network as an attribute (`self.net`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _model()
+
+
+def test_a_lightning_checkpoint_loads_into_the_bare_network(tmp_path: Path, group: None) -> None:
+    # Saved under the module's prefix (model.net.0.weight): the bare network's weights, not
+    # "saved from another model".
+    lit = _Lit()
+    path = save_checkpoint(tmp_path / "lit", lit, [], {})
+    bare = nn.Sequential(*(nn.Linear(4, 4) for _ in range(2)))
+    load_weights(bare, path)
+    torch.testing.assert_close(bare[1].weight, lit.net[1].weight, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"holds 2 tensors this model lacks"):
+        load_weights(nn.Sequential(nn.Linear(4, 4)), path)  # a shallower network is still named

@@ -108,7 +108,7 @@ def test_links_replace_through_a_link_and_clean_up(tmp_path: Path, links: None) 
     assert glob.glob(str(tmp_path / "*last*.ckpt")) == [str(path)]
 
 
-def test_links_crash_before_the_link_moves_keeps_the_previous(tmp_path, monkeypatch, links):
+def test_links_crash_before_the_link_moves_recovers_the_new_one(tmp_path, monkeypatch, links):
     path = tmp_path / "ckpt"
     _save(path, "one")
     with monkeypatch.context() as m:
@@ -116,10 +116,11 @@ def test_links_crash_before_the_link_moves_keeps_the_previous(tmp_path, monkeypa
         with pytest.raises(Crash):
             _save(path, "two")
     assert _read(path) == "one"  # the name still holds a complete checkpoint
-    assert not commit.recover(path)  # nothing to recover: the name is fine
-    with pytest.warns(UserWarning, match=r"kept \.ckpt\.v-.*complete checkpoints a crashed"):
-        _save(path, "three")  # the version the crash left is complete: kept, not deleted
-    assert _read(path) == "three" and len(_entries(tmp_path)) == 3
+    assert commit.recover(path)  # the newest complete one goes under the name (every load)
+    assert _read(path) == "two" and len(_entries(tmp_path)) == 2
+    assert not commit.recover(path)  # nothing more to do
+    _save(path, "three")
+    assert _read(path) == "three" and len(_entries(tmp_path)) == 2
 
 
 def test_first_save_crashed_before_linking_is_recovered(tmp_path, monkeypatch, links) -> None:
@@ -319,3 +320,59 @@ def test_a_checkpoint_replaced_by_a_pending_save_goes_only_once_that_is_complete
     release.set()
     saver.wait()
     assert _entries(tmp_path) == ["step=4.ckpt"]
+
+
+# ------------------------------------------------------------------ every crash point
+_STEPS = ("rename", "symlink_to", "replace", "rmtree")  # every filesystem step publish takes
+
+
+def _crash_at(monkeypatch: pytest.MonkeyPatch, k: int) -> list[str]:
+    """Make the `k`-th filesystem step of a publish raise (as a kill there would leave it)."""
+    done: list[str] = []
+
+    def step(name: str, real):
+        def run(*args, **kwargs):
+            if len(done) == k:
+                raise Crash(f"killed at step {k} ({name})")
+            done.append(name)
+            return real(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(Path, "rename", step("rename", Path.rename))
+    monkeypatch.setattr(Path, "symlink_to", step("symlink_to", Path.symlink_to))
+    monkeypatch.setattr(commit.os, "replace", step("replace", os.replace))
+    monkeypatch.setattr(commit.shutil, "rmtree", step("rmtree", commit.shutil.rmtree))
+    return done
+
+
+@pytest.mark.parametrize("before", ["link", "real", "none"])
+@pytest.mark.parametrize("link", [True, False])
+def test_the_newest_complete_checkpoint_is_recovered_whatever_the_crash_point(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, links: None, before: str, link: bool
+) -> None:
+    # `ckpt_path="last"` after a kill at any step of a publish without a directory exchange: the
+    # name must hold the newest complete checkpoint after `recover` (every load calls it).
+    for k in range(12):
+        folder = tmp_path / f"{k}"
+        folder.mkdir()
+        path = folder / "last.ckpt"
+        if before == "link":
+            _save(path, "old")
+        elif before == "real":
+            path.mkdir()
+            (path / "data").write_text("old")
+        with monkeypatch.context() as m:
+            done = _crash_at(m, k)
+            try:
+                commit.publish(_write(path, "new"), path, link=link)
+                finished = True
+            except Crash:
+                finished = False
+        commit.recover(path)
+        # Until the new one is complete (its temporary renamed: the first step), the old one.
+        newest = "new" if done or finished else ("old" if before != "none" else None)
+        assert (_read(path) if path.exists() else None) == newest, (k, done)
+        if finished:
+            break
+    assert finished, "publish took more steps than the test tries"

@@ -226,3 +226,16 @@ def test_a_loss_the_library_cannot_weight_is_said_once(monkeypatch) -> None:
     weighted._runner = SimpleNamespace(weighted=True, adapter=CallAdapter())
     strategy.ZeroPPStrategy._tell_weighting(weighted)
     assert len(said) == 1
+
+
+def test_an_empty_training_loader_names_drop_last_and_the_sizes() -> None:
+    from torch.utils.data import DataLoader
+
+    from lightning_zeropp.lightning.redirect import _empty_loader
+
+    loader = DataLoader(list(range(6)), batch_size=8, drop_last=True)
+    assert next(iter(loader), None) is None
+    message = _empty_loader("train_dataloader", loader)
+    assert "6 rows are fewer than one batch of 8 rows" in message
+    assert "drop_last=True" in message and "or drop_last=False" in message
+    assert "is empty (0 rows)" in _empty_loader("train_dataloader", DataLoader([], batch_size=8))

@@ -76,3 +76,21 @@ def test_an_iterable_dataset_rebuilds():
 
     wider = rebuild_loader(DataLoader(Stream(), batch_size=2), batch_size=4)
     assert next(iter(wider)).tolist() == [0, 1, 2, 3]
+
+
+def test_a_resume_mid_epoch_with_another_global_batch_says_what_it_would_skip() -> None:
+    import pytest
+
+    from lightning_zeropp.lightning.data import check_resumed_rows
+
+    # pp 4, 2 data-parallel ranks: saved with 16 rows a batch (3 batches: 48 rows trained),
+    # resumed with 32: skipping 3 batches would skip 96 rows, 48 never trained.
+    with pytest.raises(ValueError, match=r"saved with a global batch of 16 rows \(48 rows trained"
+                       r".*global batch is 32 rows.*skip 96 rows, 48 of them never trained"
+                       r".*Resume with the batch size"):  # fmt: skip
+        check_resumed_rows(3, 16, 32, epoch=0)
+    with pytest.raises(ValueError, match=r"skip 24 rows and train 24 trained rows again"):
+        check_resumed_rows(3, 16, 8, epoch=0)
+    check_resumed_rows(3, 16, 16, epoch=0)  # the same batch: the trained rows, exactly
+    check_resumed_rows(0, 16, 32, epoch=1)  # at an epoch's start nothing is skipped
+    check_resumed_rows(3, None, 32, epoch=0)  # a checkpoint from before the record: as before

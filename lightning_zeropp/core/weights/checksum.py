@@ -7,6 +7,10 @@ when every rank has written, global rank 0 merges the parts with the hashes of `
 `meta.pt` into one `SHA256SUMS` (the format of coreutils' `sha256sum`: `sha256sum -c SHA256SUMS`
 checks a copy by hand) before it publishes the checkpoint.
 
+A front's folder around it (the Trainer's scheduler, RNG and state files, Accelerate's registered
+objects and RNG states) gets a `SHA256SUMS` of its own top-level files (`write_folder_sums`), checked
+by every rank (`verify(folder, 0, 1)`) before any of them is read.
+
 At load every rank checks `.metadata` and `meta.pt` (every rank reads them) and a share of the
 shard files (rank r the files r, r + world, ...): the checkpoint is read once in all. A checkpoint
 without `SHA256SUMS` (written before checksums) loads unchecked.
@@ -22,7 +26,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from lightning_zeropp.core._torch_private import dcp_write_prefix, dcp_written_files
 
-__all__ = ["SUMS_FILE", "ChecksumWriter", "verify", "write_sums"]
+__all__ = ["SUMS_FILE", "ChecksumWriter", "verify", "write_folder_sums", "write_sums"]
 
 SUMS_FILE = "SHA256SUMS"
 _PART = ".sha256"  # + a rank's DCP prefix: that rank's files' hashes, merged at publish
@@ -55,8 +59,16 @@ def write_sums(directory: Path) -> None:
     (directory / SUMS_FILE).write_text("".join(lines))
 
 
-def verify(directory: Path, rank: int, world: int) -> str | None:
-    """The first problem with this rank's share of `directory`'s files, in one line, or None."""
+def write_folder_sums(directory: Path) -> None:
+    """On one rank, once every rank has written: hash the files directly in `directory` (its
+    subfolders have their own sums) into `SHA256SUMS`."""
+    files = sorted(p for p in directory.iterdir() if p.is_file() and p.name != SUMS_FILE)
+    (directory / SUMS_FILE).write_text("".join(f"{_digest(p)}  {p.name}\n" for p in files))
+
+
+def verify(directory: Path, rank: int, world: int, shards: bool = True) -> str | None:
+    """The first problem with this rank's share of `directory`'s files, in one line, or None
+    (`shards=False`: only the files every rank reads, `.metadata` and `meta.pt`)."""
     sums = directory / SUMS_FILE
     if not sums.is_file():
         return None
@@ -66,8 +78,8 @@ def verify(directory: Path, rank: int, world: int) -> str | None:
         if not name or len(digest) != 64:
             return f"{sums} is damaged (line {line[:80]!r}): the checkpoint cannot be trusted"
         listed.append((name, digest))
-    shards = [item for item in listed if item[0] not in _ALWAYS]
-    mine = [item for item in listed if item[0] in _ALWAYS] + shards[rank::world]
+    others = [item for item in listed if item[0] not in _ALWAYS]
+    mine = [item for item in listed if item[0] in _ALWAYS] + (others[rank::world] if shards else [])
     for name, digest in mine:
         file = directory / name
         if not file.is_file():

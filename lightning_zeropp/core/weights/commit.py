@@ -14,7 +14,8 @@ first moves it aside (`.NAME.old-ID`); a kill in that window leaves `NAME` missi
 versions beside it, which `recover(path)` (called before every load) puts back.
 
 Nothing complete is deleted but the checkpoint a publish replaces: a complete `.NAME.v-*` or
-`.NAME.old-*` that a crash left is kept (and `recover` finds it). Temporaries and links of a
+`.NAME.old-*` that a crash left is kept, and `recover` (before every load) puts the newest
+complete one under `NAME`, whatever point of the sequence the kill interrupted. Temporaries and links of a
 crashed save are removed by the next save of that name, and `clean_temporaries(folder)` removes
 every one in a folder (a run's first save does). A file is replaced by `os.replace`, atomic by
 itself.
@@ -75,11 +76,12 @@ def publish(tmp: Path, path: str | Path, *, link: bool = True) -> Path:
 
 
 def recover(path: str | Path) -> bool:
-    """If `path` is missing or a dangling link and a complete version sits beside it, put the
-    newest back under `path`. Returns whether it did. Leaves everything else alone."""
+    """Put the newest complete version of `path` under its name, whatever point of a publish a
+    kill interrupted: the name missing or a dangling link (a real directory moved aside), or
+    the name holding an older checkpoint than a complete version beside it (killed after the
+    version was complete, before the name moved to it). Returns whether it changed anything.
+    Leaves everything else alone."""
     path = Path(path)
-    if path.exists():
-        return False
     versions = [
         p
         for p in _siblings(path)
@@ -87,8 +89,21 @@ def recover(path: str | Path) -> bool:
     ]
     if not versions:
         return False
-    newest = max(versions, key=lambda p: p.stat().st_mtime)
-    if path.is_symlink():
+    newest = max(versions, key=_completed_at)
+    if path.exists():
+        current = path.resolve()
+        if current == newest.resolve() or _completed_at(current) >= _completed_at(newest):
+            return False
+        if path.is_symlink():  # killed before the link moved: move it now (one step)
+            pointer = path.with_name(f".{path.name}.link-{_token()}")
+            pointer.symlink_to(newest.name)
+            os.replace(pointer, path)
+            if current.parent == path.parent.resolve():  # replaced, as publish would have
+                _discard(current)
+            _clean_siblings(path)
+            return True
+        path.rename(path.with_name(f".{path.name}.old-{_token()}"))  # kept: complete
+    elif path.is_symlink():
         path.unlink()
     try:
         newest.rename(path)  # a plain directory again: nothing else links to it
@@ -96,6 +111,13 @@ def recover(path: str | Path) -> bool:
         return path.exists()
     _clean_siblings(path)
     return True
+
+
+def _completed_at(folder: Path) -> int:
+    """When a checkpoint directory was completed: its checksum file is the last one a save
+    writes (`core.weights.checksum`); else the directory's own modification time."""
+    sums = folder / "SHA256SUMS"
+    return (sums if sums.is_file() else folder).stat().st_mtime_ns
 
 
 def remove(path: str | Path) -> None:

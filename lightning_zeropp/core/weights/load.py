@@ -83,12 +83,10 @@ def _load_dcp(module: nn.Module, path: Path) -> None:
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     raise_on_every_rank(_content_problem(path, rank, world))
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    # This library's checkpoints nest the model under "model."; a plain DCP directory does not
-    # (and an HF model's own names start with "model." too): take the reading that finds more.
-    nested = sum(f"model.{n}" in saved for n in state) > sum(n in saved for n in state)
-    missing = [n for n in state if (f"model.{n}" if nested else n) not in saved]
-    known = {f"model.{n}" if nested else n for names in all_gather(list(state)) for n in names}
-    extra = [k for k in saved if k not in known and (k.startswith("model.") or not nested)]
+    prefix = _saved_prefix(list(state), saved)
+    missing = [n for n in state if prefix + n not in saved]
+    known = {prefix + n for names in all_gather(list(state)) for n in names}
+    extra = [k for k in saved if k not in known and k.startswith(prefix)]
     problem = None
     if missing:
         problem = (
@@ -103,7 +101,7 @@ def _load_dcp(module: nn.Module, path: Path) -> None:
     raise_on_every_rank(problem)
     try:
         dcp.load(
-            {"model": state} if nested else state,
+            {prefix + n: value for n, value in state.items()},
             checkpoint_id=str(path),
             planner=SafeLoadPlanner(),
         )
@@ -113,6 +111,20 @@ def _load_dcp(module: nn.Module, path: Path) -> None:
             f"loading weights from {path} failed on rank {rank}: {type(cause).__name__}: {cause}"
         ) from err
     set_model_state_dict(module, state, options=options)
+
+
+def _saved_prefix(names: list[str], saved: Any) -> str:
+    """The prefix the checkpoint keeps this model's names under, the one that finds the most:
+    none (a plain DCP directory), "model." (this library's checkpoints), or "model.<attr>." (a
+    Lightning checkpoint of a LightningModule holding this network as `self.<attr>`). An HF
+    model's own names start with "model." too, hence the count."""
+    candidates = ["", "model."]
+    if names:
+        first = names[0]
+        candidates += sorted(
+            {k[: -len(first)] for k in saved if k.endswith(f".{first}") and k.startswith("model.")}
+        )
+    return max(candidates, key=lambda prefix: sum(prefix + n in saved for n in names))
 
 
 def _content_problem(path: Path, rank: int, world: int) -> str | None:

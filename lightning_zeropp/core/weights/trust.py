@@ -1,28 +1,36 @@
-"""Checkpoints as data: nothing the library reads from a checkpoint can run code.
+"""Checkpoints as data: nothing the library or a front reads from a checkpoint can run code.
 
-A pickle names functions to call while it is read; a crafted one runs any of them. The library
-reads three kinds of pickle from a checkpoint directory, and refuses code in each:
+A pickle names functions to call while it is read; a crafted one runs any of them. Every pickle
+read from a checkpoint directory is read as data, and a refusal is a `ValueError` naming the file
+and what it would have called (never suggesting to allow a callable: only a data class of the
+user's may be allowed, by name):
 
-- `meta.pt`, its own file (Lightning's loop and callback state, the run's settings): always with
-  `torch.load(weights_only=True)`, whatever `weights_only` the caller asked for. Objects of other
-  classes in it (a hyperparameter dataclass) load only if the caller trusts their classes:
-  `trusted` (the fronts pass the classes of the running module's own hyperparameters, built in
-  this process already), or `torch.serialization.add_safe_globals([...])`.
+- `read_data`: `torch.load(weights_only=True)` whatever the caller asked, allowing only data types
+  (`trusted` classes: the running module's own hyperparameters, built in this process already;
+  `allowed`: a framework's own allowlist, numpy's RNG state types). `meta.pt` (`load_meta`), a
+  Lightning checkpoint file, the Trainer's `scheduler.pt` and `rng_state_<i>.pth`, Accelerate's
+  registered objects and RNG states go through it, each after its checksum.
+- `weights_only_loads`: torch's switch forcing `weights_only=True` on every `torch.load`, around
+  a framework's own load that asks for `weights_only=False` (Accelerate's registered objects).
 - DCP's `.metadata`, which DCP itself reads with a plain `pickle.load`: `check_metadata` first
   reads it with an unpickler that knows only DCP's metadata classes, dtypes and paths
   (`_torch_private.is_dcp_metadata_global`), and refuses the checkpoint naming what else it names.
 - DCP's non-tensor items (optimizer hyperparameters), which DCP's default planner reads with
   `torch.load(weights_only=False)`: `SafeLoadPlanner` reads each with `weights_only=True` first.
-
-Every refusal is a `ValueError` naming the file and what it would have loaded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import enum
 import io
+import os
 import pickle
-from collections.abc import Iterable
+import pickletools
+import re
+import sys
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,34 +39,123 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 
 from lightning_zeropp.core._torch_private import is_dcp_metadata_global
 
-__all__ = ["SafeLoadPlanner", "check_metadata", "load_meta", "trusted_types"]
+__all__ = [
+    "SafeLoadPlanner",
+    "check_metadata",
+    "load_meta",
+    "read_data",
+    "trusted_types",
+    "weights_only_loads",
+]
 
 _BUILTIN_MODULES = ("builtins", "collections", "torch")
+_FORCE = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"  # torch.load reads weights_only=True while set
 
 
 def load_meta(path: Path, trusted: Iterable[type] = ()) -> Any:
-    """`torch.load(path, weights_only=True)`, allowing the classes in `trusted`; a file that
-    names anything else is refused naming it."""
+    """`meta.pt`: `read_data(path, trusted)`."""
+    return read_data(path, trusted)
+
+
+def read_data(
+    path: Path, trusted: Iterable[type] = (), allowed: Iterable[Any] = (), mmap: bool = False
+) -> Any:
+    """`torch.load(path, weights_only=True)`, allowing the classes in `trusted` and the data
+    globals in `allowed` (a framework's own allowlist: numpy's RNG state types); a file that
+    names anything else, or that is no readable pickle, is refused naming it (`ValueError`)."""
+    extra = [*trusted, *allowed]
     try:
-        with torch.serialization.safe_globals(list(trusted)):
-            return torch.load(path, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(extra):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
-        try:
-            names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-        except Exception:  # noqa: BLE001 - not a zip checkpoint at all: say what torch said
-            names = []
-        allowed = set(torch.serialization.get_safe_globals()) | set(trusted)
-        allowed_names = {
-            f"{getattr(t, '__module__', '')}.{getattr(t, '__qualname__', t)}" for t in allowed
-        }
-        unknown = [n for n in names if n not in allowed_names] or names
-        what = f"names {', '.join(unknown)}" if unknown else f"cannot be read safely ({err})"
+        raise ValueError(_refusal(path, extra, err)) from None
+    except (RuntimeError, EOFError, ValueError, OSError) as err:  # not a checkpoint at all
         raise ValueError(
-            f"{path} {what}, which loading would construct or call: the library reads its own "
-            "checkpoint files with weights_only=True, whatever the caller asked. If you trust "
-            "this checkpoint and the class is yours, allow it before loading with "
-            f"torch.serialization.add_safe_globals([...]) (e.g. {unknown[0] if unknown else 'MyConfig'})."
+            f"{path} cannot be read ({type(err).__name__}: {str(err).splitlines()[0][:200]}): "
+            "the file is damaged or was replaced. Use another checkpoint (an earlier save, or a "
+            "copy of this one)."
         ) from None
+
+
+@contextlib.contextmanager
+def weights_only_loads() -> Iterator[None]:
+    """Every `torch.load` inside reads with `weights_only=True`, even where a framework asks
+    for `weights_only=False` (torch's own switch, `TORCH_FORCE_WEIGHTS_ONLY_LOAD`): around a
+    framework's checkpoint load whose files the front has checked, so that a file changed
+    between the check and the framework's read still cannot run code."""
+    before = os.environ.get(_FORCE)
+    os.environ[_FORCE] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(_FORCE, None)
+        else:
+            os.environ[_FORCE] = before
+
+
+def _refusal(path: Path, allowed: list[Any], err: Exception) -> str:
+    """Why `path` is refused, and a fix only where one is safe: a data class the user may
+    allow by name; never a function (allowing one lets the file call it)."""
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception:  # noqa: BLE001 - a plain pickle, not torch's zip format
+        names = _pickle_globals(path)
+    known = {_qualified(t) for t in [*torch.serialization.get_safe_globals(), *allowed]}
+    unknown = [n for n in names if n not in known] or names
+    if not unknown:
+        said = re.search(r"WeightsUnpickler error: \s*(.+)", str(err))
+        return (
+            f"{path} cannot be read as data ({said[1][:200] if said else type(err).__name__}): "
+            "the checkpoint was crafted or damaged; do not load it. Use a checkpoint you wrote."
+        )
+    data = [n for n in unknown if _is_data_class(n)]
+    if data and len(data) == len(unknown):
+        return (
+            f"{path} names {', '.join(unknown)}, which loading would construct: the library "
+            "reads checkpoint files as data (weights_only=True), whatever the caller asked. If "
+            "the class is yours and you trust this checkpoint, allow it before loading with "
+            f"torch.serialization.add_safe_globals([{data[0].rpartition('.')[2]}])."
+        )
+    return (
+        f"{path} names {', '.join(unknown)}, which loading would call: a checkpoint this library "
+        "or its fronts write holds data only, so this one was crafted or damaged. Do not load "
+        "it; use a checkpoint you wrote (an earlier save, or a copy)."
+    )
+
+
+def _pickle_globals(path: Path) -> list[str]:
+    """The globals a plain pickle file names, read from its opcodes (nothing is run)."""
+    names: list[str] = []
+    strings: list[str] = []
+    try:
+        with open(path, "rb") as stream:
+            for op, arg, _ in pickletools.genops(stream):
+                if op.name == "GLOBAL":
+                    names.append(str(arg).replace(" ", "."))
+                elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                    names.append(f"{strings[-2]}.{strings[-1]}")
+                elif isinstance(arg, str):
+                    strings.append(arg)
+    except Exception:  # noqa: BLE001 - not a pickle at all: nothing named
+        pass
+    return list(dict.fromkeys(names))
+
+
+def _qualified(value: Any) -> str:
+    if isinstance(value, tuple):  # (object, "name") entries of torch's allowlist
+        return str(value[1])
+    return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', value)}"
+
+
+def _is_data_class(name: str) -> bool:
+    """Whether `module.Name` is a dataclass or an enum of an already imported module (looked up
+    without importing anything the file names)."""
+    module, _, attr = name.rpartition(".")
+    value = getattr(sys.modules.get(module), attr, None)
+    return isinstance(value, type) and (
+        dataclasses.is_dataclass(value) or issubclass(value, enum.Enum)
+    )
 
 
 def trusted_types(*objects: Any) -> set[type]:
