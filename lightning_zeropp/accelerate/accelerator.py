@@ -50,7 +50,8 @@ from lightning_zeropp.accelerate.steps import NUM_ITEMS, PipelineModel
 from lightning_zeropp.core.settings import launch
 from lightning_zeropp.core.step.failure import guarded
 from lightning_zeropp.core.weights.export import full_state_dict
-from lightning_zeropp.models.hf_loss import LossWatch, disable_kv_cache, token_rule
+from lightning_zeropp.models.hf_loss import disable_kv_cache, token_rule
+from lightning_zeropp.models.loss_rule import LossWatch
 
 __all__ = ["ZeroPPAccelerator"]
 

@@ -55,6 +55,10 @@ GPT2 = {
     "tie_word_embeddings": None,
     "config": {"n_positions": 32, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
 }
+# BERT-MLM's forward returns its own mean cross-entropy (it ignores num_items_in_batch): the
+# pipeline rescales each micro-batch's mean to its token sum over the batch's count. A fixed mask
+# (trainer_script.masked) over padded rows: micro-batches hold different numbers of masked tokens
+BERT = {"family": "bert", "rows": "padded", "args": EVAL}
 CASES = [
     # equal rows: the plain Trainer's DDP is exact there, and runs in the same launch.
     # evaluate() before train() here, eval_on_start there: the plain Trainer under DDP trains
@@ -76,6 +80,7 @@ CASES = [
         "script": PADDED,
     },
     {"id": "lora", "plugin": PP, "script": LORA},
+    {"id": "bert", "plugin": PP, "script": BERT},
     {
         "id": "packed",
         "plugin": {"pp_size": 2, "num_microbatches": 3},
@@ -96,7 +101,7 @@ ONE = {"per_device_train_batch_size": 8, "per_device_eval_batch_size": 8}
 REFERENCES = [
     {"id": case["id"], "plugin": None, "script": {**case["script"], **case.get("one", ONE)}}
     for case in CASES
-    if case["id"] in ("padded", "lora", "packed")
+    if case["id"] in ("padded", "lora", "packed", "bert")
 ]
 
 
@@ -207,6 +212,19 @@ def test_packed_rows_match_one_process(runs):
     _assert_same_weights(four[0]["packed"], one["packed"])
     evals = [log["eval_loss"] for log in four[0]["packed"]["logs"] if "eval_loss" in log]
     want = [log["eval_loss"] for log in one["packed"]["logs"] if "eval_loss" in log]
+    assert len(evals) == len(want) == 2
+    assert evals == pytest.approx(want, abs=1e-5)
+
+
+def test_masked_lm_computing_its_own_mean_matches_one_process(runs):
+    """Before: the mean of micro-batch means (first step 4.8714 against 4.8498) and an eval loss
+    times the processes (19.51 against 4.86)."""
+    four, one = runs
+    got, ref = four[0]["bert"], one["bert"]
+    _assert_same_training(got, ref)
+    _assert_same_weights(got, ref)
+    evals = [log["eval_loss"] for log in got["logs"] if "eval_loss" in log]
+    want = [log["eval_loss"] for log in ref["logs"] if "eval_loss" in log]
     assert len(evals) == len(want) == 2
     assert evals == pytest.approx(want, abs=1e-5)
 
