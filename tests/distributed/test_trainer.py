@@ -48,7 +48,8 @@ BEST = {
     "greater_is_better": True,
     "save_total_limit": 1,
 }
-PADDED = {"rows": "padded", "args": {**CLIPPED, **BEST}}
+# torch's fused AdamW on the sharded parameters (TrainingArguments' tested optims)
+PADDED = {"rows": "padded", "args": {**CLIPPED, **BEST, "optim": "adamw_torch_fused"}}
 # GPT-2: tied embeddings, learned positions; dropout off (the runs draw other random numbers)
 GPT2 = {
     "family": "gpt2",
@@ -58,7 +59,7 @@ GPT2 = {
 # BERT-MLM's forward returns its own mean cross-entropy (it ignores num_items_in_batch): the
 # pipeline rescales each micro-batch's mean to its token sum over the batch's count. A fixed mask
 # (trainer_script.masked) over padded rows: micro-batches hold different numbers of masked tokens
-BERT = {"family": "bert", "rows": "padded", "args": EVAL}
+BERT = {"family": "bert", "rows": "padded", "args": {**EVAL, "optim": "rmsprop"}}
 CASES = [
     # equal rows: the plain Trainer's DDP is exact there, and runs in the same launch.
     # evaluate() before train() here, eval_on_start there: the plain Trainer under DDP trains
