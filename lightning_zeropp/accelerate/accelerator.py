@@ -31,12 +31,14 @@ What differs from the base class, and why:
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
+from accelerate.state import PartialState
 from accelerate.utils import recursively_apply
 from torch import nn
 from torch.optim import Optimizer
@@ -62,7 +64,9 @@ class ZeroPPAccelerator(Accelerator):
 
     def __init__(self, *args: Any, zeropp_plugin: ZeroPPPlugin | None = None, **kwargs: Any):
         launch.check_restart()  # before Accelerate forms the process group
+        made_before = bool(PartialState._shared_state)  # read without creating it
         super().__init__(*args, **kwargs)
+        _check_state_made_before(made_before, self.num_processes)
         self.zeropp_plugin = zeropp_plugin or ZeroPPPlugin()
         self.pipeline: PipelineModel | None = None
         self._skeleton: nn.Module | None = None
@@ -288,6 +292,22 @@ def _tied_names(model: nn.Module) -> list[list[str]]:
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
     return [group for group in names.values() if len(group) > 1]
+
+
+def _check_state_made_before(made_before: bool, processes: int) -> None:
+    """Accelerate keeps one process state (`PartialState`), made by whatever reads it first; made
+    before this accelerator without `cpu=True` on CPUs, it is one process whatever this
+    accelerator's `cpu=True` says, and the generic advice (pass cpu=True) would be wrong."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if made_before and processes == 1 and world > 1:
+        raise ValueError(
+            f"WORLD_SIZE={world} but Accelerate's process state says one process: it was made "
+            "before the ZeroPPAccelerator, without cpu=True (a tracker built first does this: "
+            "GeneralTracker methods marked @on_main_process read PartialState()), and an "
+            "Accelerator's own cpu=True cannot change it afterwards. Make the state first: "
+            "`from accelerate import PartialState; PartialState(cpu=True)` before building the "
+            "tracker."
+        )
 
 
 def _is_scheduler(obj: Any) -> bool:
