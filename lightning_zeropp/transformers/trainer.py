@@ -39,6 +39,7 @@ from lightning_zeropp.accelerate.optim import retarget_scheduler
 from lightning_zeropp.accelerate.settings import ZeroPPPlugin
 from lightning_zeropp.accelerate.steps import NUM_ITEMS, PipelineModel
 from lightning_zeropp.transformers import checkpointing
+from lightning_zeropp.transformers.counts import padded_tokens, summing_over_data_parallel
 from lightning_zeropp.transformers.settings import (
     accelerator_arguments,
     check_trainer_arguments,
@@ -232,33 +233,22 @@ class ZeroPPTrainer(Trainer):
             return super()._get_num_items_in_batch(batch_samples, device)
 
     def _track_num_input_tokens(self, inputs: dict[str, Any]) -> None:
-        with self._summing_over_data_parallel():
-            super()._track_num_input_tokens(inputs)
+        """Tokens seen, as one process counts them (`counts.padded_tokens`)."""
+        name = getattr(self.model, "main_input_name", "input_ids")
+        padded = self.args.include_num_input_tokens_seen == "all"
+        seen = padded_tokens(inputs, name, self._pipeline) if padded else None
+        if seen is None:
+            with self._summing_over_data_parallel():
+                super()._track_num_input_tokens(inputs)
+        else:
+            self.state.num_input_tokens_seen += seen
 
     def store_flos(self) -> None:
         with self._summing_over_data_parallel():
             super().store_flos()
 
-    @contextlib.contextmanager
-    def _summing_over_data_parallel(self) -> Iterator[None]:
-        """The Trainer sums per-process counts as `accelerator.gather(count).sum()`; the ranks
-        of a pipeline hold the same rows, so the sum is taken over data-parallel ranks only."""
-        if self._pipeline is None:
-            yield
-            return
-        dims = self._pipeline.engine.dims
-
-        def summed(value: torch.Tensor) -> torch.Tensor:
-            total = value.detach().clone()
-            for group in dims.dp_groups:
-                dist.all_reduce(total, group=group)
-            return total.reshape(1)
-
-        self.accelerator.gather = summed  # shadows the method on this instance
-        try:
-            yield
-        finally:
-            del self.accelerator.gather
+    def _summing_over_data_parallel(self) -> contextlib.AbstractContextManager[None]:
+        return summing_over_data_parallel(self.accelerator, self._pipeline)
 
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
         """Clip by the norm over every stage and shard (tied copies counted once)."""

@@ -21,6 +21,8 @@ PP = {"pp_size": 2, "num_microbatches": 2}
 CLIPPED = {"max_grad_norm": 0.3, "gradient_accumulation_steps": 2}
 EVAL = {"eval_strategy": "steps", "eval_steps": 2, "lr_scheduler_type": "cosine", "warmup_steps": 1}
 LORA = {"lora": True, "rows": "padded"}
+# tokens seen counted as one process counts them, padding included (before: 400 against 448)
+SEEN = {"include_num_input_tokens_seen": True}
 # packed rows regrouped into 3 micro-batches: in evaluation the 3 rows do not split into the 2
 # processes' shares (each process of a pipeline reports its data-parallel rank's sum)
 PACKED = {
@@ -34,6 +36,7 @@ PACKED = {
         "max_grad_norm": 0,
         "eval_strategy": "steps",
         "eval_steps": 2,
+        **SEEN,  # packed rows: no padding, the ranks' counts add up
     },
 }
 # the best checkpoint by a metric that is not the last step's (the higher loss), loaded at the
@@ -59,7 +62,7 @@ GPT2 = {
 # BERT-MLM's forward returns its own mean cross-entropy (it ignores num_items_in_batch): the
 # pipeline rescales each micro-batch's mean to its token sum over the batch's count. A fixed mask
 # (trainer_script.masked) over padded rows: micro-batches hold different numbers of masked tokens
-BERT = {"family": "bert", "rows": "padded", "args": {**EVAL, "optim": "rmsprop"}}
+BERT = {"family": "bert", "rows": "padded", "args": {**EVAL, **SEEN, "optim": "rmsprop"}}
 CASES = [
     # equal rows: the plain Trainer's DDP is exact there, and runs in the same launch.
     # evaluate() before train() here, eval_on_start there: the plain Trainer under DDP trains
@@ -138,6 +141,7 @@ def _assert_same_training(got: dict, ref: dict, atol: float = 1e-5) -> None:
         assert a["learning_rate"] == pytest.approx(b["learning_rate"], abs=1e-9)
         if "grad_norm" in b:
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5, abs=1e-5)
+        assert a.get("num_input_tokens_seen") == b.get("num_input_tokens_seen")
 
 
 def _assert_same_weights(got: dict, ref: dict, key: str = "weights") -> None:
