@@ -140,6 +140,13 @@ OWN_LOSS = {"llama_own_loss": OwnLossLlama, "llama_manual_loss": ManualLossLlama
 
 
 def build_model(args: Args) -> torch.nn.Module:
+    if args.family == "bert":  # a masked LM (its own mean loss) on these rows' labels
+        from transformers import AutoModelForMaskedLM
+
+        from tests.distributed.trainer_script import BERT
+
+        torch.manual_seed(args.init_seed)
+        return AutoModelForMaskedLM.from_config(AutoConfig.for_model("bert", **BERT))
     if args.family in OWN_LOSS:
         torch.manual_seed(args.init_seed)
         return OWN_LOSS[args.family](AutoConfig.for_model("llama", **TINY))
