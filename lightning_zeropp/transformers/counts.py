@@ -1,6 +1,7 @@
 """The Trainer's counts over processes (tokens for the loss, tokens seen, flos), as one process
 counts them: the processes of one pipeline hold the same rows, so sums run over data-parallel
-ranks only, and a count that depends on padding is taken over the global batch."""
+ranks only, a count that depends on padding is taken over the global batch, and the rows
+Accelerate repeats to complete a short last batch are not counted."""
 
 from __future__ import annotations
 
@@ -12,9 +13,15 @@ import torch
 import torch.distributed as dist
 
 from lightning_zeropp.accelerate.steps import PipelineModel
-from lightning_zeropp.models.packing import is_packed
+from lightning_zeropp.models.hf_loss import IGNORE_INDEX
+from lightning_zeropp.models.packing import documents, is_packed
 
-__all__ = ["padded_tokens", "summing_over_data_parallel"]
+__all__ = [
+    "padded_tokens",
+    "summed_over_data_parallel",
+    "summing_over_data_parallel",
+    "without_repeats",
+]
 
 
 @contextlib.contextmanager
@@ -24,13 +31,9 @@ def summing_over_data_parallel(accelerator: Any, pipeline: PipelineModel | None)
     if pipeline is None:
         yield
         return
-    dims = pipeline.engine.dims
 
     def summed(value: torch.Tensor) -> torch.Tensor:
-        total = value.detach().clone()
-        for group in dims.dp_groups:
-            dist.all_reduce(total, group=group)
-        return total.reshape(1)
+        return summed_over_data_parallel(value, pipeline).reshape(1)
 
     accelerator.gather = summed  # shadows the method on this instance
     try:
@@ -61,3 +64,34 @@ def padded_tokens(inputs: dict[str, Any], name: str, pipeline: PipelineModel | N
         dist.all_reduce(rows, group=group)
         dist.all_reduce(length, op=dist.ReduceOp.MAX, group=group)
     return int(rows * length)
+
+
+def summed_over_data_parallel(value: torch.Tensor, pipeline: PipelineModel) -> torch.Tensor:
+    """Collective: `value` summed over the data-parallel ranks (a copy, detached)."""
+    total = value.detach().clone()
+    for group in pipeline.engine.dims.dp_groups:
+        dist.all_reduce(total, group=group)
+    return total
+
+
+def without_repeats(
+    inputs: dict[str, Any], state: Any, pipeline: PipelineModel
+) -> dict[str, Any] | None:
+    """The last packed evaluation batch with the labels of repeated documents masked (-100); None
+    for other batches (the same on every rank: the caller counts the tokens again, together).
+
+    Accelerate completes a short last batch with rows from the start (`even_batches`), and
+    `gather_for_metrics` drops them from what has a value per row; packed into one row they
+    cannot be dropped, and their tokens would count in the loss. The global batch's first
+    `state.remainder` rows are real; data-parallel rank i holds rows [i*B, (i+1)*B) of it, one
+    document per row, in order."""
+    labels = inputs.get("labels")
+    last = is_packed(inputs) and state.end_of_dataloader and state.remainder > 0
+    if not last or not isinstance(labels, torch.Tensor):
+        return None
+    docs = documents(inputs["position_ids"])
+    real = min(max(state.remainder - pipeline.engine.dims.dp_rank * len(docs), 0), len(docs))
+    masked = labels.clone()
+    for row, start, end in docs[real:]:
+        masked[row, start:end] = IGNORE_INDEX
+    return {**inputs, "labels": masked}

@@ -39,7 +39,12 @@ from lightning_zeropp.accelerate.optim import retarget_scheduler
 from lightning_zeropp.accelerate.settings import ZeroPPPlugin
 from lightning_zeropp.accelerate.steps import NUM_ITEMS, PipelineModel
 from lightning_zeropp.transformers import checkpointing
-from lightning_zeropp.transformers.counts import padded_tokens, summing_over_data_parallel
+from lightning_zeropp.transformers.counts import (
+    padded_tokens,
+    summed_over_data_parallel,
+    summing_over_data_parallel,
+    without_repeats,
+)
 from lightning_zeropp.transformers.settings import (
     accelerator_arguments,
     check_trainer_arguments,
@@ -202,12 +207,20 @@ class ZeroPPTrainer(Trainer):
         the gathered losses is the global batch's token mean (as one process computes it).
 
         A batch that splits into the processes' shares gives each its share's sum; one that
-        does not gives every process of a pipeline its data-parallel rank's sum, weighted by
-        the data-parallel ranks instead (the mean over processes is the same)."""
+        does not (packed rows) gives every process the global batch's token mean, which any
+        subset of the processes' values (what gather_for_metrics keeps of a short last batch)
+        averages to, without the documents Accelerate repeated (`counts.without_repeats`)."""
+        state = self.accelerator.gradient_state
+        again = without_repeats(inputs, state, pipeline)
+        if again is not None:  # every rank counts again: a collective
+            inputs = again
+            items = float(self._get_num_items_in_batch([inputs], pipeline.engine.device))
         outputs = pipeline(**{**inputs, NUM_ITEMS: items})
-        dims = pipeline.engine.dims
         shared = pipeline.rows is not None and pipeline.rows % pipeline.engine.config.pp_size == 0
-        loss = outputs["loss"] * (dist.get_world_size() if shared else dims.dp_size)
+        if shared:
+            loss = outputs["loss"] * dist.get_world_size()
+        else:  # this data-parallel rank's token sum over the global count: summed, the mean
+            loss = summed_over_data_parallel(outputs["loss"], pipeline)
         return (loss, outputs) if return_outputs else loss
 
     def prediction_step(
