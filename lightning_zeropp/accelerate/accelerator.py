@@ -47,7 +47,12 @@ from torch.utils.data import DataLoader
 from lightning_zeropp.accelerate.build import prepare_pipeline
 from lightning_zeropp.accelerate.checkpointing import commit_state
 from lightning_zeropp.accelerate.settings import ZeroPPPlugin
-from lightning_zeropp.accelerate.shares import in_process_order, process_order, share
+from lightning_zeropp.accelerate.shares import (
+    in_process_order,
+    owners_only,
+    process_order,
+    share,
+)
 from lightning_zeropp.accelerate.steps import NUM_ITEMS, PipelineModel
 from lightning_zeropp.core.settings import launch
 from lightning_zeropp.core.step.failure import guarded
@@ -175,8 +180,17 @@ class ZeroPPAccelerator(Accelerator):
         if self.pipeline is None:
             return super().gather(tensor)
         full = super().gather(recursively_apply(self._share, tensor))
-        world = self.num_processes
-        return recursively_apply(lambda t: in_process_order(t, world, self._order), full)
+        world, rows = self.num_processes, self.pipeline.given_rows
+        pp = self.pipeline.engine.config.pp_size
+
+        def arranged(t: torch.Tensor) -> torch.Tensor:
+            ordered = in_process_order(t, world, self._order)
+            # rows that do not split into shares (a packed row) came from every process of a
+            # pipeline: each once, from the pipeline's first process
+            whole_rows = rows is not None and rows % pp and t.dim() and t.shape[0] == world * rows
+            return owners_only(ordered, world, pp) if whole_rows else ordered
+
+        return recursively_apply(arranged, full)
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         if self.pipeline is None:
@@ -190,7 +204,10 @@ class ZeroPPAccelerator(Accelerator):
             return super().gather_for_metrics(input_data)  # through gather, then truncated
         everyone: list[Any] = [None] * self.num_processes
         dist.all_gather_object(everyone, self._share(input_data))
-        data = [x for r in self._order for x in everyone[r]]
+        rows, pp = self.pipeline.given_rows, self.pipeline.engine.config.pp_size
+        whole_rows = rows is not None and rows % pp and _length(input_data) == rows
+        order = self._order[::pp] if whole_rows else self._order  # each pipeline's rows once
+        data = [x for r in order for x in everyone[r]]
         state = self.gradient_state
         if state.end_of_dataloader and state.remainder > 0:
             data = data[: state.remainder]
@@ -199,7 +216,7 @@ class ZeroPPAccelerator(Accelerator):
     def _share(self, value: Any) -> Any:
         assert self.pipeline is not None
         dims = self.pipeline.engine.dims
-        return share(value, self.pipeline.rows, dims.config.pp_size, dims.pp_rank)
+        return share(value, self.pipeline.given_rows, dims.config.pp_size, dims.pp_rank)
 
     # ------------------------------------------------------------------------- state
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kw: Any):
@@ -308,6 +325,12 @@ def _check_state_made_before(made_before: bool, processes: int) -> None:
             "`from accelerate import PartialState; PartialState(cpu=True)` before building the "
             "tracker."
         )
+
+
+def _length(value: Any) -> int | None:
+    if isinstance(value, (list, tuple)):
+        return len(value)
+    return value.shape[0] if isinstance(value, torch.Tensor) and value.dim() > 0 else None
 
 
 def _is_scheduler(obj: Any) -> bool:

@@ -110,11 +110,13 @@ class PipelineModel(nn.Module):
         self._items: float | None = None  # num_items_in_batch given to this call's forwards
         # What a micro-batch's own mean loss is rescaled to a sum over (`LossWatch.settle`).
         self._divisor: float | None = None
-        self.rows: int | None = None  # of the last call's batch (`shares`)
+        self.rows: int | None = None  # of the last call's batch as run (regrouped: `shares`)
+        self.given_rows: int | None = None  # of the last call's batch as given (`gather`)
 
     # ---------------------------------------------------------------- calls
     @guarded  # token counts and logits are collectives too: a lost rank is named
     def forward(self, *args: Any, **kwargs: Any) -> PipelineOutput:
+        self.given_rows = _rows(args, kwargs)
         shaped = self._reshaped(args, kwargs)
         kwargs = shaped.batch
         target = _target_of(args, kwargs)

@@ -14,6 +14,7 @@ import torch
 
 from tests.distributed.launch import launch
 from tests.distributed.trainer_scenarios import initial_weights
+from tests.distributed.trainer_script import texts
 
 pytestmark = pytest.mark.distributed
 
@@ -32,6 +33,7 @@ PACKED = {
     "per_device_train_batch_size": 3,
     "per_device_eval_batch_size": 3,
     "eval_rows": 10,
+    "predict": True,  # the packed logits, gathered: each pipeline's row once
     "args": {
         "optim": "sgd",
         "learning_rate": 0.5,
@@ -221,6 +223,15 @@ def test_packed_rows_match_one_process(runs):
     want = [log["eval_loss"] for log in one["packed"]["logs"] if "eval_loss" in log]
     assert len(evals) == len(want) == 2
     assert evals == pytest.approx(want, abs=1e-5)
+    # predict(): one packed row per data-parallel rank (before: each twice, once per process of
+    # its pipeline); rank 0's 6 documents, then rank 1's 4 (and the 2 Accelerate repeated to
+    # complete the batch), against one process's row of the 10
+    got, ref = four[0]["packed"]["predictions"], one["packed"]["predictions"]
+    assert got.shape[0] == 2 and ref.shape[0] == 1
+    lengths = [len(row["input_ids"]) for row in texts(PACKED["eval_rows"], 2, equal=False)]
+    first, total = sum(lengths[:6]), sum(lengths)
+    flat = np.concatenate([got[0, :first], got[1, : total - first]])
+    np.testing.assert_allclose(flat, ref[0, :total], atol=1e-5, rtol=0)
 
 
 def test_masked_lm_computing_its_own_mean_matches_one_process(runs):
