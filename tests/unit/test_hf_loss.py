@@ -10,7 +10,12 @@ import torch
 from torch import nn
 
 from lightning_zeropp.accelerate.optim import optimizer_param_names, rebuild_optimizer
-from lightning_zeropp.accelerate.shares import eval_microbatches_by_share, share, share_losses
+from lightning_zeropp.accelerate.shares import (
+    eval_microbatches_by_share,
+    owners_only,
+    share,
+    share_losses,
+)
 from lightning_zeropp.accelerate.steps import PipelineOutput
 from lightning_zeropp.models.hf_loss import NUM_ITEMS, TokenRule, token_rule
 from lightning_zeropp.models.loss_rule import TokenCountAdapter
@@ -160,6 +165,9 @@ def test_shares_are_the_rows_ddp_processes_would_load():
     assert share(torch.tensor(3.0), 8, 2, 1).item() == 3.0
     assert eval_microbatches_by_share(8, 8, 2) == 8 and eval_microbatches_by_share(6, 3, 2) == 2
     assert eval_microbatches_by_share(7, 4, 2) is None
+    # a packed row per data-parallel rank, gathered from 4 processes (pp 2): each row once
+    gathered = torch.tensor([[0], [0], [1], [1]])  # DDP order: (dp 0: pp 0, 1), (dp 1: pp 0, 1)
+    assert owners_only(gathered, 4, 2).tolist() == [[0], [1]]
     # micro-batch token sums over num_items_in_batch 2.5: shares [3+1, 2+2] / tokens [4, 2]
     losses = [torch.tensor(v / 2.5) for v in (3.0, 1.0, 2.0, 2.0)]
     got = share_losses(losses, 2, 2.5, torch.tensor([4.0, 2.0]))
