@@ -31,12 +31,14 @@ What differs from the base class, and why:
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
+from accelerate.state import PartialState
 from accelerate.utils import recursively_apply
 from torch import nn
 from torch.optim import Optimizer
@@ -46,14 +48,20 @@ from lightning_zeropp.accelerate.build import prepare_pipeline
 from lightning_zeropp.accelerate.checkpointing import commit_state
 from lightning_zeropp.accelerate.preempt import Stopper, accelerate_saver
 from lightning_zeropp.accelerate.settings import ZeroPPPlugin
-from lightning_zeropp.accelerate.shares import in_process_order, process_order, share
+from lightning_zeropp.accelerate.shares import (
+    in_process_order,
+    owners_only,
+    process_order,
+    share,
+)
 from lightning_zeropp.accelerate.steps import NUM_ITEMS, PipelineModel
 from lightning_zeropp.core.settings import launch
 from lightning_zeropp.core.step.failure import guarded
 from lightning_zeropp.core.step.preempt import Preemption
 from lightning_zeropp.core.weights.export import full_state_dict
 from lightning_zeropp.core.weights.trust import weights_only_loads
-from lightning_zeropp.models.hf_loss import LossWatch, disable_kv_cache, token_rule
+from lightning_zeropp.models.hf_loss import disable_kv_cache, token_rule
+from lightning_zeropp.models.loss_rule import LossWatch
 
 __all__ = ["ZeroPPAccelerator"]
 
@@ -66,7 +74,9 @@ class ZeroPPAccelerator(Accelerator):
         launch.check_restart()  # before Accelerate forms the process group
         # SIGTERM is recorded from here on, never acted on in the handler (`accelerate.preempt`).
         Preemption.of_process().install()
+        made_before = bool(PartialState._shared_state)  # read without creating it
         super().__init__(*args, **kwargs)
+        _check_state_made_before(made_before, self.num_processes)
         self.zeropp_plugin = zeropp_plugin or ZeroPPPlugin()
         self.pipeline: PipelineModel | None = None
         self._skeleton: nn.Module | None = None
@@ -178,8 +188,17 @@ class ZeroPPAccelerator(Accelerator):
         if self.pipeline is None:
             return super().gather(tensor)
         full = super().gather(recursively_apply(self._share, tensor))
-        world = self.num_processes
-        return recursively_apply(lambda t: in_process_order(t, world, self._order), full)
+        world, rows = self.num_processes, self.pipeline.given_rows
+        pp = self.pipeline.engine.config.pp_size
+
+        def arranged(t: torch.Tensor) -> torch.Tensor:
+            ordered = in_process_order(t, world, self._order)
+            # rows that do not split into shares (a packed row) came from every process of a
+            # pipeline: each once, from the pipeline's first process
+            whole_rows = rows is not None and rows % pp and t.dim() and t.shape[0] == world * rows
+            return owners_only(ordered, world, pp) if whole_rows else ordered
+
+        return recursively_apply(arranged, full)
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         if self.pipeline is None:
@@ -193,7 +212,10 @@ class ZeroPPAccelerator(Accelerator):
             return super().gather_for_metrics(input_data)  # through gather, then truncated
         everyone: list[Any] = [None] * self.num_processes
         dist.all_gather_object(everyone, self._share(input_data))
-        data = [x for r in self._order for x in everyone[r]]
+        rows, pp = self.pipeline.given_rows, self.pipeline.engine.config.pp_size
+        whole_rows = rows is not None and rows % pp and _length(input_data) == rows
+        order = self._order[::pp] if whole_rows else self._order  # each pipeline's rows once
+        data = [x for r in order for x in everyone[r]]
         state = self.gradient_state
         if state.end_of_dataloader and state.remainder > 0:
             data = data[: state.remainder]
@@ -202,7 +224,7 @@ class ZeroPPAccelerator(Accelerator):
     def _share(self, value: Any) -> Any:
         assert self.pipeline is not None
         dims = self.pipeline.engine.dims
-        return share(value, self.pipeline.rows, dims.config.pp_size, dims.pp_rank)
+        return share(value, self.pipeline.given_rows, dims.config.pp_size, dims.pp_rank)
 
     # ------------------------------------------------------------------------- state
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kw: Any):
@@ -302,6 +324,28 @@ def _tied_names(model: nn.Module) -> list[list[str]]:
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
     return [group for group in names.values() if len(group) > 1]
+
+
+def _check_state_made_before(made_before: bool, processes: int) -> None:
+    """Accelerate keeps one process state (`PartialState`), made by whatever reads it first; made
+    before this accelerator without `cpu=True` on CPUs, it is one process whatever this
+    accelerator's `cpu=True` says, and the generic advice (pass cpu=True) would be wrong."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if made_before and processes == 1 and world > 1:
+        raise ValueError(
+            f"WORLD_SIZE={world} but Accelerate's process state says one process: it was made "
+            "before the ZeroPPAccelerator, without cpu=True (a tracker built first does this: "
+            "GeneralTracker methods marked @on_main_process read PartialState()), and an "
+            "Accelerator's own cpu=True cannot change it afterwards. Make the state first: "
+            "`from accelerate import PartialState; PartialState(cpu=True)` before building the "
+            "tracker."
+        )
+
+
+def _length(value: Any) -> int | None:
+    if isinstance(value, (list, tuple)):
+        return len(value)
+    return value.shape[0] if isinstance(value, torch.Tensor) and value.dim() > 0 else None
 
 
 def _is_scheduler(obj: Any) -> bool:

@@ -212,8 +212,10 @@ def _check_accelerator(accelerator: Accelerator) -> None:
     if accelerator.num_processes == 1 and world > 1:
         raise ValueError(
             f"WORLD_SIZE={world} but the Accelerator runs a single process: on CPU, Accelerate "
-            "sets up multi-process training only with Accelerator(cpu=True) or "
-            "ACCELERATE_USE_CPU=1."
+            "sets up multi-process training only when its process state is first made with "
+            "cpu=True: Accelerator(cpu=True) or ACCELERATE_USE_CPU=1, before anything else reads "
+            "the state (a tracker built before the Accelerator does: call "
+            "accelerate.PartialState(cpu=True) first)."
         )
 
 

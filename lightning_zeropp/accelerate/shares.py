@@ -12,7 +12,8 @@ exactly the rows DDP's process `i*pp_size + j` would have loaded:
 - `gather` takes each process's share of a value that has one entry per row of the batch
   (`share`), or the whole value otherwise, and concatenates them in DDP's process order, so
   every sample appears once, from its owner, where DDP puts it, and Accelerate's truncation of
-  the last batch drops the padded copies, as under DDP.
+  the last batch drops the padded copies, as under DDP. Rows that do not split into the
+  processes' shares (a packed row) are gathered once per pipeline (`owners_only`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch.distributed as dist
 __all__ = [
     "eval_microbatches_by_share",
     "in_process_order",
+    "owners_only",
     "process_order",
     "share",
     "share_losses",
@@ -58,6 +60,14 @@ def in_process_order(gathered: torch.Tensor, world: int, order: Sequence[int]) -
         return gathered
     size = gathered.shape[0] // world
     return torch.cat([gathered[r * size : (r + 1) * size] for r in order])
+
+
+def owners_only(ordered: torch.Tensor, world: int, pp_size: int) -> torch.Tensor:
+    """`ordered` (equal chunks in DDP's process order: data-parallel rank, then pipeline rank)
+    with only each pipeline's first process's chunk: rows that do not split into shares are
+    every process's of a pipeline, and each must appear once."""
+    size = ordered.shape[0] // world
+    return torch.cat([ordered[k * size : (k + 1) * size] for k in range(0, world, pp_size)])
 
 
 def eval_microbatches_by_share(rows: int, num_microbatches: int, pp_size: int) -> int | None:

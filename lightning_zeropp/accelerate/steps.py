@@ -16,6 +16,7 @@ The loss is the mean over the global batch's real tokens, as one process compute
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -29,12 +30,8 @@ from lightning_zeropp.accelerate.weighting import weigh_tokens
 from lightning_zeropp.core.schedule.build import eval_microbatches
 from lightning_zeropp.core.step.failure import guarded
 from lightning_zeropp.core.step.preempt import PreemptedError
-from lightning_zeropp.models.hf_loss import (
-    NUM_ITEMS,
-    LossWatch,
-    TokenRule,
-    accepts_num_items,
-)
+from lightning_zeropp.models.hf_loss import NUM_ITEMS, TokenRule, accepts_num_items
+from lightning_zeropp.models.loss_rule import LossWatch
 from lightning_zeropp.models.packing import Reshaped, SeqBuckets, reshape
 
 __all__ = [
@@ -112,13 +109,17 @@ class PipelineModel(nn.Module):
         self.seq_buckets: SeqBuckets = None
         self._captured: list[Any] | None = None
         self._losses: list[torch.Tensor] | None = None  # an eval call's, per micro-batch
-        self._items: float | None = None  # num_items_in_batch given to this call
-        self.rows: int | None = None  # of the last call's batch (`shares`)
+        self._items: float | None = None  # num_items_in_batch given to this call's forwards
+        # What a micro-batch's own mean loss is rescaled to a sum over (`LossWatch.settle`).
+        self._divisor: float | None = None
+        self.rows: int | None = None  # of the last call's batch as run (regrouped: `shares`)
+        self.given_rows: int | None = None  # of the last call's batch as given (`gather`)
         self.stopper: Stopper | None = None  # on SIGTERM: save and name the step (the front's)
 
     # ---------------------------------------------------------------- calls
     @guarded  # token counts and logits are collectives too: a lost rank is named
     def forward(self, *args: Any, **kwargs: Any) -> PipelineOutput:
+        self.given_rows = _rows(args, kwargs)
         try:
             return self._forward(args, kwargs)
         except PreemptedError as err:  # SIGTERM, agreed on by every rank before this step
@@ -153,8 +154,9 @@ class PipelineModel(nn.Module):
     def _train(self, args: Any, kwargs: dict[str, Any], target: torch.Tensor) -> PipelineOutput:
         core = self.engine.core
         self.rows = _rows(args, kwargs)
-        kwargs = self._weighted(kwargs, target, core.config.num_microbatches)
-        loss, grads = core.train_step_deferred(*args, target=target, **kwargs)
+        kwargs = self._weighted(kwargs, target, core.config.num_microbatches, training=True)
+        with self._counting():
+            loss, grads = core.train_step_deferred(*args, target=target, **kwargs)
         if self.stopper is not None:
             self.stopper.batches += 1
         leaf = loss.detach().clone().requires_grad_()
@@ -186,12 +188,13 @@ class PipelineModel(nn.Module):
         self._captured = [] if self.eval_logits else None
         self._losses = []
         try:
-            loss = core.eval_step(
-                *args,
-                target=target if target is not None else _any_tensor(args, kwargs),
-                microbatches=micro,
-                **kwargs,
-            )
+            with self._counting() if target is not None else contextlib.nullcontext():
+                loss = core.eval_step(
+                    *args,
+                    target=target if target is not None else _any_tensor(args, kwargs),
+                    microbatches=micro,
+                    **kwargs,
+                )
             logits = self._broadcast_logits() if self.eval_logits else None
             if target is not None and by_share is not None:
                 loss = self._share_loss(target, kwargs, scale)
@@ -241,7 +244,8 @@ class PipelineModel(nn.Module):
             self._captured.append(logits)
         loss = loss_of(output)
         if self.watch is not None and self._items is not None and loss is not None:
-            self.watch.check(target, self._items)  # the forward's loss is the one weighted
+            # the forward's loss as its token sum over the count, or refused (`models.loss_rule`)
+            loss = self.watch.settle(loss, target, self._items, self._divisor)
         if self._losses is not None and loss is not None:
             self._losses.append(loss.detach())
         if loss is None:
@@ -256,13 +260,25 @@ class PipelineModel(nn.Module):
         return loss
 
     # ---------------------------------------------------------------- token weighting
-    def _weighted(self, kwargs: dict[str, Any], target: torch.Tensor, micro: int) -> dict[str, Any]:
+    def _weighted(
+        self, kwargs: dict[str, Any], target: torch.Tensor, micro: int, training: bool = False
+    ) -> dict[str, Any]:
         """`kwargs` weighted by the global batch's tokens (`accelerate.weighting`); remembers
-        the count the forward's own loss call must have used."""
-        kwargs, self._items = weigh_tokens(
+        the count the forward's own loss call must have used, and what a model ignoring it is
+        rescaled by: in training the batch's own count, as one process's call of that model
+        divides by its batch (the Trainer's count spans its accumulation window); in
+        evaluation the count given (the batch's own, for the Trainer)."""
+        kwargs, self._items, own = weigh_tokens(
             kwargs, target, micro, self.rule, self.engine.dims, self.engine.device, self.original
         )
+        self._divisor = own if training and own is not None else self._items
         return kwargs
+
+    def _counting(self) -> contextlib.AbstractContextManager[None]:
+        """Around a step whose losses are settled: the model's own mean losses are counted."""
+        if self.watch is None or self._items is None:
+            return contextlib.nullcontext()
+        return self.watch.counting()
 
     def _broadcast_logits(self) -> torch.Tensor | None:
         """The last stage's logits for the whole batch, on every rank of the pipeline."""

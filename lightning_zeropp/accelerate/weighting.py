@@ -33,20 +33,24 @@ def weigh_tokens(
     dims: ParallelDims,
     device: torch.device,
     model: nn.Module,
-) -> tuple[dict[str, Any], float | None]:
+) -> tuple[dict[str, Any], float | None, float | None]:
     """Collective over the data-parallel groups: `kwargs` with `num_items_in_batch` set so that
     the engine's mean over micro-batches and data-parallel ranks is the mean over the global
-    batch's labelled tokens, counted by the model's own `rule`; and the count the forward's own
-    loss call must have used (to check it, `LossWatch`), or None when there is none to check.
+    batch's labelled tokens, counted by the model's own `rule`; the count the forward is given
+    (to settle its loss by, `LossWatch.settle`), or None when there is none to settle by; and
+    the global batch's own count per micro-batch and rank (the divisor one process's call of a
+    model that ignores the given count would use), or None.
 
-    `kwargs` that carry `num_items_in_batch` already are the loop's own normalisation: kept."""
-    if NUM_ITEMS in kwargs:
-        return kwargs, None
+    `kwargs` that carry `num_items_in_batch` already are the loop's own normalisation (the
+    Trainer's count over its accumulation window): kept, and the batch's own count still read."""
     pre = kwargs.get("shift_labels")
     pre = pre if isinstance(pre, torch.Tensor) else None
+    given = kwargs.get(NUM_ITEMS)
     if rule is not None:
         counts = rule.counts(target, micro, pre)
     else:  # no rule to read: only equal micro-batches are accepted below
+        if given is not None:
+            return kwargs, None, None
         counts = token_counts(pre if pre is not None else target, micro, 0)
     counts = counts.to(device)
     total = counts.sum()
@@ -56,11 +60,14 @@ def weigh_tokens(
         dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
         dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
     if rule is not None:
+        own = float(total) / (micro * dims.dp_size)
+        if given is not None:
+            # A shift_labels batch is not settled: its loss_function call is the model's own.
+            return kwargs, (float(given) if pre is None else None), own or None
         if int(total) == 0:
             raise ValueError("the global batch has no labelled token (every label is -100)")
-        items = float(total) / (micro * dims.dp_size)
-        # checked against the forward's own loss call on the last stage (`LossWatch`)
-        return {**kwargs, NUM_ITEMS: items}, items if pre is None else None
+        # settled against the forward's own loss call on the last stage (`LossWatch`)
+        return {**kwargs, NUM_ITEMS: own}, own if pre is None else None, own
     if int(low) != int(high):
         raise ValueError(
             f"micro-batches of this batch hold between {int(low)} and {int(high)} labelled "
@@ -70,4 +77,4 @@ def weigh_tokens(
             "batch's token mean. Accept num_items_in_batch (divide the summed loss by it), "
             "or pass batches whose micro-batches hold equal numbers of labelled tokens."
         )
-    return kwargs, None
+    return kwargs, None, None

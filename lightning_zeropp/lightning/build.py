@@ -30,7 +30,8 @@ from lightning_zeropp.lightning.network import Network, summarize_whole_model
 from lightning_zeropp.lightning.redirect import attributes_kept, first_batch, rng_kept
 from lightning_zeropp.lightning.steps import StepRunner
 from lightning_zeropp.lightning.weighting import GlobalTokenCount
-from lightning_zeropp.models.hf_loss import LossWatch, disable_kv_cache, token_rule
+from lightning_zeropp.models.hf_loss import disable_kv_cache, token_rule
+from lightning_zeropp.models.loss_rule import LossWatch
 
 __all__ = ["build_engine", "data_parallel_group"]
 

@@ -159,9 +159,12 @@ class StepRunner:
             self.adapter.microbatches = len(step.parts)
             args, kwargs = self.adapter.stage_inputs(*concat_calls(step.calls))
         target = torch.arange(sum(len(p) for p in step.parts))  # row indices stay on the host
-        if step.mode == "train":
-            return engine.train_step_deferred(*args, target=target, skip=early, **kwargs)
-        return engine.eval_step(*args, target=target, skip=early, **kwargs), None
+        # An HF model's own mean loss is counted while its stages run (`models.loss_rule`).
+        counting = getattr(self.adapter, "counting", contextlib.nullcontext)
+        with counting():
+            if step.mode == "train":
+                return engine.train_step_deferred(*args, target=target, skip=early, **kwargs)
+            return engine.eval_step(*args, target=target, skip=early, **kwargs), None
 
     def _finish(self, step: _Step, loss: Any, grads: StepGrads | None, last: bool) -> StepOutcome:
         engine, module = self.engine, self.module

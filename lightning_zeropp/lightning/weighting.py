@@ -22,15 +22,13 @@ micro-batches stands, and the strategy says so once (`UNWEIGHTED`).
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
-from lightning_zeropp.models.hf_loss import LossWatch, TokenCountAdapter, TokenRule
+from lightning_zeropp.models.hf_loss import TokenRule
+from lightning_zeropp.models.loss_rule import CountedMeans, LossWatch, TokenCountAdapter
 
 __all__ = ["NUM_ITEMS", "UNWEIGHTED", "GlobalTokenCount", "WeightWatch", "loss_weight"]
 
@@ -46,57 +44,11 @@ UNWEIGHTED = (
     "its targets that are not ignore_index without this."
 )
 
-_COUNTED = {
-    F.cross_entropy: inspect.signature(F.cross_entropy),
-    F.nll_loss: inspect.signature(F.nll_loss),
-}
 
-
-class WeightWatch(TorchFunctionMode):
+class WeightWatch(CountedMeans):
     """Active in a step's thread: each mean-reduced `F.cross_entropy` / `F.nll_loss` over class
     indices is computed as a sum over the counted targets, and its result is remembered with that
-    count (`weight_of`)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def note(self, value: torch.Tensor, count: torch.Tensor) -> None:
-        """`value` is a mean over `count` items (a returned loss with its `num_items`)."""
-        self._weights[id(value)] = (value, count)
-
-    def weight_of(self, value: Any) -> torch.Tensor | None:
-        """The count a loss computed in this step averages over, or None."""
-        found = self._weights.get(id(value)) if torch.is_tensor(value) else None
-        return found[1] if found is not None and found[0] is value else None
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        kwargs = kwargs or {}
-        signature = _COUNTED.get(func)
-        if signature is None:
-            return func(*args, **kwargs)
-        call = signature.bind(*args, **kwargs)
-        call.apply_defaults()
-        given = call.arguments
-        target = given["target"]
-        legacy = given["size_average"] is not None or given["reduce"] is not None
-        if given["reduction"] != "mean" or legacy or target.is_floating_point():
-            return func(*args, **kwargs)
-        count = _count(target, given["weight"], given["ignore_index"])
-        total = func(**{**given, "reduction": "sum"})
-        out = total / torch.where(count > 0, count, torch.ones_like(count))
-        self._weights[id(out)] = (out, count)
-        return out
-
-
-def _count(target: torch.Tensor, weight: torch.Tensor | None, ignore: int) -> torch.Tensor:
-    """What a mean-reduced cross-entropy divides by: the targets that are not `ignore`, each
-    weighted by its class weight when there are class weights."""
-    counted = target != ignore
-    if weight is None:
-        return counted.sum().to(torch.float32)
-    classes = torch.where(counted, target, torch.zeros_like(target))
-    return (weight.detach()[classes] * counted).sum().to(torch.float32)
+    count (`weight_of`); the same mechanism settles an HF model's own loss (`models.loss_rule`)."""
 
 
 def loss_weight(result: Any, loss: torch.Tensor, watch: WeightWatch) -> torch.Tensor | None:

@@ -10,11 +10,9 @@ Which labels count is the model's business, so it is observed, not looked up by 
 `token_rule(model)` calls the model's own `loss_function` on a tiny synthetic case (zero logits,
 one labelled position at a time: each counted token adds log(vocab) to the summed loss) and reads
 how many leading labels of a row are never targets (1 for causal LMs, which shift inside the
-loss, whatever the class is called). `LossWatch` then checks, per micro-batch on the last stage,
-that the model's forward really called that function with the count the front computed and with
-the labels it counted: a forward that computes its own loss, drops `num_items_in_batch` or
-changes the labels is an error, not a mean of means. Duck-typed: nothing here imports
-transformers.
+loss, whatever the class is called). Whether a model's forward really computes its loss so, and
+what is done when it does not, is `models.loss_rule`'s (`LossWatch`, `TokenCountAdapter`, which
+this module still names for older imports). Duck-typed: nothing here imports transformers.
 """
 
 from __future__ import annotations
@@ -28,13 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_zeropp.core.split.call_adapter import CallAdapter
-
 __all__ = [
     "IGNORE_INDEX",
     "NUM_ITEMS",
-    "LossWatch",
-    "TokenCountAdapter",
     "TokenRule",
     "accepts_num_items",
     "disable_kv_cache",
@@ -148,133 +142,6 @@ def _probe_loss(
         return None
 
 
-class LossWatch:
-    """Wraps a model's `loss_function` to see, per call, the tokens it counts and its divisor.
-
-    Installed on the model before it is split (the stages' copies share the wrapper). After
-    the last stage ran a micro-batch whose loss the front weighted, `check` compares the last
-    call (that micro-batch's: the last stage computes each loss right after its forward) with
-    what the front counted."""
-
-    def __init__(self, model: nn.Module, rule: TokenRule) -> None:
-        self.rule = rule
-        self.owner = type(model).__name__
-        self._last: tuple[float, float | None] | None = None  # (tokens, num_items_in_batch)
-        owner = _loss_owner(model)
-        inner = owner.loss_function
-
-        def watched(*args: Any, **kwargs: Any) -> Any:
-            self._last = self._seen(args, kwargs)
-            return inner(*args, **kwargs)
-
-        owner.loss_function = watched  # HF's property has a setter; else an instance attribute
-
-    def _seen(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[float, float | None]:
-        # loss_function(logits, labels, vocab_size, **kwargs), or all by keyword
-        labels = kwargs.get("labels", args[1] if len(args) > 1 else None)
-        pre = kwargs.get("shift_labels")
-        items = kwargs.get(NUM_ITEMS)
-        items = None if items is None or _on_meta(items) else float(items)
-        read = pre if isinstance(pre, torch.Tensor) and self.rule.pre_shift is not None else labels
-        if not isinstance(read, torch.Tensor) or read.dim() < 1 or _on_meta(read):
-            return math.nan, items  # no labels, or the split's dry run on the meta device
-        if read is pre:
-            return float(token_counts(pre, 1, self.rule.pre_shift or 0).sum()), items
-        return float(token_counts(read, 1, self.rule.shift).sum()), items
-
-    def check(self, labels: torch.Tensor, items: float) -> None:
-        """The micro-batch's loss was the model's `loss_function` on `labels`' tokens divided by
-        `items`; raises (on the last stage: the fronts' failure board tells every rank)."""
-        seen, self._last = self._last, None
-        want = float(self.rule.counts(labels, 1).sum())
-        divided = seen is not None and seen[1] is not None and math.isclose(seen[1], items)
-        if divided and seen is not None and seen[0] == want:
-            return
-        raise ValueError(
-            f"{self.owner}'s forward did not compute its loss as its loss_function on the labels "
-            f"given, divided by num_items_in_batch={items:g} (last call saw: "
-            f"{'none' if seen is None else f'{seen[0]:g} tokens, divisor {seen[1]}'}; expected "
-            f"{want:g} tokens): its loss over padded micro-batches could not be made the batch's "
-            "token mean. Have the forward pass its keyword arguments to self.loss_function, or "
-            "compute the loss outside the model (prepare_pipeline's loss_fn, or a loss from the "
-            "logits in your step)."
-        )
-
-
-def _loss_owner(model: nn.Module) -> nn.Module:
-    """The module whose own class defines `loss_function` (the one its forward calls as
-    `self.loss_function`): `model` itself, or the model a wrapper forwards attribute reads to
-    (PEFT's `PeftModel` wraps the HF model and reads its `loss_function` through `__getattr__`)."""
-    for module in model.modules():
-        if any("loss_function" in vars(cls) for cls in type(module).__mro__):
-            return module
-    return model
-
-
-def _on_meta(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.device.type == "meta"
-
-
-class TokenCountAdapter(CallAdapter):
-    """Makes a padded batch's loss the mean over its labelled tokens, as one process computes
-    it, not the mean of micro-batch means (which weighs a token of a short micro-batch more).
-
-    For a model whose loss takes `num_items_in_batch`: a call with `labels=` gets
-    `num_items_in_batch = tokens / microbatches`, so each micro-batch's loss is its token sum
-    times `microbatches / tokens`, and the pipeline's mean over micro-batches is the batch's
-    token mean. `microbatches` is set by the front before each call. Tokens are counted by the
-    model's own rule (`token_rule`), and each micro-batch's loss is checked to be the model's
-    loss function on them (`LossWatch`).
-    """
-
-    def __init__(
-        self,
-        rule: TokenRule,
-        watch: LossWatch | None = None,
-        count: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        ranks: int = 1,
-    ) -> None:
-        self.rule = rule
-        self.watch = watch
-        self.microbatches = 1
-        # `count`: this batch's token count -> the count over every rank sharing the step
-        # (`ranks` of them: each rank's micro-batch losses are averaged over all of them).
-        self._count, self._ranks = count, ranks
-        self.counts = False  # whether a call carried labels to count
-        self._items: float | None = None  # what the last call was given
-
-    @classmethod
-    def for_model(cls, model: nn.Module) -> TokenCountAdapter | None:
-        """The adapter for `model` (watching its loss), or None when its loss cannot be weighed
-        by tokens (`token_rule`)."""
-        rule = token_rule(model)
-        return None if rule is None else cls(rule, LossWatch(model, rule))
-
-    def stage_inputs(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        labels = kwargs.get("labels")
-        self._items = None
-        if not isinstance(labels, torch.Tensor) or NUM_ITEMS in kwargs:
-            return args, kwargs
-        self.counts = True
-        pre = kwargs.get("shift_labels")
-        tokens = self.rule.counts(labels, 1, pre if isinstance(pre, torch.Tensor) else None).sum()
-        total = float(tokens if self._count is None else self._count(tokens))
-        if total == 0:
-            scope = "batch" if self._count is None else "global batch"
-            raise ValueError(f"the {scope} has no labelled token (every label is -100)")
-        self._items = total / (self.microbatches * self._ranks)
-        return args, {**kwargs, NUM_ITEMS: self._items}
-
-    def stage_output(self, output: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        labels = kwargs.get("labels")
-        plain = "shift_labels" not in kwargs and isinstance(labels, torch.Tensor)
-        if self.watch is not None and self._items is not None and plain:
-            self.watch.check(labels, self._items)
-        return output
-
-
 def disable_kv_cache(model: nn.Module) -> None:
     """Turn off an HF model's KV cache, which its forward builds even in training unless told
     not to (as transformers' Trainer does under gradient checkpointing): a pipeline stage
@@ -283,3 +150,13 @@ def disable_kv_cache(model: nn.Module) -> None:
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "use_cache", False):
         config.use_cache = False
+
+
+def __getattr__(name: str) -> Any:
+    """`LossWatch` and `TokenCountAdapter` moved to `models.loss_rule` (which imports this
+    module, so they are read from there on first use)."""
+    if name in ("LossWatch", "TokenCountAdapter"):
+        from lightning_zeropp.models import loss_rule
+
+        return getattr(loss_rule, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -32,7 +32,15 @@ import torch
 
 from lightning_zeropp.models.hf_loss import IGNORE_INDEX
 
-__all__ = ["SeqBuckets", "Reshaped", "bucket_length", "check_buckets", "is_packed", "reshape"]
+__all__ = [
+    "SeqBuckets",
+    "Reshaped",
+    "bucket_length",
+    "check_buckets",
+    "documents",
+    "is_packed",
+    "reshape",
+]
 
 # None: lengths as they come; "pow2": the next power of two; an int k: the next multiple of k;
 # a list: the next listed length (a longer batch keeps its own).
@@ -164,7 +172,7 @@ def _pack_rows(batch: dict[str, Any], num_rows: int, buckets: SeqBuckets) -> Res
             f"the packed batch's {unknown} have a value per token, which cannot be regrouped "
             f"(known: {sorted(_PAD)}, position_ids); drop them from the batch."
         )
-    docs = _documents(pos)  # (row, start, end) of each document, in order
+    docs = documents(pos)  # (row, start, end) of each document, in order
     _check_separated(batch, docs)
     groups = _balanced(docs, num_rows)
     width = bucket_length(max(sum(e - s for _, s, e in g) for g in groups), buckets)
@@ -197,7 +205,8 @@ def _per_token(value: Any, ids: torch.Tensor) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape == ids.shape
 
 
-def _documents(pos: torch.Tensor) -> list[tuple[int, int, int]]:
+def documents(pos: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(row, start, end) of each document of packed rows' `position_ids`, in order."""
     docs = []
     for row in range(pos.shape[0]):
         p = pos[row]

@@ -21,6 +21,27 @@ from lightning_zeropp.core.settings.values import parse_dtype
 __all__ = ["accelerator_arguments", "check_trainer_arguments", "plugin_for"]
 
 _LOADER_SETTINGS = ("split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler")
+# The Trainer's optimizers that were run on the pipeline's sharded parameters and give one
+# process's numbers (tests/distributed/test_trainer.py): torch's elementwise optimizers.
+TESTED_OPTIMS = ("adamw_torch", "adamw_torch_fused", "sgd", "rmsprop")
+# Why the others are refused, where it is known; the rest are simply untested.
+_OPTIM_REASONS = {
+    "adafactor": (
+        "Adafactor factorizes each weight matrix's second moment into its row and column means "
+        "over the whole matrix, but each rank steps its FSDP2 shard of the matrix (a DTensor), "
+        "so the factors could not be the whole matrix's"
+    ),
+    "adagrad": (
+        "torch's Adagrad makes its state when it is built, on the whole model, and the pipeline "
+        "rebuilds the optimizer over its stages' shards (state cannot move onto them)"
+    ),
+    "galore": "GaLore projects each whole weight matrix's gradient, which a rank holds a shard of",
+    "apollo": "APOLLO projects each whole weight matrix's gradient, which a rank holds a shard of",
+    "lomo": "LOMO fuses the update into the backward of the whole model, not the pipeline's",
+    "bnb": "bitsandbytes' optimizers keep block-quantized states over plain tensors, not shards",
+    "8bit": "quantized optimizer states are kept in blocks that do not follow FSDP2's shards",
+    "4bit": "quantized optimizer states are kept in blocks that do not follow FSDP2's shards",
+}
 
 
 def check_trainer_arguments(args: Any, init: dict[str, Any]) -> None:
@@ -96,6 +117,9 @@ def _problems(args: Any, init: dict[str, Any]) -> list[str]:
             "use_liger_kernel=True patches the model's modules, and its fused loss reads the "
             "head's weights outside the last stage. Drop it."
         )
+    optim = _optim_problem(args, init)
+    if optim:
+        found.append(optim)
     if args.save_on_each_node:
         found.append(
             "save_on_each_node=True writes a copy per node; the sharded checkpoint has each rank "
@@ -115,6 +139,22 @@ def _problems(args: Any, init: dict[str, Any]) -> list[str]:
             "one process computes it."
         )
     return found
+
+
+def _optim_problem(args: Any, init: dict[str, Any]) -> str | None:
+    """Why `args.optim` cannot be pipelined exactly, or None (also when the Trainer is handed
+    its optimizer: `optimizers=` or `optimizer_cls_and_kwargs=`)."""
+    if init.get("optimizers", (None, None))[0] is not None or init.get("optimizer_cls_and_kwargs"):
+        return None
+    name = str(getattr(args.optim, "value", args.optim))
+    if name in TESTED_OPTIMS:
+        return None
+    reason = next((why for key, why in _OPTIM_REASONS.items() if key in name), None)
+    why = reason or "it has not been checked to give one process's numbers on FSDP2's shards"
+    return (
+        f"optim={name!r}: {why}. Use one of {', '.join(TESTED_OPTIMS)} (optim=...), or hand the "
+        "Trainer an elementwise torch optimizer (optimizers=(optimizer, None))."
+    )
 
 
 def plugin_for(plugin: ZeroPPPlugin | None, args: Any) -> ZeroPPPlugin:

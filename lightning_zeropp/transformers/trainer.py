@@ -42,6 +42,12 @@ from lightning_zeropp.accelerate.preempt import agree_at_end
 from lightning_zeropp.accelerate.settings import ZeroPPPlugin
 from lightning_zeropp.accelerate.steps import NUM_ITEMS, PipelineModel
 from lightning_zeropp.transformers import checkpointing
+from lightning_zeropp.transformers.counts import (
+    padded_tokens,
+    summed_over_data_parallel,
+    summing_over_data_parallel,
+    without_repeats,
+)
 from lightning_zeropp.transformers.settings import (
     accelerator_arguments,
     check_trainer_arguments,
@@ -221,12 +227,20 @@ class ZeroPPTrainer(Trainer):
         the gathered losses is the global batch's token mean (as one process computes it).
 
         A batch that splits into the processes' shares gives each its share's sum; one that
-        does not gives every process of a pipeline its data-parallel rank's sum, weighted by
-        the data-parallel ranks instead (the mean over processes is the same)."""
+        does not (packed rows) gives every process the global batch's token mean, which any
+        subset of the processes' values (what gather_for_metrics keeps of a short last batch)
+        averages to, without the documents Accelerate repeated (`counts.without_repeats`)."""
+        state = self.accelerator.gradient_state
+        again = without_repeats(inputs, state, pipeline)
+        if again is not None:  # every rank counts again: a collective
+            inputs = again
+            items = float(self._get_num_items_in_batch([inputs], pipeline.engine.device))
         outputs = pipeline(**{**inputs, NUM_ITEMS: items})
-        dims = pipeline.engine.dims
         shared = pipeline.rows is not None and pipeline.rows % pipeline.engine.config.pp_size == 0
-        loss = outputs["loss"] * (dist.get_world_size() if shared else dims.dp_size)
+        if shared:
+            loss = outputs["loss"] * dist.get_world_size()
+        else:  # this data-parallel rank's token sum over the global count: summed, the mean
+            loss = summed_over_data_parallel(outputs["loss"], pipeline)
         return (loss, outputs) if return_outputs else loss
 
     def prediction_step(
@@ -252,33 +266,22 @@ class ZeroPPTrainer(Trainer):
             return super()._get_num_items_in_batch(batch_samples, device)
 
     def _track_num_input_tokens(self, inputs: dict[str, Any]) -> None:
-        with self._summing_over_data_parallel():
-            super()._track_num_input_tokens(inputs)
+        """Tokens seen, as one process counts them (`counts.padded_tokens`)."""
+        name = getattr(self.model, "main_input_name", "input_ids")
+        padded = self.args.include_num_input_tokens_seen == "all"
+        seen = padded_tokens(inputs, name, self._pipeline) if padded else None
+        if seen is None:
+            with self._summing_over_data_parallel():
+                super()._track_num_input_tokens(inputs)
+        else:
+            self.state.num_input_tokens_seen += seen
 
     def store_flos(self) -> None:
         with self._summing_over_data_parallel():
             super().store_flos()
 
-    @contextlib.contextmanager
-    def _summing_over_data_parallel(self) -> Iterator[None]:
-        """The Trainer sums per-process counts as `accelerator.gather(count).sum()`; the ranks
-        of a pipeline hold the same rows, so the sum is taken over data-parallel ranks only."""
-        if self._pipeline is None:
-            yield
-            return
-        dims = self._pipeline.engine.dims
-
-        def summed(value: torch.Tensor) -> torch.Tensor:
-            total = value.detach().clone()
-            for group in dims.dp_groups:
-                dist.all_reduce(total, group=group)
-            return total.reshape(1)
-
-        self.accelerator.gather = summed  # shadows the method on this instance
-        try:
-            yield
-        finally:
-            del self.accelerator.gather
+    def _summing_over_data_parallel(self) -> contextlib.AbstractContextManager[None]:
+        return summing_over_data_parallel(self.accelerator, self._pipeline)
 
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
         """Clip by the norm over every stage and shard (tied copies counted once)."""

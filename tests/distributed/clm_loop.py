@@ -108,8 +108,9 @@ def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 
 
 class OwnLossLlama(LlamaForCausalLM):
-    """A model computing its own mean loss in its forward (not through `loss_function`): the
-    pipeline cannot weigh its micro-batches by tokens, and must say so."""
+    """A model computing its own mean loss in its forward (not through `loss_function`), as a
+    mean `F.cross_entropy`: the pipeline sees its count and weighs it exactly
+    (`models.loss_rule`)."""
 
     def forward(self, input_ids: Any = None, labels: Any = None, **kwargs: Any) -> Any:
         kwargs.pop("num_items_in_batch", None)
@@ -120,10 +121,35 @@ class OwnLossLlama(LlamaForCausalLM):
         return out
 
 
+class ManualLossLlama(LlamaForCausalLM):
+    """A mean loss computed by hand (per-token losses, averaged over the labelled ones): no count
+    can be seen, so the pipeline cannot weigh its micro-batches by tokens, and must say so."""
+
+    def forward(self, input_ids: Any = None, labels: Any = None, **kwargs: Any) -> Any:
+        kwargs.pop("num_items_in_batch", None)
+        out = super().forward(input_ids=input_ids, **kwargs)
+        if labels is not None:
+            logits, targets = out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()
+            keep = targets != -100
+            picked = logits.log_softmax(-1).gather(1, targets.clamp(min=0)[:, None])[:, 0]
+            out.loss = -(picked * keep).sum() / keep.sum()
+        return out
+
+
+OWN_LOSS = {"llama_own_loss": OwnLossLlama, "llama_manual_loss": ManualLossLlama}
+
+
 def build_model(args: Args) -> torch.nn.Module:
-    if args.family == "llama_own_loss":
+    if args.family == "bert":  # a masked LM (its own mean loss) on these rows' labels
+        from transformers import AutoModelForMaskedLM
+
+        from tests.distributed.trainer_script import BERT
+
         torch.manual_seed(args.init_seed)
-        return OwnLossLlama(AutoConfig.for_model("llama", **TINY))
+        return AutoModelForMaskedLM.from_config(AutoConfig.for_model("bert", **BERT))
+    if args.family in OWN_LOSS:
+        torch.manual_seed(args.init_seed)
+        return OWN_LOSS[args.family](AutoConfig.for_model("llama", **TINY))
     config = AutoConfig.for_model(
         args.family,
         **{**TINY, **NO_DROPOUT, **EXTRA.get(args.family, {})},

@@ -22,6 +22,8 @@ PP = {"pp_size": 2, "num_microbatches": 2}
 ONE = {"per_device_train_batch_size": 8, "per_device_eval_batch_size": 2}
 CASES = [
     {"id": "llama-1f1b", "plugin": PP},
+    # a forward returning its own mean F.cross_entropy: rescaled to the batch's token weighting
+    {"id": "own-loss", "plugin": PP, "args": {"family": "llama_own_loss"}},
     # tied, clipped (the norm counts the tied weight once) and accumulated
     {
         "id": "llama-tied-acc2",
@@ -67,9 +69,15 @@ SWEEP_CASES = [
     # no training: run_clm's eval alone, compared with DDP's and one process's
     {"id": "eval-only", "plugin": PP, "args": {"num_train_epochs": 0, "eval_rows": 10}},
 ]
-# A forward that computes its own loss: no token weighting can make it exact, so it is refused
-# at its first step, on every rank (`models.hf_loss.LossWatch`).
-REFUSED = {"id": "own-loss", "plugin": PP, "args": {"family": "llama_own_loss"}, "catch": True}
+# A forward that computes its own mean loss by hand: no count can be seen, so it is refused at its
+# first step, on every rank (`models.loss_rule.LossWatch`). One computing it as a mean
+# F.cross_entropy is weighed exactly (CASES: "own-loss").
+REFUSED = {
+    "id": "manual-loss",
+    "plugin": PP,
+    "args": {"family": "llama_manual_loss"},
+    "catch": True,
+}
 # The other families, and the tied model under the other schedules: left to bench/slow_tests.py
 # for time (bench/bench_families.py tabulates every family on both fronts).
 FAMILY_CASES = [
@@ -197,8 +205,9 @@ def test_eval_of_a_short_last_batch_is_ddps(runs):
 
 def test_a_forward_computing_its_own_loss_is_refused(runs):
     for rank_result in runs[0]:
-        error = rank_result["own-loss"]["error"]
-        assert "OwnLossLlama's forward did not compute its loss as its loss_function" in error
+        error = rank_result["manual-loss"]["error"]
+        assert "ManualLossLlama's forward did not compute its loss as its loss_function" in error
+        assert "nor as a mean F.cross_entropy over those labels" in error
         assert "Have the forward pass its keyword arguments to self.loss_function" in error
 
 

@@ -23,6 +23,9 @@ CASES = [
     {"id": "qwen2", "family": "qwen2"},
     {"id": "gpt2-tied", "family": "gpt2", "tie_word_embeddings": True, "export_to": "<out>"},
     {"id": "opt-tied", "family": "opt", "tie_word_embeddings": True},
+    # BERT-MLM returns its own mean cross-entropy (it ignores num_items_in_batch): each
+    # micro-batch's mean is rescaled to its token sum over the batch's count (models.loss_rule)
+    {"id": "bert", "family": "bert"},
 ]
 # bench/bench_families.py runs every family through this module too.
 SLOW_CASES = [

@@ -16,6 +16,7 @@ import torch
 
 from tests.distributed.launch import launch
 from tests.distributed.trainer_scenarios import initial_weights
+from tests.distributed.trainer_script import texts
 
 pytestmark = pytest.mark.distributed
 
@@ -23,19 +24,25 @@ PP = {"pp_size": 2, "num_microbatches": 2}
 CLIPPED = {"max_grad_norm": 0.3, "gradient_accumulation_steps": 2}
 EVAL = {"eval_strategy": "steps", "eval_steps": 2, "lr_scheduler_type": "cosine", "warmup_steps": 1}
 LORA = {"lora": True, "rows": "padded"}
-# packed rows regrouped into 3 micro-batches: in evaluation the 3 rows do not split into the 2
-# processes' shares (each process of a pipeline reports its data-parallel rank's sum)
+# tokens seen counted as one process counts them, padding included (before: 400 against 448)
+SEEN = {"include_num_input_tokens_seen": True}
+# packed rows regrouped into 3 micro-batches: in evaluation a packed row does not split into the
+# 2 processes' shares (each process reports the global batch's mean); 10 evaluation rows, 12 a
+# batch: Accelerate repeats 2 documents to complete the last batch, which must not count (before:
+# eval_loss 4.811245 against 4.818483)
 PACKED = {
     "rows": "packed",
     "per_device_train_batch_size": 3,
     "per_device_eval_batch_size": 3,
-    "eval_rows": 12,
+    "eval_rows": 10,
+    "predict": True,  # the packed logits, gathered: each pipeline's row once
     "args": {
         "optim": "sgd",
         "learning_rate": 0.5,
         "max_grad_norm": 0,
         "eval_strategy": "steps",
         "eval_steps": 2,
+        **SEEN,  # packed rows: no padding, the ranks' counts add up
     },
 }
 # the best checkpoint by a metric that is not the last step's (the higher loss), loaded at the
@@ -50,13 +57,18 @@ BEST = {
     "greater_is_better": True,
     "save_total_limit": 1,
 }
-PADDED = {"rows": "padded", "args": {**CLIPPED, **BEST}}
+# torch's fused AdamW on the sharded parameters (TrainingArguments' tested optims)
+PADDED = {"rows": "padded", "args": {**CLIPPED, **BEST, "optim": "adamw_torch_fused"}}
 # GPT-2: tied embeddings, learned positions; dropout off (the runs draw other random numbers)
 GPT2 = {
     "family": "gpt2",
     "tie_word_embeddings": None,
     "config": {"n_positions": 32, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
 }
+# BERT-MLM's forward returns its own mean cross-entropy (it ignores num_items_in_batch): the
+# pipeline rescales each micro-batch's mean to its token sum over the batch's count. A fixed mask
+# (trainer_script.masked) over padded rows: micro-batches hold different numbers of masked tokens
+BERT = {"family": "bert", "rows": "padded", "args": {**EVAL, **SEEN, "optim": "rmsprop"}}
 CASES = [
     # equal rows: the plain Trainer's DDP is exact there, and runs in the same launch.
     # evaluate() before train() here, eval_on_start there: the plain Trainer under DDP trains
@@ -78,6 +90,7 @@ CASES = [
         "script": PADDED,
     },
     {"id": "lora", "plugin": PP, "script": LORA},
+    {"id": "bert", "plugin": PP, "script": BERT},
     {
         "id": "packed",
         "plugin": {"pp_size": 2, "num_microbatches": 3},
@@ -98,7 +111,7 @@ ONE = {"per_device_train_batch_size": 8, "per_device_eval_batch_size": 8}
 REFERENCES = [
     {"id": case["id"], "plugin": None, "script": {**case["script"], **case.get("one", ONE)}}
     for case in CASES
-    if case["id"] in ("padded", "lora", "packed")
+    if case["id"] in ("padded", "lora", "packed", "bert")
 ]
 
 
@@ -134,6 +147,7 @@ def _assert_same_training(got: dict, ref: dict, atol: float = 1e-5) -> None:
         assert a["learning_rate"] == pytest.approx(b["learning_rate"], abs=1e-9)
         if "grad_norm" in b:
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5, abs=1e-5)
+        assert a.get("num_input_tokens_seen") == b.get("num_input_tokens_seen")
 
 
 def _assert_same_weights(got: dict, ref: dict, key: str = "weights") -> None:
@@ -209,6 +223,28 @@ def test_packed_rows_match_one_process(runs):
     _assert_same_weights(four[0]["packed"], one["packed"])
     evals = [log["eval_loss"] for log in four[0]["packed"]["logs"] if "eval_loss" in log]
     want = [log["eval_loss"] for log in one["packed"]["logs"] if "eval_loss" in log]
+    assert len(evals) == len(want) == 2
+    assert evals == pytest.approx(want, abs=1e-5)
+    # predict(): one packed row per data-parallel rank (before: each twice, once per process of
+    # its pipeline); rank 0's 6 documents, then rank 1's 4 (and the 2 Accelerate repeated to
+    # complete the batch), against one process's row of the 10
+    got, ref = four[0]["packed"]["predictions"], one["packed"]["predictions"]
+    assert got.shape[0] == 2 and ref.shape[0] == 1
+    lengths = [len(row["input_ids"]) for row in texts(PACKED["eval_rows"], 2, equal=False)]
+    first, total = sum(lengths[:6]), sum(lengths)
+    flat = np.concatenate([got[0, :first], got[1, : total - first]])
+    np.testing.assert_allclose(flat, ref[0, :total], atol=1e-5, rtol=0)
+
+
+def test_masked_lm_computing_its_own_mean_matches_one_process(runs):
+    """Before: the mean of micro-batch means (first step 4.8714 against 4.8498) and an eval loss
+    times the processes (19.51 against 4.86)."""
+    four, one = runs
+    got, ref = four[0]["bert"], one["bert"]
+    _assert_same_training(got, ref)
+    _assert_same_weights(got, ref)
+    evals = [log["eval_loss"] for log in got["logs"] if "eval_loss" in log]
+    want = [log["eval_loss"] for log in ref["logs"] if "eval_loss" in log]
     assert len(evals) == len(want) == 2
     assert evals == pytest.approx(want, abs=1e-5)
 

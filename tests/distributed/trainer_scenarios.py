@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, Trainer
+from transformers import Trainer
 
 from lightning_zeropp.transformers import ZeroPPPlugin, ZeroPPTrainer
-from tests.distributed.trainer_script import Script, build_model
+from tests.distributed.trainer_script import Script, build_model, model_class
 from tests.distributed.trainer_script import run as run_script
 
 
@@ -118,7 +118,7 @@ def _saved(script: Script, folder: Path) -> dict[str, Any]:
             "adapter": load_file(folder / "adapter_model.safetensors"),
             "files": sorted(p.name for p in folder.iterdir()),
         }
-    model = AutoModelForCausalLM.from_pretrained(folder)
+    model = model_class(script.family).from_pretrained(folder)
     return {"weights": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
@@ -130,6 +130,8 @@ def _merged(trainer: Any, folder: Path) -> dict[str, Any]:
     if int(os.environ.get("RANK", "0")) != 0:
         return {}
     whole.merge_and_unload().save_pretrained(folder)
+    from transformers import AutoModelForCausalLM
+
     merged = AutoModelForCausalLM.from_pretrained(folder)
     return {"merged": {k: v.clone() for k, v in merged.state_dict().items()}}
 

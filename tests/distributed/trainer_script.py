@@ -21,6 +21,7 @@ from torch.utils.data import IterableDataset
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForMaskedLM,
     DataCollatorForLanguageModeling,
     DataCollatorWithFlattening,
     PreTrainedTokenizerFast,
@@ -38,6 +39,20 @@ TINY = {
     "num_key_value_heads": 2,
     "pad_token_id": 0,
 }
+# BERT-MLM: its forward computes its own mean cross-entropy (it ignores num_items_in_batch);
+# dropout off, so the pipeline and one process draw no random numbers
+BERT = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 32,
+    "pad_token_id": 0,
+    "hidden_dropout_prob": 0.0,
+    "attention_probs_dropout_prob": 0.0,
+}
+MASK_ID = 1  # the masked-LM collator's [MASK]
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -85,7 +100,35 @@ def texts(rows: int, seed: int, equal: bool) -> list[dict[str, list[int]]]:
     ]
 
 
+def masked(samples: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+    """A masked-LM collator with a fixed mask (token t at position p is masked when t + p is a
+    multiple of 3), so every run masks the same tokens: right padding, padding and unmasked
+    positions labelled -100, masked ones replaced by `MASK_ID`."""
+    longest = max(len(s["input_ids"]) for s in samples)
+    ids = torch.zeros(len(samples), longest, dtype=torch.long)
+    attend = torch.zeros_like(ids)
+    for row, s in enumerate(samples):
+        ids[row, : len(s["input_ids"])] = torch.tensor(s["input_ids"])
+        attend[row, : len(s["input_ids"])] = 1
+    chosen = ((ids + torch.arange(longest)) % 3 == 0) & (attend == 1)
+    labels = ids.masked_fill(~chosen, -100)
+    return {
+        "input_ids": ids.masked_fill(chosen, MASK_ID),
+        "attention_mask": attend,
+        "labels": labels,
+    }
+
+
+def model_class(family: str) -> type:
+    return AutoModelForMaskedLM if family == "bert" else AutoModelForCausalLM
+
+
 def build_model(script: Script) -> torch.nn.Module:
+    if script.family == "bert":
+        torch.manual_seed(script.init_seed)
+        return AutoModelForMaskedLM.from_config(
+            AutoConfig.for_model("bert", **BERT, **script.config)
+        )
     tie = (
         {}
         if script.tie_word_embeddings is None
@@ -135,8 +178,10 @@ def run(
     if script.iterable:
         train = Stream(train)
     evals = texts(script.eval_rows, 2, script.rows == "equal")
-    if script.rows == "packed":
-        collator: Any = DataCollatorWithFlattening()
+    if script.family == "bert":
+        collator: Any = masked
+    elif script.rows == "packed":
+        collator = DataCollatorWithFlattening()
     else:
         collator = DataCollatorForLanguageModeling(tok, mlm=False)
     settings = {
@@ -153,6 +198,7 @@ def run(
     }
     args = TrainingArguments(**{**settings, **script.args})
     recorder = Recorder()
+    bert = script.family == "bert"
     trainer = trainer_cls(
         model=model,
         args=args,
@@ -160,7 +206,7 @@ def run(
         eval_dataset=evals,
         data_collator=collator,
         processing_class=tok,
-        compute_metrics=token_accuracy if script.rows != "packed" else None,
+        compute_metrics=token_accuracy if script.rows != "packed" and not bert else None,
         callbacks=[recorder],
         **extra,
     )

@@ -377,8 +377,40 @@ def test_accelerator_settings_that_cannot_work_are_refused(overrides, match):
 
 def test_single_process_accelerator_under_a_launcher_is_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(ValueError, match=r"ACCELERATE_USE_CPU=1"):
+    with pytest.raises(ValueError, match=r"ACCELERATE_USE_CPU=1, before anything else reads"):
         _check_accelerator(fake_accelerator(num_processes=1, distributed_type=DistributedType.NO))
+
+
+def test_a_tracker_that_made_a_one_process_state_first_is_named(monkeypatch):
+    """Before: a custom tracker (its @on_main_process __init__ reads PartialState()) built before
+    ZeroPPAccelerator(cpu=True) left Accelerate one process, and the user, who had passed
+    cpu=True, was told to pass cpu=True."""
+    from accelerate.state import AcceleratorState
+    from accelerate.tracking import GeneralTracker, on_main_process
+
+    from lightning_zeropp.accelerate import ZeroPPAccelerator
+
+    class Tracker(GeneralTracker):
+        name, requires_logging_directory, main_process_only = "mine", False, True
+
+        @on_main_process
+        def __init__(self) -> None:
+            super().__init__()
+
+        @property
+        def tracker(self) -> None:
+            return None
+
+    monkeypatch.setenv("WORLD_SIZE", "4")  # as a launcher sets it (LOCAL_RANK would rendezvous)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    AcceleratorState._reset_state(True)
+    try:
+        tracker = Tracker()  # makes Accelerate's process state, without cpu=True
+        with pytest.raises(ValueError, match=r"it was made before the ZeroPPAccelerator") as err:
+            ZeroPPAccelerator(cpu=True, log_with=[tracker])
+        assert "PartialState(cpu=True)` before building the tracker" in str(err.value)
+    finally:
+        AcceleratorState._reset_state(True)
 
 
 def test_empty_groups_are_hidden_from_the_checkpoint_and_restored():

@@ -10,10 +10,23 @@ import torch
 from torch import nn
 
 from lightning_zeropp.accelerate.optim import optimizer_param_names, rebuild_optimizer
-from lightning_zeropp.accelerate.shares import eval_microbatches_by_share, share, share_losses
+from lightning_zeropp.accelerate.shares import (
+    eval_microbatches_by_share,
+    owners_only,
+    share,
+    share_losses,
+)
 from lightning_zeropp.accelerate.steps import PipelineOutput
-from lightning_zeropp.models.hf_loss import NUM_ITEMS, TokenCountAdapter, TokenRule, token_rule
-from tests.distributed.clm_loop import Args, OwnLossLlama, Texts, build_model, collate
+from lightning_zeropp.models.hf_loss import NUM_ITEMS, TokenRule, token_rule
+from lightning_zeropp.models.loss_rule import TokenCountAdapter
+from tests.distributed.clm_loop import (
+    Args,
+    ManualLossLlama,
+    OwnLossLlama,
+    Texts,
+    build_model,
+    collate,
+)
 
 
 def _model(family: str, tied: bool = False) -> nn.Module:
@@ -74,18 +87,52 @@ def test_micro_batch_losses_weighted_by_the_rule_are_the_models_own_loss(family)
     assert len(set(counts.tolist())) > 1  # the micro-batches really differ
 
 
-def test_a_forward_that_computes_its_own_loss_is_caught():
-    batch = collate([Texts(4, 1)[i] for i in range(4)])
-    for model, fails in ((_model("llama"), False), (OwnLossLlama(_model("llama").config), True)):
-        adapter = TokenCountAdapter.for_model(model)
-        assert adapter is not None
-        _, kwargs = adapter.stage_inputs((), dict(batch))
-        output = model(**kwargs)
-        if fails:
-            with pytest.raises(ValueError, match="did not compute its loss as its loss_function"):
-                adapter.stage_output(output, (), dict(batch))
-        else:
-            assert adapter.stage_output(output, (), dict(batch)) is output
+def _bert() -> nn.Module:
+    from transformers import AutoConfig, AutoModelForMaskedLM
+
+    config = AutoConfig.for_model(
+        "bert", vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return AutoModelForMaskedLM.from_config(config)
+
+
+@pytest.mark.parametrize("kind", ["llama", "own-loss", "bert", "manual-loss"])
+def test_a_forward_computing_its_own_loss_is_weighed_exactly_or_refused(kind):
+    """Micro-batch losses settled by `LossWatch` (as the fronts do, one micro-batch at a time)
+    add up to the model's loss on the whole batch: the model's own loss_function given the count
+    (llama), a mean cross-entropy rescaled (own-loss, BERT-MLM), or refused (a hand-made mean)."""
+    llama = _model("llama")
+    model = {
+        "llama": llama,
+        "own-loss": OwnLossLlama(llama.config),
+        "bert": _bert(),
+        "manual-loss": ManualLossLlama(llama.config),
+    }[kind]
+    batch = collate([Texts(8, 1)[i] for i in range(8)])
+    if kind == "bert":  # a fixed mask: one token in three labelled
+        keep = (batch["input_ids"] + torch.arange(batch["input_ids"].shape[1])) % 3 == 0
+        batch["labels"] = batch["labels"].masked_fill(~keep, -100)
+    want = model(**batch).loss
+    adapter = TokenCountAdapter.for_model(model)
+    assert adapter is not None
+    adapter.microbatches = 4
+    _, whole = adapter.stage_inputs((), dict(batch))
+    parts = [{k: v[i : i + 2] for k, v in batch.items()} for i in range(0, 8, 2)]
+    got = torch.zeros(())
+    with adapter.counting():
+        for part in parts:
+            adapter._items = whole[NUM_ITEMS]  # the batch's count, as the front passes it
+            output = model(**part, **{NUM_ITEMS: whole[NUM_ITEMS]})
+            if kind == "manual-loss":
+                with pytest.raises(ValueError, match="ManualLossLlama's forward did not compute"):
+                    adapter.stage_output(output, (), part)
+                return
+            got = got + adapter.stage_output(output, (), part).loss.detach()
+    torch.testing.assert_close(got / 4, want.detach(), rtol=0, atol=1e-6)
+    means = sum(model(**part).loss.detach() for part in parts) / 4
+    assert abs(float(means - want)) > 1e-4  # the mean of micro-batch means is not it
 
 
 def test_a_tied_weight_is_in_the_rebuilt_optimizer_under_every_name():
@@ -118,6 +165,9 @@ def test_shares_are_the_rows_ddp_processes_would_load():
     assert share(torch.tensor(3.0), 8, 2, 1).item() == 3.0
     assert eval_microbatches_by_share(8, 8, 2) == 8 and eval_microbatches_by_share(6, 3, 2) == 2
     assert eval_microbatches_by_share(7, 4, 2) is None
+    # a packed row per data-parallel rank, gathered from 4 processes (pp 2): each row once
+    gathered = torch.tensor([[0], [0], [1], [1]])  # DDP order: (dp 0: pp 0, 1), (dp 1: pp 0, 1)
+    assert owners_only(gathered, 4, 2).tolist() == [[0], [1]]
     # micro-batch token sums over num_items_in_batch 2.5: shares [3+1, 2+2] / tokens [4, 2]
     losses = [torch.tensor(v / 2.5) for v in (3.0, 1.0, 2.0, 2.0)]
     got = share_losses(losses, 2, 2.5, torch.tensor([4.0, 2.0]))

@@ -59,6 +59,27 @@ def test_refused_at_construction(tmp_path, setting, named):
     assert not torch.distributed.is_initialized()  # refused before any process group
 
 
+def test_every_optim_is_tested_or_refused_naming_why(tmp_path):
+    """Before: optim="adafactor" crashed at the first step with a DTensor error."""
+    from transformers.training_args import OptimizerNames
+
+    from lightning_zeropp.transformers.settings import TESTED_OPTIMS
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    for name in OptimizerNames:
+        args.optim = name  # past TrainingArguments' checks (some need packages not installed)
+        if name.value in TESTED_OPTIMS:
+            continue  # test_trainer.py runs them against one process
+        with pytest.raises(ValueError, match=f"ZeroPPTrainer: optim='{name.value}'") as err:
+            ZeroPPTrainer(model=torch.nn.Linear(2, 2), args=args)
+        assert "adamw_torch" in str(err.value)  # what to use instead
+        if name.value == "adafactor":
+            assert "factorizes each weight matrix's second moment" in str(err.value)
+    args.optim = OptimizerNames.ADAFACTOR  # not the Trainer's optimizer: allowed
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    ZeroPPTrainer(model=torch.nn.Linear(2, 2), args=args, optimizers=(opt, None))
+
+
 def test_fp16_and_model_init_refused(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
     args.fp16 = True

@@ -1,0 +1,97 @@
+"""The Trainer's counts over processes (tokens for the loss, tokens seen, flos), as one process
+counts them: the processes of one pipeline hold the same rows, so sums run over data-parallel
+ranks only, a count that depends on padding is taken over the global batch, and the rows
+Accelerate repeats to complete a short last batch are not counted."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_zeropp.accelerate.steps import PipelineModel
+from lightning_zeropp.models.hf_loss import IGNORE_INDEX
+from lightning_zeropp.models.packing import documents, is_packed
+
+__all__ = [
+    "padded_tokens",
+    "summed_over_data_parallel",
+    "summing_over_data_parallel",
+    "without_repeats",
+]
+
+
+@contextlib.contextmanager
+def summing_over_data_parallel(accelerator: Any, pipeline: PipelineModel | None) -> Iterator[None]:
+    """The Trainer sums per-process counts as `accelerator.gather(count).sum()`; the ranks
+    of a pipeline hold the same rows, so the sum is taken over data-parallel ranks only."""
+    if pipeline is None:
+        yield
+        return
+
+    def summed(value: torch.Tensor) -> torch.Tensor:
+        return summed_over_data_parallel(value, pipeline).reshape(1)
+
+    accelerator.gather = summed  # shadows the method on this instance
+    try:
+        yield
+    finally:
+        del accelerator.gather
+
+
+def padded_tokens(inputs: dict[str, Any], name: str, pipeline: PipelineModel | None) -> int | None:
+    """Collective over data-parallel ranks: the tokens one process counts in this global batch
+    padding included (`include_num_input_tokens_seen="all"`), or None where the Trainer's own
+    count, summed over data-parallel ranks, is one process's already (no pipeline, packed rows,
+    no rows of tokens).
+
+    One process pads the global batch's rows to its longest; each data-parallel rank here padded
+    its own rows (its pipeline's processes' rows) to theirs: so rows are summed over ranks and
+    the length is the longest of them (a collator padding to a multiple pads the longest alike).
+    Packed rows (one row of every document) have no padding: their sum is one process's."""
+    ids = inputs.get(name)
+    if pipeline is None or not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        return None
+    if is_packed(inputs):
+        return None
+    device = pipeline.engine.device
+    rows = torch.tensor(ids.shape[0], dtype=torch.int64, device=device)
+    length = torch.tensor(ids.shape[1], dtype=torch.int64, device=device)
+    for group in pipeline.engine.dims.dp_groups:
+        dist.all_reduce(rows, group=group)
+        dist.all_reduce(length, op=dist.ReduceOp.MAX, group=group)
+    return int(rows * length)
+
+
+def summed_over_data_parallel(value: torch.Tensor, pipeline: PipelineModel) -> torch.Tensor:
+    """Collective: `value` summed over the data-parallel ranks (a copy, detached)."""
+    total = value.detach().clone()
+    for group in pipeline.engine.dims.dp_groups:
+        dist.all_reduce(total, group=group)
+    return total
+
+
+def without_repeats(
+    inputs: dict[str, Any], state: Any, pipeline: PipelineModel
+) -> dict[str, Any] | None:
+    """The last packed evaluation batch with the labels of repeated documents masked (-100); None
+    for other batches (the same on every rank: the caller counts the tokens again, together).
+
+    Accelerate completes a short last batch with rows from the start (`even_batches`), and
+    `gather_for_metrics` drops them from what has a value per row; packed into one row they
+    cannot be dropped, and their tokens would count in the loss. The global batch's first
+    `state.remainder` rows are real; data-parallel rank i holds rows [i*B, (i+1)*B) of it, one
+    document per row, in order."""
+    labels = inputs.get("labels")
+    last = is_packed(inputs) and state.end_of_dataloader and state.remainder > 0
+    if not last or not isinstance(labels, torch.Tensor):
+        return None
+    docs = documents(inputs["position_ids"])
+    real = min(max(state.remainder - pipeline.engine.dims.dp_rank * len(docs), 0), len(docs))
+    masked = labels.clone()
+    for row, start, end in docs[real:]:
+        masked[row, start:end] = IGNORE_INDEX
+    return {**inputs, "labels": masked}
