@@ -165,8 +165,10 @@ def reads(layout: dict[str, Any], steps: int = 3) -> dict[str, Any]:
 
 def call_site_checkpoint(layout: dict[str, Any], steps: int = 3) -> dict[str, Any]:
     """`checkpoint(block, h, use_reentrant=False)` in forward: the losses and the trained state
-    (rank 0); then `use_reentrant=True`: what each rank raises."""
-    trainer = _trainer(layout, steps)
+    (rank 0), under GPipe (every micro-batch's forward runs before the first backward, so a
+    recomputed block must find its own micro-batch's activations); then `use_reentrant=True`:
+    what each rank raises."""
+    trainer = _trainer({**layout, "schedule": "gpipe"}, steps)
     dp = trainer.strategy.zeropp_config.resolve(_WORLD).dp_size
     lit = Scaled(call_site_checkpoint=True)
     losses = _Losses()
