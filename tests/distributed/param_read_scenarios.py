@@ -193,6 +193,34 @@ class _Losses(pl.Callback):
         self.logged.append(float(trainer.callback_metrics["train_loss"]))
 
 
+class ReadsScale(Scaled):
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.log("scale", float(self.logit_scale))  # held by the last stage only
+
+
+def uncaught_read(layout: dict[str, Any]) -> dict[str, Any]:
+    """A hook reading a parameter its rank does not hold, uncaught: what each rank raises."""
+    import datetime
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=_WORLD,
+        strategy=ZeroPPStrategy(**layout, timeout=datetime.timedelta(seconds=60)),
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    dp = trainer.strategy.zeropp_config.resolve(_WORLD).dp_size
+    try:
+        trainer.fit(ReadsScale(), _loader(3, GLOBAL_BATCH // dp))
+    except Exception as err:  # noqa: BLE001 - the test reads what each rank raised
+        return {"type": type(err).__name__, "message": str(err)}
+    return {"type": None, "message": ""}
+
+
 def cases(layout: dict[str, Any]) -> dict[str, Any]:
-    """Every case of this file, in one launch."""
+    """The tested cases, in one launch (`uncaught_read` is run by hand: after a failure the
+    process group is not reusable, so it would need a launch of its own)."""
     return {"reads": reads(layout), "checkpoint": call_site_checkpoint(layout)}
