@@ -19,7 +19,7 @@ from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 from lightning_zeropp.core.weights.materialize import empty_parameters, init_weights
 
 if TYPE_CHECKING:
-    from lightning_zeropp.lightning import ZeroPPStrategy, grad_norm
+    from lightning_zeropp.lightning import ZeroPPStrategy, full_parameter, grad_norm, param_norm
 
 __all__ = [
     "ZeroPPConfig",
@@ -27,15 +27,17 @@ __all__ = [
     "ZeroPPLayout",
     "ZeroPPStrategy",
     "empty_parameters",
+    "full_parameter",
     "grad_norm",
     "init_weights",
+    "param_norm",
 ]
 
 _log = logging.getLogger(__name__)
 
 
 def __getattr__(name: str) -> Any:  # PEP 562: `lightning_zeropp.ZeroPPStrategy` imports Lightning
-    if name in ("ZeroPPStrategy", "grad_norm"):
+    if name in ("ZeroPPStrategy", "full_parameter", "grad_norm", "param_norm"):
         from lightning_zeropp import lightning
 
         return getattr(lightning, name)

@@ -81,7 +81,7 @@ def build_engine(
         init=init,
         load_from=load_from,
     )
-    network.install(engine.module)
+    network.install(engine.module, whole, ", ".join(map(str, engine.stage_ids)))
     runner.engine = engine
     runner.recorder.dp_group = data_parallel_group(dims)
     rank_zero_info(describe_layout(engine))  # collective: every rank builds the text

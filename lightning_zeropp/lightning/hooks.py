@@ -5,6 +5,8 @@ data-parallel ranks. So in `on_after_backward` and `on_before_optimizer_step` (o
 callbacks) a norm, sum or maximum over `self.parameters()` or their gradients would be this rank's
 share of it, logged as if it were the model's: `ShardReads` refuses any such reduction with a
 message naming `grad_norm`, this library's whole-model version of Lightning's `grad_norm`.
+Outside a step a rank holds no value for a parameter of another stage (`lightning.network`
+guards it): `full_parameter` and `param_norm` gather one from the stage holding it, on every rank.
 Element-wise work (clamping gradients, an EMA of the weights) is per element and stays allowed.
 
 `ThroughputMonitor` counts every rank as a device reading its own batch; the ranks of one pipeline
@@ -14,7 +16,8 @@ read one batch, so it counts pipelines (`count_pipelines`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import difflib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -26,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_zeropp.core._torch_private import tree_flatten
 
-__all__ = ["ShardReads", "count_pipelines", "grad_norm"]
+__all__ = ["ShardReads", "count_pipelines", "full_parameter", "grad_norm", "param_norm"]
 
 # Tensor queries that read no values (a shard's shape is its parameter's, under DTensor).
 _METADATA = {
@@ -99,31 +102,72 @@ def grad_norm(
     parameter's whole gradient (every shard) and their total over the whole model (every stage),
     the same dict on every rank, keyed as Lightning keys it. Collective: call it on every rank
     (e.g. in `on_before_optimizer_step`). A tied weight counts once, under its first name."""
+    return _norms(module, norm_type, group_separator, "grad", lambda p: p.grad)
+
+
+def param_norm(
+    module: pl.LightningModule, norm_type: float | str = 2.0, group_separator: str = "/"
+) -> dict[str, torch.Tensor]:
+    """`grad_norm` for the weights: the norm of each whole parameter (every shard, every stage)
+    and their total, keyed `param_{norm_type}_norm/<name>` and `param_{norm_type}_norm_total`,
+    the same dict on every rank (log it from any rank). Collective: call it on every rank, in
+    any hook or after `trainer.fit`. A tied weight counts once, under its first name."""
+    return _norms(module, norm_type, group_separator, "param", lambda p: p)
+
+
+def full_parameter(module: pl.LightningModule, name: str) -> torch.Tensor:
+    """The trained value of the parameter `name` (as `module.named_parameters()` names it in one
+    process, e.g. "model.head.weight" or "logit_scale"): whole (every shard), on every rank, as a
+    CPU tensor, from the pipeline stage holding it. Collective: call it on every rank, in any
+    hook or after `trainer.fit`. Meant for single parameters (a scale, a norm to log); the whole
+    model is `trainer.strategy.full_state_dict()`."""
+    engine = module.trainer.strategy.engine
+    names = module.trainer.strategy._runner.network.names
+    held = dict(module.named_parameters(remove_duplicate=False))
+    if name not in names and name not in held:  # the same answer on every rank: no collective
+        close = difflib.get_close_matches(name, names, n=3)
+        hint = f"; did you mean {' or '.join(map(repr, close))}" if close else ""
+        raise ValueError(
+            f"full_parameter: {type(module).__name__} has no parameter {name!r}{hint} (names as "
+            "module.named_parameters() gives them in one process)."
+        )
+    value = None
+    if name in held:
+        with ShardReads.allowed():
+            p = held[name].detach()
+            value = (p.full_tensor() if isinstance(p, DTensor) else p).cpu().clone()
+    gathered: list[Any] = [None] * engine.config.pp_size
+    dist.all_gather_object(gathered, value, group=engine.dims.pp_group)
+    return next(v for v in gathered if v is not None)
+
+
+def _norms(
+    module: pl.LightningModule,
+    norm_type: float | str,
+    group_separator: str,
+    kind: str,
+    read: Callable[[torch.Tensor], torch.Tensor | None],
+) -> dict[str, torch.Tensor]:
     norm_type = float(norm_type)
     if norm_type <= 0:
         raise ValueError(f"norm_type must be a positive number or 'inf'; got {norm_type}")
-    with ShardReads.allowed():
-        return _grad_norm(module, norm_type, group_separator)
-
-
-def _grad_norm(
-    module: pl.LightningModule, norm_type: float, group_separator: str
-) -> dict[str, torch.Tensor]:
     engine = module.trainer.strategy.engine
     counted = {id(p) for p in engine.counted_parameters()}
     names, norms = [], []
-    for name, p in module.named_parameters():
-        if p.grad is None or id(p) not in counted:
-            continue
-        norm = torch.linalg.vector_norm(p.grad.detach(), norm_type)
-        names.append(name)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    local = torch.stack(norms).float().cpu().tolist() if norms else []
+    with ShardReads.allowed():
+        for name, p in module.named_parameters():
+            value = read(p)
+            if value is None or id(p) not in counted:
+                continue
+            norm = torch.linalg.vector_norm(value.detach(), norm_type)
+            names.append(name)
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        local = torch.stack(norms).float().cpu().tolist() if norms else []
     gathered: list[Any] = [None] * engine.config.pp_size
     dist.all_gather_object(
         gathered, list(zip(names, local, strict=True)), group=engine.dims.pp_group
     )
-    prefix = f"grad_{norm_type}_norm"
+    prefix = f"{kind}_{norm_type}_norm"
     out = {f"{prefix}{group_separator}{n}": torch.tensor(v) for part in gathered for n, v in part}
     if out:
         out[f"{prefix}_total"] = torch.stack(list(out.values())).norm(norm_type)

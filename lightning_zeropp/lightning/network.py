@@ -26,7 +26,13 @@ from lightning.pytorch.callbacks import ModelSummary
 from torch import nn
 from torchmetrics import Metric
 
-from lightning_zeropp.lightning.redirect import Elsewhere, ElsewhereTensor, StandIn
+from lightning_zeropp.lightning.redirect import (
+    Away,
+    Elsewhere,
+    ElsewhereTensor,
+    StandIn,
+    away_message,
+)
 
 __all__ = ["Network", "summarize_whole_model"]
 
@@ -49,6 +55,8 @@ class Network:
         )
         self.net: nn.Module = getattr(module, attr) if attr is not None else _view(module)
         self._installed: nn.Module | None = None
+        self._away: list[_Part] = []  # the parts other stages hold (`install`)
+        self.names: list[str] = []  # every parameter of the whole network, under the module
 
     @staticmethod
     def of(module: pl.LightningModule, module_name: str | None) -> Network:
@@ -87,25 +95,47 @@ class Network:
         """How the step calls the network, for messages."""
         return f"self.{self.attr}(...)" if self.attr is not None else "self(...)"
 
-    def install(self, merged: nn.Module) -> None:
-        """Put this rank's stages (`merged`, under the network's names) in the network's place."""
+    def install(self, merged: nn.Module, whole: nn.Module, stages: str) -> None:
+        """Put this rank's stages (`merged`, under the network's names) in the network's place;
+        `whole` is a meta copy of the unsplit network, `stages` this rank's stage ids (text).
+
+        A part another stage holds is, in this rank's stages, a stub or a placeholder of zeros
+        that the stage's code runs on. Outside a step it is a guard naming `full_parameter`
+        (`Away`, `ElsewhereTensor`): a stale copy must never be read as the trained value."""
         self._installed = merged
+        prefix = f"{self.attr}." if self.attr is not None else ""
+        self.names = [f"{prefix}{n}" for n, _ in whole.named_parameters()]
+        self._away = _away_parts(merged, whole, prefix, stages)
         if self.attr is not None:
             self.module._modules[self.attr] = merged
+            self._guard(True)
             return
+        top = {(id(d), key) for d, key, _, _ in self._away if d is merged.__dict__}
+        top |= {(id(d), key) for d, key, _, _ in self._away if d is merged._modules}
+        guards = {key: guard for d, key, _, guard in self._away if (id(d), key) in top}
+        self._away = [part for part in self._away if (id(part[0]), part[1]) not in top]
         for name in self.children:
-            self.module._modules[name] = merged._modules[name]
+            self.module._modules[name] = guards.get(name, merged._modules[name])
         # Its parts are this rank's stages now: a call outside a step would compute garbage.
         self.module.__dict__["forward"] = functools.partial(_outside_steps, self.owner)
         for name in self.params:
-            like = self.module._parameters.get(name)
             held = merged._parameters.get(name)
             self.module._parameters.pop(name, None)
             self.module.__dict__.pop(name, None)
             if held is not None:
                 self.module._parameters[name] = held
-            else:  # another stage's: zeros, as the stages holding it elsewhere compute with
-                self.module.__dict__[name] = merged.__dict__.get(name, _zeros_like(merged, like))
+            else:  # another stage's: a guard, never a copy (zeros, or stale)
+                guard = guards.get(name)
+                if guard is None:
+                    guard = ElsewhereTensor.make("", name, away_message(name, name, stages))
+                self.module.__dict__[name] = guard
+        self._guard(True)
+
+    def _guard(self, on: bool) -> None:
+        """Guards (`on`) or the stage's own stubs and placeholders in the parts held elsewhere:
+        the stage's code runs on the latter inside a step."""
+        for holder, key, real, guard in self._away:
+            holder[key] = guard if on else real
 
     def installed(self, merged: nn.Module) -> bool:
         return self._installed is merged
@@ -114,6 +144,15 @@ class Network:
     def redirected(self, fn: Callable[..., Any]) -> Iterator[None]:
         """While a step runs: its network call goes to `fn`; the network's parts are stand-ins."""
         module = self.module
+        self._guard(False)
+        try:
+            with self._redirected(module, fn):
+                yield
+        finally:
+            self._guard(True)
+
+    @contextlib.contextmanager
+    def _redirected(self, module: pl.LightningModule, fn: Callable[..., Any]) -> Iterator[None]:
         if self.attr is not None:
             real = module._modules[self.attr]
             module._modules[self.attr] = StandIn(fn, self.attr)
@@ -167,11 +206,30 @@ class Network:
             module._parameters.update(params)
 
 
-def _zeros_like(merged: nn.Module, param: torch.Tensor | None) -> torch.Tensor | None:
-    if param is None:
-        return None
-    device = next((p.device for p in merged.parameters()), torch.device("cpu"))
-    return torch.zeros(param.shape, dtype=param.dtype, device=device)
+_Part = tuple[dict[str, Any], str, Any, Any]  # (the dict holding it, its key, real, guard)
+
+
+def _away_parts(real: nn.Module, whole: nn.Module, prefix: str, stages: str) -> list[_Part]:
+    """The parts of `whole` that `real` (this rank's stages) holds as another stage's: a module
+    with parameters in `whole` and none here (a stub), or a parameter here as a plain tensor (a
+    placeholder); each with its guard. Parts absent from `real` (other splits) stay absent."""
+    out: list[_Part] = []
+    for name, param in whole._parameters.items():
+        held = real.__dict__.get(name)
+        if param is not None and name not in real._parameters and isinstance(held, torch.Tensor):
+            path = f"{prefix}{name}"
+            guard = ElsewhereTensor.make("", path, away_message(path, path, stages))
+            out.append((real.__dict__, name, held, guard))
+    for name, part in whole._modules.items():
+        mine = real._modules.get(name)
+        if part is None or mine is None or not _has_params(part):
+            continue
+        path = f"{prefix}{name}"
+        if not _has_params(mine) and not mine._modules:  # held by another stage: a stub here
+            out.append((real._modules, name, mine, Away(away_message(path, None, stages))))
+        else:
+            out += _away_parts(mine, part, f"{path}.", stages)
+    return out
 
 
 def _refuse_outside(module: pl.LightningModule, name: str, trainable: list[str]) -> None:

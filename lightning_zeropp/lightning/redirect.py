@@ -24,10 +24,12 @@ from torch import nn
 from lightning_zeropp.core._torch_private import make_subclass
 
 __all__ = [
+    "Away",
     "Elsewhere",
     "ElsewhereTensor",
     "StandIn",
     "attributes_kept",
+    "away_message",
     "first_batch",
     "rng_kept",
 ]
@@ -83,12 +85,13 @@ class Elsewhere(nn.Module):
 
 class ElsewhereTensor(torch.Tensor):
     """Stands in for a parameter of a pipelined LightningModule's own network while a step
-    runs: any use of it says that only forward may use it."""
+    runs (any use of it says that only forward may use it), or, outside a step, for one another
+    pipeline stage holds (any use names `full_parameter`: `away_message`)."""
 
     @staticmethod
-    def make(owner: str, name: str) -> ElsewhereTensor:
+    def make(owner: str, name: str, message: str | None = None) -> ElsewhereTensor:
         guard = make_subclass(ElsewhereTensor, torch.empty(0))
-        guard._message = _outside_forward(owner, name)
+        guard._message = message if message is not None else _outside_forward(owner, name)
         return guard
 
     @classmethod
@@ -96,6 +99,35 @@ class ElsewhereTensor(torch.Tensor):
         leaves = [*args, *(kwargs or {}).values()]
         guard = next(x for x in leaves if isinstance(x, ElsewhereTensor))
         raise ValueError(guard._message)
+
+
+def away_message(path: str, parameter: str | None, stages: str) -> str:
+    """What reading `self.<path>` says on a rank whose stages do not hold it (outside a step)."""
+    name = parameter if parameter is not None else f"{path}.<name>"
+    return (
+        f"self.{path} is held by another pipeline stage under ZeroPPStrategy: this rank holds "
+        f"stage {stages} only, and no copy of it (one would be stale). Read its trained value on "
+        f"every rank with lightning_zeropp.full_parameter(self, {name!r}), weight norms with "
+        "lightning_zeropp.param_norm(self) (both collective: call them on every rank), or the "
+        "whole state with trainer.strategy.full_state_dict()."
+    )
+
+
+class Away(nn.Module):
+    """Stands in, outside a step, for a part of the network another pipeline stage holds (where
+    the stage itself has a stub that runs on placeholder values): any use names the helper."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__()
+        object.__setattr__(self, "_message", message)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise ValueError(self._message)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            return super().__getattr__(name)
+        raise ValueError(self.__dict__["_message"])
 
 
 @contextmanager

@@ -68,3 +68,42 @@ def test_every_config_setting_is_a_strategy_argument():
     strategy = ZeroPPStrategy(quantized_weights="int8", hpz_partition_size=2, node_size=2)
     config = strategy.zeropp_config
     assert (config.quantized_weights, config.hpz_partition_size) == ("int8", 2)
+
+
+def test_the_signature_carries_types_that_tools_need_not_resolve():
+    """Signature readers (LightningCLI's jsonargparse) get each setting's type as a type: under
+    postponed annotations the dataclass holds strings, which jsonargparse before 4.53 could not
+    read, so it dropped every setting and refused `--trainer.strategy.pp_size=2`."""
+    import inspect
+
+    from lightning_zeropp.core.settings.merge import FIELDS
+
+    params = inspect.signature(ZeroPPStrategy.__init__).parameters
+    strings = [n for n in FIELDS if isinstance(params[n].annotation, str)]
+    assert not strings, f"string annotations: {strings}"
+    assert params["pp_size"].annotation == (int | None)
+    assert params["dp_replicate_size"].annotation == (int | None)  # None: not given
+
+
+def test_lightning_cli_takes_the_settings(tmp_path):
+    """`LightningCLI --trainer.strategy=... --trainer.strategy.pp_size=2`, with the installed
+    jsonargparse (the dev extra's lower bound is the oldest the supported litgpt allows)."""
+    pytest.importorskip("jsonargparse")
+    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
+
+    args = [
+        "--trainer.strategy=lightning_zeropp.ZeroPPStrategy",
+        "--trainer.strategy.pp_size=2",
+        "--trainer.strategy.param_dtype=bf16",
+        "--trainer.strategy.activation_checkpointing=true",
+        "--trainer.strategy.schedule=zeropp",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.logger=false",
+    ]
+    cli = LightningCLI(BoringModel, BoringDataModule, run=False, args=args)
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, ZeroPPStrategy)
+    config = strategy.zeropp_config
+    assert (config.pp_size, config.param_dtype, config.schedule) == (2, "bf16", "zeropp")
+    assert config.activation_checkpointing is True

@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import inspect
 import os
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -134,8 +135,17 @@ def takes_settings(init: Callable[..., None]) -> Callable[..., None]:
     `help()`, IDEs and signature-reading tools): the fields stay the one list of settings."""
     sig = inspect.signature(init)
     params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    # Types, not the strings the dataclass holds under postponed annotations: tools read the
+    # signature without resolving them (jsonargparse before 4.53 skipped every field, so
+    # LightningCLI refused `--trainer.strategy.pp_size=2`). None: not given.
+    hints = typing.get_type_hints(ZeroPPConfig)
     params += [
-        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=f.type)
+        inspect.Parameter(
+            f.name,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=None,
+            annotation=typing.Optional[hints[f.name]],  # noqa: UP045 - a runtime value
+        )
         for f in dataclasses.fields(ZeroPPConfig)
     ]
     init.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]

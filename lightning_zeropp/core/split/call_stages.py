@@ -99,6 +99,26 @@ def _dense_grad(x: torch.Tensor) -> torch.Tensor:
     return _DenseGrad.apply(x) if x.requires_grad else x
 
 
+_CHECKPOINT_FIX = (
+    "To checkpoint blocks, drop the call-site checkpoint and pass activation_checkpointing=True "
+    "(every block; or 'except_last'), or call torch.utils.checkpoint.checkpoint(block, ..., "
+    "use_reentrant=False)."
+)
+_NO_GRAD_BLOCK = (
+    "pipeline stage {stage}: a block was called with gradients off inside a training forward "
+    "(torch.utils.checkpoint(..., use_reentrant=True) runs it so, or torch.no_grad()): under "
+    "split='call' its input is what the previous stage sent, so that would silently drop its "
+    "gradients and those of every earlier stage. " + _CHECKPOINT_FIX
+)
+
+
+def _memory(t: Any) -> tuple[int, ...] | None:
+    """Where a tensor's values live (None for no tensor, or one with no memory)."""
+    if not isinstance(t, torch.Tensor) or t.numel() == 0:
+        return None
+    return (t.data_ptr(), *t.shape, *t.stride())
+
+
 class _StageState:
     """What one call stage keeps between its hooks during a forward."""
 
@@ -109,6 +129,12 @@ class _StageState:
         self.sent: tuple[torch.Tensor, ...] | None = None
         self.forward: Callable[..., Any] | None = None
         self.outputs = _Outputs()
+        self.running = False  # inside `run` (a block called outside it is being recomputed)
+        self.training = False  # `run` began with gradients on
+        self.swapped: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = {}  # see `_swap`
+
+    def _forget(self, key: tuple[int, ...], grad: torch.Tensor) -> None:
+        self.swapped.pop(key, None)  # its backward is done: no recompute will ask for it
 
     def entry(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
         """The first block's arguments: its tensors are what the previous stage sent."""
@@ -119,11 +145,9 @@ class _StageState:
         from outer modules (an encoder's memory) are what the previous stage sent, since this
         stage's forward computed them from stubs; those computed from the model inputs alone (a
         mask, rotary tables) are this stage's own (`CallPlan.local`)."""
-        assert self.received is not None
-        return self._swap(args, kwargs, self.plan.slots[1:], self.received[1:])
+        return self._swap(args, kwargs, self.plan.slots[1:], self.received, 1)
 
-    def _swap(self, args: Any, kwargs: Any, slots: Any, values: Any) -> Any:
-        assert values is not None, "a call stage's block ran outside its forward"
+    def _swap(self, args: Any, kwargs: Any, slots: Any, received: Any, skip: int = 0) -> Any:
         # Non-tensor arguments (a sequence length, a flag) are the call's own: this stage's
         # forward computed them from the real inputs of this batch.
         leaves, spec = tree_flatten((args, kwargs))
@@ -132,6 +156,31 @@ class _StageState:
                 f"pipeline stage {self.stage}: a block was called with arguments of another "
                 "structure than when the split was checked; split='call' needs the same call."
             )
+        if not slots:
+            return args, kwargs
+        # A block checkpointed at the model's call site (`checkpoint(block, h)`) is called again
+        # in backward with the placeholder its forward got (a fresh tensor per call, kept by
+        # the checkpoint, unpacked as another Python object over the same memory): it must get
+        # the values of that forward, not those of the micro-batch this stage ran last. They
+        # are kept by the placeholder's memory until their gradient is computed.
+        key = _memory(leaves[slots[0]])
+        if self.running:
+            assert received is not None
+            if self.training and not torch.is_grad_enabled():
+                raise RuntimeError(_NO_GRAD_BLOCK.format(stage=self.stage))
+            values = received[skip:]
+            if key is not None and torch.is_grad_enabled() and values[0].requires_grad:
+                self.swapped[key] = values
+                values[0].register_hook(functools.partial(self._forget, key))
+        else:  # recomputed in backward: the values this call had in its forward
+            values = self.swapped.get(key) if key is not None else None
+            if values is None:
+                raise RuntimeError(
+                    f"pipeline stage {self.stage}: a block was called again outside the "
+                    "model's forward (recomputed in backward) with inputs its forward did not "
+                    "have; split='call' cannot give it this stage's received activations. "
+                    + _CHECKPOINT_FIX
+                )
         for slot, value in zip(slots, values, strict=True):
             leaves[slot] = value
         return tree_unflatten(leaves, spec)
@@ -154,11 +203,12 @@ class _StageState:
         args, kwargs = self.inputs.unflatten(flat_inputs)
         received = tuple(_dense_grad(t) for t in received)
         self.received, self.sent = (received if self.stage > 0 else None), None
+        self.running, self.training = True, torch.is_grad_enabled()
         try:
             assert self.forward is not None
             out = self.forward(*args, **kwargs)
         finally:
-            self.received = None
+            self.received, self.running = None, False
         if self.is_last:
             return self.outputs.flat(out)
         sent, self.sent = self.sent, None
