@@ -106,7 +106,11 @@ class StepRunner:
             with self._redirected(), self.recorder.recording(module, engine):
                 with self.recorder.muted(module) if not last else contextlib.nullcontext():
                     early = self._start(fn, batch, rest, step)
-                engine.batches.check(step.calls, "what the step passed to the network")
+                calls = {
+                    f"micro-batch {m}": {"args": a, "kwargs": k}
+                    for m, (a, k) in enumerate(step.calls)
+                }
+                engine.batches.check(calls, "what the step passed to the network", root="step")
                 if not last:  # their losses are the last stage's: what they hold can go now
                     for continuation in step.steps:
                         continuation.abandon()

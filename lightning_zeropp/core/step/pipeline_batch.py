@@ -85,12 +85,13 @@ class BatchSharer:
                 received.append(self._broadcast(slot, own))
         return batch if same else _fill(theirs, received)
 
-    def check(self, value: Any, what: str) -> None:
+    def check(self, value: Any, what: str, root: str = "batch") -> None:
         """With `ZEROPP_CHECK_BATCH=1`, collective over the pipeline: raise on every rank if
-        `value` (a batch, or what a step computed from it) differs between its stages."""
+        `value` (a batch, or what a step computed from it: its entries named from `root`)
+        differs between its stages."""
         if not self.checking or self._size == 1:
             return
-        entries = _digests(value)
+        entries = _digests(value, root)
         everyone: list[Any] = [None] * self._size
         with self._guard():
             dist.all_gather_object(everyone, entries, group=self.group)
