@@ -4,5 +4,6 @@ clips by the global norm; `loss` routes the schedule's loss calls and sends the 
 to every rank; `nonfinite` watches for inf/NaN; `failure` turns one rank's error into a
 named error on every rank (the failure board; `roll` calls the roll of live ranks, `store` gives
 every store call a deadline, `sockets` wakes the ranks blocked on this one); `agree` compares
-what every rank must share (settings, the model's cut, replicas' weights).
+what every rank must share (settings, the model's cut, replicas' weights); `pipeline_batch` gives
+every stage of a pipeline its first stage's batch (random collators) and checks it.
 """
