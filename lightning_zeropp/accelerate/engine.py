@@ -84,7 +84,7 @@ class ZeroPPAccelerateEngine:
     # ---------------------------------------------------------------- steps
     def step(self, batch: Any) -> torch.Tensor:
         """Forward and backward of `batch` (this data-parallel rank's); the global mean loss."""
-        args, kwargs, target = self._unpack(batch)
+        args, kwargs, target = self._unpack(self._shared(batch))
         loss, grads = self.core.train_step_deferred(*args, target=target, **kwargs)
         # This batch's gradients times 1/k, as accelerator.backward scales the loss.
         grads.apply(1.0 / self.accelerator.gradient_accumulation_steps)
@@ -92,10 +92,16 @@ class ZeroPPAccelerateEngine:
 
     def eval_step(self, batch: Any) -> torch.Tensor:
         """Forward only through the pipeline; the global mean loss on every rank."""
-        args, kwargs, target = self._unpack(batch)
+        args, kwargs, target = self._unpack(self._shared(batch))
         loss = self.core.eval_step(*args, target=target, **kwargs)
         assert loss is not None  # a target was given
         return loss
+
+    def _shared(self, batch: Any) -> Any:
+        """The first stage's batch on every stage of the pipeline (`core.step.pipeline_batch`)."""
+        batch = self.core.batches.share(batch)
+        self.core.batches.check(batch, "the batch")
+        return batch
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the norm over all stages and shards (`accelerator.clip_grad_norm_` would see

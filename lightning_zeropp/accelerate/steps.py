@@ -119,6 +119,11 @@ class PipelineModel(nn.Module):
     # ---------------------------------------------------------------- calls
     @guarded  # token counts and logits are collectives too: a lost rank is named
     def forward(self, *args: Any, **kwargs: Any) -> PipelineOutput:
+        # The first stage's batch on every stage (a random collator draws on each rank),
+        # written into the caller's tensors: what the loop reads of it later agrees.
+        batches = self.engine.core.batches
+        args, kwargs = batches.share((args, kwargs))
+        batches.check((args, kwargs) if args else kwargs, "the batch given to the model")
         self.given_rows = _rows(args, kwargs)
         try:
             return self._forward(args, kwargs)

@@ -32,6 +32,7 @@ from lightning_zeropp.core.measure.memory import GatheredPeak, SavedActivations
 from lightning_zeropp.core.measure.planning import PlanningStats
 from lightning_zeropp.core.mesh import ParallelDims, build_mesh
 from lightning_zeropp.core.settings.config import ZeroPPConfig, ZeroPPLayout
+from lightning_zeropp.core.settings.env import check_batch_from_env
 from lightning_zeropp.core.settings.merge import launcher_node_size
 from lightning_zeropp.core.settings.placement import (
     rank_of_stage,
@@ -46,6 +47,7 @@ from lightning_zeropp.core.step.failure import FailureBoard, describe_rank, guar
 from lightning_zeropp.core.step.grads import StepGrads, average_whole_grads, clip_grad_norm_
 from lightning_zeropp.core.step.loss import LossFn, StepLoss, broadcast_loss
 from lightning_zeropp.core.step.nonfinite import NonFiniteWatch
+from lightning_zeropp.core.step.pipeline_batch import BatchSharer
 from lightning_zeropp.core.weights.materialize import InitFn, has_meta
 
 __all__ = ["ZeroPPEngine", "LossFn"]
@@ -102,8 +104,16 @@ class ZeroPPEngine(EngineReports):
         # Setup communicates: a rank failing or lost in it is named on every rank (the board
         # guards this constructor), and ranks that would build other layouts stop here.
         self.failures = FailureBoard.of_process()
-        agree(settings_fields(cfg, split=self.split, **model_layout(model, self.plan)))
+        check = check_batch_from_env()  # a collective per step: every rank's must agree
+        agree(
+            settings_fields(
+                cfg, split=self.split, check_batch=check, **model_layout(model, self.plan)
+            )
+        )
         self.dims: ParallelDims = dims or build_mesh(cfg, self.device.type)
+        # Every stage of a pipeline steps on its first stage's batch (random collators).
+        pp = self.dims.pp_group if cfg.pp_size > 1 else None
+        self.batches = BatchSharer(pp, self.device, check, self.failures.guard)
         self.style = schedule_style(cfg.schedule)
         self.stage_ids = stage_ids_for_rank(
             self.style, self.dims.pp_rank, cfg.pp_size, cfg.num_chunks

@@ -5,8 +5,9 @@ A batch is cut into micro-batches; the user's step runs once per micro-batch, on
 hands the pipeline that micro-batch's inputs. The engine runs the schedule; on the last stage the
 loss of micro-batch m is the rest of micro-batch m's step, continued with the network's output, so
 the loss sees exactly what the step computed before the call (the random draws included). Other
-ranks end their steps at the network call. The random generators of a pipeline's ranks are made
-equal before each step, so every rank draws what the first stage drew. What only the last stage
+ranks end their steps at the network call. Every rank steps on the first stage's batch, and the
+random generators of a pipeline's ranks are made equal before each step, so every rank draws what
+the first stage drew. What only the last stage
 learns (logged values, a skipped batch, predictions, the extra keys of a returned dict, the loss's
 weight) is sent to every stage with the logged values, so every rank acts alike.
 """
@@ -96,11 +97,20 @@ class StepRunner:
             micro = 1
         step = self._step = _Step(mode, list(torch.arange(rows).tensor_split(micro)))
         last = engine.dims.pp_rank == engine.last_pp_rank
+        # The first stage's batch (what the loader's collation or a transfer hook drew on each
+        # rank), written into this rank's: the step and the hooks after it see it.
+        batch = engine.batches.share(batch)
+        engine.batches.check(batch, "the batch")
         sync_random_state(engine)
         try:
             with self._redirected(), self.recorder.recording(module, engine):
                 with self.recorder.muted(module) if not last else contextlib.nullcontext():
                     early = self._start(fn, batch, rest, step)
+                calls = {
+                    f"micro-batch {m}": {"args": a, "kwargs": k}
+                    for m, (a, k) in enumerate(step.calls)
+                }
+                engine.batches.check(calls, "what the step passed to the network", root="step")
                 if not last:  # their losses are the last stage's: what they hold can go now
                     for continuation in step.steps:
                         continuation.abandon()

@@ -261,7 +261,12 @@ class ZeroPPTrainer(Trainer):
 
     # ------------------------------------------------------------------ counts over processes
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:
-        """The Trainer's token count of the accumulation window, each row counted once."""
+        """The Trainer's token count of the accumulation window, each row counted once, of the
+        batches the pipeline trains on: its first stage's (a random collator draws on each
+        rank), shared before the count and written into each rank's batch."""
+        if self._pipeline is not None:
+            shared = self._pipeline.engine.core.batches.share
+            batch_samples[:] = [shared(batch) for batch in batch_samples]
         with self._summing_over_data_parallel():
             return super()._get_num_items_in_batch(batch_samples, device)
 

@@ -337,6 +337,24 @@ def _per_rank_env(**pairs: tuple[str, str]) -> dict[str, str]:
     return {k: (first if dist.get_rank() < 2 else second) for k, (first, second) in pairs.items()}
 
 
+class _DrawsApartPerRank(LitGPT):
+    """Masks its inputs with numpy's generator, seeded per process: a draw the strategy does
+    not share (it shares torch's), so the stages would feed and score other masks."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        import numpy as np
+
+        x, y = batch
+        np.random.seed(dist.get_rank())
+        hide = torch.from_numpy(np.random.rand(*x.shape) < 0.5)
+        return lm_loss(self(x.masked_fill(hide, 0)), y)
+
+
+def _ones() -> DataLoader:
+    x = torch.ones(8, MODEL.seq_len, dtype=torch.long)  # a mask shows (0 where hidden)
+    return DataLoader(TensorDataset(x, x), batch_size=2, drop_last=True)
+
+
 def _depth_per_rank() -> None:
     # One node built a deeper model (another config file): the ranks would cut other blocks.
     depth = 8 if dist.get_rank() < 2 else 10
@@ -424,6 +442,14 @@ ATTEMPTS = {
     "lightning_ckpt_of_a_deeper_model": _ckpt_of_a_deeper_model,
     # ranks that must agree
     "lightning_split_points_differ_per_rank": _lightning_split_points_differ,
+    "lightning_check_batch_differs_per_rank": lambda: _with_env(
+        _per_rank_env(ZEROPP_PP_SIZE=("2", "2"), ZEROPP_CHECK_BATCH=("1", "0")),
+        lambda: _fit(ZeroPPStrategy()),
+    ),
+    "lightning_step_draws_apart_under_check_batch": lambda: _with_env(
+        {"ZEROPP_PP_SIZE": "2", "ZEROPP_CHECK_BATCH": "1"},
+        lambda: _fit(ZeroPPStrategy(), _DrawsApartPerRank(MODEL), loader=_ones()),
+    ),
     "accelerate_split_points_differ_per_rank": lambda: _accelerate(env=_split_points_per_rank()),
     "hsdp_replicas_built_unseeded": _hsdp_unseeded,
     "lightning_pp_size_differs_per_rank": lambda: _with_env(

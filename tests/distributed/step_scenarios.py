@@ -11,6 +11,8 @@
   `LearningRateMonitor`, and a `ThroughputMonitor`.
 - `DrawingFlatGPT`: `FlatGPT` seeded once, whose head draws from the generator (as dropout does):
   its step's random mask must be the same on the first stage and on the last.
+- `CollatedFlatGPT`: the same, its mask drawn by the loader's `collate_fn` instead of its step:
+  every stage must step on the first stage's batch.
 The test (`test_lightning_steps.py`) trains each the way one process would and compares.
 """
 
@@ -26,7 +28,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ThroughputMonitor
 from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset, default_collate
 
 import lightning_zeropp
 from lightning_zeropp import ZeroPPStrategy
@@ -109,6 +111,23 @@ class DrawingFlatGPT(FlatGPT):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = masked(*batch)
         self.masks.append((y != -100).clone())  # this micro-batch's mask, on every stage
+        loss = F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+
+def masked_collate(rows: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """A collate_fn that draws (a random augmentation in the loader): `masked` rows."""
+    return masked(*default_collate(rows))
+
+
+class CollatedFlatGPT(DrawingFlatGPT):
+    """`DrawingFlatGPT` whose mask is drawn by the loader's `collate_fn` (`masked_collate`), on
+    every rank from its own generator: every stage must step on the first stage's batch."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        self.masks.append(torch.stack([y != -100, x == MASK_ID]))  # on every stage
         loss = F.cross_entropy(self(x).flatten(0, 1), y.flatten())
         self.log("train_loss", loss, sync_dist=True)
         return loss
@@ -227,6 +246,7 @@ MODULES = {
     "encoder_head": EncoderHead,
     "counting": Counting,
     "drawing": DrawingFlatGPT,
+    "collating": CollatedFlatGPT,
 }
 
 
@@ -256,7 +276,8 @@ def _fit(module: str, layout: dict[str, Any], steps: int = 3) -> dict[str, Any]:
         enable_model_summary=False,
     )
     dp = trainer.strategy.zeropp_config.resolve(_WORLD).dp_size
-    trainer.fit(lit, _loader(steps, GLOBAL_BATCH // dp))
+    collate = masked_collate if module == "collating" else None
+    trainer.fit(lit, _loader(steps, GLOBAL_BATCH // dp, collate))
     out: dict[str, Any] = {
         "logged": losses.logged,
         "params": {n: _full(p) for n, p in lit.named_parameters()},
@@ -265,7 +286,7 @@ def _fit(module: str, layout: dict[str, Any], steps: int = 3) -> dict[str, Any]:
     if module == "counting":
         out |= {"tokens": lit.tokens, "logged_tokens": losses.tokens, "norms": lit.norms}
         out["extras"] = lit.extras
-    if module == "drawing":
+    if module in ("drawing", "collating"):
         out["masks"] = lit.masks
     return out
 
@@ -274,8 +295,8 @@ def _full(p: torch.Tensor) -> torch.Tensor:
     return (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
 
 
-def _loader(steps: int, batch: int) -> DataLoader:
+def _loader(steps: int, batch: int, collate: Any = None) -> DataLoader:
     batches = make_batches(steps)
     x = torch.cat([b[0] for b in batches])
     y = torch.cat([b[1] for b in batches])
-    return DataLoader(TensorDataset(x, y), batch_size=batch, drop_last=True)
+    return DataLoader(TensorDataset(x, y), batch_size=batch, drop_last=True, collate_fn=collate)

@@ -58,6 +58,8 @@ EXPECTED = {
     # ranks that must agree
     "lightning_split_points_differ_per_rank": "the ranks disagree on their settings: split_points is [4] on rank 0 and [3] on rank 2 (ZEROPP_SPLIT_POINTS='4' on rank 0, ZEROPP_SPLIT_POINTS='3' on rank 2). Every rank must run with the same settings: set ZEROPP_SPLIT_POINTS alike on every rank",
     "accelerate_split_points_differ_per_rank": "the ranks disagree on their settings: split_points is [4] on rank 0 and [3] on rank 2 (ZEROPP_SPLIT_POINTS='4' on rank 0, ZEROPP_SPLIT_POINTS='3' on rank 2)",
+    "lightning_check_batch_differs_per_rank": "the ranks disagree on their settings: check_batch is True on rank 0 and False on rank 2 (ZEROPP_CHECK_BATCH='1' on rank 0, ZEROPP_CHECK_BATCH='0' on rank 2)",
+    "lightning_step_draws_apart_under_check_batch": "ZEROPP_CHECK_BATCH: what the step passed to the network differs between the stages of a pipeline: step['micro-batch 0']['args'][0] is",
     "hsdp_replicas_built_unseeded": "the data-parallel replicas (dp_replicate) start from different weights: 'tok_emb.weight' (rank 0) differs between replicas (and more), so they would train apart while averaging gradients. Build the model from the same seed on every rank",
     "lightning_pp_size_differs_per_rank": "the ranks disagree on their settings: pp_size is 2 on rank 0 and 4 on rank 2 (ZEROPP_PP_SIZE='2' on rank 0, ZEROPP_PP_SIZE='4' on rank 2)",
     "lightning_schedule_differs_per_rank": "the ranks disagree on their settings: schedule is '1f1b' on rank 0 and 'gpipe' on rank 2 (ZEROPP_SCHEDULE='1f1b' on rank 0, ZEROPP_SCHEDULE='gpipe' on rank 2)",

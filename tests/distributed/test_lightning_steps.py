@@ -47,6 +47,8 @@ CASES = [
 # Run with the suite's launch; checked for the masks only (its head's draws make one process's
 # random sequence another than the pipeline's, so no parity case).
 DRAWING = {"id": "drawing-1f1b", "module": "drawing", "layout": PP2}
+# The same, its mask drawn by the loader's collate_fn (a random augmentation in the loader).
+COLLATING = {"id": "collating-1f1b", "module": "collating", "layout": PP2}
 
 
 def _slow(case_id: str) -> bool:
@@ -62,7 +64,7 @@ def launched(tmp_path_factory: Any) -> Any:
     def get(slow: bool) -> list[dict[str, Any]]:
         if slow not in cache:
             cases = [dict(c) for c in CASES if _slow(c["id"]) == slow]
-            cases += [] if slow else [dict(DRAWING)]
+            cases += [] if slow else [dict(DRAWING), dict(COLLATING)]
             params = {"cases": cases, "init_process_group": False}
             out = tmp_path_factory.mktemp("steps_slow" if slow else "steps")
             cache[slow] = launch(4, "step_scenarios.fit_cases", params, out, timeout=900)
@@ -171,3 +173,18 @@ def test_a_random_mask_drawn_before_the_network_is_the_same_on_every_stage(launc
         assert len(masks[first]) == len(masks[last]) == STEPS * MICRO
         for k, (a, b) in enumerate(zip(masks[first], masks[last], strict=True)):
             assert torch.equal(a, b), f"micro-batch {k}: the stages drew other masks"
+
+
+def test_a_random_collate_fn_gives_every_stage_the_first_stages_batch(launched: Any) -> None:
+    """The loader's collate_fn masks at random on every rank (its generator parts from the other
+    stages' as the last stage's head draws): every micro-batch's masked inputs and targets are
+    the same on the first stage (which feeds the inputs) and the last (whose loss reads the
+    targets), at every step; without the batch shared over the pipeline they part from the second
+    batch on (micro-batches 4 to 11 of 12)."""
+    results = launched(False)
+    masks = [r[COLLATING["id"]]["masks"] for r in results]
+    for first, last in ((0, 2), (1, 3)):
+        assert len(masks[first]) == len(masks[last]) == STEPS * MICRO
+        apart = [k for k, (a, b) in enumerate(zip(masks[first], masks[last], strict=True))
+                 if not torch.equal(a, b)]  # fmt: skip
+        assert not apart, f"micro-batches {apart} of {STEPS * MICRO}: the stages read others"

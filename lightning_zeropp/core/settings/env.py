@@ -2,7 +2,8 @@
 
 `accelerate launch` rejects unknown keys in its YAML config, so pipeline settings reach a script
 the way Accelerate's own `FSDP_*` settings do: as environment variables, one per `ZeroPPConfig`
-field (`ZEROPP_PP_SIZE=2`, `ZEROPP_SCHEDULE=1f1b`, ...), plus `ZEROPP_SPLIT` for the split method.
+field (`ZEROPP_PP_SIZE=2`, `ZEROPP_SCHEDULE=1f1b`, ...), plus `ZEROPP_SPLIT` for the split method
+and `ZEROPP_CHECK_BATCH=1`, a debugging check that a pipeline's stages step on the same batch.
 Every rank parses its own environment before any collective, and an unknown `ZEROPP_*` name (a
 typo that would otherwise be silently ignored) is an error.
 """
@@ -18,9 +19,11 @@ from typing import Any
 from lightning_zeropp.core.settings.config import ZeroPPConfig
 
 __all__ = [
+    "CHECK_BATCH_VAR",
     "CONFIG_VARS",
     "ENV_PREFIX",
     "SPLIT_VAR",
+    "check_batch_from_env",
     "config_from_env",
     "describe_env",
     "split_from_env",
@@ -29,6 +32,7 @@ __all__ = [
 
 ENV_PREFIX = "ZEROPP_"
 SPLIT_VAR = "ZEROPP_SPLIT"
+CHECK_BATCH_VAR = "ZEROPP_CHECK_BATCH"
 _SPLITS = ("auto", "call", "trace", "stack")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -96,7 +100,7 @@ def zeropp_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The `ZEROPP_*` variables that are set, after checking that every name is known."""
     environ = os.environ if environ is None else environ
     found = {k: v for k, v in environ.items() if k.startswith(ENV_PREFIX)}
-    known = [*CONFIG_VARS, SPLIT_VAR]
+    known = [*CONFIG_VARS, SPLIT_VAR, CHECK_BATCH_VAR]
     for name in sorted(found):
         if name not in known:
             upper = f"{ENV_PREFIX}{name[len(ENV_PREFIX) :].upper()}"  # ZEROPP_pp_size
@@ -139,10 +143,17 @@ def split_from_env(environ: Mapping[str, str] | None = None) -> str | None:
     return value
 
 
+def check_batch_from_env(environ: Mapping[str, str] | None = None) -> bool:
+    """`ZEROPP_CHECK_BATCH`: whether each step checks that a pipeline's stages step on the same
+    batch (`core.step.pipeline_batch`); off when unset."""
+    raw = zeropp_env(environ).get(CHECK_BATCH_VAR)
+    return raw is not None and _bool(CHECK_BATCH_VAR, raw)
+
+
 def describe_env(environ: Mapping[str, str] | None = None) -> str:
     """`ZEROPP_PP_SIZE=2 (pp_size), ...` for error messages: which variables set which fields."""
     parts = [
-        f"{var}={raw} ({CONFIG_VARS.get(var, 'split')})"
+        f"{var}={raw} ({CONFIG_VARS.get(var, var[len(ENV_PREFIX) :].lower())})"
         for var, raw in sorted(zeropp_env(environ).items())
     ]
     return ", ".join(parts) if parts else "no ZEROPP_* variables set"

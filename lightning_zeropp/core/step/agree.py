@@ -41,13 +41,14 @@ _KEY = "lightning_zeropp/agree"
 _ENV_PREFIX = "ZEROPP_"
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 _CALLS = itertools.count()  # every rank calls agree in the same order: the keys match
-_VARIABLES = {"split"}  # fields that come from a ZEROPP_* variable (`settings_fields` adds)
+# fields that come from a ZEROPP_* variable (`settings_fields` adds the settings' own)
+_VARIABLES = {"split", "check_batch"}
 
 
 def settings_fields(settings: Any, **extra: Any) -> dict[str, str]:
     """`settings`' dataclass fields (and `extra` values), each as a comparable string. A field
     of `settings` comes from its `ZEROPP_<FIELD>` variable when not given in code; of the
-    extras only `split` has one (`ZEROPP_SPLIT`)."""
+    extras `split` and `check_batch` have one (`ZEROPP_SPLIT`, `ZEROPP_CHECK_BATCH`)."""
     fields = {f.name: _text(getattr(settings, f.name)) for f in dataclasses.fields(settings)}
     _VARIABLES.update(f.name for f in dataclasses.fields(settings))
     return fields | {k: _text(v) for k, v in extra.items()}
