@@ -101,3 +101,62 @@ def test_without_router_logits_the_stages_match_the_model(build):
                 assert param.grad is None or not param.grad.any(), name
                 continue
             torch.testing.assert_close(param.grad, expected, rtol=0, atol=1e-6, msg=name)
+
+
+# ------------------------------------------------------------------------------ (x, aux) blocks
+class MoEBlock(torch.nn.Module):
+    """A soft mixture of 4 experts returning `(x, aux)`: aux is the load-balancing term of the
+    rows it saw (a batch-level statistic: the mean routing probability per expert)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(16, 4)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        p = self.gate(x).softmax(-1)
+        y = sum(p[..., i : i + 1] * e(x) for i, e in enumerate(self.experts))
+        return x + y, (p.mean((0, 1)) ** 2).sum() * 4
+
+
+class MoEModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 16)
+        self.blocks = torch.nn.ModuleList(MoEBlock() for _ in range(4))
+        self.head = torch.nn.Linear(16, 32)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h, total = self.emb(x), 0.0
+        for block in self.blocks:
+            h, aux = block(h)
+            total = total + aux
+        return self.head(h), total
+
+
+def test_blocks_returning_an_aux_loss_are_refused_by_the_call_split_naming_it():
+    model = MoEModel()
+    x = torch.randint(0, 32, (2, 8))
+    with pytest.raises(ValueError, match=r"mixture-of-experts auxiliary loss") as err:
+        plan_calls(model, plan_blocks(model, 2), (x,), {})
+    assert "as gradient accumulation computes it" in str(err.value)
+
+
+def test_traced_aux_loss_is_the_micro_batchs_own():
+    """Under split='trace' the stages carry every block's aux to the last one: a micro-batch's
+    output (logits and aux) is the model's on that micro-batch, which is what one process
+    accumulating micro-batches computes (not the full batch's aux)."""
+    from lightning_zeropp.core.split.methods import split_model
+
+    torch.manual_seed(0)
+    model = MoEModel()
+    batch = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(2))
+    micro = batch[:2]
+    stages = split_model(model, plan_blocks(model, 2), [0, 1], "trace", (micro,))
+    sent = stages[0](micro)
+    logits, aux = stages[1](*(sent if isinstance(sent, tuple) else (sent,)))
+    want_logits, want_aux = model(micro)
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-6)
+    torch.testing.assert_close(aux, want_aux, rtol=0, atol=1e-6)
+    # ... which is not the whole batch's statistic
+    assert (aux - model(batch)[1]).abs() > 1e-6
