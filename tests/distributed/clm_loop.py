@@ -44,13 +44,14 @@ EXTRA: dict[str, dict[str, Any]] = {
         "attn_pdrop": 0.0,
     },
     # Mixture-of-experts families: 4 experts, 2 per token (router logits off unless "+router").
-    "mixtral": {"num_local_experts": 4},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
     "qwen2_moe": {
         "num_experts": 4,
+        "num_experts_per_tok": 2,
         "moe_intermediate_size": 16,
         "shared_expert_intermediate_size": 16,
     },
-    "olmoe": {"num_experts": 4},
+    "olmoe": {"num_experts": 4, "num_experts_per_tok": 2},
     "opt": {
         "ffn_dim": 64,
         "word_embed_proj_dim": 32,
