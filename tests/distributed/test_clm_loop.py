@@ -78,9 +78,9 @@ ROUTER = {"id": "moe-router", "plugin": PP, "args": {"family": "olmoe+router"}, 
 # for time (bench/bench_families.py tabulates every family on both fronts).
 FAMILY_CASES = [
     *(_sweep(f, False) for f in ("llama", "qwen2", "mistral", "phi3", "gpt_neox")),
-    # mixture-of-experts families (router logits off: see ROUTER), one pipeline of 4 stages:
-    # with data-parallel ranks, FSDP2 reduce-scatters only the parameters that got gradients,
-    # and top-k routing leaves other experts unused on each rank (a collective mismatch)
+    # mixture-of-experts families (router logits off: see ROUTER), one pipeline of 4 stages: with
+    # 2 data-parallel ranks (pp 2 x dp 2) they end after the first update in a gloo collective
+    # mismatch ("64 vs 32" bytes), cause not yet found; this pins the pipeline's exactness
     *({**_sweep(f, False), "plugin": PP4} for f in ("qwen2_moe", "olmoe")),
     _sweep("gemma", True),
     *(
