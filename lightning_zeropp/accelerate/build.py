@@ -131,13 +131,11 @@ def prepare_pipeline(
             train_dl = widen_loader(train_dl, config.pp_size)
         fills = accelerator.even_batches and split != "trace"
         check_loader(train_dl, accelerator.split_batches, dp_size, config.num_microbatches, fills)
-    if (
-        split != "stack"
-        and example_args is None
-        and example_kwargs is None
-        and config.num_stages > 1
-    ):
-        example_args, example_kwargs = _default_example(accelerator, train_dl, config, unpack)
+    if example_args is None and example_kwargs is None and config.num_stages > 1:
+        # split="stack" needs none, but checks its contract with one when the loader gives it.
+        optional = split == "stack"
+        if not optional or (train_dl is not None and _rows(accelerator, train_dl, config)):
+            example_args, example_kwargs = _default_example(accelerator, train_dl, config, unpack)
 
     disable_kv_cache(model)  # HF models: a pipeline stage returns tensors only
     # 2. The mesh and this rank's stages (collectives from here on).
@@ -251,6 +249,10 @@ _ONE_PROCESS = (
     "Accelerator(cpu=True) (plain `accelerate launch --cpu` starts one); on GPUs with "
     "`accelerate launch --multi_gpu --num_processes N script.py` or torchrun."
 )
+
+
+def _rows(accelerator: Accelerator, train_dl: DataLoader, config: ZeroPPLayout) -> int | None:
+    return rows_per_rank(train_dl, accelerator.split_batches, config.dp_size)
 
 
 def _default_example(

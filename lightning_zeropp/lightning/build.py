@@ -101,8 +101,9 @@ def _example(
     split: SplitMethod,
     to_device: Callable[[Any], Any],
 ) -> tuple[tuple[Any, ...] | None, dict[str, Any] | None]:
-    """One micro-batch of the network's inputs, for the splits that need one."""
-    if callable(split) or split == "stack" or config.num_stages == 1:
+    """One micro-batch of the network's inputs, for the splits that need one ("stack" checks its
+    contract with it at setup)."""
+    if callable(split) or config.num_stages == 1:
         return None, None
     step = {
         TrainerFn.FITTING: module.training_step,

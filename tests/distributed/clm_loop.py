@@ -43,6 +43,15 @@ EXTRA: dict[str, dict[str, Any]] = {
         "embd_pdrop": 0.0,
         "attn_pdrop": 0.0,
     },
+    # Mixture-of-experts families: 4 experts, 2 per token (router logits off unless "+router").
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2_moe": {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 16,
+    },
+    "olmoe": {"num_experts": 4, "num_experts_per_tok": 2},
     "opt": {
         "ffn_dim": 64,
         "word_embed_proj_dim": 32,
@@ -150,11 +159,14 @@ def build_model(args: Args) -> torch.nn.Module:
     if args.family in OWN_LOSS:
         torch.manual_seed(args.init_seed)
         return OWN_LOSS[args.family](AutoConfig.for_model("llama", **TINY))
+    family, router = args.family.removesuffix("+router"), args.family.endswith("+router")
     config = AutoConfig.for_model(
-        args.family,
-        **{**TINY, **NO_DROPOUT, **EXTRA.get(args.family, {})},
+        family,
+        **{**TINY, **NO_DROPOUT, **EXTRA.get(family, {})},
         tie_word_embeddings=args.tie_word_embeddings,
     )
+    if router:  # the MoE load-balancing loss, from every layer's router logits
+        config.output_router_logits = True
     torch.manual_seed(args.init_seed)
     if args.empty_init:  # how HF users build a model too large for one process
         from accelerate import init_empty_weights

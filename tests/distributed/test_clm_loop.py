@@ -16,6 +16,7 @@ from tests.distributed.launch import launch
 pytestmark = pytest.mark.distributed
 
 PP = {"pp_size": 2, "num_microbatches": 2}
+PP4 = {"pp_size": 4, "num_microbatches": 4}
 # one process trains on the 4 processes' per-device batches (2 rows each) at once: 8 rows;
 # it evaluates per-device batches of 2, as each DDP process does: run_clm's eval loss is the mean
 # of per-process losses (a sample's value is its process's batch loss), under DDP and ZeroPP
@@ -78,10 +79,17 @@ REFUSED = {
     "args": {"family": "llama_manual_loss"},
     "catch": True,
 }
+# HF's MoE load-balancing loss reads every layer's router logits after the last layer: refused at
+# setup on every rank, naming output_router_logits (`core.split.tags`).
+ROUTER = {"id": "moe-router", "plugin": PP, "args": {"family": "olmoe+router"}, "catch": True}
 # The other families, and the tied model under the other schedules: left to bench/slow_tests.py
 # for time (bench/bench_families.py tabulates every family on both fronts).
 FAMILY_CASES = [
     *(_sweep(f, False) for f in ("llama", "qwen2", "mistral", "phi3", "gpt_neox")),
+    # mixture-of-experts families (router logits off: see ROUTER), one pipeline of 4 stages: with
+    # 2 data-parallel ranks (pp 2 x dp 2) they end after the first update in a gloo collective
+    # mismatch ("64 vs 32" bytes), cause not yet found; this pins the pipeline's exactness
+    *({**_sweep(f, False), "plugin": PP4} for f in ("qwen2_moe", "olmoe")),
     _sweep("gemma", True),
     *(
         {**_sweep("llama", True), "id": f"sweep-llama-tied-{schedule}",
@@ -150,7 +158,7 @@ def _outputs_in(case: dict, out: Path) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("clm")
-    pipe, one = _launch(out, _with_initial_weights([*CASES, *SWEEP_CASES, REFUSED], out))
+    pipe, one = _launch(out, _with_initial_weights([*CASES, *SWEEP_CASES, ROUTER, REFUSED], out))
     ddp_cases = [{"id": "ddp"}, {"id": "ddp-eval", "args": SWEEP_CASES[-1]["args"]}]
     ddp = launch(
         4, "clm_scenarios.run", {"cases": ddp_cases, "init_process_group": False}, out / "ddp"
@@ -209,6 +217,13 @@ def test_a_forward_computing_its_own_loss_is_refused(runs):
         assert "ManualLossLlama's forward did not compute its loss as its loss_function" in error
         assert "nor as a mean F.cross_entropy over those labels" in error
         assert "Have the forward pass its keyword arguments to self.loss_function" in error
+
+
+def test_moe_router_logits_are_refused_on_every_rank(runs):
+    for rank, rank_result in enumerate(runs[0]):
+        error = rank_result["moe-router"]["error"]
+        assert "cannot pipeline OlmoeForCausalLM" in error, f"rank {rank}: {error}"
+        assert "output_router_logits" in error, f"rank {rank}: {error}"
 
 
 @pytest.mark.parametrize("case", SWEEP_CASES[:2], ids=[c["id"] for c in SWEEP_CASES[:2]])

@@ -26,7 +26,11 @@ CASES = [
     # BERT-MLM returns its own mean cross-entropy (it ignores num_items_in_batch): each
     # micro-batch's mean is rescaled to its token sum over the batch's count (models.loss_rule)
     {"id": "bert", "family": "bert"},
+    {"id": "mixtral", "family": "mixtral"},  # mixture of experts, router logits off
 ]
+# HF's MoE load-balancing loss reads every layer's router logits after the last layer (hooks
+# record them inside the layers): refused at setup on every rank, naming the setting.
+REFUSED = [{"id": "mixtral-router", "family": "mixtral+router", "catch": True}]
 # bench/bench_families.py runs every family through this module too.
 SLOW_CASES = [
     {"id": "llama-tied", "family": "llama", "tie_word_embeddings": True},
@@ -51,7 +55,7 @@ def _launch(out: Path, cases: list[dict]) -> tuple[dict, dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("hf_lightning")
-    return (*_launch(out, CASES), out)
+    return (*_launch(out, CASES + REFUSED), out)
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +78,15 @@ def _assert_matches(got: list[dict], ref: dict, case: dict) -> None:
 @pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
 def test_plain_hf_model_matches_one_process(runs, case):
     _assert_matches(runs[0], runs[1], case)
+
+
+def test_moe_router_logits_are_refused_on_every_rank(runs):
+    got, ref, _ = runs
+    assert "error" not in ref["mixtral-router"]  # one process trains it
+    for rank, result in enumerate(got):
+        error = result["mixtral-router"].get("error", "")
+        assert "inside block 0 and not returned by it" in error, f"rank {rank}: {error}"
+        assert "output_router_logits" in error, f"rank {rank}: {error}"
 
 
 def test_tied_export_reloads_tied(runs):

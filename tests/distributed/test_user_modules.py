@@ -11,7 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.distributed.common import MODEL, make_batches, make_model, reference, sampler_batches
+from tests.distributed.common import (
+    GLOBAL_BATCH,
+    MODEL,
+    make_batches,
+    make_model,
+    reference,
+    sampler_batches,
+)
 from tests.distributed.conftest import assert_matches_reference
 from tests.distributed.launch import launch
 
@@ -31,12 +38,38 @@ CASES = [
     {"id": "litgpt-zeropp", "module": "litgpt", "strategy": {**PP2, "schedule": "ZeroPP"}},
     # Lightning's own demo: nn.Transformer, an encoder stack and a decoder stack (pipelined)
     {"id": "demo-1f1b", "module": "demo", "strategy": {**PP2, "num_microbatches": 2}},
+    # torchvision's ViT (4 encoder layers, each with a 5-child MLP nn.Sequential): cut between
+    # encoder layers; its permuted patch embedding sends non-contiguous activations under trace.
+    {"id": "vit-call", "module": "vit", "strategy": PP2},
+    {"id": "vit-trace", "module": "vit", "strategy": {**PP2, "split": "trace"}},
+]
+# Splits a model's forward cannot take: refused at setup on every rank, naming why (run last).
+REFUSED = [
+    {
+        "id": "demo-trace",
+        "module": "demo",
+        "strategy": {**PP2, "num_microbatches": 2, "split": "trace"},
+        "match": "split='trace' cannot capture Transformer as one graph",
+    },
+    {
+        "id": "demo-stack",
+        "module": "demo",
+        "strategy": {**PP2, "num_microbatches": 2, "split": "stack"},
+        "match": "split='stack' cannot run Transformer: stage 0's forward failed",
+    },
+    {
+        "id": "vit-stack",
+        "module": "vit",
+        "strategy": {**PP2, "split": "stack"},
+        "match": "split='stack' cannot run VisionTransformer: stage 0's forward failed",
+    },
 ]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    params = {"cases": [dict(c) for c in CASES], "init_process_group": False}
+    refused = [{k: v for k, v in c.items() if k != "match"} | {"refused": True} for c in REFUSED]
+    params = {"cases": [dict(c) for c in CASES] + refused, "init_process_group": False}
     out = tmp_path_factory.mktemp("user")
     return launch(4, "user_module_scenarios.fit_cases", params, out, timeout=600)
 
@@ -71,6 +104,8 @@ def _reference(case):
 
         def loss_fn(model, x, y):
             return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    elif case["module"] == "vit":
+        return _vit_reference(steps), None
     else:
         from lightning.pytorch.demos import Transformer
 
@@ -93,6 +128,17 @@ def _reference(case):
     return ref, model_fn
 
 
+def _vit_reference(steps: int) -> dict:
+    """One process on the global batches Lightning's DistributedSampler yields (seeded shuffle)."""
+    from tests.distributed.user_module_scenarios import LR, ViTClassifier, vit_data
+
+    x, y = vit_data(steps)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    batches = [(x[i], y[i]) for i in perm.split(GLOBAL_BATCH)]
+    model = ViTClassifier().model
+    return _sgd_reference(lambda: model, lambda m, a, b: F.cross_entropy(m(a), b), batches, LR)
+
+
 def _sgd_reference(model_fn, loss_fn, batches, lr):
     model = model_fn()
     opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -113,6 +159,13 @@ def _sgd_reference(model_fn, loss_fn, batches, lr):
 def test_unmodified_module_matches_one_process(results, case):
     ref, _ = _reference(case)
     assert_matches_reference(results, case, "logged", "", ref=ref)
+
+
+@pytest.mark.parametrize("case", REFUSED, ids=[c["id"] for c in REFUSED])
+def test_a_split_the_forward_cannot_take_is_refused_on_every_rank(results, case):
+    for rank, rank_result in enumerate(results):
+        error = rank_result[case["id"]]["error"]
+        assert error is not None and case["match"] in error, f"rank {rank}: {error}"
 
 
 def test_validation_with_another_batch_size_and_a_short_last_batch(results):

@@ -1,7 +1,10 @@
 """Blocks: where a model's repeated layers live and which of them each pipeline stage gets.
 
-Blocks are found automatically: the `ModuleList` / `ModuleDict` / `nn.Sequential` with the most
-children (ties broken by parameter count). Stages get contiguous runs of blocks balanced by block
+Blocks are found by structure: of the `ModuleList` / `ModuleDict` / `nn.Sequential` containers
+holding at least two modules of one class (a stack of repeated layers), the one whose repeated
+layers hold the most parameters (ties: more children, then the shallower path). Not by child count:
+torchvision's ViT MLP (`nn.Sequential` of Linear, GELU, Dropout, Linear, Dropout) has more children
+than a 4-layer encoder but only part of one layer's parameters. Stages get contiguous runs of blocks balanced by block
 parameter count unless `split_points` (the block index each stage after the first starts at) is
 given.
 """
@@ -37,23 +40,37 @@ class BlockPlan:
 
 def find_blocks(model: nn.Module) -> tuple[str, list[str]]:
     """Return (container path, child names) of the model's repeated blocks."""
-    best: tuple[int, int, str] | None = None
+    best: tuple[tuple[int, int, int], str] | None = None
     for path, module in model.named_modules():
         if not isinstance(module, _CONTAINERS) or len(module) < 2:
             continue
-        score = (len(module), num_params(module), path)
-        if not score[1]:  # holds no parameters: metrics, activations, buffers (not layers)
+        score = (_repeated_params(module), len(module), -path.count("."))
+        if not score[0]:  # no class repeats with parameters: metrics, activations, a head
             continue
-        if best is None or score[:2] > best[:2]:
-            best = score
+        if best is None or score > best[0]:
+            best = (score, path)
     if best is None:
         raise ValueError(
             f"cannot split {type(model).__name__} into pipeline stages: it has no ModuleList, "
-            "ModuleDict or nn.Sequential of at least 2 blocks. Put its repeated layers in one, or "
-            "pass split=<callable> that builds each stage."
+            "ModuleDict or nn.Sequential holding at least 2 layers of one class. Put its repeated "
+            "layers in one, or pass split=<callable> that builds each stage."
         )
-    container = model.get_submodule(best[2])
-    return best[2], list(container._modules.keys())
+    container = model.get_submodule(best[1])
+    return best[1], list(container._modules.keys())
+
+
+def _repeated_params(container: nn.Module) -> int:
+    """Parameters held by the container's most repeated layer class (0 when none repeats): a
+    stack of layers is one class repeated; a container of distinct modules is not."""
+    groups: dict[type, list[nn.Module]] = {}
+    for child in container.children():
+        groups.setdefault(type(child), []).append(child)
+    best = 0
+    for members in groups.values():
+        held = sum(num_params(m) for m in members)
+        if len(members) >= 2 and held:
+            best = max(best, held)
+    return best
 
 
 def plan_blocks(

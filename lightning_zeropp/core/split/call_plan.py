@@ -243,6 +243,14 @@ def _plan(
             f"{[blocks.names[c[0]] for c in calls]})"
         )
     if leak is not None:
+        out = calls[0][3]
+        if "block 0's output" in leak and isinstance(out, (tuple, list)) and len(out) > 1:
+            leak += (
+                f" (its blocks return {len(out)} values: one the next block takes, the others, "
+                "e.g. a mixture-of-experts auxiliary loss, read after the blocks; split='call' "
+                "carries only the first kind. Under split='trace' each micro-batch's auxiliary "
+                "loss is computed on that micro-batch, as gradient accumulation computes it)"
+            )
         raise refuse(leak)
     first_block = events.index(("block", 0))
     last_block = events.index(("block", len(blocks.names) - 1))

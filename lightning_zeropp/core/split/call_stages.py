@@ -19,6 +19,7 @@ from torch import nn
 from lightning_zeropp.core._torch_private import TreeSpec, tree_flatten, tree_map, tree_unflatten
 from lightning_zeropp.core.split.call_plan import CallInputs, CallPlan
 from lightning_zeropp.core.split.copies import meta_copy, stage_copy
+from lightning_zeropp.core.split.dense import dense_grad
 
 __all__ = ["build_call_stages", "flatten_outputs", "restore_output"]
 
@@ -78,25 +79,6 @@ class _Stub(nn.Module):
         # Attributes (flags, sub-configs, submodules) read from the meta-device copy; tensors
         # read that way are on the meta device, so using one in real compute fails loudly.
         return getattr(self.__dict__["_meta"], name)
-
-
-class _DenseGrad(torch.autograd.Function):
-    """Identity whose backward makes the gradient contiguous. Pipeline receive buffers copy the
-    layout of the gradient the next stage computed during shape inference, and gloo receives
-    into contiguous tensors only: attention that transposes its input (nn.MultiheadAttention
-    with batch_first) yields a transposed input gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous()
-
-
-def _dense_grad(x: torch.Tensor) -> torch.Tensor:
-    return _DenseGrad.apply(x) if x.requires_grad else x
 
 
 _CHECKPOINT_FIX = (
@@ -201,7 +183,7 @@ class _StageState:
 
     def run(self, *received: torch.Tensor, **flat_inputs: Any) -> Any:
         args, kwargs = self.inputs.unflatten(flat_inputs)
-        received = tuple(_dense_grad(t) for t in received)
+        received = tuple(dense_grad(t) for t in received)
         self.received, self.sent = (received if self.stage > 0 else None), None
         self.running, self.training = True, torch.is_grad_enabled()
         try:

@@ -22,7 +22,6 @@ Which blocks each stage gets is `core.split.blocks`'s `BlockPlan`.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -30,10 +29,12 @@ import torch
 from torch import nn
 
 from lightning_zeropp.core._torch_private import traced_dtype_checks
-from lightning_zeropp.core.split.blocks import BlockPlan, num_params
+from lightning_zeropp.core.split.blocks import BlockPlan
 from lightning_zeropp.core.split.call_plan import plan_calls
 from lightning_zeropp.core.split.call_stages import build_call_stages
 from lightning_zeropp.core.split.chain import chain_stages
+from lightning_zeropp.core.split.dense import dense_boundaries
+from lightning_zeropp.core.split.stack import check_stack, stack_stage
 
 __all__ = [
     "SPLIT_ATTR",
@@ -91,12 +92,18 @@ def split_model(
         calls = plan_calls(model, plan, example_args, example_kwargs)
         return build_call_stages(model, calls, stage_ids, call_inputs, device, dtype)
     if callable(method):
-        return [method(model, s, num_stages, plan.ranges) for s in stage_ids]
-    if method == "stack":
-        return [_stack_stage(model, plan, s) for s in stage_ids]
-    if method == "trace":
-        return _trace_stages(model, plan, stage_ids, example_args, example_kwargs, dtype)
-    raise ValueError(f"split={method!r} is unknown; use 'trace', 'stack' or a callable.")
+        stages = [method(model, s, num_stages, plan.ranges) for s in stage_ids]
+    elif method == "stack":
+        if example_args is not None or example_kwargs:
+            check_stack(model, plan, example_args, example_kwargs)
+        stages = [stack_stage(model, plan, s) for s in stage_ids]
+    elif method == "trace":
+        stages = _trace_stages(model, plan, stage_ids, example_args, example_kwargs, dtype)
+    else:
+        raise ValueError(f"split={method!r} is unknown; use 'trace', 'stack' or a callable.")
+    for stage, s in zip(stages, stage_ids, strict=True):
+        dense_boundaries(stage, first=s == 0, last=s == num_stages - 1)
+    return stages
 
 
 def _trace_stages(
@@ -116,9 +123,17 @@ def _trace_stages(
             "the engine (in Lightning: set the module's example_input_array), or use split='stack'."
         )
     spec = {plan.fqn(r.start): SplitPoint.BEGINNING for r in plan.ranges[1:]}
-    pipe = pipeline(
-        model, mb_args=tuple(example_args or ()), mb_kwargs=example_kwargs, split_spec=spec
-    )
+    try:
+        pipe = pipeline(
+            model, mb_args=tuple(example_args or ()), mb_kwargs=example_kwargs, split_spec=spec
+        )
+    except Exception as err:  # torch.export's own message names no model and no way out
+        raise ValueError(
+            f"split='trace' cannot capture {type(model).__name__} as one graph: torch.export "
+            f"failed ({_export_reason(err)}). Its forward has code a graph cannot hold (control "
+            "flow on tensor values, e.g. nn.Transformer's causal-mask check). Use split='call' "
+            "(the default), which runs the model's code as written, or a split callable."
+        ) from err
     if pipe.num_stages != len(plan.ranges):
         raise ValueError(
             f"tracing produced {pipe.num_stages} stages instead of {len(plan.ranges)}; the block "
@@ -134,6 +149,18 @@ def _trace_stages(
     return [stages[s] for s in stage_ids]
 
 
+def _export_reason(err: BaseException) -> str:
+    """The first line of torch.export's cause and the model's line that raised it."""
+    cause = err.__cause__ or err
+    lines = [line.strip() for line in str(cause).splitlines()]
+    reason = f"{type(cause).__name__}: {lines[0] if lines else ''}"
+    marker = "The following call raised this error:"
+    if marker in lines and len(lines) > lines.index(marker) + 2:
+        at = lines.index(marker)
+        reason += f" at {lines[at + 1]}: {lines[at + 2]}"
+    return reason
+
+
 def _check_traced_dtypes(stages: list[nn.Module], dtype: torch.dtype, name: str) -> None:
     """A graph traced in float32 that checks an activation is float32 (a cast the model's code
     makes, a no-op when traced, e.g. HF's norms) fails once FSDP2 computes in `dtype`."""
@@ -147,48 +174,6 @@ def _check_traced_dtypes(stages: list[nn.Module], dtype: torch.dtype, name: str)
                 f"{other[0]} (a cast in the model's code, a no-op when traced). Use split='call' "
                 "(the default), which runs the model's code as written."
             )
-
-
-def _stack_stage(model: nn.Module, plan: BlockPlan, stage: int) -> nn.Module:
-    """A copy of `model` holding only this stage's blocks (names kept) and its pre/post modules."""
-    first, last = stage == 0, stage == len(plan.ranges) - 1
-    keep = {plan.names[i] for i in plan.ranges[stage]}
-    # Copy everything except the blocks of other stages, which are never materialized twice.
-    memo: dict[int, Any] = {}
-    container = model.get_submodule(plan.container)
-    for name, block in container._modules.items():
-        if name not in keep:
-            memo[id(block)] = None
-    stage_model = copy.deepcopy(model, memo)
-    new_container = stage_model.get_submodule(plan.container)
-    new_container._modules = {n: m for n, m in new_container._modules.items() if n in keep}
-    _drop_outer_modules(stage_model, plan.container, first, last)
-    return stage_model
-
-
-def _drop_outer_modules(model: nn.Module, container: str, first: bool, last: bool) -> None:
-    """Set modules before the block container to None off the first stage, after it off the last.
-
-    Walks the path to the container: at each level, siblings registered before the path go with the
-    first stage, siblings after it with the last stage. Parameter-free modules stay everywhere.
-    """
-    if not container:  # the model itself is the block container: nothing sits around it
-        return
-    parent = model
-    for part in container.split("."):
-        names = list(parent._modules.keys())
-        pos = names.index(part)
-        for i, name in enumerate(names):
-            child = parent._modules[name]
-            if i == pos or child is None or num_params(child) == 0:
-                continue
-            if (i < pos and not first) or (i > pos and not last):
-                parent._modules[name] = None
-        parent = parent._modules[part]
-    # Root-level parameters (rare) cannot be split by position: keep them on the first stage.
-    if not first:
-        for pname in list(model._parameters):
-            model._parameters[pname] = None
 
 
 def check_no_tied_parameters(model: nn.Module) -> None:

@@ -105,15 +105,19 @@ class Tagger(TorchFunctionMode):
             # it, not redrawn (see `CallPlan.local`). That is all this tag decides.
             drawn.add(("random", what))
         tags = tags - drawn
-        if tags or drawn:
-            self.tag(out, tags | drawn)
+        # A value computed inside a block is that block's stage's own: read elsewhere other
+        # than through the block's return (a hook recording it, as HF records router logits
+        # for the MoE load-balancing loss), another stage would read a stub's nothing.
+        inner = frozenset({("inner", self.inside)}) if self.inside is not None else frozenset()
+        if tags or drawn or inner:
+            self.tag(out, tags | drawn | inner)
         if tags:
             self.check(tags, what)
             if (
                 self.leak is None
                 and what not in _METADATA
                 and not _tensors_only(out)
-                and not tags <= self.allowed_after
+                and not tags <= self.allowed_after | inner
             ):
                 # A Python number or flag read from a value another stage computes: on this
                 # stage it would come from a stub (zeros), and tags cannot follow it.
@@ -123,12 +127,14 @@ class Tagger(TorchFunctionMode):
 
     @property
     def allowed_after(self) -> frozenset[Any]:
-        return frozenset({("block", self.after)}) if self.after is not None else frozenset()
+        if self.after is None:
+            return frozenset()
+        return frozenset({("block", self.after), ("inner", self.after)})
 
     def check(self, tags: frozenset[Any], what: str) -> None:
-        allowed = frozenset() if self.inside is not None else None
+        allowed = frozenset({("inner", self.inside)}) if self.inside is not None else None
         if self.after is not None:
-            allowed = frozenset({("block", self.after)})
+            allowed = self.allowed_after
         if allowed is not None and not tags <= allowed and self.leak is None:
             where = f"block {self.inside}" if self.inside is not None else "after the last block"
             sources = ", ".join(sorted(_source_name(t) for t in tags - allowed))
@@ -184,4 +190,10 @@ def _source_name(tag: Any) -> str:
     kind, name = tag
     if kind == "bare":
         return f"parameter '{name}'"
+    if kind == "inner":
+        return (
+            f"a value computed inside block {name} and not returned by it (kept by a hook or an "
+            "attribute, e.g. HF's MoE router logits under output_router_logits=True: set it "
+            "False, or compute that loss from what the blocks return)"
+        )
     return f"block {name}'s output" if kind == "block" else f"the output of '{name}'"

@@ -1,0 +1,162 @@
+"""Mixture-of-experts models under split="call": exact, or refused naming why.
+
+HF's MoE families (Mixtral, Qwen2-MoE, OLMoE) record every layer's router logits with hooks inside
+the layers and compute the load-balancing loss from all of them after the last layer. Under the
+call split, a stage runs its own layers only: the last stage saw only its layers' router logits
+(aux_loss 2.0091 against 2.0019 in one process, the first stage's routers got no aux gradient),
+unsaid. Such a read is refused at setup; without router logits the families pipeline exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_zeropp.core.split.blocks import plan_blocks
+from lightning_zeropp.core.split.call_plan import CallInputs, plan_calls
+from lightning_zeropp.core.split.call_stages import build_call_stages, restore_output
+
+transformers = pytest.importorskip("transformers")
+
+COMMON = {
+    "use_cache": False,
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 32,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+    "num_experts_per_tok": 2,
+}
+
+
+def _mixtral(router: bool):
+    cfg = transformers.MixtralConfig(num_local_experts=4, output_router_logits=router, **COMMON)
+    return transformers.MixtralForCausalLM(cfg)
+
+
+def _qwen2_moe(router: bool):
+    cfg = transformers.Qwen2MoeConfig(
+        num_experts=4,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        output_router_logits=router,
+        **COMMON,
+    )
+    return transformers.Qwen2MoeForCausalLM(cfg)
+
+
+def _olmoe(router: bool):
+    cfg = transformers.OlmoeConfig(num_experts=4, output_router_logits=router, **COMMON)
+    return transformers.OlmoeForCausalLM(cfg)
+
+
+FAMILIES = [_mixtral, _qwen2_moe, _olmoe]
+IDS = ["mixtral", "qwen2-moe", "olmoe"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": x, "labels": x}
+
+
+@pytest.mark.parametrize("build", FAMILIES, ids=IDS)
+def test_router_logits_read_after_the_layers_are_refused(build):
+    torch.manual_seed(0)
+    model = build(router=True)
+    with pytest.raises(ValueError, match=r"inside block 0 and not returned by it") as err:
+        plan_calls(model, plan_blocks(model, 2), (), _batch())
+    assert "output_router_logits" in str(err.value)
+
+
+@pytest.mark.parametrize("build", FAMILIES, ids=IDS)
+def test_without_router_logits_the_stages_match_the_model(build):
+    torch.manual_seed(0)
+    model = build(router=False)
+    batch = _batch()
+    plan = plan_calls(model, plan_blocks(model, 2), (), batch)
+    inputs = CallInputs()
+    stages = build_call_stages(model, plan, range(2), inputs, torch.device("cpu"))
+    flat = inputs.flatten((), batch)
+    sent = stages[0](**flat)
+    got = restore_output(stages[1], stages[1](*sent, **flat)).loss
+    want = model(**batch).loss
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    got.backward()
+    want.backward()
+    for stage in stages:
+        for name, param in stage.named_parameters():
+            expected = model.get_parameter(name).grad
+            if expected is None:  # an expert no token was routed to
+                assert param.grad is None or not param.grad.any(), name
+                continue
+            torch.testing.assert_close(param.grad, expected, rtol=0, atol=1e-6, msg=name)
+
+
+# ------------------------------------------------------------------------------ (x, aux) blocks
+class MoEBlock(torch.nn.Module):
+    """A soft mixture of 4 experts returning `(x, aux)`: aux is the load-balancing term of the
+    rows it saw (a batch-level statistic: the mean routing probability per expert)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(16, 4)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        p = self.gate(x).softmax(-1)
+        y = sum(p[..., i : i + 1] * e(x) for i, e in enumerate(self.experts))
+        return x + y, (p.mean((0, 1)) ** 2).sum() * 4
+
+
+class MoEModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 16)
+        self.blocks = torch.nn.ModuleList(MoEBlock() for _ in range(4))
+        self.head = torch.nn.Linear(16, 32)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h, total = self.emb(x), 0.0
+        for block in self.blocks:
+            h, aux = block(h)
+            total = total + aux
+        return self.head(h), total
+
+
+def test_blocks_returning_an_aux_loss_are_refused_by_the_call_split_naming_it():
+    model = MoEModel()
+    x = torch.randint(0, 32, (2, 8))
+    with pytest.raises(ValueError, match=r"mixture-of-experts auxiliary loss") as err:
+        plan_calls(model, plan_blocks(model, 2), (x,), {})
+    assert "as gradient accumulation computes it" in str(err.value)
+
+
+def test_traced_aux_loss_is_the_micro_batchs_own():
+    """Under split='trace' the stages carry every block's aux to the last one: a micro-batch's
+    output (logits and aux) is the model's on that micro-batch, which is what one process
+    accumulating micro-batches computes (not the full batch's aux)."""
+    from lightning_zeropp.core.split.methods import split_model
+
+    torch.manual_seed(0)
+    model = MoEModel()
+    batch = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(2))
+    micro = batch[:2]
+    stages = split_model(model, plan_blocks(model, 2), [0, 1], "trace", (micro,))
+    sent = stages[0](micro)
+    logits, aux = stages[1](*(sent if isinstance(sent, tuple) else (sent,)))
+    want_logits, want_aux = model(micro)
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-6)
+    torch.testing.assert_close(aux, want_aux, rtol=0, atol=1e-6)
+    # ... which is not the whole batch's statistic
+    assert (aux - model(batch)[1]).abs() > 1e-6
