@@ -6,7 +6,9 @@ Rooms, in build order (each imports only rooms below it; `docs/architecture.md` 
 `_torch_private/` is the one home of torch's private names.
 """
 
-from lightning_zeropp.core import _moved
+# First, before any other torch use: refuses a torch release outside the supported range.
+from lightning_zeropp.core import _torch_private  # noqa: F401  # isort: skip
+from lightning_zeropp.core import _moved  # noqa: E402
 
 _moved.install()  # old flat paths (lightning_zeropp.core.config, ...) keep importing
 
