@@ -8,6 +8,7 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import stage as _stage_module
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
@@ -119,11 +120,13 @@ class _FloatGradientsOnly(PipelineStage):
             pairs = zip(outputs, grads, strict=False)
             kept = [(o, g) for o, g in pairs if getattr(o, "requires_grad", False)]
             outputs, grads = tuple(o for o, _ in kept), [g for _, g in kept]
+        inputs = bwd_kwargs["input_values"]
+        tensors = [x for x in inputs if isinstance(x, torch.Tensor)]  # not a float, say
         call = {**bwd_kwargs, "stage_output": outputs, "output_grads": grads}
+        call["input_values"] = tensors
         dinputs, groups = super().backward_maybe_with_nosync(backward_type, call, last_backward)
         # torch returns gradients of the inputs that require grad only: realign with the inputs
         given = iter(dinputs)
-        inputs = bwd_kwargs["input_values"]
         aligned = (next(given) if getattr(x, "requires_grad", False) else None for x in inputs)
         return tuple(aligned), groups
 
