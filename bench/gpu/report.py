@@ -23,7 +23,6 @@ PARTS = {  # part -> (what it is, the results file it writes)
     "zeropp_w4": ("`bench/bench_zeropp.py`, 4 ranks, one core each", "gpu_zeropp_w4.md"),
     "zeropp_w8": ("`bench/bench_zeropp.py`, 8 ranks, one core each", "gpu_zeropp_w8.md"),
 }
-SUPPORTED_TORCH = "2.13"
 
 
 def machine() -> list[str]:
@@ -35,13 +34,16 @@ def machine() -> list[str]:
         lines.append(
             f"- torch {version} (CUDA {torch.version.cuda}), Python {platform.python_version()}"
         )
-        if not version.startswith(SUPPORTED_TORCH):
-            lines.append(
-                f"- **torch {version} is outside the supported range ({SUPPORTED_TORCH}.x, "
-                "pyproject.toml)**: the pipelining internals the core reaches "
-                "(`core/_torch_private/`) differ between releases; read failures below with "
-                "that in mind."
-            )
+        try:  # refuses a torch outside the supported range, naming it
+            import lightning_zeropp  # noqa: F401
+        except ImportError as err:
+            lines.append(f"- **{err}**: every part below that imports it fails.")
+        try:
+            import transformers
+
+            lines.append(f"- transformers {transformers.__version__}")
+        except ImportError:
+            lines.append("- transformers not installed")
         if torch.cuda.is_available():
             props = torch.cuda.get_device_properties(0)
             lines.append(

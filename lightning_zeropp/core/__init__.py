@@ -6,6 +6,8 @@ Rooms, in build order (each imports only rooms below it; `docs/architecture.md` 
 `_torch_private/` is the one home of torch's private names.
 """
 
+# First, before any other torch use: refuses a torch release outside the supported range.
+from lightning_zeropp.core import _torch_private  # noqa: F401  # isort: skip
 from lightning_zeropp.core.engine import ZeroPPEngine
 from lightning_zeropp.core.mesh import ParallelDims, build_mesh
 from lightning_zeropp.core.schedule.build import SCHEDULES

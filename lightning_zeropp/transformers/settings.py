@@ -96,7 +96,8 @@ def _problems(args: Any, init: dict[str, Any]) -> list[str]:
             "torch_compile=True compiles the whole model; the pipeline runs stage copies of it. "
             "Drop torch_compile."
         )
-    if args.activation_checkpointing or args.gradient_checkpointing:
+    # `activation_checkpointing` is not an argument of transformers 5.17
+    if getattr(args, "activation_checkpointing", False) or args.gradient_checkpointing:
         found.append(
             "activation_checkpointing=True patches the model's layers before the pipeline cuts "
             "them. Use ZeroPPPlugin(activation_checkpointing=True) (or 'except_last'), which "

@@ -1,6 +1,8 @@
 """Every use of a private torch name lives in this package, so a torch upgrade touches it only.
 
-Covered torch range: 2.13.x (pinned in pyproject.toml). One module per part of torch wrapped:
+Covered torch range: 2.11 to 2.14 (`version.SUPPORTED`, pyproject.toml), refused outside it on
+import. Where releases differ, `version.at_least` decides, read only by the module wrapping that
+part of torch. One module per part of torch wrapped:
 `pipelining` (the schedule runtime, stages, split backward), `fsdp` (FSDP2's parameter groups),
 `distributed` (c10d: store, group timeouts), `checkpoint` (DCP), `compile` (dynamo, inductor,
 traced graphs), `tensors` (storages, versions, views, the CPU flash kernel) and `pytree`. Each
@@ -11,12 +13,22 @@ private name is reached behind a function named for what it does; import them fr
 
 from __future__ import annotations
 
-from lightning_zeropp.core._torch_private.checkpoint import (
+# First: a release outside the range is refused before any private name below is looked up (a
+# missing one would fail with an ImportError naming it, not the release).
+from lightning_zeropp.core._torch_private.version import (  # isort: skip
+    SUPPORTED_RANGE,
+    at_least,
+    require_supported_torch,
+)
+
+require_supported_torch()
+
+from lightning_zeropp.core._torch_private.checkpoint import (  # noqa: E402
     dcp_write_prefix,
     dcp_written_files,
     is_dcp_metadata_global,
 )
-from lightning_zeropp.core._torch_private.compile import (
+from lightning_zeropp.core._torch_private.compile import (  # noqa: E402
     aot_eager,
     compile_errors,
     compile_split_graph,
@@ -26,12 +38,12 @@ from lightning_zeropp.core._torch_private.compile import (
     split_graph,
     traced_dtype_checks,
 )
-from lightning_zeropp.core._torch_private.distributed import (
+from lightning_zeropp.core._torch_private.distributed import (  # noqa: E402
     default_store,
     group_timeout,
     mesh_group_options,
 )
-from lightning_zeropp.core._torch_private.fsdp import (
+from lightning_zeropp.core._torch_private.fsdp import (  # noqa: E402
     defer_post_forward_reshard,
     fsdp_pre_backward_muted,
     fsdp_unit_shards,
@@ -45,7 +57,7 @@ from lightning_zeropp.core._torch_private.fsdp import (
     unsharded_parameter_bytes,
     unsharded_params,
 )
-from lightning_zeropp.core._torch_private.pipelining import (
+from lightning_zeropp.core._torch_private.pipelining import (  # noqa: E402
     Action,
     PipelineSchedule,
     ScheduleRuntime,
@@ -62,13 +74,13 @@ from lightning_zeropp.core._torch_private.pipelining import (
     stage_backward_weight,
     wait_gathered,
 )
-from lightning_zeropp.core._torch_private.pytree import (
+from lightning_zeropp.core._torch_private.pytree import (  # noqa: E402
     TreeSpec,
     tree_flatten,
     tree_map,
     tree_unflatten,
 )
-from lightning_zeropp.core._torch_private.tensors import (
+from lightning_zeropp.core._torch_private.tensors import (  # noqa: E402
     fused_attention,
     fused_attention_flops,
     local_chunk,
@@ -79,6 +91,7 @@ from lightning_zeropp.core._torch_private.tensors import (
 )
 
 __all__ = [
+    "SUPPORTED_RANGE",
     "Action",
     "PipelineSchedule",
     "ScheduleRuntime",
@@ -87,6 +100,7 @@ __all__ = [
     "add_reduce_grad",
     "add_send_recv",
     "aot_eager",
+    "at_least",
     "compile_errors",
     "compile_split_graph",
     "dcp_write_prefix",

@@ -15,6 +15,13 @@ from torch.distributed.fsdp._fully_shard import _fully_shard as _fully_shard_mod
 from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState as _TrainingState
 
+from lightning_zeropp.core._torch_private.version import at_least
+
+# torch 2.12 keeps a list of parameter groups per FSDP state (`_fsdp_param_groups`: one per mesh
+# when parameters are given per-parameter meshes); 2.11 keeps one (`_fsdp_param_group`, or None
+# for a unit without parameters of its own).
+GROUP_LIST = at_least(2, 12)
+
 __all__ = [
     "defer_post_forward_reshard",
     "fsdp_pre_backward_muted",
@@ -48,7 +55,7 @@ def run_post_backward(root: FSDPModule) -> None:
     reduce-scatter of the gradients computed so far."""
     state = root._get_fsdp_state()
     for sub in state._state_ctx.all_states:
-        for group in sub._fsdp_param_groups:
+        for group in _state_groups(sub):
             group.post_backward()
     state._root_post_backward_final_callback()
 
@@ -65,12 +72,12 @@ def fsdp_pre_backward_muted(root: nn.Module) -> Iterator[None]:
     states = [m._get_fsdp_state() for m in root.modules() if isinstance(m, FSDPModule)]
     saved = [
         (st, st._training_state, st._state_ctx.post_backward_final_callback_queued,
-         [(g, g._training_state) for g in st._fsdp_param_groups])
+         [(g, g._training_state) for g in _state_groups(st)])
         for st in states
     ]  # fmt: skip
     for st in states:
         st._state_ctx.post_backward_final_callback_queued = True
-        for group in st._fsdp_param_groups:
+        for group in _state_groups(st):
             group._training_state = _TrainingState.PRE_BACKWARD
     try:
         yield
@@ -84,7 +91,14 @@ def fsdp_pre_backward_muted(root: nn.Module) -> Iterator[None]:
 
 def _param_groups(module: FSDPModule) -> list[Any]:
     """FSDP's parameter groups of one unit (one, unless parameters were given per-param meshes)."""
-    return module._get_fsdp_state()._fsdp_param_groups
+    return _state_groups(module._get_fsdp_state())
+
+
+def _state_groups(state: Any) -> list[Any]:
+    if GROUP_LIST:
+        return state._fsdp_param_groups
+    group = state._fsdp_param_group
+    return [group] if group is not None else []
 
 
 def fsdp_unit_shards(module: FSDPModule) -> list[tuple[int, int]]:
