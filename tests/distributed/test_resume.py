@@ -129,13 +129,17 @@ def test_stateful_loaders_are_left_to_lightning():
 
 
 class _Trainer:
-    """What `resuming_loader` reads of a Trainer: the training epoch loop's batch progress."""
+    """What `resuming_loader` reads of a Trainer: the training epoch loop's batch progress, the
+    strategy's sampler arguments and the epoch."""
 
     def __init__(self, done: list[int]) -> None:
         current = type("Current", (), {"ready": property(lambda _: done[0])})()
         progress = type("Progress", (), {"current": current})()
         epoch_loop = type("EpochLoop", (), {"batch_progress": progress})()
         self.fit_loop = type("FitLoop", (), {"epoch_loop": epoch_loop})()
+        # read by the resume's global-batch check (`lightning.data.check_resumed_rows`)
+        self.strategy = type("Strategy", (), {"distributed_sampler_kwargs": {}})()
+        self.current_epoch = 0
 
 
 @pytest.mark.distributed
