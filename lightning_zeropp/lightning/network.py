@@ -27,7 +27,6 @@ from torch import nn
 from torchmetrics import Metric
 
 from lightning_zeropp.lightning.redirect import (
-    Away,
     Elsewhere,
     ElsewhereTensor,
     StandIn,
@@ -101,7 +100,7 @@ class Network:
 
         A part another stage holds is, in this rank's stages, a stub or a placeholder of zeros
         that the stage's code runs on. Outside a step it is a guard naming `full_parameter`
-        (`Away`, `ElsewhereTensor`): a stale copy must never be read as the trained value."""
+        (`Elsewhere`, `ElsewhereTensor`): a stale copy must never be read as the trained value."""
         self._installed = merged
         prefix = f"{self.attr}." if self.attr is not None else ""
         self.names = [f"{prefix}{n}" for n, _ in whole.named_parameters()]
@@ -165,7 +164,7 @@ class Network:
         params = {n: module._parameters.pop(n, None) for n in self.params}
         plain = {n: module.__dict__.pop(n) for n in self.params if n in module.__dict__}
         for name in self.children:
-            module._modules[name] = Elsewhere(self.owner, name)
+            module._modules[name] = Elsewhere.in_step(self.owner, name)
         for name in self.params:
             module.__dict__[name] = ElsewhereTensor.make(self.owner, name)
         guard = module.__dict__.get("forward")
@@ -226,7 +225,7 @@ def _away_parts(real: nn.Module, whole: nn.Module, prefix: str, stages: str) -> 
             continue
         path = f"{prefix}{name}"
         if not _has_params(mine) and not mine._modules:  # held by another stage: a stub here
-            out.append((real._modules, name, mine, Away(away_message(path, None, stages))))
+            out.append((real._modules, name, mine, Elsewhere(away_message(path, None, stages))))
         else:
             out += _away_parts(mine, part, f"{path}.", stages)
     return out

@@ -24,7 +24,6 @@ from torch import nn
 from lightning_zeropp.core._torch_private import make_subclass
 
 __all__ = [
-    "Away",
     "Elsewhere",
     "ElsewhereTensor",
     "StandIn",
@@ -68,11 +67,18 @@ def _outside_forward(owner: str, name: str) -> str:
 
 class Elsewhere(nn.Module):
     """Stands in for a part of a pipelined LightningModule's own network (a child with
-    parameters) while a step runs: the step may reach it only through `self(...)`."""
+    parameters): while a step runs, the step may reach it only through `self(...)`; outside a
+    step, on a rank whose stages do not hold it, any use names `full_parameter`
+    (`away_message`). Any call or attribute read raises `message`."""
 
-    def __init__(self, owner: str, name: str) -> None:
+    def __init__(self, message: str) -> None:
         super().__init__()
-        object.__setattr__(self, "_message", _outside_forward(owner, name))
+        object.__setattr__(self, "_message", message)
+
+    @staticmethod
+    def in_step(owner: str, name: str) -> Elsewhere:
+        """The stand-in for `self.<name>` while a step runs."""
+        return Elsewhere(_outside_forward(owner, name))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise ValueError(self._message)
@@ -111,23 +117,6 @@ def away_message(path: str, parameter: str | None, stages: str) -> str:
         "lightning_zeropp.param_norm(self) (both collective: call them on every rank), or the "
         "whole state with trainer.strategy.full_state_dict()."
     )
-
-
-class Away(nn.Module):
-    """Stands in, outside a step, for a part of the network another pipeline stage holds (where
-    the stage itself has a stub that runs on placeholder values): any use names the helper."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__()
-        object.__setattr__(self, "_message", message)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise ValueError(self._message)
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
-            return super().__getattr__(name)
-        raise ValueError(self.__dict__["_message"])
 
 
 @contextmanager
