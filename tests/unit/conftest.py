@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from tests.distributed.launch import free_port
@@ -23,3 +24,13 @@ def group() -> Iterator[None]:
     )
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """torch on one intra-op thread for the test: with tiny matmuls, threads only contend (100x
+    slower on a busy 2-core machine). Use with `pytestmark = pytest.mark.usefixtures(...)`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -24,13 +24,7 @@ CPU = torch.device("cpu")
 D = 8  # width of the toy models
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny matmuls: intra-op threads only contend (100x slower on a busy 2-core machine).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/unit/conftest.py
 
 
 def _stages(

@@ -57,12 +57,7 @@ FAMILIES = [_mixtral, _qwen2_moe, _olmoe]
 IDS = ["mixtral", "qwen2-moe", "olmoe"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/unit/conftest.py
 
 
 def _batch() -> dict[str, torch.Tensor]:

@@ -17,13 +17,7 @@ from lightning_zeropp.core.split.blocks import find_blocks, plan_blocks
 from lightning_zeropp.core.split.methods import split_model
 from tests.vision_models import small_vit
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/unit/conftest.py
 
 
 def _demo_transformer() -> nn.Module:
