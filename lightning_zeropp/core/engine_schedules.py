@@ -100,7 +100,7 @@ class Schedules:
         elif problem is not None:  # every rank has this batch: each raises this itself
             raise problem
         if skipped:
-            if popped is not None:
+            if popped is not None and key is not None:  # popped only under a key
                 self._entries[key] = popped
             return None
         if entry is None:
@@ -108,6 +108,7 @@ class Schedules:
                 self._entries.pop(next(iter(self._entries)))
                 self.planning.evicted(MAX_SCHEDULES)
             entry = self._build(mode, microbatches)
+        assert key is not None  # a step without a key (skip=True) is skipped above
         self._entries[key] = entry
         return entry
 
@@ -115,12 +116,13 @@ class Schedules:
         """A schedule over fresh stages, whose first step infers their shapes (timed in
         `planning`, with the building)."""
         with self.planning.timed():
-            stages = [
-                LeanStage(m, s, self.config.num_stages, self.device, group=self.dims.pp_group)
-                for s, m in zip(self.stage_ids, self.stage_modules, strict=True)
-            ]
-            for stage in stages:
+            stages: list[PipelineStage] = []
+            for s, m in zip(self.stage_ids, self.stage_modules, strict=True):
+                stage = LeanStage(
+                    m, s, self.config.num_stages, self.device, group=self.dims.pp_group
+                )
                 stage.inference_clock = self.planning
+                stages.append(stage)
             if mode == "train":
                 schedule = build_schedule(self.config, stages, self.loss)
             else:

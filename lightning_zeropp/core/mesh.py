@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -68,6 +69,7 @@ class ParallelDims:
     @property
     def dp_groups(self) -> list[dist.ProcessGroup]:
         """The data-parallel axes' groups that have more than one rank."""
+        assert self.mesh.mesh_dim_names is not None  # build_mesh names every axis
         return [
             self.mesh.get_group(axis)
             for axis in ("dp_replicate", "dp_shard")
@@ -85,7 +87,7 @@ def build_mesh(config: ZeroPPLayout, device_type: str) -> ParallelDims:
     override = None
     if (timeout := world_timeout()) is not None:
         # One options object per axis: NCCL's group creation writes the group's ranks into it.
-        options = {axis: mesh_group_options(device_type, timeout) for axis in MESH_AXES}
+        options: dict[Any, Any] = {a: mesh_group_options(device_type, timeout) for a in MESH_AXES}
         override = options if None not in options.values() else None
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES, backend_override=override)
     return ParallelDims(mesh=mesh, config=config)
@@ -98,7 +100,7 @@ def build_partition_mesh(size: int, device_type: str) -> DeviceMesh:
     names = ("hpz_replicate", "hpz")
     override = None
     if (timeout := world_timeout()) is not None:
-        options = {axis: mesh_group_options(device_type, timeout) for axis in names}
+        options: dict[Any, Any] = {axis: mesh_group_options(device_type, timeout) for axis in names}
         override = options if None not in options.values() else None
     return init_device_mesh(
         device_type, (world // size, size), mesh_dim_names=names, backend_override=override

@@ -45,5 +45,6 @@ def mesh_group_options(device_type: str, timeout: timedelta) -> Any | None:
         options._timeout = timeout
         return options
     if device_type == "cpu":
-        return dist.ProcessGroupGloo.Options("gloo", timeout)
+        # Ignored below: the stubs declare Options() without the (backend, timeout) it takes
+        return dist.ProcessGroupGloo.Options("gloo", timeout)  # type: ignore[call-arg]
     return None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch.distributed.pipelining import PipelineStage
@@ -63,6 +63,11 @@ __all__ = [
 PipelineSchedule = _PipelineSchedule
 
 
+def _floating(buffer: torch.Tensor | None) -> TypeGuard[torch.Tensor]:
+    assert buffer is not None  # torch allocates a receive buffer before these methods read it
+    return buffer.is_floating_point()
+
+
 class _FloatGradientsOnly(PipelineStage):
     """torch 2.12's handling of stage inputs that take no gradient, on 2.11: their
     receive buffers do not require grad, no gradient is sent or received for them, and the split
@@ -78,7 +83,7 @@ class _FloatGradientsOnly(PipelineStage):
         if backward:
             for infos in self.args_recv_info.values():
                 for info in infos:
-                    if isinstance(info, _RecvInfo) and info.buffer.is_floating_point():
+                    if isinstance(info, _RecvInfo) and _floating(info.buffer):
                         info.buffer.requires_grad_(True)
         return out
 
@@ -94,13 +99,14 @@ class _FloatGradientsOnly(PipelineStage):
     def _create_grad_send_info(self, args_recv_info: tuple) -> list[int | None]:
         sends = super()._create_grad_send_info(args_recv_info)
         return [
-            None if isinstance(info, _RecvInfo) and not info.buffer.is_floating_point() else send
+            None if isinstance(info, _RecvInfo) and not _floating(info.buffer) else send
             for info, send in zip(args_recv_info, sends, strict=False)
         ]
 
     def _create_grad_recv_info(self, act_send_info: dict) -> tuple[Any, ...]:
         infos = super()._create_grad_recv_info(act_send_info)
-        metas = self.get_outputs_meta()
+        # Only used before torch 2.12 (_StageBase below), whose PipelineStage has this method.
+        metas = self.get_outputs_meta()  # type: ignore[attr-defined]
         for index, info in zip(act_send_info, infos, strict=False):  # none on the last stage
             if not metas[index].is_floating_point():
                 info.buffer = None  # no gradient comes back for it

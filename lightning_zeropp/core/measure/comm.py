@@ -282,7 +282,7 @@ def mesh_axis_namer(mesh: DeviceMesh) -> AxisNamer:
     ranks = {axis: dist.get_process_group_ranks(g) for axis, g in groups.items()}
     axes.sort(key=lambda a: len(ranks[a]) == 1)  # stable: mesh order within each size class
     world = list(range(dist.get_world_size()))
-    cache: dict[ProcessGroup, str] = {}
+    cache: dict[ProcessGroup | None, str] = {}
 
     def name(group: ProcessGroup | None) -> str:
         group = group if group is not None else dist.group.WORLD

@@ -32,7 +32,7 @@ class NodeTraffic:
         self._axis = mesh_axis_namer(mesh)
         self.node_size = node_size
         self.shapes: dict[str, tuple[int, int]] = {}  # name -> (members, members in other nodes)
-        self._cache: dict[ProcessGroup, str] = {}
+        self._cache: dict[ProcessGroup | None, str] = {}
 
     def __call__(self, group: ProcessGroup | None) -> str:
         group = group if group is not None else dist.group.WORLD

@@ -147,7 +147,8 @@ def _backward_weight(action: Any, ctx: Any) -> None:
         tp.wait_gathered(runtime, stage)
         stage.backward_weight_one_chunk(action.microbatch_index, last_backward=last)
         return
-    with _unsharded_parameters(stage.submod), tp.fsdp_pre_backward_muted(stage.submod):
+    # Ignored below: FSDPModule is a mixin over nn.Module (isinstance narrowed it to the mixin)
+    with _unsharded_parameters(stage.submod), tp.fsdp_pre_backward_muted(stage.submod):  # type: ignore[arg-type]
         stage.backward_weight_one_chunk(action.microbatch_index, last_backward=last)
 
 
@@ -227,7 +228,7 @@ def _gather(action: Any, ctx: Any) -> None:
         return
     assert stage.stage_index not in runtime.unsharded_stages, "gathered twice"
     assert stage.stage_index not in runtime.unshard_ops, "gathered twice"
-    for module in stage.submod.modules():
+    for module in stage.submod.modules():  # type: ignore[attr-defined]  # FSDPModule: a mixin
         if isinstance(module, FSDPModule):
             handle = module.unshard(async_op=True)
             runtime.unshard_ops[stage.stage_index].append(_Gathered(handle, module))
@@ -251,7 +252,7 @@ def _release(action: Any, ctx: Any) -> None:
     if isinstance(stage.submod, FSDPModule):
         assert stage.stage_index in runtime.unsharded_stages, "released without a gather"
         assert stage.stage_index not in runtime.unshard_ops, "released before the gather ended"
-        for module in stage.submod.modules():
+        for module in stage.submod.modules():  # type: ignore[attr-defined]  # FSDPModule: a mixin
             if not isinstance(module, FSDPModule):
                 continue
             if action.microbatch_index == _TO_NODE_COPY:

@@ -56,7 +56,7 @@ def shard_stage(
         for block in units:
             fully_shard(block, mesh=dp_mesh, mp_policy=policy, ignored_params=whole, **options)
         fully_shard(stage, mesh=dp_mesh, mp_policy=policy, ignored_params=whole, **options)
-    plus.install([*units, stage])
+    plus.install([*units, stage])  # type: ignore[list-item]  # fully_shard made them FSDPModules
     return stage
 
 

@@ -61,6 +61,7 @@ class Plus:
         plus = cls(config, mesh.device_type)
         timeout = world_timeout()
         if _custom_comms(config) and config.dp_shard_size > 1:
+            assert mesh.mesh_dim_names is not None  # the ZeroPP mesh names every axis
             shard_axis = mesh.mesh_dim_names.index("dp_shard")
             ranks = mesh.mesh.movedim(shard_axis, -1).reshape(-1, config.dp_shard_size)
             plus.groups = NodeGroups(ranks.tolist(), config.node_size, timeout)
@@ -102,17 +103,19 @@ class Plus:
 
     def _install(self, unit: FSDPModule, segments: list[Segment]) -> None:
         config, block = self.config, self.config.quant_block_size
+        assert self.groups is not None  # install() calls this only when groups were built
         if config.quantized_weights is not None:
             bits = BITS.get(config.quantized_weights)
             wire = torch.bfloat16 if config.quantized_weights == "bf16" else None
             comm = QuantizedAllGather(segments, self.groups, bits, block, wire_dtype=wire)
-            unit.set_custom_all_gather(comm)
+            # The comms duck-type torch's AllGather/ReduceScatter (their bases are private names).
+            unit.set_custom_all_gather(comm)  # type: ignore[arg-type]
         if config.quantized_gradients is not None:
             bits = BITS.get(config.quantized_gradients)
-            comm = HierarchicalReduceScatter(
+            scatter = HierarchicalReduceScatter(
                 segments, self.groups, bits, block, error_feedback=config.gradient_error_feedback
             )
-            unit.set_custom_reduce_scatter(comm)
+            unit.set_custom_reduce_scatter(scatter)  # type: ignore[arg-type]
             unit.set_force_sum_reduction_for_comms(True)
 
 

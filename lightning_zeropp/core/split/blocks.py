@@ -88,7 +88,7 @@ def plan_blocks(
         starts = _check_split_points(split_points, num_stages, len(names))
     else:
         holder = model.get_submodule(container) if container else model
-        sizes = [num_params(holder._modules[n]) for n in names]
+        sizes = [num_params(holder.get_submodule(n)) for n in names]
         starts = _balanced_starts(sizes, num_stages)
     bounds = [*starts, len(names)]
     ranges = [range(bounds[i], bounds[i + 1]) for i in range(num_stages)]

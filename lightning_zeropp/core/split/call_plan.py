@@ -87,7 +87,7 @@ def outer_parts(model: nn.Module, container: str) -> tuple[list[str], list[str]]
             if name != part and any(True for _ in child.parameters()):
                 units.append(prefix + name)
         bare += [prefix + name for name, p in parent._parameters.items() if p is not None]
-        parent, prefix = parent._modules[part], f"{prefix}{part}."
+        parent, prefix = parent.get_submodule(part), f"{prefix}{part}."
     return units, bare
 
 
@@ -145,9 +145,9 @@ def _dry_run(
 ) -> CallPlan:
     args, kwargs = example
     container = skeleton.get_submodule(blocks.container) if blocks.container else skeleton
-    block_list = [container._modules[n] for n in blocks.names]
+    block_list = [container.get_submodule(n) for n in blocks.names]
     units, bare = outer_parts(skeleton, blocks.container)
-    tagger, calls, events = Tagger(mixed), [], []
+    tagger, calls, events = Tagger(mixed), [], list[tuple[str, Any]]()
     handles = []
 
     def block_pre(i: int) -> Callable[..., Any]:
@@ -296,7 +296,7 @@ def _place_bare(
     reads: dict[str, set[str]], refuse: Callable[[str], ValueError]
 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The stage of each parameter held outside any submodule, from where the forward read it."""
-    first, last = [], []
+    first, last = list[str](), list[str]()
     for name, where in reads.items():
         if "between" in where or where == {"before", "after"}:
             raise refuse(

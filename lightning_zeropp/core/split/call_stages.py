@@ -267,6 +267,7 @@ def _stand_in_parameter(
     path, _, leaf = name.rpartition(".")
     holder = stage.get_submodule(path)
     param = holder._parameters.pop(leaf)
+    assert param is not None  # `name` is one of the stage's parameters
     cast = dtype is not None and param.is_floating_point()
     zeros = torch.zeros(param.shape, dtype=dtype if cast else param.dtype, device=device)
     object.__setattr__(holder, leaf, zeros)

@@ -70,7 +70,7 @@ def _rewrite(
         by_key = dict(zip(old, placeholders, strict=True))
     if outputs is not None:
         out = _output_node(graph)
-        own = out.args[0]
+        own: Any = out.args[0]  # the stage's output: a node, or a tuple of them
         values = [
             (own if key[1] is None else own[key[1]]) if key[0] == k else by_key[key]
             for key in outputs
@@ -104,6 +104,7 @@ def _key(value: Any, calls: list[fx.Node]) -> _Key:
         isinstance(value, fx.Node)
         and value.op == "call_function"
         and len(value.args) == 2
+        and isinstance(value.args[0], fx.Node)
         and value.args[0] in calls
         and isinstance(value.args[1], int)
     ):

@@ -71,7 +71,7 @@ def check_split(method: Any) -> None:
 
 def split_model(
     model: nn.Module,
-    plan: BlockPlan,
+    plan: BlockPlan | None,
     stage_ids: Sequence[int],
     method: SplitMethod = "trace",
     example_args: tuple[Any, ...] | None = None,
@@ -85,6 +85,8 @@ def split_model(
     `call_inputs` (a `CallInputs`) and `device` are for split="call" only; `dtype` is the
     parameters' compute dtype under mixed precision.
     """
+    if plan is None:  # one stage of a model without blocks (`block_plan`): the whole model
+        return [model]
     num_stages = len(plan.ranges)
     if num_stages == 1:
         return [model]

@@ -117,7 +117,7 @@ def _drop_outer_modules(model: nn.Module, container: str, first: bool, last: boo
                 continue
             if (i < pos and not first) or (i > pos and not last):
                 parent._modules[name] = None
-        parent = parent._modules[part]
+        parent = parent.get_submodule(part)
     # Root-level parameters (rare) cannot be split by position: keep them on the first stage.
     if not first:
         for pname in list(model._parameters):

@@ -212,6 +212,6 @@ def _check_alike(tie: _Tie) -> None:
     ref = tie.copies[0]
     for p in tie.copies[1:]:
         same = p.shape == ref.shape and type(p) is type(ref)
-        if same and isinstance(p, DTensor):
+        if same and isinstance(p, DTensor) and isinstance(ref, DTensor):  # `same`: one type
             same = p.placements == ref.placements and p.device_mesh == ref.device_mesh
         assert same, f"copies of the tied parameters {list(tie.names)} are sharded differently"

@@ -92,7 +92,9 @@ def clip_grad_norm_(
     norm = total_grad_norm(params if counted is None else counted, pp_group, norm_type)
     with_grad = [p for p in params if p.grad is not None]
     if with_grad:
-        device = with_grad[0].grad.device
+        grad = with_grad[0].grad
+        assert grad is not None  # kept above for having one
+        device = grad.device
         torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, norm.to(device), foreach=False)
     return norm
 

@@ -87,14 +87,16 @@ class NonFiniteWatch:
         flags = torch.stack([bad_outputs, weights]).to(torch.int32)
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        outputs, weights = flags[0].tolist(), flags[1].tolist()
+        outputs, bad_weights = flags[0].tolist(), flags[1].tolist()
         if 1 not in outputs:
             return (
                 "every stage's output was finite, so the loss function (on the last stage, "
                 f"{self.num_stages - 1}) made it"
             )
         stage = outputs.index(1)
-        held = "its weights hold non-finite values" if weights[stage] else "its weights are finite"
+        held = (
+            "its weights hold non-finite values" if bad_weights[stage] else "its weights are finite"
+        )
         return f"the first non-finite output came from pipeline stage {stage} ({held})"
 
 

@@ -79,7 +79,7 @@ def start_answering(
     its own (`raw.clone()`: its blocked wait must not hold up the board's calls), stopped at
     exit through `bounded` (the board's store with deadlines)."""
     try:
-        store = raw.clone()
+        store = raw.clone()  # type: ignore[attr-defined]  # torch's stubs omit Store.clone
     except Exception:  # a store that cannot clone: only ranks inside a guard answer
         return
     args = (store, rank, _port(raw))

@@ -61,7 +61,7 @@ class BoundedStore:
         if self._worker is None:  # one daemon thread makes the calls, started on first use
             self._worker = threading.Thread(target=self._work, name="lzpp-store", daemon=True)
             self._worker.start()
-        done, box = threading.Event(), {}
+        done, box = threading.Event(), dict[str, Any]()
         self._calls.put((method, args, done, box))
         if not done.wait(self.deadline_s):
             self.lost = StoreLost(

@@ -72,6 +72,7 @@ class AsyncCheckpointer:
         written = dcp.async_save(
             state, storage_writer=checksum.ChecksumWriter(str(tmp)), process_group=self._group
         )
+        assert isinstance(written, Future)  # an AsyncSaveResponse comes only with a stager
         done: Future[Path] = Future()
 
         def publish(future: Future[Any]) -> None:

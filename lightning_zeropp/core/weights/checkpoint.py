@@ -148,7 +148,10 @@ def load_checkpoint(
 def _content_problem(path: Path, rank: int, world: int) -> str | None:
     """This rank's share of the checks that read files: checksums, then `.metadata`'s globals."""
     try:
-        return checksum.verify(path, rank, world) or trust.check_metadata(path)
+        if problem := checksum.verify(path, rank, world):
+            return problem
+        trust.check_metadata(path)  # raises ValueError on a global DCP does not own
+        return None
     except ValueError as err:
         return str(err)
 

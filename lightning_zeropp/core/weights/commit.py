@@ -38,7 +38,7 @@ __all__ = ["clean_temporaries", "is_temporary", "publish", "recover", "remove", 
 # making. Nothing else is ever touched (`last.ckpt.bak` or `.last.ckpt.mine` are not ours).
 _SIBLING = re.compile(r"\.(?P<kind>tmp|v|old|link)-[0-9a-f]{8}")
 _ANY_TEMPORARY = re.compile(r"\..+\.(tmp|link)-[0-9a-f]{8}")
-_EXCHANGE = {"supported": True}  # off after a filesystem refused it once
+_EXCHANGE: dict[str | int, bool] = {"supported": True}  # off after a filesystem refused it once
 
 
 def temporary(path: str | Path) -> Path:

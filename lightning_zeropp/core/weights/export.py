@@ -43,7 +43,9 @@ def full_state_dict(module: nn.Module, dims: ParallelDims) -> dict[str, torch.Te
     equal), and other tensors share no storage.
     """
     # Sharded view (DTensors, original names): FSDP2-aware, as in core.checkpoint.
-    sharded = get_model_state_dict(module, options=StateDictOptions(full_state_dict=False))
+    sharded: dict[str, Any] = get_model_state_dict(
+        module, options=StateDictOptions(full_state_dict=False)
+    )
     leader = _is_leader(dims)
     # Every data-parallel rank of the stage walks the same names in the same order, so the
     # all-gathers inside full_tensor() line up. Names of one tensor (a tie inside a stage) are
@@ -93,7 +95,9 @@ def _alias_ties(merged: dict[str, torch.Tensor], ties: list[tuple[str, ...]]) ->
     per-stage copies that differ are a bug this refuses to export (the problem, or None)."""
     for names in ties:
         present = [n for n in names if n in merged]
-        first = merged[present[0]] if present else None
+        if not present:
+            continue
+        first = merged[present[0]]
         for other in present[1:]:
             if merged[other] is not first and not torch.equal(merged[other], first):
                 gap = float((merged[other].float() - first.float()).abs().max())

@@ -43,8 +43,8 @@ def load_full(
     communication. With `strict`, a name missing on either side raises (on every rank); a
     parameter of `optimizers` missing from its saved state always does.
     """
-    local = get_model_state_dict(module, options=_OPTIONS)
-    params = {param: name for name, param in module.named_parameters()}
+    local: dict[str, Any] = get_model_state_dict(module, options=_OPTIONS)
+    params: dict[torch.Tensor, str] = {param: name for name, param in module.named_parameters()}
     ties = list(local_ties(module).values())
     everywhere = all_gather((list(local), list(params.values()), ties))
     held = {name for state_names, _, _ in everywhere for name in state_names}
@@ -56,9 +56,9 @@ def load_full(
     by_name = [_optimizer_state_by_name(saved, param_order) for saved in optimizer_states]
     for saved in by_name:  # every copy of a tied weight takes the state saved for it
         for tie in all_ties:
-            found = next((n for n in tie if n in saved), None)
-            for name in tie if found is not None else ():
-                saved.setdefault(name, saved[found])
+            if (found := next((n for n in tie if n in saved), None)) is not None:
+                for name in tie:
+                    saved.setdefault(name, saved[found])
     missing = [name for name in local if name not in model_state] if strict else []
     missing += [
         f"optimizer {i}: {params[p]}"
@@ -69,7 +69,7 @@ def load_full(
     ]
     unexpected = [name for name in model_state if name not in held] if strict else []
     raise_on_every_rank(_naming_problem(missing, unexpected) or _size_problem(model_state, local))
-    shards = {
+    shards: dict[str, Any] = {  # Any: torch annotates the argument as an invariant dict
         name: _shard_like(model_state[name], like)
         for name, like in local.items()
         if name in model_state

@@ -129,7 +129,10 @@ def _saved_prefix(names: list[str], saved: Any) -> str:
 
 def _content_problem(path: Path, rank: int, world: int) -> str | None:
     try:
-        return verify(path, rank, world) or check_metadata(path)
+        if problem := verify(path, rank, world):
+            return problem
+        check_metadata(path)  # raises ValueError on a global DCP does not own
+        return None
     except ValueError as err:
         return str(err)
 

@@ -75,7 +75,7 @@ def empty_parameters() -> Iterator[None]:
             module._parameters[name] = meta
             follow_parameter(meta)
 
-    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
     try:
         with recording():  # the init the constructor applies, for `fill_values` to replay
             yield
@@ -158,6 +158,7 @@ def fill_values(
     load_from = source.load_from
     recorded = tape_of(source.model) if meta and load_from is None and not source.given else None
     if meta:
+        only: Callable[[nn.Module, str, torch.Tensor], bool] | None
         only = non_persistent if load_from is not None else None
         if recorded is not None:  # the constructor's init, replayed below, sets these
             only = unrecorded(stages, recorded[1])
@@ -206,7 +207,9 @@ def materialize(
         born = _meta_names(stage, kept)
         for module, name, value in kept:  # to_empty replaced them too
             if name in module._parameters:
-                local_shard(module._parameters[name]).copy_(value)
+                param = module._parameters[name]
+                assert param is not None  # `kept` holds real tensors only
+                local_shard(param).copy_(value)
             else:
                 module._buffers[name] = value.to(device)
         for module_name, name, t in _tensors(stage):
