@@ -161,7 +161,8 @@ def prepare_causal_lm(model: nn.Module, *, untie_embeddings: bool = False) -> nn
     # The KV cache is for generation; a traced training forward cannot return a cache object.
     config.use_cache = False
     _inline_grad_mode_decorators(model)
-    vocab_size = model.get_output_embeddings().out_features
+    # Ignored below: an HF model (checked above), typed nn.Module, whose __getattr__ mypy reads
+    vocab_size = model.get_output_embeddings().out_features  # type: ignore[operator]
     # `loss_function` is a property returning a plain function: the adapter keeps no reference to
     # the whole model (which would pin every stage's weights after the split).
     set_call_adapter(model, CausalLMCallAdapter(model.loss_function, vocab_size))

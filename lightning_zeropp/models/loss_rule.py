@@ -107,7 +107,7 @@ class LossWatch:
         self.honoured = False  # the forward was seen taking the count: no counting needed
         self._last: tuple[float, float | None] | None = None  # (tokens, num_items_in_batch)
         self._counter: CountedMeans | None = None
-        owner = _loss_owner(model)
+        owner: Any = _loss_owner(model)  # Any: loss_function is HF's, unknown to nn.Module
         inner = owner.loss_function
 
         def watched(*args: Any, **kwargs: Any) -> Any:
@@ -268,7 +268,7 @@ class TokenCountAdapter(CallAdapter):
         return args, {**kwargs, NUM_ITEMS: self._items}
 
     def stage_output(self, output: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        labels = kwargs.get("labels")
+        labels: Any = kwargs.get("labels")
         plain = "shift_labels" not in kwargs and isinstance(labels, torch.Tensor)
         loss = _loss_in(output)
         if self.watch is not None and self._items is not None and plain and loss is not None:

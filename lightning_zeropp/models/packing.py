@@ -86,6 +86,7 @@ def bucket_length(length: int, buckets: SeqBuckets) -> int:
         return 1 << max(length - 1, 0).bit_length()
     if isinstance(buckets, int):
         return -(-length // buckets) * buckets
+    assert not isinstance(buckets, str)  # check_buckets refuses strings other than "pow2"
     fits = [b for b in sorted(buckets) if b >= length]
     return fits[0] if fits else length
 
@@ -207,7 +208,7 @@ def _per_token(value: Any, ids: torch.Tensor) -> bool:
 
 def documents(pos: torch.Tensor) -> list[tuple[int, int, int]]:
     """(row, start, end) of each document of packed rows' `position_ids`, in order."""
-    docs = []
+    docs: list[tuple[int, int, int]] = []
     for row in range(pos.shape[0]):
         p = pos[row]
         starts = [0, *(torch.nonzero(p[1:] != p[:-1] + 1).flatten() + 1).tolist()]
