@@ -28,6 +28,7 @@ from lightning_zeropp.core.measure.timeline import Interval, Timeline, bubble_fr
 from lightning_zeropp.core.schedule.build import zeropp_orders, zeropp_plans
 from lightning_zeropp.core.schedule.zeropp import DURATIONS, bubble_formula, simulate
 from lightning_zeropp.core.settings.config import ZeroPPConfig
+from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 
 __all__ = ["planned_timelines", "draw_gantt", "write_chrome_trace", "main"]
 
@@ -50,7 +51,7 @@ COLORS = {
 GATHER, RELEASE, MARK = 0.3, 0.06, 0.04  # planned widths, in forward-task units
 
 
-def planned_timelines(config: ZeroPPConfig) -> list[Timeline]:
+def planned_timelines(config: ZeroPPLayout) -> list[Timeline]:
     """Each pipeline rank's planned actions (a resolved `schedule="zeropp"` config): the lowered
     plans the runtime runs (`core.schedule.build.zeropp_plans`), timed by the schedule simulator."""
     orders = zeropp_orders(config)
@@ -63,7 +64,9 @@ def planned_timelines(config: ZeroPPConfig) -> list[Timeline]:
         for i, step in enumerate(plan):
             if step.kind == "compute":
                 assert step.task is not None
-                start, end = computed[i]
+                span = computed[i]
+                assert span is not None  # computed for every compute step
+                start, end = span
                 tl.intervals.append(
                     Interval(
                         "compute", step.task.kind, start, end, step.stage, step.task.microbatch
@@ -210,11 +213,11 @@ def _measured_rank(rank: int, world: int, port: int, layout: dict[str, Any], out
         dist.destroy_process_group()
 
 
-def measured_timelines(config: ZeroPPConfig, layout: dict[str, Any]) -> list[Timeline]:
+def measured_timelines(config: ZeroPPLayout, layout: dict[str, Any]) -> list[Timeline]:
     """Run two steps on `pp x dp` CPU gloo processes; the second step's timeline of every rank."""
     import torch.multiprocessing as mp
 
-    world = config.pp_size * config.dp_size  # type: ignore[operator]
+    world = config.pp_size * config.dp_size
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
