@@ -92,7 +92,7 @@ def main(argv: list[str]) -> int:
         cfg = compose("config", overrides=overrides)
     seq_len = int(own["seq_len"] or _context(cfg))
     cfg.data.seq_len = seq_len  # the bundled GPT's position table follows it
-    cluster = OmegaConf.to_container(cfg.cluster, resolve=True)
+    cluster: Any = OmegaConf.to_container(cfg.cluster, resolve=True)  # a mapping of settings
     assert isinstance(cluster, dict)
     world = int(cluster["devices"]) * int(cluster["num_nodes"])
     dtype = own["dtype"] if cluster["accelerator"] == "gpu" else "fp32"
@@ -126,6 +126,7 @@ def main(argv: list[str]) -> int:
         optimizer=own["optimizer"], top=own["top"],
     )  # fmt: skip
     if not best:
+        assert hardware.memory_bytes is not None  # only a memory limit can refuse every layout
         print(
             f"No layout fits {hardware.memory_bytes / GiB:.0f} GiB per rank; try a smaller "
             "global_batch, more devices, or cpu_offload."

@@ -30,6 +30,7 @@ from torch import nn
 
 from lightning_zeropp.core.settings.config import ZeroPPConfig
 from lightning_zeropp.core.settings.placement import stage_ids_for_rank
+from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 from lightning_zeropp.plan.memory import _stage_ranges, stage_ranges
 from lightning_zeropp.plan.profile import Part, micro_batch_rows, profile_model
 
@@ -44,7 +45,7 @@ __all__ = [
 Order = list[tuple[str, int, int]]  # (kind F/B/I/W, stage, micro-batch)
 
 
-def stage_parts(model: nn.Module, config: ZeroPPConfig, rows: int, seq_len: int) -> list[Part]:
+def stage_parts(model: nn.Module, config: ZeroPPLayout, rows: int, seq_len: int) -> list[Part]:
     """One micro-batch of `rows` x `seq_len` tokens on each stage (a resolved config; `model` on
     the meta device): saved bytes (recomputing stages: their blocks' inputs), FLOPs, output."""
     points = tuple(config.split_points) if config.split_points else None
@@ -72,14 +73,14 @@ def _stage_parts(
 
 
 def stage_activation_bytes(
-    model: nn.Module, config: ZeroPPConfig, rows: int, seq_len: int
+    model: nn.Module, config: ZeroPPLayout, rows: int, seq_len: int
 ) -> list[int]:
     """Bytes one micro-batch saves in each stage (see `stage_parts`)."""
     return [part.saved for part in stage_parts(model, config, rows, seq_len)]
 
 
 def recompute_transients(
-    model: nn.Module, config: ZeroPPConfig, rows: int, seq_len: int
+    model: nn.Module, config: ZeroPPLayout, rows: int, seq_len: int
 ) -> list[int]:
     """Per stage, what recomputing holds on top of the saved bytes while a block runs backward:
     the largest block's own saved bytes (0 for a stage that does not recompute)."""
@@ -90,7 +91,7 @@ def recompute_transients(
     ]
 
 
-def schedule_key(config: ZeroPPConfig) -> tuple:
+def schedule_key(config: ZeroPPLayout) -> tuple:
     """What a resolved config's task orders and lowered plans depend on (a search prices many
     layouts that share them: the data-parallel sizes do not change them, but hpZ does)."""
     from lightning_zeropp.core.settings.plus import hpz_size
@@ -105,13 +106,13 @@ def schedule_key(config: ZeroPPConfig) -> tuple:
 _ZEROPP: dict[tuple, tuple[dict[int, list[Any]], dict[int, Order]]] = {}
 
 
-def zeropp_plans(config: ZeroPPConfig) -> dict[int, list[Any]]:
+def zeropp_plans(config: ZeroPPLayout) -> dict[int, list[Any]]:
     """`core.schedule.zeropp_plans` of a resolved config, shared by the configs of one schedule
     (do not modify)."""
     return _zeropp(config)[0]
 
 
-def _zeropp(config: ZeroPPConfig) -> tuple[dict[int, list[Any]], dict[int, Order]]:
+def _zeropp(config: ZeroPPLayout) -> tuple[dict[int, list[Any]], dict[int, Order]]:
     key = schedule_key(config)
     if key not in _ZEROPP:
         plans = _lowered(config)
@@ -123,7 +124,7 @@ def _zeropp(config: ZeroPPConfig) -> tuple[dict[int, list[Any]], dict[int, Order
     return _ZEROPP[key]
 
 
-def _lowered(config: ZeroPPConfig) -> dict[int, list[Any]]:
+def _lowered(config: ZeroPPLayout) -> dict[int, list[Any]]:
     """`core.schedule.build.zeropp_plans` without its deadlock check of the orders (a replay of
     every rank's tasks: most of a search's time, and `simulate` replays them anyway, raising on
     a deadlock); tests/unit/test_plan.py holds the two equal."""
@@ -140,13 +141,14 @@ def _lowered(config: ZeroPPConfig) -> dict[int, list[Any]]:
         )
         plans[r] = lower(
             order,
-            reduce_points(order, u, config.grad_reduce),
+            # resolve() checked grad_reduce against GRAD_REDUCE; the layout's field is a plain str
+            reduce_points(order, u, config.grad_reduce),  # type: ignore[arg-type]
             keep_node_copy=hpz_size(config) is not None,
         )
     return plans
 
 
-def task_orders(config: ZeroPPConfig) -> dict[int, Order]:
+def task_orders(config: ZeroPPLayout) -> dict[int, Order]:
     """Every pipeline rank's compute tasks in order, as its schedule runs them (shared: do not
     modify)."""
     if config.schedule == "zeropp":
@@ -186,7 +188,7 @@ def _multi_stage_orders(schedule: str, pp: int, v: int, m: int) -> dict[int, Ord
     }
 
 
-def _single_stage_order(config: ZeroPPConfig, rank: int) -> Order:
+def _single_stage_order(config: ZeroPPLayout, rank: int) -> Order:
     """GPipe's and 1F1B's order as their `_step_microbatches` runs it (their `pipeline_order` is
     only a drawing, and 1F1B's numbers the last rank's micro-batches from 1)."""
     m = config.num_microbatches
@@ -199,7 +201,7 @@ def _single_stage_order(config: ZeroPPConfig, rank: int) -> Order:
     return order + [("B", rank, i) for i in range(m - warmup, m)]
 
 
-def _stand_in(stage: int, rank: int, config: ZeroPPConfig) -> SimpleNamespace:
+def _stand_in(stage: int, rank: int, config: ZeroPPLayout) -> SimpleNamespace:
     """What a torch schedule's constructor reads of a stage to plan its order."""
     n = config.num_stages
     return SimpleNamespace(
@@ -211,7 +213,7 @@ def _stand_in(stage: int, rank: int, config: ZeroPPConfig) -> SimpleNamespace:
 
 def activation_peaks(
     model: nn.Module,
-    config: ZeroPPConfig,
+    config: ZeroPPConfig | ZeroPPLayout,
     world_size: int,
     global_batch: int,
     seq_len: int,

@@ -34,6 +34,7 @@ from lightning_zeropp.core.settings.placement import (
     schedule_style,
     stage_ids_for_rank,
 )
+from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 from lightning_zeropp.plan.activations import stage_parts
 from lightning_zeropp.plan.memory import stage_units
 from lightning_zeropp.plan.plus import unit_traffic
@@ -50,7 +51,11 @@ def padded_shard(shapes: list[tuple[int, ...]], shards: int) -> int:
 
 
 def predict_comm(
-    model: nn.Module, config: ZeroPPConfig, world_size: int, global_batch: int, seq_len: int
+    model: nn.Module,
+    config: ZeroPPConfig | ZeroPPLayout,
+    world_size: int,
+    global_batch: int,
+    seq_len: int,
 ) -> dict[int, Summary]:
     """Each global rank's predicted `CommCounter` summary of one training step (all-gather,
     reduce-scatter, ZeRO++'s all-to-alls, send and recv only)."""
@@ -94,7 +99,7 @@ def predict_comm(
 
 def _count_units(
     summary: Summary,
-    cfg: ZeroPPConfig,
+    cfg: ZeroPPLayout,
     units: list[list[tuple[int, ...]]],
     full: int,
     node: int,

@@ -33,6 +33,7 @@ from lightning_zeropp.core.settings.placement import (
     schedule_style,
     stage_ids_for_rank,
 )
+from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 from lightning_zeropp.core.split.blocks import find_blocks
 from lightning_zeropp.plan.activations import task_orders
 from lightning_zeropp.plan.hardware import Hardware
@@ -90,7 +91,7 @@ def predict_3d(
     profile = profile_model(model, rows, seq_len, torch.bfloat16)
     container, names = find_blocks(model)
     holder = model.get_submodule(container) if container else model
-    block_params = [sum(p.numel() for p in holder._modules[n].parameters()) for n in names]
+    block_params = [sum(p.numel() for p in holder.get_submodule(n).parameters()) for n in names]
     total_params = sum(p.numel() for p in model.parameters())
     root_params = total_params - sum(block_params)
     ranges = stage_ranges(model, cfg)
@@ -142,7 +143,7 @@ def predict_3d(
 
 
 def _memory(
-    cfg: ZeroPPConfig,
+    cfg: ZeroPPLayout,
     stage_params: list[int],
     stage_saved: list[float],
     tp: int,

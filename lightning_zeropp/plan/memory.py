@@ -31,6 +31,7 @@ from torch import nn
 
 from lightning_zeropp.core.settings.config import ZeroPPConfig
 from lightning_zeropp.core.settings.placement import schedule_style, stage_ids_for_rank
+from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 from lightning_zeropp.core.split.blocks import find_blocks, plan_blocks
 from lightning_zeropp.core.split.methods import split_model
 
@@ -63,7 +64,7 @@ class RankMemoryPlan:
         return self.parameters + self.gradients + self.optimizer_state
 
 
-def split_stages(model: nn.Module, config: ZeroPPConfig) -> list[nn.Module]:
+def split_stages(model: nn.Module, config: ZeroPPLayout) -> list[nn.Module]:
     """The stage modules the engine builds from `model` (a resolved config), in their own dtype;
     the model itself when there is one stage."""
     if config.num_stages == 1:
@@ -72,7 +73,7 @@ def split_stages(model: nn.Module, config: ZeroPPConfig) -> list[nn.Module]:
     return split_model(model, plan, range(config.num_stages), "stack")
 
 
-def stage_ranges(model: nn.Module, config: ZeroPPConfig) -> list[range]:
+def stage_ranges(model: nn.Module, config: ZeroPPLayout) -> list[range]:
     """Each stage's block indices (a resolved config); cached per model and cut (a search asks
     for the same cut many times, and balancing counts every parameter)."""
     points = tuple(config.split_points) if config.split_points else None
@@ -94,7 +95,7 @@ def model_blocks(model: nn.Module) -> tuple[str, list[str]]:
     return find_blocks(model)
 
 
-def stage_blocks(model: nn.Module, config: ZeroPPConfig) -> tuple[str, list[list[str]]]:
+def stage_blocks(model: nn.Module, config: ZeroPPLayout) -> tuple[str, list[list[str]]]:
     """The blocks' container in `model` and each stage's block names (a resolved config)."""
     container, names = model_blocks(model)
     return container, [[names[i] for i in r] for r in stage_ranges(model, config)]
@@ -112,7 +113,7 @@ class StageUnits:
     rest: Shapes  # the stage root's own (everything outside its blocks)
 
 
-def stage_units(model: nn.Module, config: ZeroPPConfig) -> list[StageUnits]:
+def stage_units(model: nn.Module, config: ZeroPPLayout) -> list[StageUnits]:
     """Each stage's parameters and FSDP units (a resolved config); cached per model and cut,
     since a search asks for the same ones many times."""
     points = tuple(config.split_points) if config.split_points else None
@@ -134,15 +135,15 @@ def _stage_units(
     out = []
     for stage, names in zip(split_stages(model, cfg), blocks, strict=True):
         holder = stage.get_submodule(container) if container else stage
-        units = [[tuple(p.shape) for p in holder._modules[n].parameters()] for n in names]
-        inside = {id(p) for n in names for p in holder._modules[n].parameters()}
+        units = [[tuple(p.shape) for p in holder.get_submodule(n).parameters()] for n in names]
+        inside = {id(p) for n in names for p in holder.get_submodule(n).parameters()}
         rest = [tuple(p.shape) for p in stage.parameters() if id(p) not in inside]
         params = [(tuple(p.shape), p.element_size()) for p in stage.parameters()]
         out.append(StageUnits(params, units, rest))
     return out
 
 
-def stage_parameter_shapes(model: nn.Module, config: ZeroPPConfig) -> list[list[ParamShape]]:
+def stage_parameter_shapes(model: nn.Module, config: ZeroPPLayout) -> list[list[ParamShape]]:
     """Each stage's parameters as the engine splits `model` (a resolved config)."""
     return [units.params for units in stage_units(model, config)]
 
@@ -158,7 +159,7 @@ def local_numel(shape: Sequence[int], shards: int, index: int) -> int:
 
 def predict_memory(
     model: nn.Module,
-    config: ZeroPPConfig,
+    config: ZeroPPConfig | ZeroPPLayout,
     world_size: int,
     optimizer: str = "adamw",
     device_type: str = "cuda",
@@ -222,7 +223,7 @@ def _shard_bytes(
 
 def _gathered_peak(
     model: nn.Module,
-    cfg: ZeroPPConfig,
+    cfg: ZeroPPLayout,
     ids: list[int],
     full: list[int],
     compute: int | None,

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_zeropp.core.settings.config import ZeroPPConfig
 from lightning_zeropp.core.settings.plus import hpz_size
+from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 
 __all__ = ["UnitTraffic", "plus_memory", "unit_traffic"]
 
@@ -65,7 +65,7 @@ def _packed(shapes: Shapes, shards: int, bits: int | None, block: int, raw: int)
     return total
 
 
-def unit_traffic(cfg: ZeroPPConfig, shapes: Shapes) -> UnitTraffic:
+def unit_traffic(cfg: ZeroPPLayout, shapes: Shapes) -> UnitTraffic:
     """What a unit of parameters `shapes` moves under a resolved config's ZeRO++ settings."""
     k = cfg.dp_shard_size or 1
     node = min(k, cfg.node_size or k)
@@ -94,7 +94,7 @@ def unit_traffic(cfg: ZeroPPConfig, shapes: Shapes) -> UnitTraffic:
     return UnitTraffic(gather, node_gather, fsdp_reduce, intra, cross, buffers)
 
 
-def plus_memory(cfg: ZeroPPConfig, units: Sequence[Shapes]) -> int:
+def plus_memory(cfg: ZeroPPLayout, units: Sequence[Shapes]) -> int:
     """Bytes ZeRO++ holds on a rank whose stages have FSDP units `units`: hpZ's secondary copy
     of every unit (at most, all at once), qgZ's error-feedback rows, and the largest transient
     buffers of one unit's comms."""

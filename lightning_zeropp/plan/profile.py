@@ -64,7 +64,8 @@ def meta_forward() -> Iterator[None]:
     HF's packed-sequence probe answered "not packed" (it reads values, which meta tensors do not
     have; a batch of input ids alone is never packed)."""
     original = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = fused_attention
+    # Ignored: torch's stub types the builtin with positional-only names the stand-in lacks
+    F.scaled_dot_product_attention = fused_attention  # type: ignore[assignment]
     masking = sys.modules.get("transformers.masking_utils")
     probe = getattr(masking, "find_packed_sequence_indices", None)
     if probe is not None:
@@ -154,7 +155,7 @@ def _profile(
         model = model.to(dtype)
     container, names = find_blocks(model)
     holder = model.get_submodule(container) if container else model
-    blocks = [holder._modules[n] for n in names]
+    blocks = [holder.get_submodule(n) for n in names]
     with _repeats_skipped(blocks) as repeats:
         plain = [_run(model, blocks, rows, seq_len, loss_fn, repeats) for rows in (1, 2)]
         apply_activation_checkpointing(holder, names)

@@ -10,8 +10,8 @@ and the traffic count (`plan.comm`) counts them, so both read this module, not e
 
 from __future__ import annotations
 
-from lightning_zeropp.core.settings.config import ZeroPPConfig
 from lightning_zeropp.core.settings.plus import hpz_size
+from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 from lightning_zeropp.plan.activations import schedule_key, task_orders, zeropp_plans
 from lightning_zeropp.plan.simulate import Op
 
@@ -20,7 +20,7 @@ __all__ = ["programs_for"]
 _PROGRAMS: dict[tuple, dict[int, list[Op]]] = {}
 
 
-def programs_for(cfg: ZeroPPConfig) -> dict[int, list[Op]]:
+def programs_for(cfg: ZeroPPLayout) -> dict[int, list[Op]]:
     """Each pipeline rank's tasks for a resolved config, flagged where they gather and reduce
     (shared between configs of one schedule: do not modify)."""
     key = schedule_key(cfg)
@@ -29,7 +29,7 @@ def programs_for(cfg: ZeroPPConfig) -> dict[int, list[Op]]:
     return _PROGRAMS[key]
 
 
-def _programs(cfg: ZeroPPConfig) -> dict[int, list[Op]]:
+def _programs(cfg: ZeroPPLayout) -> dict[int, list[Op]]:
     programs = {}
     reshard = bool(cfg.reshard_after_forward)
     copy = hpz_size(cfg) is not None
@@ -58,7 +58,7 @@ def _programs(cfg: ZeroPPConfig) -> dict[int, list[Op]]:
     return programs
 
 
-def _zeropp_programs(cfg: ZeroPPConfig) -> dict[int, list[Op]]:
+def _zeropp_programs(cfg: ZeroPPLayout) -> dict[int, list[Op]]:
     programs = {}
     for rank, plan in zeropp_plans(cfg).items():
         ops: list[Op] = []

@@ -147,7 +147,7 @@ def _model(shape: tuple[tuple[str, int], ...]) -> nn.Module:
     from lightning_zeropp.models.hf import build_causal_lm
 
     with torch.device("meta"):
-        return build_causal_lm("llama", max_position_embeddings=8192, **dict(shape))
+        return build_causal_lm("llama", max_position_embeddings=8192, **dict[str, Any](shape))
 
 
 def predict(run: PublishedRun, hardware: Hardware, share: float | None = None) -> float:

@@ -28,6 +28,7 @@ from torch import nn
 from lightning_zeropp.core.settings.config import ZeroPPConfig
 from lightning_zeropp.core.settings.placement import schedule_style, stage_ids_for_rank
 from lightning_zeropp.core.settings.plus import hpz_size
+from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 from lightning_zeropp.core.split.blocks import find_blocks
 from lightning_zeropp.plan.activations import activation_peaks
 from lightning_zeropp.plan.hardware import Hardware
@@ -64,7 +65,7 @@ class Candidate:
 
 def rank_memory(
     model: nn.Module,
-    config: ZeroPPConfig,
+    config: ZeroPPConfig | ZeroPPLayout,
     world_size: int,
     global_batch: int,
     seq_len: int,
@@ -92,7 +93,7 @@ def rank_memory(
     return out
 
 
-def gradient_buffers(model: nn.Module, cfg: ZeroPPConfig) -> dict[int, int]:
+def gradient_buffers(model: nn.Module, cfg: ZeroPPLayout) -> dict[int, int]:
     """Per pipeline rank, the most unsharded gradient bytes FSDP holds at once in a step (a
     resolved config): a stage's buffer lives from its first gradient task (B or W) until the
     reduce-scatter after its last one, or an early one (`programs_for` places them as the
@@ -114,7 +115,7 @@ def gradient_buffers(model: nn.Module, cfg: ZeroPPConfig) -> dict[int, int]:
     return out
 
 
-def _plus_bytes(model: nn.Module, cfg: ZeroPPConfig) -> dict[int, int]:
+def _plus_bytes(model: nn.Module, cfg: ZeroPPLayout) -> dict[int, int]:
     """Per pipeline rank, what ZeRO++ holds (`plan.plus.plus_memory`): 0 without it."""
     if not (cfg.quantized_weights or cfg.quantized_gradients or hpz_size(cfg)):
         return dict.fromkeys(range(cfg.pp_size), 0)
@@ -229,7 +230,7 @@ def search(
         else list(enumerate_layouts(world_size, num_blocks, global_batch, hardware.node_size, base))
     )
     device = "cuda" if hardware.overlap else "cpu"
-    modes = {"compiled": compiled}
+    modes: dict[str, Any] = {"compiled": compiled}
     # Cheapest first: price every layout, then simulate in order of the bound no simulation
     # can beat, and stop once that bound is worse than the `top`-th step found (a layout whose
     # step could tie it is still simulated).
@@ -262,7 +263,7 @@ def search(
     return [
         dataclasses.replace(
             c,
-            **dict(
+            **dict[str, Any](
                 zip(
                     ("slow", "fast"),
                     predict_range(

@@ -192,6 +192,7 @@ def _run(
     overlap: bool,
 ) -> None:
     seconds, gathers, reduces = segments(op)
+    start: float | None
     if not any(gathers) and not any(reduces):  # compute only: the segments back to back
         start = begin = max(line.compute_end, ready)
         for compute in seconds:

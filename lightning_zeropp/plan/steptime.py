@@ -32,6 +32,7 @@ from torch import nn
 from lightning_zeropp.core.settings.config import ZeroPPConfig
 from lightning_zeropp.core.settings.placement import rank_of_stage, schedule_style
 from lightning_zeropp.core.settings.plus import hpz_size
+from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 from lightning_zeropp.plan.activations import stage_parts
 from lightning_zeropp.plan.comm import padded_shard
 from lightning_zeropp.plan.hardware import Hardware, compile_mode
@@ -76,7 +77,7 @@ class StepTimePlan:
         return self.model_flops / (self.step_s * self.world_size * self.peak_flops_per_s)
 
 
-def stage_flops(model: nn.Module, cfg: ZeroPPConfig, rows: int, seq: int) -> list[list[float]]:
+def stage_flops(model: nn.Module, cfg: ZeroPPLayout, rows: int, seq: int) -> list[list[float]]:
     """Forward FLOPs of one micro-batch per stage and unit: [the stage's own (non-block) part,
     then each block] (`plan.profile`, on the meta device)."""
     profile = profile_model(model, rows, seq, cfg.param_dtype)
@@ -92,7 +93,7 @@ def stage_flops(model: nn.Module, cfg: ZeroPPConfig, rows: int, seq: int) -> lis
 
 def predict_step_time(
     model: nn.Module,
-    config: ZeroPPConfig,
+    config: ZeroPPConfig | ZeroPPLayout,
     world_size: int,
     global_batch: int,
     seq_len: int,
@@ -128,7 +129,7 @@ class Priced:
     """A layout's costs, before its step is simulated (`plan`); `lower_bound` is what no
     simulation of them can beat, which lets a search skip simulating hopeless layouts."""
 
-    cfg: ZeroPPConfig
+    cfg: ZeroPPLayout
     costs: list[StageCost]
     where: dict[int, int]
     flops: list[list[float]]
@@ -158,7 +159,7 @@ class Priced:
 
 def price(
     model: nn.Module,
-    config: ZeroPPConfig,
+    config: ZeroPPConfig | ZeroPPLayout,
     world_size: int,
     global_batch: int,
     seq_len: int,
@@ -187,7 +188,7 @@ def price(
 
 def predict_range(
     model: nn.Module,
-    config: ZeroPPConfig,
+    config: ZeroPPConfig | ZeroPPLayout,
     world_size: int,
     global_batch: int,
     seq_len: int,
@@ -205,7 +206,7 @@ def predict_range(
 
 
 def optimizer_time(
-    model: nn.Module, cfg: ZeroPPConfig, world_size: int, hardware: Hardware, optimizer: str
+    model: nn.Module, cfg: ZeroPPLayout, world_size: int, hardware: Hardware, optimizer: str
 ) -> float:
     """Seconds of the optimizer step: the largest shard at `hardware.optimizer_rate`."""
     memory = predict_memory(model, cfg, world_size, optimizer)
@@ -214,7 +215,7 @@ def optimizer_time(
 
 def stage_costs(
     model: nn.Module,
-    cfg: ZeroPPConfig,
+    cfg: ZeroPPLayout,
     global_batch: int,
     seq_len: int,
     hardware: Hardware,
@@ -278,7 +279,7 @@ _COLLECTIVES: dict[tuple, tuple[Hardware, StageUnits, tuple]] = {}  # asked for 
 
 def _collective_seconds(
     stage: StageUnits,
-    cfg: ZeroPPConfig,
+    cfg: ZeroPPLayout,
     hardware: Hardware,
     pp_rank: int,
 ) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
@@ -302,7 +303,7 @@ def _collective_seconds(
 
 def _collectives(
     stage: StageUnits,
-    cfg: ZeroPPConfig,
+    cfg: ZeroPPLayout,
     hardware: Hardware,
     pp_rank: int,
 ) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
