@@ -105,6 +105,7 @@ def _example(
     contract with it at setup)."""
     if callable(split) or config.num_stages == 1:
         return None, None
+    assert trainer.state.fn is not None  # set by the trainer's entry point (fit, validate, ...)
     step = {
         TrainerFn.FITTING: module.training_step,
         TrainerFn.VALIDATING: module.validation_step,

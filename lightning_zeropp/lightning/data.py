@@ -117,7 +117,8 @@ def batch_rows(trainer: pl.Trainer, loader: object = None) -> int | None:
     """Rows of one training loader batch over all data-parallel ranks, if the loader says."""
     loader = trainer.train_dataloader if loader is None else loader
     size = getattr(loader, "batch_size", None)
-    replicas = trainer.strategy.distributed_sampler_kwargs.get("num_replicas", 1)
+    strategy: Any = trainer.strategy  # a ZeroPPStrategy (a ParallelStrategy)
+    replicas = strategy.distributed_sampler_kwargs.get("num_replicas", 1)
     return size * replicas if isinstance(size, int) else None
 
 
@@ -171,6 +172,7 @@ class _SkipFirst:
 def _without_first(loader: DataLoader, count: int) -> DataLoader:
     """A one-pass copy of `loader` over its own batch sampler (so the sampler's epoch, set on the
     original, holds) without the first `count` batches."""
+    assert loader.batch_sampler is not None  # the caller checked
     return rebuild_loader(loader, batch_sampler=_SkipFirst(loader.batch_sampler, count))
 
 

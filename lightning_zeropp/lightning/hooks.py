@@ -121,8 +121,8 @@ def full_parameter(module: pl.LightningModule, name: str) -> torch.Tensor:
     CPU tensor, from the pipeline stage holding it. Collective: call it on every rank, in any
     hook or after `trainer.fit`. Meant for single parameters (a scale, a norm to log); the whole
     model is `trainer.strategy.full_state_dict()`."""
-    engine = module.trainer.strategy.engine
-    names = module.trainer.strategy._runner.network.names
+    strategy: Any = module.trainer.strategy  # a ZeroPPStrategy
+    engine, names = strategy.engine, strategy._runner.network.names
     held = dict(module.named_parameters(remove_duplicate=False))
     if name not in names and name not in held:  # the same answer on every rank: no collective
         close = difflib.get_close_matches(name, names, n=3)
@@ -151,7 +151,8 @@ def _norms(
     norm_type = float(norm_type)
     if norm_type <= 0:
         raise ValueError(f"norm_type must be a positive number or 'inf'; got {norm_type}")
-    engine = module.trainer.strategy.engine
+    strategy: Any = module.trainer.strategy  # a ZeroPPStrategy
+    engine = strategy.engine
     counted = {id(p) for p in engine.counted_parameters()}
     names, norms = [], []
     with ShardReads.allowed():
@@ -176,7 +177,7 @@ def _norms(
 
 def count_pipelines(trainer: pl.Trainer, pipelines: int) -> None:
     """Make `ThroughputMonitor` count pipelines, not ranks (see the module docstring)."""
-    for callback in trainer.callbacks:
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning's connector
         if isinstance(callback, ThroughputMonitor):
             for throughput in callback._throughputs.values():
                 throughput.world_size = pipelines

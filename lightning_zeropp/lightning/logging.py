@@ -124,7 +124,7 @@ class LogRecorder:
             module.log(name, numbers[at], *args, **self._synced(kwargs))
             at += 1
         for name, path, has_value, args, kwargs in metrics:
-            metric = module.get_submodule(path)
+            metric: Any = module.get_submodule(path)  # a torchmetrics Metric
             if has_value:  # what Lightning shows as the step's value
                 metric._forward_cache = numbers[at]
                 at += 1
@@ -152,16 +152,18 @@ class LogRecorder:
     ) -> tuple[Any, torch.Tensor]:
         """This rank's layout and numbers (skip flag, loss weight, values, metric values)."""
         device = engine.device
-        combined, sums, totals = [], [], []
+        combined, sums, weights = [], [], []
         for record in self._records.values():
             value, weight = _combine(record, device)
             combined.append(value)
             if weight is not None:
                 sums.append(len(combined) - 1)
-                totals.append(weight)
+                weights.append(weight)
         weighted = loss_weights is not None
-        step_weight = torch.stack(loss_weights).sum().float() if weighted else torch.zeros(())
-        totals = torch.stack([step_weight.to(device), *totals])
+        step_weight = (
+            torch.stack(loss_weights).sum().float() if loss_weights is not None else torch.zeros(())
+        )
+        totals = torch.stack([step_weight.to(device), *weights])
         if global_weights and engine.dims.dp_size > 1 and (weighted or sums):
             for group in engine.dims.dp_groups:  # the last stage's data-parallel ranks only
                 dist.all_reduce(totals, group=group)
@@ -213,7 +215,7 @@ class LogRecorder:
     @contextlib.contextmanager
     def _patch(self, module: pl.LightningModule) -> Iterator[None]:
         if self._patched == 0:
-            module.log = self._log  # instance attribute; log_dict goes through it too
+            module.log = self._log  # type: ignore[method-assign]  # instance attribute; log_dict goes through it too
             self._module = module
         self._patched += 1
         try:

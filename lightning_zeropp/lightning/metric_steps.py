@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Iterator
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -48,7 +49,7 @@ class StepMetrics:
 
     def step_value(self, module: pl.LightningModule, path: str) -> torch.Tensor | None:
         """The metric's value over this step's updates (last stage)."""
-        metric = module.get_submodule(path)
+        metric: Any = module.get_submodule(path)  # a torchmetrics Metric
         if path not in self._saved or not metric._update_count:
             return None
         probe = copy.deepcopy(metric)  # compute() caches on the metric: not on the real one
@@ -60,7 +61,7 @@ class StepMetrics:
     def finish(self, module: pl.LightningModule) -> None:
         """Merge the states the metrics had before the step back into them (last stage)."""
         for path, saved in self._saved.items():
-            metric = module.get_submodule(path)
+            metric: Any = module.get_submodule(path)  # a torchmetrics Metric
             metric.merge_state(saved)
             metric._update_count += saved._update_count
         self._saved.clear()

@@ -168,7 +168,7 @@ class Network:
         for name in self.params:
             module.__dict__[name] = ElsewhereTensor.make(self.owner, name)
         guard = module.__dict__.get("forward")
-        module.forward = fn  # instance attribute: nn.Module.__call__ reads self.forward
+        module.forward = fn  # type: ignore[method-assign]  # instance attribute: nn.Module.__call__ reads self.forward
         try:
             yield
         finally:
@@ -262,7 +262,7 @@ def _view(module: pl.LightningModule) -> nn.Module:
     state["_non_persistent_buffers_set"] = set(module._non_persistent_buffers_set)
     state["_modules"] = {n: m for n, m in state["_modules"].items() if not isinstance(m, Metric)}
     view.__dict__.update(state)
-    view.log = _no_log  # a stage's forward runs on stub values on other stages
+    view.log = _no_log  # type: ignore[method-assign]  # a stage's forward runs on stub values on other stages
     return view
 
 
@@ -284,7 +284,7 @@ def _no_log(name: str, *args: Any, **kwargs: Any) -> None:
 def summarize_whole_model(trainer: pl.Trainer, network: Network, whole: nn.Module) -> None:
     """Lightning's model summary would count this rank's stages; show it the whole network
     (a meta-device copy: parameter counts, no memory) while it summarizes."""
-    for callback in trainer.callbacks:
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning's connector
         if not isinstance(callback, ModelSummary):
             continue
         summarize = getattr(callback, "_zeropp_summarize", callback.on_fit_start)
@@ -293,5 +293,5 @@ def summarize_whole_model(trainer: pl.Trainer, network: Network, whole: nn.Modul
             with network.showing(whole):
                 f(trainer, pl_module)
 
-        callback._zeropp_summarize = summarize
-        callback.on_fit_start = on_fit_start
+        callback._zeropp_summarize = summarize  # type: ignore[attr-defined]
+        callback.on_fit_start = on_fit_start  # type: ignore[method-assign]

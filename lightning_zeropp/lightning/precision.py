@@ -28,7 +28,7 @@ class ZeroPPPrecision(Precision):
         self._strategy = strategy
 
     @override
-    def backward(self, tensor: torch.Tensor, model: pl.LightningModule, *args: Any, **kwargs: Any):
+    def backward(self, tensor: torch.Tensor, model: pl.LightningModule, *args: Any, **kwargs: Any):  # type: ignore[override]  # as Lightning's own
         self._strategy._release_gradients()
 
     @override
@@ -36,7 +36,7 @@ class ZeroPPPrecision(Precision):
         self._strategy.engine.clip_grad_norm_(clip_val)
 
     @override
-    def post_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:
+    def post_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]  # as Lightning's own
         with ShardReads(module, "on_after_backward"):
             return super().post_backward(tensor, module)
 

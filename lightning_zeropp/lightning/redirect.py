@@ -172,7 +172,7 @@ def first_batch(trainer: pl.Trainer) -> Any:
     afterwards, so the run draws the same numbers as without this peek.
     """
     fn = trainer.state.fn
-    loops = {
+    loops: dict[TrainerFn | None, tuple[Any, str]] = {
         TrainerFn.FITTING: (trainer.fit_loop, "train_dataloader"),
         TrainerFn.VALIDATING: (trainer.validate_loop, "val_dataloaders"),
         TrainerFn.TESTING: (trainer.test_loop, "test_dataloaders"),
@@ -229,9 +229,9 @@ def rng_kept() -> Iterator[None]:
 
         np_state: Any = np.random.get_state()
     except ImportError:  # pragma: no cover - numpy ships with torch's usual installs
-        np, np_state = None, None
+        np_state = None
     with torch.random.fork_rng(devices=[]):
         yield
     random.setstate(state)
-    if np is not None:
+    if np_state is not None:  # numpy is there
         np.random.set_state(np_state)

@@ -19,7 +19,7 @@ import functools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
@@ -127,6 +127,7 @@ class StepRunner:
     ) -> bool:
         """Run each micro-batch's step up to its network call; True if one returned before it."""
         early = False
+        assert self.network is not None  # set up before the first step
         for rows in step.parts:
             watch = WeightWatch()
             run = functools.partial(self._micro_step, fn, take_rows(batch, rows), rest, watch)
@@ -161,7 +162,7 @@ class StepRunner:
         engine = self.engine
         assert engine is not None
         if early:  # a micro-batch returned None before its network call: skip, everywhere
-            args, kwargs = (), {}
+            args, kwargs = (), dict[str, Any]()
             idle = getattr(self.adapter, "idle", None)
             if idle is not None:  # the peers count their tokens together: join with none
                 idle()
@@ -180,7 +181,8 @@ class StepRunner:
         engine, module = self.engine, self.module
         assert engine is not None and module is not None
         train = step.mode == "train"
-        weights = step.weights if train and step.weights and step.weights[0] is not None else None
+        all_weighted = train and step.weights and step.weights[0] is not None  # all or none
+        weights = cast("list[torch.Tensor]", step.weights) if all_weighted else None
         objects = merge(step.outputs, averaged=train) if step.outputs else None
         replayed = self.recorder.replay(
             module, engine, step.skipped, objects, weights, global_weights=train
@@ -220,7 +222,7 @@ class StepRunner:
             step.outputs.append(result)
             return zero(output, grad=False)
         if step.mode == "eval":
-            loss = result.get("loss") if isinstance(result, dict) else result
+            loss: Any = result.get("loss") if isinstance(result, dict) else result
             one = torch.is_tensor(loss) and loss.numel() == 1
             return scalar(loss) if one else zero(output, grad=False)
         return self._training_loss(result, output, step, m)
@@ -268,13 +270,14 @@ class StepRunner:
         The step is run as a step is, but leaves no trace (no log, no metric update, no
         attribute changed, no random draw)."""
         module = self.module
-        assert module is not None
+        assert module is not None and self.network is not None
         if forward_args is not None:
             args = forward_args if isinstance(forward_args, (tuple, list)) else (forward_args,)
             kw = forward_args if isinstance(forward_args, dict) else {}
             run = functools.partial(_call_module, module, () if kw else tuple(args), kw)
         else:
             rows = torch.arange(max(1, batch_size(batch) // micro))
+            assert fn is not None  # the caller passes a step when it has no forward_args
             run = functools.partial(_call_step, fn, take_rows(batch, rows))
         continuation = Continuation(
             self._thread_network(run), _SECOND_CALL.format(call=self.network.call)
@@ -310,6 +313,7 @@ class StepRunner:
     def _network_call(self, *args: Any, **kwargs: Any) -> Any:
         network = getattr(self._local, "network", None)
         if network is None:
+            assert self.network is not None  # this is installed by the network's redirect
             raise RuntimeError(
                 f"{self.network.call} was called outside a step under ZeroPPStrategy"
             )

@@ -207,7 +207,8 @@ class ZeroPPStrategy(ModelParallelStrategy):
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         env_ = self.cluster_environment
-        if self._launcher is not None and "MASTER_PORT" in os.environ and env_.node_rank() == 0:
+        launches = self._launcher is not None and "MASTER_PORT" in os.environ
+        if launches and env_ is not None and env_.node_rank() == 0:
             # This process starts the ranks and hosts their store: a busy port would leave
             # the ranks it starts waiting on whatever holds it.
             launch.check_port_free(env_.main_address, env_.main_port)
@@ -247,8 +248,10 @@ class ZeroPPStrategy(ModelParallelStrategy):
                 "ZeroPPStrategy needs automatic optimization: the pipeline schedule runs forward "
                 "and backward together. Remove `self.automatic_optimization = False`."
             )
-        if self._engine is None or not self._runner.network.installed(self._engine.module):
+        network = self._runner.network  # set by build_engine, with the engine
+        if self._engine is None or network is None or not network.installed(self._engine.module):
             assert self._dims is not None
+            assert isinstance(self.zeropp_config, ZeroPPLayout)  # setup_environment resolved it
             self._engine = build_engine(
                 self._runner,
                 module,
@@ -273,7 +276,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
 
     # ---------------------------------------------------------------- steps
     @override
-    def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor | dict[str, Any]:
         assert self.lightning_module is not None
         # Lightning zeroes the previous step's gradients (unless accumulating) only after
         # training_step, and expects this step's gradients to appear in backward: the engine
@@ -296,6 +299,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
         runner, cfg = self._runner, self.zeropp_config
         if self._told or runner.weighted is not False:
             return
+        assert cfg.num_microbatches is not None  # setup_environment resolved it
         self._told = True
         several = cfg.num_microbatches > 1 or self.engine.dims.dp_size > 1
         if several and not isinstance(runner.adapter, GlobalTokenCount):
@@ -347,6 +351,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
         if self._state_dict_type == "sharded":
             return {}  # model state is written by save_checkpoint through DCP, sharded
         # Collective: the LightningModule's whole state_dict (its own names) on global rank 0.
+        assert self.lightning_module is not None
         return export.full_state_dict(self.lightning_module, self.engine.dims)
 
     @override
@@ -354,6 +359,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
         if self._state_dict_type == "sharded":
             return {}  # likewise
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
+        assert self.lightning_module is not None
         return export.full_optimizer_state_dict(self.lightning_module, optimizer, self.engine.dims)
 
     @override
