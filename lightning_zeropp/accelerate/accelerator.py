@@ -171,7 +171,9 @@ class ZeroPPAccelerator(Accelerator):
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> Any:
         if self.pipeline is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        params: list[Any] = (
+            [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        )
         mine = {id(p) for p in self.pipeline.parameters()}
         if any(id(p) not in mine for p in params):
             raise ValueError(

@@ -17,8 +17,9 @@ import dataclasses
 import datetime
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -123,7 +124,8 @@ def prepare_pipeline(
     config = _resolved(settings, accelerator.num_processes)
     split = settings.split
     is_factory = callable(optimizer) and not isinstance(optimizer, Optimizer)
-    group_names = None if is_factory else optimizer_param_names(optimizer, model)
+    given = cast(Optimizer, optimizer)  # when not a factory: an optimizer (checked there)
+    group_names = None if is_factory else optimizer_param_names(given, model)
     unpack = unpack or unpack_batch
     dp_size = config.dp_size
     if train_dl is not None:
@@ -154,9 +156,9 @@ def prepare_pipeline(
     params = dict(core.module.named_parameters(remove_duplicate=False))  # every tied name
     if group_names is not None:
         _check_all_placed(group_names, params)
-        new_opt = rebuild_optimizer(optimizer, group_names, params)
+        new_opt = rebuild_optimizer(given, group_names, params)
     else:
-        new_opt = optimizer(core.module)
+        new_opt = cast(Callable[[nn.Module], Optimizer], optimizer)(core.module)
     # Both fronts print the layout once at setup (e.g. that ZeroPPPlugin defaulted to 1F1B).
     accelerator.print(describe_layout(core))  # collective: every pipeline rank counts its stages
     accelerator.print(core.memory_report(title="at setup"))  # collective: every rank measures
@@ -267,6 +269,7 @@ def _default_example(
             "training loader with a batch size to take it from: pass example_args=(...) (one "
             "micro-batch, per-rank rows / num_microbatches), or split='stack'."
         )
+    assert train_dl is not None  # rows came from it
     return example_microbatch(train_dl, rows // config.num_microbatches, unpack)
 
 

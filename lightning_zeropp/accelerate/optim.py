@@ -192,7 +192,7 @@ def _check_fresh(optimizer: Optimizer) -> None:
         )
 
 
-def _constructor_kwargs(cls: type, defaults: dict[str, Any]) -> dict[str, Any]:
+def _constructor_kwargs(cls: type[Optimizer], defaults: dict[str, Any]) -> dict[str, Any]:
     params = inspect.signature(cls.__init__).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return copy.deepcopy(defaults)

@@ -42,7 +42,7 @@ class Stopper:
     ) -> None:
         self.saver, self.save, self.accumulation = saver, save, accumulation
         self.step = step or (lambda: self.batches // max(self.accumulation(), 1))
-        self.batches = 0  # training calls completed by this process (the same on every rank)
+        self.batches: int = 0  # training calls completed by this process (the same on every rank)
 
     def stopped(self, err: PreemptedError, description: str) -> PreemptedError:
         steps, every = self.step(), max(self.accumulation(), 1)

@@ -86,6 +86,9 @@ class PipelineModel(nn.Module):
     `train()` / `eval()` switch the stages. `engine` is the `ZeroPPAccelerateEngine`.
     """
 
+    engine: ZeroPPAccelerateEngine  # these two set with object.__setattr__: not submodules
+    original: nn.Module
+
     def __init__(
         self,
         engine: ZeroPPAccelerateEngine,
@@ -204,6 +207,7 @@ class PipelineModel(nn.Module):
             if target is not None and by_share is not None:
                 loss = self._share_loss(target, kwargs, scale)
             if target is not None and chosen:
+                assert loss is not None  # a step with a target has a loss
                 # Each micro-batch's loss is its token sum over the caller's count: the model
                 # called on these rows returns their sum over it, not the micro-batches' mean.
                 loss = loss * (micro // cfg.pp_size if by_share is not None else micro)
