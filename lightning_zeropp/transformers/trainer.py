@@ -150,6 +150,7 @@ class ZeroPPTrainer(Trainer):
         self.optimizer = optimizer
         if given is not None:  # the Trainer steps it once per update, as it is
             self.lr_scheduler = retarget_scheduler(given, whole, optimizer.optimizer)
+        assert self.model is not None  # the Trainer was given one
         release_weights(self.model)
         self._pipeline = self.model_wrapped = pipeline
         if pipeline.stopper is not None:  # on SIGTERM: the Trainer's own checkpoint and step
@@ -207,7 +208,7 @@ class ZeroPPTrainer(Trainer):
         if not model.training and num_items_in_batch is not None and pipeline.token_weighted:
             return self._eval_loss(pipeline, inputs, float(num_items_in_batch), return_outputs)
         window = model.training and num_items_in_batch is not None
-        if window and pipeline.token_weighted:
+        if window and pipeline.token_weighted and num_items_in_batch is not None:
             engine = pipeline.engine
             micro = engine.config.num_microbatches * engine.dims.dp_size
             inputs = {**inputs, NUM_ITEMS: float(num_items_in_batch) / micro}
@@ -331,7 +332,9 @@ class ZeroPPTrainer(Trainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Collective: an ordinary HF directory (`from_pretrained` reads it) from the main
         process; a PEFT model's adapters only, as the Trainer writes them."""
-        checkpointing.save_model(self, output_dir or self.args.output_dir)
+        output_dir = output_dir or self.args.output_dir
+        assert output_dir is not None  # TrainingArguments fills in a default
+        checkpointing.save_model(self, output_dir)
 
 
 def release_weights(model: nn.Module) -> None:
