@@ -43,6 +43,7 @@ from lightning_zeropp.core.split.call_stages import restore_output
 from lightning_zeropp.core.split.methods import SplitMethod, resolve_split
 from lightning_zeropp.core.step.agree import agree, check_replicas, model_layout, settings_fields
 from lightning_zeropp.core.step.batch import ShapeGuard
+from lightning_zeropp.core.step.chunked_loss import set_loss_chunk
 from lightning_zeropp.core.step.failure import FailureBoard, describe_rank, guarded
 from lightning_zeropp.core.step.grads import StepGrads, average_whole_grads, clip_grad_norm_
 from lightning_zeropp.core.step.loss import LossFn, StepLoss, broadcast_loss
@@ -97,6 +98,8 @@ class ZeroPPEngine(EngineReports):
         self.config = config.resolve(dist.get_world_size(), launcher_node_size())
         cfg = self.config
         self.device = device or torch.device("cpu")
+        # The head and the loss in chunks wherever the model's code computes its loss so.
+        set_loss_chunk(cfg.loss_chunk)
         self.num_stages = cfg.num_stages
         self._meta = has_meta(model)
         self.plan = block_plan(model, self.num_stages, cfg.split_points)

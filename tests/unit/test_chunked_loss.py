@@ -1,0 +1,116 @@
+"""The head and the loss in chunks (`core.step.chunked_loss`): the same loss and gradients as whole
+logits (fp32, 1e-6), and a last stage whose activation peak in the memory report drops."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_zeropp.core.settings.config import ZeroPPConfig
+from lightning_zeropp.core.step import chunked_loss
+from lightning_zeropp.core.step.chunked_loss import linear_cross_entropy, set_loss_chunk
+from lightning_zeropp.models.gpt import GPT, GPTConfig
+
+TOL = 1e-6
+
+
+@pytest.fixture(autouse=True)
+def keep_chunk() -> Iterator[None]:
+    before = chunked_loss.loss_chunk()
+    yield
+    set_loss_chunk(before)
+
+
+def _grads(module: torch.nn.Module, loss: torch.Tensor) -> dict[str, torch.Tensor]:
+    module.zero_grad()
+    loss.backward()
+    return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.allclose(got[name], want[name], atol=TOL, rtol=0), name
+
+
+def test_linear_cross_entropy_equals_whole_logits_with_ignored_rows() -> None:
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50)
+    hidden = torch.randn(3, 20, 16, requires_grad=True)
+    target = torch.randint(0, 50, (3, 20))
+    target[1] = -100  # a padded row
+    target[2, 7:] = -100
+    whole = F.cross_entropy(
+        head(hidden).reshape(-1, 50).float(), target.reshape(-1), reduction="sum"
+    )
+    want = _grads(head, whole)
+    want_input = torch.autograd.grad(
+        F.cross_entropy(head(hidden).reshape(-1, 50), target.reshape(-1), reduction="sum"), hidden
+    )[0]
+    for chunk in (1, 7, 16, 59, 0):
+        got_loss = linear_cross_entropy(hidden, head.weight, head.bias, target, chunk=chunk)
+        assert abs(float(got_loss) - float(whole)) <= TOL * max(1.0, abs(float(whole)))
+        _close(_grads(head, got_loss), want)
+        got_input = torch.autograd.grad(
+            linear_cross_entropy(hidden, head.weight, head.bias, target, chunk=chunk), hidden
+        )[0]
+        assert torch.allclose(got_input, want_input, atol=TOL, rtol=0)
+
+
+def test_the_bundled_gpt_loss_equals_whole_logits() -> None:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=300, seq_len=32, dim=32, num_heads=2, num_layers=2))
+    x = torch.randint(0, 300, (4, 32))
+    y = torch.randint(0, 300, (4, 32))
+    y[1] = -100
+    y[3, 5:] = -100
+    logits = model(x)
+    whole = F.cross_entropy(logits.reshape(-1, 300).float(), y.reshape(-1))
+    want = _grads(model, whole)
+    for chunk in (0, 8, 50):
+        set_loss_chunk(chunk)
+        loss = model(x, y)
+        assert abs(float(loss) - float(whole)) <= TOL
+        _close(_grads(model, loss), want)
+    set_loss_chunk(8)
+    y.fill_(-100)  # nothing labelled: 0 (not NaN), as the fronts' counted means give
+    assert float(model(x, y)) == 0.0
+
+
+def test_loss_chunk_is_a_checked_setting() -> None:
+    assert ZeroPPConfig().resolve(1).loss_chunk == 1024
+    assert ZeroPPConfig(loss_chunk=0).resolve(1).loss_chunk == 0
+    with pytest.raises(ValueError, match="loss_chunk=-1 must be a whole number"):
+        ZeroPPConfig(loss_chunk=-1).resolve(1)
+    with pytest.raises(ValueError, match="loss_chunk=-2 must be a whole number"):
+        set_loss_chunk(-2)
+
+
+def _first_step_activation_peak(chunk: int) -> int:
+    """The bundled GPT's first training step through the engine on one process (its only stage
+    is the last): the activation peak its memory report prints. Vocabulary 32k, 2k tokens."""
+    from lightning_zeropp.core.engine import ZeroPPEngine
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=32_000, seq_len=2048, dim=16, num_heads=2, num_layers=1)
+    model = GPT(cfg)
+    loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lambda out, _target: out  # noqa: E731
+    config = ZeroPPConfig(pp_size=1, num_microbatches=1, loss_chunk=chunk)
+    engine = ZeroPPEngine(model, config, loss_fn=loss_of)
+    x = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len))
+    y = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len))
+    engine.train_step(x, y, target=y)
+    peak = engine.activation_peak
+    assert peak is not None
+    return peak
+
+
+def test_the_last_stage_activation_peak_drops_with_chunks(group: None) -> None:
+    whole = _first_step_activation_peak(0)
+    chunked = _first_step_activation_peak(256)
+    logits = 2048 * 32_000 * 4
+    assert whole >= logits  # the whole-logits loss keeps its fp32 softmax for backward
+    assert whole >= 2 * chunked, (whole, chunked)
