@@ -98,8 +98,6 @@ class ZeroPPEngine(EngineReports):
         self.config = config.resolve(dist.get_world_size(), launcher_node_size())
         cfg = self.config
         self.device = device or torch.device("cpu")
-        # The head and the loss in chunks wherever the model's code computes its loss so.
-        set_loss_chunk(cfg.loss_chunk)
         self.num_stages = cfg.num_stages
         self._meta = has_meta(model)
         self.plan = block_plan(model, self.num_stages, cfg.split_points)
@@ -122,6 +120,10 @@ class ZeroPPEngine(EngineReports):
             self.style, self.dims.pp_rank, cfg.pp_size, cfg.num_chunks
         )
         self.split = settle_split(model, split, self.split, cfg, self.plan, self._meta)
+        # The head and the loss in chunks wherever the model's code computes its loss so. Only
+        # the call split hands the last stage the call's targets (a traced or pruned stage
+        # takes activations): under the others, models compute their loss from whole logits.
+        set_loss_chunk(cfg.loss_chunk if self.split == "call" else 0)
         built = build_stages(
             model, cfg, self.plan, self.stage_ids, self.split, self.dims, self.device,
             self._meta, example_args, example_kwargs, init, load_from,
