@@ -114,3 +114,71 @@ def test_the_last_stage_activation_peak_drops_with_chunks(group: None) -> None:
     logits = 2048 * 32_000 * 4
     assert whole >= logits  # the whole-logits loss keeps its fp32 softmax for backward
     assert whole >= 2 * chunked, (whole, chunked)
+
+
+def _llama() -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=211,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("items", [None, 37.0])
+def test_an_hf_llama_loss_with_padded_rows_equals_whole_logits(items: float | None) -> None:
+    """HF's own loss (label shift, -100 rows, `num_items_in_batch` or the token mean) from the
+    chunked head: the loss and every gradient of whole logits; logits whole when not armed."""
+    from lightning_zeropp.models.hf_chunked import ChunkedHead, armed
+
+    model = _llama()
+    ids = torch.randint(0, 211, (3, 24))
+    labels = ids.clone()
+    labels[1] = -100  # a padded row
+    labels[2, 10:] = -100
+    kwargs = {} if items is None else {"num_items_in_batch": items}
+    whole = model(input_ids=ids, labels=labels, **kwargs).loss
+    want = _grads(model, whole)
+    assert ChunkedHead.install(model)
+    set_loss_chunk(5)
+    with armed():
+        out = model(input_ids=ids, labels=labels, **kwargs)
+    assert out.logits.shape[-1] == 32  # the head's logits were never computed
+    assert abs(float(out.loss) - float(whole)) <= TOL
+    _close(_grads(model, out.loss), want)
+    # not armed (evaluation, a step reading logits): the head computes logits as before
+    assert model(input_ids=ids, labels=labels, **kwargs).logits.shape[-1] == 211
+
+
+def test_a_head_whose_output_is_changed_before_the_loss_is_left_whole() -> None:
+    from lightning_zeropp.models.hf_chunked import ChunkedHead
+
+    model = _llama()
+    model.config.final_logit_softcapping = 30.0
+    assert not ChunkedHead.install(model)
+    assert type(model.lm_head) is torch.nn.Linear
+
+
+def test_a_forward_of_its_own_keeps_whole_logits_or_is_named() -> None:
+    """A subclass's forward may read the logits itself (here: drops the labels and computes a
+    mean from `out.logits`): not chunked; a forward that slips past is named at its step."""
+    from lightning_zeropp.models.hf_chunked import ChunkedHead, armed, check_consumed
+    from tests.distributed.clm_loop import OwnLossLlama
+
+    own = OwnLossLlama(_llama().config)
+    assert not ChunkedHead.install(own)
+    model = _llama()
+    assert ChunkedHead.install(model)
+    ids = torch.randint(0, 211, (2, 8))
+    with armed():
+        model(input_ids=ids)  # no labels: the head's output was never given to the loss
+        with pytest.raises(RuntimeError, match="did not pass the head's output to its loss"):
+            check_consumed()
