@@ -123,7 +123,10 @@ class ZeroPPEngine(EngineReports):
         # The head and the loss in chunks wherever the model's code computes its loss so. Only
         # the call split hands the last stage the call's targets (a traced or pruned stage
         # takes activations): under the others, models compute their loss from whole logits.
-        set_loss_chunk(cfg.loss_chunk if self.split == "call" else 0)
+        # Schedules that split backward into input- and weight-gradient tasks find the head's
+        # gathered weight freed when a chunk is recomputed: whole logits there too (for now).
+        chunks = self.split == "call" and not cfg.split_backward
+        set_loss_chunk(cfg.loss_chunk if chunks else 0)
         built = build_stages(
             model, cfg, self.plan, self.stage_ids, self.split, self.dims, self.device,
             self._meta, example_args, example_kwargs, init, load_from,
