@@ -182,3 +182,33 @@ def test_a_forward_of_its_own_keeps_whole_logits_or_is_named() -> None:
         model(input_ids=ids)  # no labels: the head's output was never given to the loss
         with pytest.raises(RuntimeError, match="did not pass the head's output to its loss"):
             check_consumed()
+
+
+def test_litgpt_head_in_chunks_equals_whole_logits() -> None:
+    """litgpt's GPT: its final hidden states (the input of its `lm_head`) through
+    `linear_cross_entropy` give its whole-logits loss and gradients. (The library computes no
+    litgpt loss itself: a LightningModule wrapping it computes its own loss over the logits,
+    which keeps them whole.)"""
+    from litgpt.config import Config
+    from litgpt.model import GPT as LitGPTModel
+
+    torch.manual_seed(0)
+    config = Config(block_size=32, n_layer=2, n_embd=32, n_head=2, vocab_size=97)
+    model = LitGPTModel(config)
+    ids = torch.randint(0, 97, (3, 32))
+    y = torch.randint(0, 97, (3, 32))
+    y[0] = -100
+    y[2, 4:] = -100
+    logits = model(ids)
+    vocab = logits.shape[-1]
+    whole = F.cross_entropy(logits.reshape(-1, vocab).float(), y.reshape(-1))
+    want = _grads(model, whole)
+    seen: list[torch.Tensor] = []
+    hook = model.lm_head.register_forward_hook(lambda _m, args, _out: seen.append(args[0]))
+    model(ids)
+    hook.remove()
+    head = model.lm_head
+    total = linear_cross_entropy(seen[0], head.weight, head.bias, y, chunk=7)
+    loss = total / (y != -100).sum()
+    assert abs(float(loss) - float(whole)) <= TOL
+    _close(_grads(model, loss), want)
