@@ -60,6 +60,7 @@ from lightning_zeropp.core.step.failure import guarded
 from lightning_zeropp.core.step.preempt import Preemption
 from lightning_zeropp.core.weights.export import full_state_dict
 from lightning_zeropp.core.weights.trust import weights_only_loads
+from lightning_zeropp.models.hf_chunked import ChunkedHead
 from lightning_zeropp.models.hf_loss import disable_kv_cache, token_rule
 from lightning_zeropp.models.loss_rule import LossWatch
 
@@ -133,6 +134,9 @@ class ZeroPPAccelerator(Accelerator):
             )
         holder: list[PipelineModel] = []
         skeleton = _skeleton(model)  # the whole model's structure, for unwrap_model
+        # An HF causal LM's head and loss in chunks in training (`models.hf_chunked`), before
+        # the watch wraps its loss function: the watch sees the call as the model made it.
+        chunked = rule is not None and rule.causal and ChunkedHead.install(model)
         watch = LossWatch(model, rule) if rule is not None else None
         engine, opt, loader, sched = prepare_pipeline(
             self,
@@ -149,6 +153,7 @@ class ZeroPPAccelerator(Accelerator):
         )
         pipeline = PipelineModel(engine, skeleton, rule, watch)
         pipeline.eval_logits = plugin.eval_logits
+        pipeline.chunked = chunked
         pipeline.seq_buckets = plugin.seq_buckets
         save = bool(engine.core.config.save_on_sigterm)
         steps = lambda: self.gradient_accumulation_steps  # noqa: E731 - read at the stop

@@ -30,6 +30,7 @@ from lightning_zeropp.accelerate.weighting import weigh_tokens
 from lightning_zeropp.core.schedule.build import eval_microbatches
 from lightning_zeropp.core.step.failure import guarded
 from lightning_zeropp.core.step.preempt import PreemptedError
+from lightning_zeropp.models.hf_chunked import armed, check_consumed
 from lightning_zeropp.models.hf_loss import NUM_ITEMS, TokenRule, accepts_num_items
 from lightning_zeropp.models.loss_rule import LossWatch
 from lightning_zeropp.models.packing import Reshaped, SeqBuckets, reshape
@@ -109,6 +110,9 @@ class PipelineModel(nn.Module):
         # lengths padded to buckets without changing a number (`models.packing`).
         self.shifts = rule is not None and rule.causal
         self.eval_logits = True
+        # The model's head and loss compute in chunks in training (`models.hf_chunked`): the
+        # training output holds the loss only, so nothing reads the logits.
+        self.chunked = False
         self.seq_buckets: SeqBuckets = None
         self._captured: list[Any] | None = None
         self._losses: list[torch.Tensor] | None = None  # an eval call's, per micro-batch
@@ -163,7 +167,7 @@ class PipelineModel(nn.Module):
         core = self.engine.core
         self.rows = _rows(args, kwargs)
         kwargs = self._weighted(kwargs, target, core.config.num_microbatches, training=True)
-        with self._counting():
+        with self._counting(), armed(self.chunked):
             loss, grads = core.train_step_deferred(*args, target=target, **kwargs)
         if self.stopper is not None:
             self.stopper.batches += 1
@@ -251,6 +255,8 @@ class PipelineModel(nn.Module):
             if logits is None and isinstance(output, torch.Tensor) and output.dim() > 0:
                 logits = output
             self._captured.append(logits)
+        if self.chunked:
+            check_consumed()  # the head's hidden states went to the loss, not read as logits
         loss = loss_of(output)
         if self.watch is not None and self._items is not None and loss is not None:
             # the forward's loss as its token sum over the count, or refused (`models.loss_rule`)

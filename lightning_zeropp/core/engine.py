@@ -43,6 +43,7 @@ from lightning_zeropp.core.split.call_stages import restore_output
 from lightning_zeropp.core.split.methods import SplitMethod, resolve_split
 from lightning_zeropp.core.step.agree import agree, check_replicas, model_layout, settings_fields
 from lightning_zeropp.core.step.batch import ShapeGuard
+from lightning_zeropp.core.step.chunked_loss import set_loss_chunk
 from lightning_zeropp.core.step.failure import FailureBoard, describe_rank, guarded
 from lightning_zeropp.core.step.grads import StepGrads, average_whole_grads, clip_grad_norm_
 from lightning_zeropp.core.step.loss import LossFn, StepLoss, broadcast_loss
@@ -119,6 +120,13 @@ class ZeroPPEngine(EngineReports):
             self.style, self.dims.pp_rank, cfg.pp_size, cfg.num_chunks
         )
         self.split = settle_split(model, split, self.split, cfg, self.plan, self._meta)
+        # The head and the loss in chunks wherever the model's code computes its loss so. Only
+        # the call split hands the last stage the call's targets (a traced or pruned stage
+        # takes activations): under the others, models compute their loss from whole logits.
+        # Schedules that split backward into input- and weight-gradient tasks find the head's
+        # gathered weight freed when a chunk is recomputed: whole logits there too (for now).
+        chunks = self.split == "call" and not cfg.split_backward
+        set_loss_chunk(cfg.loss_chunk if chunks else 0)
         built = build_stages(
             model, cfg, self.plan, self.stage_ids, self.split, self.dims, self.device,
             self._meta, example_args, example_kwargs, init, load_from,

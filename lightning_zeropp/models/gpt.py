@@ -1,5 +1,9 @@
 """A small GPT-style decoder, written as users write models (no pipeline code inside).
 
+Given targets, `GPT(x, targets)` returns the mean cross-entropy over the targets that are not
+`ignore_index`, its head and loss computed over chunks of tokens (`core.step.chunked_loss`), so the
+logits never exist whole; without, it returns the logits.
+
 It follows the pipeline-friendly contract of `core.split` ("stack" mode): its blocks live in one
 `ModuleList`, and its forward skips modules that are `None`, so a stage can be a pruned copy of the
 model. The tracing front end needs no contract and splits it as is.
@@ -14,7 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPT", "GPTConfig"]
+from lightning_zeropp.core.step.chunked_loss import linear_cross_entropy
+
+__all__ = ["GPT", "GPTConfig", "Head"]
 
 
 @dataclass(kw_only=True)
@@ -64,8 +70,26 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+class Head(nn.Linear):
+    """The output projection; given targets, the mean cross-entropy of its logits over the
+    targets that are not `ignore_index` (0 when there are none), computed chunk by chunk.
+
+    The loss is computed inside the head's own call, so a pipeline stage or a sharding wrapper
+    sees one module call using the head's weight, as with plain logits."""
+
+    def forward(
+        self, x: torch.Tensor, targets: torch.Tensor | None = None, ignore_index: int = -100
+    ) -> torch.Tensor:
+        if targets is None:
+            return super().forward(x)
+        total = linear_cross_entropy(x, self.weight, self.bias, targets, ignore_index=ignore_index)
+        count = (targets != ignore_index).sum()
+        return total / count.clamp(min=1).to(total.dtype)
+
+
 class GPT(nn.Module):
-    """Token ids (batch, time) -> logits (batch, time, vocab)."""
+    """Token ids (batch, time) -> logits (batch, time, vocab); with `targets` (batch, time), the
+    mean cross-entropy over the targets that are not `ignore_index`, as a scalar."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -74,9 +98,11 @@ class GPT(nn.Module):
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.dim)
         self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.num_layers)])
         self.norm = nn.LayerNorm(cfg.dim)
-        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.head = Head(cfg.dim, cfg.vocab_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, targets: torch.Tensor | None = None, ignore_index: int = -100
+    ) -> torch.Tensor:
         if self.tok_emb is not None:
             pos = torch.arange(x.shape[1], device=x.device)
             x = self.tok_emb(x) * math.sqrt(self.cfg.dim) * 0.1 + self.pos_emb(pos)
@@ -85,5 +111,5 @@ class GPT(nn.Module):
         if self.norm is not None:
             x = self.norm(x)
         if self.head is not None:
-            x = self.head(x)
+            x = self.head(x) if targets is None else self.head(x, targets, ignore_index)
         return x

@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 
+from lightning_zeropp.core.step.chunked_loss import loss_chunk
 from lightning_zeropp.metrics import CausalLMMetrics
 from lightning_zeropp.models.gpt import GPT, GPTConfig
 from lightning_zeropp.models.lr import warmup_cosine
@@ -81,10 +82,19 @@ class LitGPT(pl.LightningModule):
         flat = logits.reshape(-1, logits.shape[-1]).float()
         return F.cross_entropy(flat, y.reshape(-1), ignore_index=self.ignore_index), logits
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | dict[str, Any]:
+        if type(self)._loss is not LitGPT._loss or not loss_chunk():
+            loss = self._loss(batch)  # a subclass's own loss, or chunks turned off
+            self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+            return loss
+        # The head and the loss in chunks (`models.gpt.Head`): the logits never exist whole.
+        # The loss is the mean over the labelled targets: returned with their count, so a
+        # pipeline weighs its micro-batches by it (as it weighs a mean F.cross_entropy).
+        x, y = batch
+        extra = {} if self.ignore_index == -100 else {"ignore_index": self.ignore_index}
+        loss = self.model(x, targets=y, **extra)
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)
-        return loss
+        return {"loss": loss, "num_items": (y != self.ignore_index).sum()}
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if type(self)._loss is not LitGPT._loss:

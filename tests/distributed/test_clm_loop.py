@@ -22,7 +22,8 @@ PP4 = {"pp_size": 4, "num_microbatches": 4}
 # of per-process losses (a sample's value is its process's batch loss), under DDP and ZeroPP
 ONE = {"per_device_train_batch_size": 8, "per_device_eval_batch_size": 2}
 CASES = [
-    {"id": "llama-1f1b", "plugin": PP},
+    # the head and HF's loss in chunks of 5 tokens on the last stage (`models.hf_chunked`)
+    {"id": "llama-1f1b", "plugin": {**PP, "loss_chunk": 5}},
     # a forward returning its own mean F.cross_entropy: rescaled to the batch's token weighting
     {"id": "own-loss", "plugin": PP, "args": {"family": "llama_own_loss"}},
     # tied, clipped (the norm counts the tied weight once) and accumulated

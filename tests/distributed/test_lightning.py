@@ -53,6 +53,13 @@ CASES = [
         "clip": True,
     },
     {
+        # LitGPT's loss through the head in chunks of 8 tokens (16 per row) on the last stage
+        "id": "pp2-dps2-call-chunked-loss",
+        "layout": {"pp_size": 2, "dp_shard_size": 2, "num_microbatches": 2, "loss_chunk": 8},
+        "split": "call",
+        "optimizer": "adamw",
+    },
+    {
         "id": "dps4-adamw",
         "layout": {"dp_shard_size": 4, "num_microbatches": 2},
         "optimizer": "adamw",

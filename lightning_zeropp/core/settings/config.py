@@ -70,6 +70,11 @@ class ZeroPPConfig:
     step boundary and exits with 143 naming SIGTERM; with this on, the front first saves a
     checkpoint where a restart resumes from (`core.step.preempt`).
 
+    `loss_chunk`: tokens per chunk of the head and the cross-entropy on the last stage, where
+    the library computes that loss (the bundled GPT, HF causal LMs' own loss): the logits of a
+    micro-batch never exist whole, forward or backward; 0 computes whole logits
+    (`core.step.chunked_loss`).
+
     `compile`: `torch.compile` each block after the model is cut into stages; under schedules
     that split backward into input- and weight-gradient tasks, the regions between the blocks'
     weights (`core.shard.compile`).
@@ -99,6 +104,7 @@ class ZeroPPConfig:
     node_size: int | None = None
     compile: bool = False
     save_on_sigterm: bool = False
+    loss_chunk: int = 1024
 
     def resolve(self, world_size: int, node_size: int | None = None) -> ZeroPPLayout:
         """Every default filled in and every setting checked, for `world_size` processes of which

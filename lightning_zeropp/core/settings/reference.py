@@ -78,6 +78,10 @@ SETTINGS_REFERENCE: dict[str, tuple[str, str]] = {
         "False",
         "on SIGTERM every rank stops at the next step and exits 143 naming it; `True` first saves a checkpoint a restart resumes from ([reliability](reliability.md))",
     ),
+    "loss_chunk": (
+        "1024",
+        "tokens per chunk of the head and the cross-entropy on the last stage (bundled GPT, HF causal LMs' own loss): whole logits never exist; 0 = whole logits ([chunked loss](chunked-loss.md))",
+    ),
     "quantized_weights": (
         "None",
         "ZeRO++ qwZ: `int8` (or `bf16`, `fp`) weight gathers",

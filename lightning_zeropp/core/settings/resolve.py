@@ -65,6 +65,7 @@ class ZeroPPLayout:
     node_size: int
     compile: bool
     save_on_sigterm: bool
+    loss_chunk: int
 
     @property
     def num_stages(self) -> int:
@@ -190,6 +191,16 @@ def _resolve_policies(cfg: Any) -> None:
     cfg.nonfinite = nonfinite
     if not isinstance(cfg.compile, bool):
         raise setting_error("compile", f"compile={cfg.compile!r} must be True or False.")
+    if (
+        isinstance(cfg.loss_chunk, bool)
+        or not isinstance(cfg.loss_chunk, int)
+        or cfg.loss_chunk < 0
+    ):
+        raise setting_error(
+            "loss_chunk",
+            f"loss_chunk={cfg.loss_chunk!r} must be a whole number of tokens >= 0 (0: the head "
+            "and the loss over whole logits).",
+        )
     if not isinstance(cfg.save_on_sigterm, bool):
         raise setting_error(
             "save_on_sigterm", f"save_on_sigterm={cfg.save_on_sigterm!r} must be True or False."

@@ -1,0 +1,214 @@
+"""The head and the loss in chunks (`core.step.chunked_loss`): the same loss and gradients as whole
+logits (fp32, 1e-6), and a last stage whose activation peak in the memory report drops."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_zeropp.core.settings.config import ZeroPPConfig
+from lightning_zeropp.core.step import chunked_loss
+from lightning_zeropp.core.step.chunked_loss import linear_cross_entropy, set_loss_chunk
+from lightning_zeropp.models.gpt import GPT, GPTConfig
+
+TOL = 1e-6
+
+
+@pytest.fixture(autouse=True)
+def keep_chunk() -> Iterator[None]:
+    before = chunked_loss.loss_chunk()
+    yield
+    set_loss_chunk(before)
+
+
+def _grads(module: torch.nn.Module, loss: torch.Tensor) -> dict[str, torch.Tensor]:
+    module.zero_grad()
+    loss.backward()
+    return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.allclose(got[name], want[name], atol=TOL, rtol=0), name
+
+
+def test_linear_cross_entropy_equals_whole_logits_with_ignored_rows() -> None:
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50)
+    hidden = torch.randn(3, 20, 16, requires_grad=True)
+    target = torch.randint(0, 50, (3, 20))
+    target[1] = -100  # a padded row
+    target[2, 7:] = -100
+    whole = F.cross_entropy(
+        head(hidden).reshape(-1, 50).float(), target.reshape(-1), reduction="sum"
+    )
+    want = _grads(head, whole)
+    want_input = torch.autograd.grad(
+        F.cross_entropy(head(hidden).reshape(-1, 50), target.reshape(-1), reduction="sum"), hidden
+    )[0]
+    for chunk in (1, 7, 16, 59, 0):
+        got_loss = linear_cross_entropy(hidden, head.weight, head.bias, target, chunk=chunk)
+        assert abs(float(got_loss) - float(whole)) <= TOL * max(1.0, abs(float(whole)))
+        _close(_grads(head, got_loss), want)
+        got_input = torch.autograd.grad(
+            linear_cross_entropy(hidden, head.weight, head.bias, target, chunk=chunk), hidden
+        )[0]
+        assert torch.allclose(got_input, want_input, atol=TOL, rtol=0)
+
+
+def test_the_bundled_gpt_loss_equals_whole_logits() -> None:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=300, seq_len=32, dim=32, num_heads=2, num_layers=2))
+    x = torch.randint(0, 300, (4, 32))
+    y = torch.randint(0, 300, (4, 32))
+    y[1] = -100
+    y[3, 5:] = -100
+    logits = model(x)
+    whole = F.cross_entropy(logits.reshape(-1, 300).float(), y.reshape(-1))
+    want = _grads(model, whole)
+    for chunk in (0, 8, 50):
+        set_loss_chunk(chunk)
+        loss = model(x, y)
+        assert abs(float(loss) - float(whole)) <= TOL
+        _close(_grads(model, loss), want)
+    set_loss_chunk(8)
+    y.fill_(-100)  # nothing labelled: 0 (not NaN), as the fronts' counted means give
+    assert float(model(x, y)) == 0.0
+
+
+def test_loss_chunk_is_a_checked_setting() -> None:
+    assert ZeroPPConfig().resolve(1).loss_chunk == 1024
+    assert ZeroPPConfig(loss_chunk=0).resolve(1).loss_chunk == 0
+    with pytest.raises(ValueError, match="loss_chunk=-1 must be a whole number"):
+        ZeroPPConfig(loss_chunk=-1).resolve(1)
+    with pytest.raises(ValueError, match="loss_chunk=-2 must be a whole number"):
+        set_loss_chunk(-2)
+
+
+def _first_step_activation_peak(chunk: int) -> int:
+    """The bundled GPT's first training step through the engine on one process (its only stage
+    is the last): the activation peak its memory report prints. Vocabulary 32k, 2k tokens."""
+    from lightning_zeropp.core.engine import ZeroPPEngine
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=32_000, seq_len=2048, dim=16, num_heads=2, num_layers=1)
+    model = GPT(cfg)
+    loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lambda out, _target: out  # noqa: E731
+    config = ZeroPPConfig(pp_size=1, num_microbatches=1, loss_chunk=chunk)
+    engine = ZeroPPEngine(model, config, loss_fn=loss_of)
+    x = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len))
+    y = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len))
+    engine.train_step(x, y, target=y)
+    peak = engine.activation_peak
+    assert peak is not None
+    return peak
+
+
+def test_the_last_stage_activation_peak_drops_with_chunks(group: None) -> None:
+    whole = _first_step_activation_peak(0)
+    chunked = _first_step_activation_peak(256)
+    logits = 2048 * 32_000 * 4
+    assert whole >= logits  # the whole-logits loss keeps its fp32 softmax for backward
+    assert whole >= 2 * chunked, (whole, chunked)
+
+
+def _llama() -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=211,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("items", [None, 37.0])
+def test_an_hf_llama_loss_with_padded_rows_equals_whole_logits(items: float | None) -> None:
+    """HF's own loss (label shift, -100 rows, `num_items_in_batch` or the token mean) from the
+    chunked head: the loss and every gradient of whole logits; logits whole when not armed."""
+    from lightning_zeropp.models.hf_chunked import ChunkedHead, armed
+
+    model = _llama()
+    ids = torch.randint(0, 211, (3, 24))
+    labels = ids.clone()
+    labels[1] = -100  # a padded row
+    labels[2, 10:] = -100
+    kwargs = {} if items is None else {"num_items_in_batch": items}
+    whole = model(input_ids=ids, labels=labels, **kwargs).loss
+    want = _grads(model, whole)
+    assert ChunkedHead.install(model)
+    set_loss_chunk(5)
+    with armed():
+        out = model(input_ids=ids, labels=labels, **kwargs)
+    assert out.logits.shape[-1] == 32  # the head's logits were never computed
+    assert abs(float(out.loss) - float(whole)) <= TOL
+    _close(_grads(model, out.loss), want)
+    # not armed (evaluation, a step reading logits): the head computes logits as before
+    assert model(input_ids=ids, labels=labels, **kwargs).logits.shape[-1] == 211
+
+
+def test_a_head_whose_output_is_changed_before_the_loss_is_left_whole() -> None:
+    from lightning_zeropp.models.hf_chunked import ChunkedHead
+
+    model = _llama()
+    model.config.final_logit_softcapping = 30.0
+    assert not ChunkedHead.install(model)
+    assert type(model.lm_head) is torch.nn.Linear
+
+
+def test_a_forward_of_its_own_keeps_whole_logits_or_is_named() -> None:
+    """A subclass's forward may read the logits itself (here: drops the labels and computes a
+    mean from `out.logits`): not chunked; a forward that slips past is named at its step."""
+    from lightning_zeropp.models.hf_chunked import ChunkedHead, armed, check_consumed
+    from tests.distributed.clm_loop import OwnLossLlama
+
+    own = OwnLossLlama(_llama().config)
+    assert not ChunkedHead.install(own)
+    model = _llama()
+    assert ChunkedHead.install(model)
+    ids = torch.randint(0, 211, (2, 8))
+    with armed():
+        model(input_ids=ids)  # no labels: the head's output was never given to the loss
+        with pytest.raises(RuntimeError, match="did not pass the head's output to its loss"):
+            check_consumed()
+
+
+def test_litgpt_head_in_chunks_equals_whole_logits() -> None:
+    """litgpt's GPT: its final hidden states (the input of its `lm_head`) through
+    `linear_cross_entropy` give its whole-logits loss and gradients. (The library computes no
+    litgpt loss itself: a LightningModule wrapping it computes its own loss over the logits,
+    which keeps them whole.)"""
+    from litgpt.config import Config
+    from litgpt.model import GPT as LitGPTModel
+
+    torch.manual_seed(0)
+    config = Config(block_size=32, n_layer=2, n_embd=32, n_head=2, vocab_size=97)
+    model = LitGPTModel(config)
+    ids = torch.randint(0, 97, (3, 32))
+    y = torch.randint(0, 97, (3, 32))
+    y[0] = -100
+    y[2, 4:] = -100
+    logits = model(ids)
+    vocab = logits.shape[-1]
+    whole = F.cross_entropy(logits.reshape(-1, vocab).float(), y.reshape(-1))
+    want = _grads(model, whole)
+    seen: list[torch.Tensor] = []
+    hook = model.lm_head.register_forward_hook(lambda _m, args, _out: seen.append(args[0]))
+    model(ids)
+    hook.remove()
+    head = model.lm_head
+    total = linear_cross_entropy(seen[0], head.weight, head.bias, y, chunk=7)
+    loss = total / (y != -100).sum()
+    assert abs(float(loss) - float(whole)) <= TOL
+    _close(_grads(model, loss), want)
