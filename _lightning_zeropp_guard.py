@@ -23,6 +23,7 @@ __all__ = ["install", "message", "zeropp_variables"]
 
 _TARGET = "transformers.trainer"
 _MARK = "_zeropp_trainer"  # a class attribute ZeroPPTrainer sets to True
+_TRL_PIPELINED = ("SFTTrainer",)  # TRL trainers lightning_zeropp.trl has a ZeroPP class for
 
 
 def zeropp_variables() -> dict[str, str]:
@@ -35,10 +36,15 @@ def message(trainer_cls: type, variables: dict[str, str]) -> str:
     shown = ", ".join(f"{k}={v}" for k, v in sorted(variables.items()))
     origin = trainer_cls.__module__.split(".")[0]
     name = f"{trainer_cls.__name__} ({origin})"
-    if origin == "trl":
+    if origin == "trl" and trainer_cls.__name__ in _TRL_PIPELINED:
         fix = (
             f"import ZeroPP{trainer_cls.__name__} from lightning_zeropp.trl (TRL's arguments "
             "plus zeropp_plugin)"
+        )
+    elif origin == "trl":
+        fix = (
+            f"note that TRL's {trainer_cls.__name__} has no ZeroPP class yet (lightning_zeropp.trl "
+            f"has {', '.join('ZeroPP' + n for n in _TRL_PIPELINED)})"
         )
     else:
         fix = "use lightning_zeropp.transformers.ZeroPPTrainer (the Trainer's arguments plus zeropp_plugin)"

@@ -70,10 +70,14 @@ class ZeroPPTrainer(Trainer):
     _zeropp_trainer = True
 
     def __init__(self, *args: Any, zeropp_plugin: ZeroPPPlugin | None = None, **kwargs: Any):
-        init = inspect.signature(Trainer.__init__).bind(self, *args, **kwargs).arguments
+        # the signature of the Trainer class this one pipelines (a TRL trainer's, for its
+        # ZeroPP class: `lightning_zeropp.trl`)
+        mro = type(self).__mro__
+        pipelined = mro[mro.index(ZeroPPTrainer) + 1]
+        init = inspect.signature(pipelined.__init__).bind(self, *args, **kwargs).arguments
         training_args = init.get("args")
         if training_args is None:  # what the Trainer would build itself
-            training_args = TrainingArguments(output_dir="tmp_trainer")
+            training_args = self._default_args()
             kwargs["args"] = training_args
         check_trainer_arguments(training_args, init)
         self._zeropp_plugin = plugin_for(zeropp_plugin, training_args)
@@ -81,6 +85,10 @@ class ZeroPPTrainer(Trainer):
         # metrics a last-stage loss returned since the last training log
         self._last_stage_metrics: dict[str, list[float]] = {}
         super().__init__(*args, **kwargs)
+
+    def _default_args(self) -> Any:
+        """The arguments the Trainer builds when given none."""
+        return TrainingArguments(output_dir="tmp_trainer")
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """`Trainer.train`; then every rank agrees whether SIGTERM came after the last step's
@@ -264,11 +272,17 @@ class ZeroPPTrainer(Trainer):
             micro = engine.config.num_microbatches * engine.dims.dp_size
             inputs[NUM_ITEMS] = float(num_items_in_batch) / micro
         outputs = pipeline(**inputs)
-        if model.training:
-            for name, value in outputs.metrics.items():
-                self._last_stage_metrics.setdefault(name, []).append(value)
+        self._record_metrics(outputs.metrics, inputs, model.training)
         loss = outputs["loss"]
         return (loss, outputs) if return_outputs else loss
+
+    def _record_metrics(
+        self, metrics: dict[str, float], inputs: dict[str, Any], training: bool
+    ) -> None:
+        """A training step's last-stage metrics, logged with the loss (`log`)."""
+        if training:
+            for name, value in metrics.items():
+                self._last_stage_metrics.setdefault(name, []).append(value)
 
     def _eval_loss(
         self, pipeline: PipelineModel, inputs: dict[str, Any], items: float, return_outputs: bool
