@@ -145,6 +145,7 @@ class ZeroPPAccelerator(Accelerator):
             loaders[0] if loaders else None,
             schedulers[0] if schedulers else None,
             loss_fn=lambda output, target: holder[0].loss_fn(output, target),
+            probe_loss_fn=lambda output, target: holder[0].probe_loss_fn(output, target),
             config=plugin.run_settings(),
             unpack=_unpack_call(rule is not None),
             per_process_batches=True,

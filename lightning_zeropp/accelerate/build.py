@@ -73,6 +73,7 @@ def prepare_pipeline(
     scheduler: Any | SchedulerFactory | None = None,
     *,
     loss_fn: LossFn,
+    probe_loss_fn: LossFn | None = None,
     config: ZeroPPConfig | ZeroPPLayout | RunSettings | None = None,
     split: SplitMethod | None = None,
     example_args: tuple[Any, ...] | None = None,
@@ -97,6 +98,8 @@ def prepare_pipeline(
         scheduler: built on `optimizer` (retargeted to the rebuilt optimizer), a factory
             `fn(optimizer) -> scheduler`, or None.
         loss_fn: `loss_fn(output, target) -> scalar`, the mean over one micro-batch.
+        probe_loss_fn: for torch's shape-inference call of the loss, which is no micro-batch of
+            the step (default: `loss_fn`); give one without side effects.
         config: the layout; None reads the `ZEROPP_*` environment variables, then defaults.
         split: "auto" / "call" / "trace" / "stack" / a callable (see `lightning_zeropp.core.split`);
             None reads `ZEROPP_SPLIT`, then "auto".
@@ -146,6 +149,7 @@ def prepare_pipeline(
         model,
         config,
         loss_fn=loss_fn,
+        probe_loss_fn=probe_loss_fn,
         split=split,
         example_args=example_args,
         example_kwargs=example_kwargs,

@@ -24,11 +24,13 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zeropp.accelerate.engine import ZeroPPAccelerateEngine
+from lightning_zeropp.accelerate.last_loss import LastStageLoss, run_with_loss
 from lightning_zeropp.accelerate.preempt import Stopper
 from lightning_zeropp.accelerate.shares import eval_microbatches_by_share, share_losses
 from lightning_zeropp.accelerate.weighting import weigh_tokens
 from lightning_zeropp.core.schedule.build import eval_microbatches
 from lightning_zeropp.core.step.failure import guarded
+from lightning_zeropp.core.step.last_loss import LastLossStep
 from lightning_zeropp.core.step.preempt import PreemptedError
 from lightning_zeropp.models.hf_chunked import armed, check_consumed
 from lightning_zeropp.models.hf_loss import NUM_ITEMS, TokenRule, accepts_num_items
@@ -49,6 +51,12 @@ class PipelineOutput(dict):
     by position as HF's `ModelOutput` (`output[0]` is the loss)."""
 
     _hint = ""  # why a field the model's own output would have is not here
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # A last-stage loss's metrics (`use_loss`), the same on every rank; not a key, so the
+        # Trainer does not read them as logits.
+        self.metrics: dict[str, float] = {}
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -122,6 +130,31 @@ class PipelineModel(nn.Module):
         self.rows: int | None = None  # of the last call's batch as run (regrouped: `shares`)
         self.given_rows: int | None = None  # of the last call's batch as given (`gather`)
         self.stopper: Stopper | None = None  # on SIGTERM: save and name the step (the front's)
+        self.last_loss: LastStageLoss | None = None  # `use_loss`
+        self._last_step: LastLossStep | None = None  # this call's, while it runs
+
+    def use_loss(
+        self,
+        loss_fn: Any,
+        *,
+        shift: int | None = None,
+        rows: tuple[str, ...] = (),
+        ignore_index: int = -100,
+    ) -> None:
+        """Compute the loss on the last stage with `loss_fn(output, labels, num_items_in_batch=n,
+        **rows)` instead of the model's own (`core.step.last_loss`): it returns the micro-batch's
+        summed loss over `n`, or `(loss, {name: scalar})`; the metrics reach every rank as the
+        output's `.metrics`. `shift`: leading labels of each row never counted (default: 1 for a
+        causal LM, else 0); `rows`: per-row tensors of the batch also handed to `loss_fn` (the
+        model is called with the batch as it is). `None` goes back to the model's own loss."""
+        if loss_fn is None:
+            self.last_loss = None
+            return
+        if not callable(loss_fn):
+            raise TypeError(f"use_loss needs a callable, got {type(loss_fn).__name__}")
+        if shift is None:
+            shift = 1 if self.shifts else 0
+        self.last_loss = LastStageLoss(loss_fn, int(shift), tuple(rows), ignore_index)
 
     # ---------------------------------------------------------------- calls
     @guarded  # token counts and logits are collectives too: a lost rank is named
@@ -140,6 +173,13 @@ class PipelineModel(nn.Module):
             raise self.stopper.stopped(err, self.engine.core.failures.description) from None
 
     def _forward(self, args: Any, kwargs: dict[str, Any]) -> PipelineOutput:
+        if self.last_loss is not None:
+            if args:
+                raise ValueError(
+                    "a pipelined model with a last-stage loss (use_loss) takes keyword inputs "
+                    "only (model(**batch))"
+                )
+            return run_with_loss(self, kwargs, PipelineOutput)
         shaped = self._reshaped(args, kwargs)
         kwargs = shaped.batch
         target = _target_of(args, kwargs)
@@ -255,6 +295,8 @@ class PipelineModel(nn.Module):
             if logits is None and isinstance(output, torch.Tensor) and output.dim() > 0:
                 logits = output
             self._captured.append(logits)
+        if self._last_step is not None:  # a last-stage loss (`use_loss`): never armed
+            return self._last_step(output, target)
         if self.chunked:
             check_consumed()  # the head's hidden states went to the loss, not read as logits
         loss = loss_of(output)
@@ -273,6 +315,13 @@ class PipelineModel(nn.Module):
                 "loss_fn=...)."
             )
         return loss
+
+    def probe_loss_fn(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        """torch's shape-inference call of the loss: a last-stage loss is run on it without
+        counting it as a micro-batch; else as `loss_fn`."""
+        if self._last_step is not None:
+            return self._last_step.probe(output, target)
+        return self.loss_fn(output, target)
 
     # ---------------------------------------------------------------- token weighting
     def _weighted(

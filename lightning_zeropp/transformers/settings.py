@@ -57,14 +57,6 @@ def _problems(args: Any, init: dict[str, Any]) -> list[str]:
             "model_init= rebuilds the model for every train() and hyperparameter trial; the "
             "pipeline is built once from one model. Pass model=... instead."
         )
-    if init.get("compute_loss_func") is not None or args.label_smoothing_factor:
-        what = "compute_loss_func=" if init.get("compute_loss_func") else "label_smoothing_factor"
-        found.append(
-            f"{what} computes the loss from the model's logits outside the model, but under a "
-            "pipeline the logits exist only on the last stage, inside the step (not supported "
-            "yet). Use the model's own loss (labels=...), or an Accelerate loop with "
-            "lightning_zeropp.accelerate.prepare_pipeline(..., loss_fn=...)."
-        )
     if args.fp16 or args.fp16_full_eval:
         found.append(
             "fp16 needs a loss scaler, which a pipeline's fused forward and backward does not "
@@ -96,13 +88,9 @@ def _problems(args: Any, init: dict[str, Any]) -> list[str]:
             "torch_compile=True compiles the whole model; the pipeline runs stage copies of it. "
             "Drop torch_compile."
         )
-    # `activation_checkpointing` is not an argument of transformers 5.17
-    if getattr(args, "activation_checkpointing", False) or args.gradient_checkpointing:
-        found.append(
-            "activation_checkpointing=True patches the model's layers before the pipeline cuts "
-            "them. Use ZeroPPPlugin(activation_checkpointing=True) (or 'except_last'), which "
-            "recomputes each stage's blocks."
-        )
+    checkpointing = _checkpointing_problem(args)
+    if checkpointing:
+        found.append(checkpointing)
     if args.auto_find_batch_size:
         found.append(
             "auto_find_batch_size=True rebuilds the training loop on out-of-memory errors, which "
@@ -142,6 +130,32 @@ def _problems(args: Any, init: dict[str, Any]) -> list[str]:
     return found
 
 
+def _checkpointing_problem(args: Any) -> str | None:
+    """What of the Trainer's activation checkpointing cannot be mapped onto the library's."""
+    if not _asks_checkpointing(args):
+        return None
+    kwargs = dict(getattr(args, "activation_checkpointing_kwargs", None) or {})
+    kwargs.update(getattr(args, "gradient_checkpointing_kwargs", None) or {})
+    odd = {}
+    if kwargs.get("every_n_layers", 1) != 1:
+        odd["every_n_layers"] = kwargs["every_n_layers"]
+    if kwargs.get("offload", False) is not False:
+        odd["offload"] = kwargs["offload"]
+    if not odd:
+        return None
+    return (
+        f"activation_checkpointing_kwargs={odd}: the pipeline recomputes each stage's blocks "
+        "itself (ZeroPPPlugin(activation_checkpointing=True or 'except_last')), every block and "
+        "without offloading. Drop these keys."
+    )
+
+
+def _asks_checkpointing(args: Any) -> bool:
+    # `activation_checkpointing` is the name since transformers 5.x; `gradient_checkpointing`
+    # its older alias (TRL's SFTConfig sets it by default)
+    return bool(getattr(args, "activation_checkpointing", False) or args.gradient_checkpointing)
+
+
 def _optim_problem(args: Any, init: dict[str, Any]) -> str | None:
     """Why `args.optim` cannot be pipelined exactly, or None (also when the Trainer is handed
     its optimizer: `optimizers=` or `optimizer_cls_and_kwargs=`)."""
@@ -160,8 +174,13 @@ def _optim_problem(args: Any, init: dict[str, Any]) -> str | None:
 
 def plugin_for(plugin: ZeroPPPlugin | None, args: Any) -> ZeroPPPlugin:
     """The plugin the Trainer's accelerator uses: `plugin` (default: ZEROPP_* variables) with
-    `bf16=True` as FSDP2 mixed precision (bf16 parameters in compute, fp32 reduction)."""
+    `bf16=True` as FSDP2 mixed precision (bf16 parameters in compute, fp32 reduction), and
+    `gradient_checkpointing=True` as the library's activation checkpointing (the Trainer's own
+    would patch the model's layers before the pipeline cuts them: it is turned off in `args`)."""
     plugin = plugin or ZeroPPPlugin()
+    if _asks_checkpointing(args):
+        plugin = _with_checkpointing(plugin)
+        args.activation_checkpointing = args.gradient_checkpointing = False
     if not args.bf16:
         return plugin
     config = plugin.run_settings().config  # what the run gets: code, then ZEROPP_* variables
@@ -178,6 +197,18 @@ def plugin_for(plugin: ZeroPPPlugin | None, args: Any) -> ZeroPPPlugin:
         )
     else:
         mapped.settings = {**plugin.settings, "param_dtype": torch.bfloat16, "reduce_dtype": reduce}
+    return mapped
+
+
+def _with_checkpointing(plugin: ZeroPPPlugin) -> ZeroPPPlugin:
+    """`plugin` recomputing every block, unless it already recomputes some ('except_last')."""
+    if plugin.run_settings().config.activation_checkpointing not in (False, "none", None):
+        return plugin
+    mapped = copy.copy(plugin)
+    if plugin.config is not None:
+        mapped.config = dataclasses.replace(plugin.config, activation_checkpointing=True)
+    else:
+        mapped.settings = {**plugin.settings, "activation_checkpointing": True}
     return mapped
 
 

@@ -65,16 +65,30 @@ class ZeroPPTrainer(Trainer):
     ask that cannot be pipelined exactly is refused here, on every rank, with the reason.
     """
 
+    # Read by the start-up guard (`_lightning_zeropp_guard`): a Trainer that is ZeroPP's, so
+    # ZEROPP_* variables are its settings, not a sign of a script that would ignore them.
+    _zeropp_trainer = True
+
     def __init__(self, *args: Any, zeropp_plugin: ZeroPPPlugin | None = None, **kwargs: Any):
-        init = inspect.signature(Trainer.__init__).bind(self, *args, **kwargs).arguments
+        # the signature of the Trainer class this one pipelines (a TRL trainer's, for its
+        # ZeroPP class: `lightning_zeropp.trl`)
+        mro = type(self).__mro__
+        pipelined = mro[mro.index(ZeroPPTrainer) + 1]
+        init = inspect.signature(pipelined.__init__).bind(self, *args, **kwargs).arguments
         training_args = init.get("args")
         if training_args is None:  # what the Trainer would build itself
-            training_args = TrainingArguments(output_dir="tmp_trainer")
+            training_args = self._default_args()
             kwargs["args"] = training_args
         check_trainer_arguments(training_args, init)
         self._zeropp_plugin = plugin_for(zeropp_plugin, training_args)
         self._pipeline: PipelineModel | None = None
+        # metrics a last-stage loss returned since the last training log
+        self._last_stage_metrics: dict[str, list[float]] = {}
         super().__init__(*args, **kwargs)
+
+    def _default_args(self) -> Any:
+        """The arguments the Trainer builds when given none."""
+        return TrainingArguments(output_dir="tmp_trainer")
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """`Trainer.train`; then every rank agrees whether SIGTERM came after the last step's
@@ -151,12 +165,27 @@ class ZeroPPTrainer(Trainer):
         if given is not None:  # the Trainer steps it once per update, as it is
             self.lr_scheduler = retarget_scheduler(given, whole, optimizer.optimizer)
         assert self.model is not None  # the Trainer was given one
+        loss = self._last_stage_loss()
+        if loss is not None:
+            pipeline.use_loss(loss[0], shift=loss[1])
         release_weights(self.model)
         self._pipeline = self.model_wrapped = pipeline
         if pipeline.stopper is not None:  # on SIGTERM: the Trainer's own checkpoint and step
             pipeline.stopper.saver = self._save_on_sigterm
             pipeline.stopper.step = lambda: self.state.global_step
         return prepared
+
+    def _last_stage_loss(self) -> tuple[Any, int] | None:
+        """The loss the Trainer computes from the model's output, run on the last stage
+        (`PipelineModel.use_loss`) with the count of labels the Trainer's own code uses:
+        `compute_loss_func`, else label smoothing; None for the model's own loss."""
+        if self.compute_loss_func is not None:
+            shift = 1 if getattr(self, "_loss_shifts_labels", False) else 0
+            return self.compute_loss_func, shift
+        if self.label_smoother is not None:
+            causal = causal_lm(self.model)  # the Trainer's test: shift the labels by one
+            return functools.partial(self.label_smoother, shift_labels=causal), int(causal)
+        return None
 
     def _save_on_sigterm(self, steps: int) -> str:
         """Collective: `checkpoint-<global_step>`, which `resume_from_checkpoint=True` finds."""
@@ -205,6 +234,10 @@ class ZeroPPTrainer(Trainer):
         """
         pipeline = model if isinstance(model, PipelineModel) else self._pipeline
         assert pipeline is not None
+        if pipeline.last_loss is not None:
+            return self._last_stage_step(
+                pipeline, model, inputs, return_outputs, num_items_in_batch
+            )
         if not model.training and num_items_in_batch is not None and pipeline.token_weighted:
             return self._eval_loss(pipeline, inputs, float(num_items_in_batch), return_outputs)
         window = model.training and num_items_in_batch is not None
@@ -219,6 +252,38 @@ class ZeroPPTrainer(Trainer):
             # count; this one returned a batch mean.
             loss = loss / self.current_gradient_accumulation_steps
         return (loss, outputs) if return_outputs else loss
+
+    def _last_stage_step(
+        self,
+        pipeline: PipelineModel,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool,
+        num_items_in_batch: Any,
+    ) -> Any:
+        """`compute_loss_func` or label smoothing on the last stage. In training each micro-batch's
+        loss is divided by the Trainer's count over its accumulation window (per micro-batch and
+        data-parallel rank, as the step averages), as one process's call divides by the window's;
+        without that count (evaluation, a model not taking it) by the global batch's own: every
+        process gets the global batch's mean, which the Trainer's gathered mean keeps. The
+        metrics a loss returns are logged like the loss (mean over the logging interval)."""
+        inputs = {k: v for k, v in inputs.items() if k != NUM_ITEMS}
+        if model.training and num_items_in_batch is not None:
+            engine = pipeline.engine
+            micro = engine.config.num_microbatches * engine.dims.dp_size
+            inputs[NUM_ITEMS] = float(num_items_in_batch) / micro
+        outputs = pipeline(**inputs)
+        self._record_metrics(outputs.metrics, inputs, model.training)
+        loss = outputs["loss"]
+        return (loss, outputs) if return_outputs else loss
+
+    def _record_metrics(
+        self, metrics: dict[str, float], inputs: dict[str, Any], training: bool
+    ) -> None:
+        """A training step's last-stage metrics, logged with the loss (`log`)."""
+        if training:
+            for name, value in metrics.items():
+                self._last_stage_metrics.setdefault(name, []).append(value)
 
     def _eval_loss(
         self, pipeline: PipelineModel, inputs: dict[str, Any], items: float, return_outputs: bool
@@ -303,6 +368,10 @@ class ZeroPPTrainer(Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """The Trainer's log; its closing metrics also say what re-planning for new batch
         shapes cost (`core.measure.planning`): schedules built, evicted, seconds."""
+        if "loss" in logs and self._last_stage_metrics:  # a training log: the interval's means
+            for name, values in self._last_stage_metrics.items():
+                logs.setdefault(name, sum(values) / len(values))
+            self._last_stage_metrics = {}
         if "train_runtime" in logs and self._pipeline is not None:
             stats = self._pipeline.engine.core.planning.summary()
             logs.update({f"train_{key}": value for key, value in stats.items()})
@@ -335,6 +404,16 @@ class ZeroPPTrainer(Trainer):
         output_dir = output_dir or self.args.output_dir
         assert output_dir is not None  # TrainingArguments fills in a default
         checkpointing.save_model(self, output_dir)
+
+
+def causal_lm(model: nn.Module) -> bool:
+    """Whether the Trainer's label smoothing shifts the labels for `model`: a causal LM class
+    (the base model of a PEFT model), as `Trainer.compute_loss` tests it."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    base = getattr(getattr(model, "base_model", None), "model", None)
+    inner = base if callable(getattr(model, "get_base_model", None)) and base is not None else model
+    return inner._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
 
 
 def release_weights(model: nn.Module) -> None:

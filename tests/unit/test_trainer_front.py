@@ -22,14 +22,17 @@ from lightning_zeropp.transformers.settings import plugin_for  # noqa: E402
 
 REFUSED = [
     ({"torch_compile": True}, "torch_compile"),
-    ({"activation_checkpointing": True}, "ZeroPPPlugin(activation_checkpointing=True)"),
+    # mapped onto the library's, except what it cannot do
+    (
+        {"activation_checkpointing": True, "activation_checkpointing_kwargs": {"offload": True}},
+        "activation_checkpointing_kwargs={'offload': True}",
+    ),
     ({"auto_find_batch_size": True}, "auto_find_batch_size"),
     ({"neftune_noise_alpha": 5.0}, "neftune_noise_alpha"),
     ({"average_tokens_across_devices": False}, "average_tokens_across_devices"),
     ({"train_sampling_strategy": "batch_rebalance"}, "batch_rebalance"),
     ({"save_on_each_node": True}, "save_on_each_node"),
     ({"bf16_full_eval": True}, "bf16_full_eval"),
-    ({"label_smoothing_factor": 0.1}, "label_smoothing_factor"),
 ]
 
 
@@ -86,10 +89,20 @@ def test_fp16_and_model_init_refused(tmp_path):
     with pytest.raises(ValueError, match="bf16=True"):
         ZeroPPTrainer(model=torch.nn.Linear(2, 2), args=args)
     args.fp16 = False
-    with pytest.raises(ValueError, match="compute_loss_func"):
-        ZeroPPTrainer(model=torch.nn.Linear(2, 2), args=args, compute_loss_func=lambda *a, **k: 0)
     with pytest.raises(ValueError, match="model_init"):
         ZeroPPTrainer(args=args, model_init=lambda: torch.nn.Linear(2, 2))
+
+
+def test_gradient_checkpointing_is_the_librarys(tmp_path):
+    """Before: refused, naming activation_checkpointing (TRL's SFTConfig sets it by default)."""
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    args.gradient_checkpointing = args.activation_checkpointing = True
+    config = plugin_for(ZeroPPPlugin(pp_size=2), args).run_settings().config
+    assert config.activation_checkpointing is True
+    assert not args.gradient_checkpointing and not args.activation_checkpointing  # not patched
+    args.gradient_checkpointing = args.activation_checkpointing = True
+    kept = plugin_for(ZeroPPPlugin(pp_size=2, activation_checkpointing="except_last"), args)
+    assert kept.run_settings().config.activation_checkpointing == "except_last"
 
 
 def test_bf16_is_fsdp_mixed_precision(tmp_path):

@@ -1,0 +1,125 @@
+"""Scenarios for a loss computed on the last stage: `trainer_script.run` with the Trainer's
+`compute_loss_func` or `label_smoothing_factor` under `ZeroPPTrainer` and the plain Trainer, and
+an Accelerate loop with its own loss (`PipelineModel.use_loss`), each against one process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import Trainer
+
+from lightning_zeropp.transformers import ZeroPPPlugin, ZeroPPTrainer
+from tests.distributed.trainer_scenarios import _saved
+from tests.distributed.trainer_script import Script
+from tests.distributed.trainer_script import run as run_script
+
+
+def z_loss(outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
+    """A `compute_loss_func` as the Trainer's docs write one: next-token cross-entropy plus a
+    z-loss term (log-partition squared), summed over the labelled tokens and divided by the
+    Trainer's count."""
+    logits = outputs["logits"][:, :-1].float()
+    target = labels[:, 1:]
+    keep = target != -100
+    ce = F.cross_entropy(logits.transpose(1, 2), target.clamp(min=0), reduction="none")
+    z = torch.logsumexp(logits, dim=-1) ** 2
+    total = ((ce + 1e-2 * z) * keep).sum()
+    return total / (num_items_in_batch if num_items_in_batch is not None else keep.sum())
+
+
+def run(cases: list[dict[str, Any]], out_dir: str) -> dict[str, Any]:
+    """Each case: {"id", "script": Script fields, "plugin": ZeroPPPlugin settings or None (the
+    plain Trainer), "func": whether to pass `compute_loss_func=z_loss`}."""
+    results = {}
+    for case in cases:
+        if "loop" in case:
+            results[case["id"]] = accelerate_loop(case["loop"])
+            continue
+        folder = Path(out_dir) / case["id"]
+        script = Script(**case["script"])
+        extra: dict[str, Any] = {"compute_loss_func": z_loss} if case.get("func") else {}
+        if case.get("plugin") is None:
+            done = run_script(Trainer, script, str(folder), **extra)
+        else:
+            plugin = ZeroPPPlugin(**case["plugin"])
+            done = run_script(ZeroPPTrainer, script, str(folder), zeropp_plugin=plugin, **extra)
+        trainer = done.pop("trainer")
+        out = {"logs": done["logs"], "steps": done["steps"]}
+        if case.get("plugin") is not None:
+            out["checkpointing"] = trainer.pipeline.engine.config.activation_checkpointing
+            out["args_checkpointing"] = bool(trainer.args.gradient_checkpointing)
+        trainer.save_model(str(folder / "final"))
+        out.update(_saved(script, folder / "final"))
+        trainer.accelerator.free_memory()
+        results[case["id"]] = out
+    return results
+
+
+def weighted_loss(
+    output: Any, labels: torch.Tensor, num_items_in_batch: float, weight: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """An Accelerate loop's own loss, written for the pipeline's `use_loss`: next-token
+    cross-entropy weighted per row (`weight`, a per-row tensor of the batch), summed and divided
+    by `num_items_in_batch`; its token accuracy, the same way, as a metric."""
+    logits = output["logits"][:, :-1].float()
+    target = labels[:, 1:]
+    keep = target != -100
+    ce = F.cross_entropy(logits.transpose(1, 2), target.clamp(min=0), reduction="none")
+    loss = (ce * keep * weight[:, None]).sum() / num_items_in_batch
+    hits = ((logits.argmax(-1) == target) & keep).sum() / num_items_in_batch
+    return loss, {"accuracy": hits}
+
+
+def weighted_collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    from tests.distributed.clm_loop import collate
+
+    batch = collate(samples)
+    lengths = torch.tensor([len(s["input_ids"]) for s in samples])
+    return {**batch, "weight": 1.0 + 0.25 * (lengths % 3)}
+
+
+def accelerate_loop(plugin: dict[str, Any] | None, steps: int = 3) -> dict[str, Any]:
+    """The loop with its own loss: one process calls the model and the loss itself; under
+    `ZeroPPAccelerator` the loss is handed to the pipelined model (`model.use_loss`)."""
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    from lightning_zeropp.accelerate import ZeroPPAccelerator
+    from tests.distributed.clm_loop import Args, Texts, build_model
+    from tests.distributed.clm_scenarios import PG
+
+    if plugin is None:
+        accelerator = Accelerator(cpu=True, kwargs_handlers=PG)
+        rows = 4
+    else:
+        accelerator = ZeroPPAccelerator(zeropp_plugin=ZeroPPPlugin(**plugin), cpu=True)
+        rows = 2  # per process: the pipeline's 2 processes read 4 rows a step
+    model = build_model(Args())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    loader = DataLoader(Texts(16, 0), batch_size=rows, collate_fn=weighted_collate)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    if plugin is not None:
+        model.use_loss(weighted_loss, rows=("weight",))
+    model.train()
+    logs = []
+    for step, batch in enumerate(loader):
+        if step == steps:
+            break
+        if plugin is None:
+            labels, weight = batch.pop("labels"), batch.pop("weight")
+            items = float((labels[:, 1:] != -100).sum())
+            loss, metrics = weighted_loss(model(**batch), labels, items, weight)
+            metrics = {k: float(v) for k, v in metrics.items()}
+        else:
+            out = model(**batch)
+            loss, metrics = out.loss, out.metrics
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        logs.append({"loss": float(loss), **metrics})
+    whole = accelerator.get_state_dict(model)
+    accelerator.free_memory()
+    return {"logs": logs, "weights": {k: v.clone() for k, v in (whole or {}).items()}}

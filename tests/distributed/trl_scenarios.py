@@ -1,0 +1,75 @@
+"""A TRL SFT script (tokenized prompt-completion rows, completion-only loss; or packed rows)
+under `ZeroPPSFTTrainer` and under TRL's own `SFTTrainer` in one process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from datasets import Dataset
+from transformers import AutoConfig, AutoModelForCausalLM
+from trl import SFTConfig, SFTTrainer
+
+from lightning_zeropp.transformers import ZeroPPPlugin
+from tests.distributed.trainer_script import TINY, Recorder, tokenizer
+
+
+def rows(n: int, seed: int) -> Dataset:
+    """Tokenized rows of 4..12 tokens, the first 2..4 of them the prompt."""
+    g = torch.Generator().manual_seed(seed)
+    ids, masks = [], []
+    for _ in range(n):
+        length = int(torch.randint(4, 13, (), generator=g))
+        prompt = int(torch.randint(2, 5, (), generator=g))
+        ids.append(torch.randint(1, 64, (length,), generator=g).tolist())
+        masks.append([0] * prompt + [1] * (length - prompt))
+    return Dataset.from_dict({"input_ids": ids, "completion_mask": masks})
+
+
+def run(cases: list[dict[str, Any]], out_dir: str) -> dict[str, Any]:
+    results = {}
+    for case in cases:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.for_model("llama", **TINY, tie_word_embeddings=False)
+        )
+        folder = Path(out_dir) / case["id"]
+        args = SFTConfig(
+            output_dir=str(folder),
+            per_device_train_batch_size=case["batch"],
+            learning_rate=3e-3,
+            max_steps=3,
+            logging_steps=1,
+            report_to=[],
+            use_cpu=True,
+            bf16=False,
+            save_strategy="no",
+            max_length=32,
+            **case.get("args", {}),
+        )
+        recorder = Recorder()
+        kwargs: dict[str, Any] = {}
+        cls: Any = SFTTrainer
+        if case.get("plugin") is not None:
+            from lightning_zeropp.trl import ZeroPPSFTTrainer
+
+            cls = ZeroPPSFTTrainer
+            kwargs["zeropp_plugin"] = ZeroPPPlugin(**case["plugin"])
+        trainer = cls(
+            model=model,
+            args=args,
+            train_dataset=rows(48, 1),
+            processing_class=tokenizer(),
+            callbacks=[recorder],
+            **kwargs,
+        )
+        trainer.train()
+        trainer.save_model(str(folder / "final"))
+        out: dict[str, Any] = {"logs": recorder.logs}
+        if torch.distributed.is_initialized() is False or torch.distributed.get_rank() == 0:
+            saved = AutoModelForCausalLM.from_pretrained(folder / "final")
+            out["weights"] = {k: v.clone() for k, v in saved.state_dict().items()}
+        trainer.accelerator.free_memory()
+        results[case["id"]] = out
+    return results
