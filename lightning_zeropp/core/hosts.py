@@ -26,7 +26,14 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-__all__ = ["Placement", "PlacementError", "gather_placement", "host_order", "this_host"]
+__all__ = [
+    "Placement",
+    "PlacementError",
+    "check_node_size",
+    "gather_placement",
+    "host_order",
+    "this_host",
+]
 
 
 class PlacementError(ValueError):
@@ -85,6 +92,23 @@ def host_order(hosts: Sequence[str], group: int, what: str = "dp_shard") -> Plac
         f"world's {world} ranks are on {len(counts)} hosts with ({listed}) ranks. Choose "
         f"{what}_size dividing every host's rank count (or a multiple of an equal count), or "
         "launch the same number of processes on every host."
+    )
+
+
+def check_node_size(placement: Placement, node_size: int) -> None:
+    """Refuse a `node_size` whose nodes (that many consecutive mesh positions: ZeRO++'s in-node
+    groups and hpZ's partitions) are not the hosts the ranks run on."""
+    if len(placement.host_names) < 2:
+        return  # one machine: node_size may emulate nodes on it
+    hosts = [placement.hosts[r] for r in placement.order]
+    blocks = [hosts[i : i + node_size] for i in range(0, len(hosts), node_size)]
+    if all(len(set(b)) == 1 for b in blocks):
+        return
+    counts = ", ".join(f"{h}: {placement.hosts.count(h)}" for h in placement.host_names)
+    raise PlacementError(
+        f"node_size={node_size} does not match the hosts the ranks run on ({counts} ranks): "
+        "ZeRO++'s in-node groups (hpz_partition_size, quantized_weights/gradients) would cross "
+        "hosts. Set node_size to the ranks per host (the launcher's LOCAL_WORLD_SIZE)."
     )
 
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_zeropp.core._torch_private import group_timeout, mesh_group_options
-from lightning_zeropp.core.hosts import Placement, gather_placement
+from lightning_zeropp.core.hosts import Placement, check_node_size, gather_placement
 from lightning_zeropp.core.links import check_links, link_pairs
 from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 
@@ -93,11 +93,21 @@ def build_mesh(
     shape = (config.pp_size, config.dp_replicate_size, config.dp_shard_size)
     device = device if device is not None else device_for_rank(device_type)
     placement = gather_placement(config.dp_shard_size, str(device))
+    if _node_groups(config):
+        check_node_size(placement, config.node_size)
     mesh = _mesh(device_type, placement.order, shape, MESH_AXES)
     if config.pp_size > 1:  # a broken pipeline link named now, not as a hang mid-step
         pairs = link_pairs(config.schedule, config.pp_size, config.num_chunks)
         check_links(mesh.get_group("pp"), pairs, device, placement.hosts)
     return ParallelDims(mesh=mesh, config=config, placement=placement)
+
+
+def _node_groups(config: ZeroPPLayout) -> bool:
+    """Whether the settings build groups from `node_size` (ZeRO++'s hpZ, qwZ, qgZ)."""
+    return any(
+        getattr(config, name, None) is not None
+        for name in ("hpz_partition_size", "quantized_weights", "quantized_gradients")
+    )
 
 
 def _mesh(

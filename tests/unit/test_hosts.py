@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from lightning_zeropp.core.hosts import PlacementError, host_order
+from lightning_zeropp.core.hosts import PlacementError, check_node_size, host_order
 
 
 def _groups(order: tuple[int, ...], shape: tuple[int, ...]) -> list[list[int]]:
@@ -96,3 +96,22 @@ def test_a_further_inner_dimension_composes():
     mesh = torch.tensor(placed.order).view(2, 1, shard, cp)
     for pp in range(2):
         assert len({hosts[r] for r in mesh[pp].flatten().tolist()}) == 1
+
+
+def test_a_node_size_that_is_not_the_hosts_is_refused_where_zeropp_plus_uses_it():
+    cyclic = host_order(["a", "b"] * 4, 2)  # 2 hosts of 4 ranks
+    check_node_size(cyclic, 4)  # the hosts
+    check_node_size(cyclic, 2)  # halves of a host: still inside one
+    with pytest.raises(PlacementError, match="node_size=8 does not match") as err:
+        check_node_size(cyclic, 8)
+    assert "a: 4, b: 4" in str(err.value)
+    check_node_size(host_order(["vm"] * 8, 2), 2)  # one machine: nodes emulated on it
+
+
+def test_the_launchers_node_size_under_srun():
+    from lightning_zeropp.core.settings.merge import launcher_node_size
+
+    assert launcher_node_size({"LOCAL_WORLD_SIZE": "4", "SLURM_NTASKS_PER_NODE": "2"}) == 4
+    assert launcher_node_size({"SLURM_NTASKS_PER_NODE": "2"}) == 2  # srun sets no LOCAL_*
+    assert launcher_node_size({"SLURM_NTASKS_PER_NODE": "2(x3)"}) is None  # not one number
+    assert launcher_node_size({}) is None
