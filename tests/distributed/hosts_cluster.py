@@ -91,10 +91,12 @@ def launch_on_hosts(
     names: tuple[str, ...] = ("nodeA", "nodeB"),
     links: TwoLinks | None = None,
     extra_env: dict[int, dict[str, str]] | None = None,
+    launcher: str = "torchrun",
 ) -> list[Any]:
     """Start rank r of `tests.distributed.worker` on host `host_of_rank[r]` (a fresh process in
     a UTS namespace named `names[host]`, inside `links`' namespace of that host if given), with
-    the variables torchrun sets for that numbering; return each rank's result."""
+    the variables `launcher` ("torchrun" or "slurm": srun's, one task per device) sets for that
+    numbering; return each rank's result."""
     out_dir.mkdir(parents=True, exist_ok=True)
     world, port = len(host_of_rank), free_port()
     procs, logs = [], []
@@ -114,8 +116,14 @@ def launch_on_hosts(
             "OMP_NUM_THREADS": "1",
             "PYTHONPATH": str(ROOT),
             **({"GLOO_SOCKET_IFNAME": links.data_dev(host)} if links else {}),
+            **(_slurm(host_of_rank, rank) if launcher == "slurm" else {}),
             **(extra_env or {}).get(rank, {}),
         }
+        if (
+            launcher == "slurm"
+        ):  # srun sets none of torchrun's (the worker names its result by RANK)
+            for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK"):
+                env.pop(name)
         worker = [sys.executable, "-m", "tests.distributed.worker", scenario]
         worker += [json.dumps(params), str(out_dir)]
         inner = f'hostname {names[host]} && exec "$@"'
@@ -141,3 +149,20 @@ def launch_on_hosts(
     if any(codes):
         raise AssertionError(f"ranks exited with {codes}\n{_tails(out_dir, world)}")
     return [torch.load(out_dir / f"result{r}.pt", weights_only=False) for r in range(world)]
+
+
+def _slurm(host_of_rank: list[int], rank: int) -> dict[str, str]:
+    """What `srun --ntasks-per-node=N` sets for task `rank` (the variables Lightning's
+    SLURMEnvironment reads)."""
+    host = host_of_rank[rank]
+    mates = [r for r, h in enumerate(host_of_rank) if h == host]
+    return {
+        "SLURM_NTASKS": str(len(host_of_rank)),
+        "SLURM_NTASKS_PER_NODE": str(len(mates)),
+        "SLURM_NNODES": str(len(set(host_of_rank))),
+        "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": str(mates.index(rank)),
+        "SLURM_NODEID": str(host),
+        "SLURM_JOB_NAME": "zeropp",
+        "SLURM_JOB_ID": "4242",
+    }

@@ -112,3 +112,41 @@ def cut_link(layout: dict[str, Any], device: str, timeout_s: float) -> dict[str,
     finally:
         mesh_module.check_links = original
     return {"host": this_host(), "error": error, "seconds": time.monotonic() - start}
+
+
+def slurm_fit(layout: dict[str, Any], steps: int = 3) -> dict[str, Any]:
+    """`Trainer(strategy=ZeroPPStrategy(...), num_nodes=2, devices=2)` under srun's variables
+    (Lightning's SLURMEnvironment): the logged losses, parameters and the strategy's placement."""
+    import lightning.pytorch as pl
+
+    from lightning_zeropp import ZeroPPStrategy
+    from lightning_zeropp.models.lit_gpt import LitGPT
+    from tests.distributed import lightning_scenarios as lit
+
+    strategy = ZeroPPStrategy(**layout)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, num_nodes=2, strategy=strategy, max_steps=steps,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, deterministic=True,
+    )  # fmt: skip
+    dp = int(os.environ["SLURM_NTASKS"]) // layout.get("pp_size", 1)
+    micro = GLOBAL_BATCH // dp // layout.get("num_microbatches", 1)
+    module = LitGPT(MODEL, micro_batch_size=micro, optimizer="sgd", lr=0.5)
+    module.model.load_state_dict(make_model(0).state_dict())
+    record = lit.Record()
+    trainer.callbacks.append(record)
+    trainer.fit(module, lit._loader(steps, dp))
+    placement = strategy.engine.dims.placement
+    assert placement is not None
+    mesh = strategy.engine.dims.mesh.mesh
+    return {
+        "host": this_host(),
+        "environment": type(trainer.strategy.cluster_environment).__name__,
+        "logged": record.logged,
+        "params": {n: _full(p) for n, p in module.model.named_parameters()},
+        "group_hosts": [
+            sorted({placement.hosts[r] for r in g})
+            for g in mesh.reshape(-1, mesh.shape[-1]).tolist()
+        ],
+        "node_size": strategy.engine.config.node_size,
+    }

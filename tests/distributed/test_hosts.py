@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed.common import sampler_batches
 from tests.distributed.conftest import assert_matches_reference
 from tests.distributed.hosts_cluster import TwoLinks, launch_on_hosts, unavailable
 
@@ -90,3 +91,19 @@ def test_a_pipeline_link_cut_at_setup_is_named_on_every_rank(tmp_path: Path) -> 
         assert "the pipeline link between rank" in error, (rank, error)
         assert "host nodeA" in error and "host nodeB" in error, (rank, error)
         assert result["seconds"] < LINK_TIMEOUT_S + 30, (rank, result["seconds"])
+
+
+def test_lightning_under_srun_with_cyclic_tasks_trains_like_one_process(tmp_path: Path) -> None:
+    if (why := unavailable()) is not None:
+        pytest.skip(why)
+    params = {"layout": PIPE, "init_process_group": False}
+    got = launch_on_hosts(
+        CYCLIC, "hosts_scenarios.slurm_fit", params, tmp_path, timeout=600, launcher="slurm"
+    )
+    assert {r["environment"] for r in got} == {"SLURMEnvironment"}
+    assert [r["host"] for r in got] == ["nodeA", "nodeB", "nodeA", "nodeB"]
+    assert got[0]["group_hosts"] == [["nodeA"], ["nodeB"]]
+    assert got[0]["node_size"] == 2  # from SLURM_NTASKS_PER_NODE
+    case = {"id": "slurm", "steps": 3}
+    results = [{"slurm": r} for r in got]
+    assert_matches_reference(results, case, "logged", "model.", sampler_batches(3))
