@@ -150,3 +150,15 @@ def slurm_fit(layout: dict[str, Any], steps: int = 3) -> dict[str, Any]:
         ],
         "node_size": strategy.engine.config.node_size,
     }
+
+
+def refused(layout: dict[str, Any]) -> dict[str, Any]:
+    """Build an engine on hosts that cannot hold the layout: the error this rank raised."""
+    config = ZeroPPConfig(**layout).resolve(dist.get_world_size())
+    micro = GLOBAL_BATCH // config.dp_size // config.num_microbatches
+    example = (torch.zeros(micro, MODEL.seq_len, dtype=torch.long),)
+    try:
+        ZeroPPEngine(make_model(), config, loss_fn=lm_loss, example_args=example)
+    except Exception as err:
+        return {"host": this_host(), "error": f"{type(err).__name__}: {err}"}
+    return {"host": this_host(), "error": None}

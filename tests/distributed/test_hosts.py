@@ -107,3 +107,14 @@ def test_lightning_under_srun_with_cyclic_tasks_trains_like_one_process(tmp_path
     case = {"id": "slurm", "steps": 3}
     results = [{"slurm": r} for r in got]
     assert_matches_reference(results, case, "logged", "model.", sampler_batches(3))
+
+
+def test_hosts_that_cannot_hold_the_shard_groups_are_refused_on_every_rank(tmp_path: Path):
+    if (why := unavailable()) is not None:
+        pytest.skip(why)
+    uneven = [0, 0, 1, 0]  # 3 ranks on nodeA, 1 on nodeB
+    got = launch_on_hosts(uneven, "hosts_scenarios.refused", {"layout": PIPE}, tmp_path)
+    for rank, result in enumerate(got):
+        assert (result["error"] or "").startswith("PlacementError: dp_shard groups of 2"), rank
+        assert "(nodeA: 3, nodeB: 1) ranks" in result["error"], (rank, result["error"])
+    print(got[0]["error"])
