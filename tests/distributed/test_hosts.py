@@ -118,3 +118,17 @@ def test_hosts_that_cannot_hold_the_shard_groups_are_refused_on_every_rank(tmp_p
         assert (result["error"] or "").startswith("PlacementError: dp_shard groups of 2"), rank
         assert "(nodeA: 3, nodeB: 1) ranks" in result["error"], (rank, result["error"])
     print(got[0]["error"])
+
+
+def test_accelerate_front_with_cyclic_ranks_trains_like_one_process(tmp_path: Path) -> None:
+    from tests.distributed.accelerate_scenarios import reference
+    from tests.distributed.test_accelerate import LAYOUT, assert_matches
+
+    if (why := unavailable()) is not None:
+        pytest.skip(why)
+    case = {"id": "acc-cyclic", "layout": LAYOUT, "validate": True}
+    params = {"cases": [dict(case)], "init_process_group": False}
+    got = launch_on_hosts(CYCLIC, "accelerate_scenarios.run_cases", params, tmp_path, timeout=600)
+    assert_matches([r["acc-cyclic"] for r in got], reference(**case))
+    log = (tmp_path / "rank0.log").read_text()
+    assert "pp rank 0 dp_shard groups: ranks [0, 2] on nodeA" in log, log[-3000:]
