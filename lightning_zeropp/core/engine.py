@@ -111,7 +111,7 @@ class ZeroPPEngine(EngineReports):
                 cfg, split=self.split, check_batch=check, **model_layout(model, self.plan)
             )
         )
-        self.dims: ParallelDims = dims or build_mesh(cfg, self.device.type)
+        self.dims: ParallelDims = dims or build_mesh(cfg, self.device.type, self.device)
         # Every stage of a pipeline steps on its first stage's batch (random collators).
         pp = self.dims.pp_group if cfg.pp_size > 1 else None
         self.batches = BatchSharer(pp, self.device, check, self.failures.guard)

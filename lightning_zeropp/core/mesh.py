@@ -1,9 +1,12 @@
 """The ("pp", "dp_replicate", "dp_shard") device mesh and the ranks a front needs from it.
 
-Ranks are laid out pp-major: `dp_shard` is the fastest-varying axis, so the ranks that shard one
-model chunk are consecutive (inside a node), and pipeline stages sit across nodes.
+Mesh positions are laid out pp-major: `dp_shard` is the fastest-varying axis, so the positions
+that shard one model chunk are consecutive, and pipeline stages sit across nodes. Positions are
+filled with the ranks in host order (`core.hosts`): each host's ranks are consecutive whatever
+order the launcher numbered them in, so every dp_shard group sits on one host.
 
-Every group the library creates gets the default (world) group's timeout, the one given to
+Right after its groups exist, every pipeline link is exercised once (`core.links`), so a broken
+one is named at setup. Every group the library creates gets the default (world) group's timeout, the one given to
 `init_process_group`: torch would give them its own default (30 min for gloo, 10 for NCCL), so a
 rank blocked on a lost peer would wait that long whatever the job asked for.
 """
@@ -13,13 +16,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_zeropp.core._torch_private import group_timeout, mesh_group_options
+from lightning_zeropp.core.hosts import Placement, check_node_size, gather_placement
+from lightning_zeropp.core.links import check_links, link_pairs
 from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 
 __all__ = [
@@ -40,6 +44,7 @@ class ParallelDims:
 
     mesh: DeviceMesh
     config: ZeroPPLayout
+    placement: Placement | None = None  # where each rank runs, and the order the mesh holds
 
     @property
     def pp_rank(self) -> int:
@@ -69,7 +74,6 @@ class ParallelDims:
     @property
     def dp_groups(self) -> list[dist.ProcessGroup]:
         """The data-parallel axes' groups that have more than one rank."""
-        assert self.mesh.mesh_dim_names is not None  # build_mesh names every axis
         return [
             self.mesh.get_group(axis)
             for axis in ("dp_replicate", "dp_shard")
@@ -77,34 +81,62 @@ class ParallelDims:
         ]
 
 
-def build_mesh(config: ZeroPPLayout, device_type: str) -> ParallelDims:
-    """Build the 3-D mesh for a resolved config over the default process group."""
+def build_mesh(
+    config: ZeroPPLayout, device_type: str, device: torch.device | None = None
+) -> ParallelDims:
+    """Build the 3-D mesh for a resolved config over the default process group, its ranks in
+    host order, and check its pipeline links (`device`: this rank's, default the current one)."""
     if not dist.is_initialized():
         raise RuntimeError(
             "torch.distributed is not initialized; call init_process_group (with a timeout) first."
         )
     shape = (config.pp_size, config.dp_replicate_size, config.dp_shard_size)
+    device = device if device is not None else device_for_rank(device_type)
+    placement = gather_placement(config.dp_shard_size, str(device))
+    if _node_groups(config):
+        check_node_size(placement, config.node_size)
+    mesh = _mesh(device_type, placement.order, shape, MESH_AXES)
+    if config.pp_size > 1:  # a broken pipeline link named now, not as a hang mid-step
+        pairs = link_pairs(config.schedule, config.pp_size, config.num_chunks)
+        check_links(mesh.get_group("pp"), pairs, device, placement.hosts)
+    return ParallelDims(mesh=mesh, config=config, placement=placement)
+
+
+def _node_groups(config: ZeroPPLayout) -> bool:
+    """Whether the settings build groups from `node_size` (ZeRO++'s hpZ, qwZ, qgZ)."""
+    return any(
+        getattr(config, name, None) is not None
+        for name in ("hpz_partition_size", "quantized_weights", "quantized_gradients")
+    )
+
+
+def _mesh(
+    device_type: str, order: Sequence[int], shape: tuple[int, ...], names: tuple[str, ...]
+) -> DeviceMesh:
+    """A mesh holding the ranks `order` (row-major) in `shape`, every axis's groups created by
+    every rank in one order (torch's) with the world's timeout."""
     override = None
     if (timeout := world_timeout()) is not None:
         # One options object per axis: NCCL's group creation writes the group's ranks into it.
-        options: dict[Any, Any] = {a: mesh_group_options(device_type, timeout) for a in MESH_AXES}
-        override = options if None not in options.values() else None
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES, backend_override=override)
-    return ParallelDims(mesh=mesh, config=config)
+        options = tuple(mesh_group_options(device_type, timeout) for _ in names)
+        override = tuple((None, o) for o in options) if None not in options else None
+    if tuple(order) == tuple(range(len(order))):  # torch's own layout: its fast path
+        by_name = dict(zip(names, (o for _, o in override), strict=True)) if override else None
+        return init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=by_name)
+    ranks = torch.tensor(list(order), dtype=torch.int).view(shape)
+    return DeviceMesh(device_type, ranks, mesh_dim_names=names, backend_override=override)
 
 
-def build_partition_mesh(size: int, device_type: str) -> DeviceMesh:
-    """A (world / size, size) mesh: dimension "hpz" groups `size` consecutive ranks (hpZ's small
-    partitions, `core.shard.plus`), created by every rank alike with the world's timeout."""
+def build_partition_mesh(
+    size: int, device_type: str, order: Sequence[int] | None = None
+) -> DeviceMesh:
+    """A (world / size, size) mesh: dimension "hpz" groups `size` consecutive mesh positions
+    (hpZ's small partitions, `core.shard.plus`; `order`: the main mesh's ranks, flattened, so a
+    partition lies inside a shard group and a host), created by every rank alike with the
+    world's timeout."""
     world = dist.get_world_size()
-    names = ("hpz_replicate", "hpz")
-    override = None
-    if (timeout := world_timeout()) is not None:
-        options: dict[Any, Any] = {axis: mesh_group_options(device_type, timeout) for axis in names}
-        override = options if None not in options.values() else None
-    return init_device_mesh(
-        device_type, (world // size, size), mesh_dim_names=names, backend_override=override
-    )
+    order = list(range(world)) if order is None else list(order)
+    return _mesh(device_type, order, (world // size, size), ("hpz_replicate", "hpz"))
 
 
 def world_timeout() -> timedelta | None:

@@ -230,7 +230,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
         with failure_guard():
             agree(settings_fields(self.zeropp_config))
             if self._dims is None:  # fit then validate on one Trainer sets up twice: one mesh
-                self._dims = build_mesh(self.zeropp_config, self.root_device.type)
+                self._dims = build_mesh(self.zeropp_config, self.root_device.type, self.root_device)
             assert self.lightning_module is not None
             checkpointing.recover_last(self.lightning_module.trainer)
         self._device_mesh = self._dims.mesh

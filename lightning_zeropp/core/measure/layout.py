@@ -1,7 +1,8 @@
 """The layout of a run in words: what every run prints once at setup.
 
 World and mesh sizes, schedule, micro-batches, chunks and unit size, the split, and each stage's
-blocks, pipeline rank and parameter count (of the whole model, not this rank's shard).
+blocks, pipeline rank and parameter count (of the whole model, not this rank's shard); then the
+hosts, and the host of each dp_shard group (`core.hosts`: the mesh holds the ranks in host order).
 """
 
 from __future__ import annotations
@@ -45,4 +46,32 @@ def describe_layout(engine: Any) -> str:
         rank = rank_of_stage(engine.style, stage, cfg.pp_size)
         lines.append(f"  stage {stage} (pp rank {rank}): {blocks}, {counts[stage]:,} parameters")
     lines.append(f"  total: {sum(counts.values()):,} parameters")
-    return "\n".join(lines)
+    return "\n".join(lines + placement_lines(dims))
+
+
+def placement_lines(dims: Any) -> list[str]:
+    """The hosts and each dp_shard group's ranks and host(s), from the mesh and its placement."""
+    placement = getattr(dims, "placement", None)
+    if placement is None:
+        return []
+    counts = {h: placement.hosts.count(h) for h in placement.host_names}
+    order = "as numbered" if placement.is_identity else "reordered by host"
+    lines = [
+        f"  hosts: {len(counts)} ({', '.join(f'{h}: {n} ranks' for h, n in counts.items())}); "
+        f"mesh ranks {order}"
+    ]
+    if placement.group_hosts > 1:
+        lines.append(
+            f"  each dp_shard group spans {placement.group_hosts} whole hosts (dp_shard_size "
+            "exceeds the ranks per host): its collectives cross the hosts' link"
+        )
+    mesh = dims.mesh.mesh
+    shards = mesh.reshape(mesh.shape[0], -1, mesh.shape[-1])  # (pp, replicas, dp_shard)
+    for pp in range(shards.shape[0]):
+        groups = []
+        for ranks in shards[pp].tolist():
+            where = "+".join(dict.fromkeys(placement.hosts[r] for r in ranks))
+            named = f"ranks {ranks}" if len(ranks) <= 8 else f"{len(ranks)} ranks"
+            groups.append(f"{named} on {where}")
+        lines.append(f"  pp rank {pp} dp_shard groups: " + "; ".join(groups))
+    return lines

@@ -3,8 +3,8 @@
 `NodeTraffic(mesh, node_size)` names each process group by what it is (a mesh axis, ZeRO++'s
 `zeropp_plus_intra` / `zeropp_plus_cross` subgroups, `hpz` partitions, or "other") and by
 where it reaches, from this rank: `dp_shard:x4` is a 4-rank group with members in another node,
-`zeropp_plus_intra:in2` a 2-rank group inside this rank's node. A node is `node_size`
-consecutive ranks.
+`zeropp_plus_intra:in2` a 2-rank group inside this rank's node. A node is a host when the hosts
+are given (`ParallelDims.placement.hosts`), else `node_size` consecutive ranks.
 
 `sent(summary)` turns a `CommCounter` summary into the bytes this rank sends to other nodes and
 inside its node, by the direct-exchange convention (what a collective must deliver, whatever
@@ -15,6 +15,8 @@ peer, counted as crossing if the group's other members do: exact for 2-rank pipe
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -28,9 +30,14 @@ __all__ = ["NodeTraffic"]
 class NodeTraffic:
     """A `CommCounter` axis namer that records each named group's size and reach."""
 
-    def __init__(self, mesh: DeviceMesh, node_size: int) -> None:
+    def __init__(
+        self, mesh: DeviceMesh, node_size: int, hosts: Sequence[str] | None = None
+    ) -> None:
         self._axis = mesh_axis_namer(mesh)
         self.node_size = node_size
+        # Where ranks really are (`ParallelDims.placement.hosts`); else node_size consecutive
+        # ranks make a node.
+        self.hosts = list(hosts) if hosts is not None else None
         self.shapes: dict[str, tuple[int, int]] = {}  # name -> (members, members in other nodes)
         self._cache: dict[ProcessGroup | None, str] = {}
 
@@ -39,12 +46,15 @@ class NodeTraffic:
         if group not in self._cache:
             axis = self._axis(group)
             ranks = dist.get_process_group_ranks(group)
-            node = dist.get_rank() // self.node_size
-            others = sum(1 for r in ranks if r // self.node_size != node)
+            node = self._node(dist.get_rank())
+            others = sum(1 for r in ranks if self._node(r) != node)
             name = f"{axis}:{'x' if others else 'in'}{len(ranks)}"
             self.shapes[name] = (len(ranks), others)
             self._cache[group] = name
         return self._cache[group]
+
+    def _node(self, rank: int) -> str | int:
+        return self.hosts[rank] if self.hosts is not None else rank // self.node_size
 
     def sent(self, summary: dict[str, dict[str, dict[str, int]]]) -> dict[str, float]:
         """{"cross_node": bytes, "in_node": bytes} this rank sent (see the module doc)."""

@@ -118,14 +118,18 @@ def check_names(settings: Mapping[str, Any], owner: str) -> None:
 
 
 def launcher_node_size(environ: Mapping[str, str] | None = None) -> int | None:
-    """Ranks per node as the launcher says (torchrun's and Lightning's `LOCAL_WORLD_SIZE`)."""
+    """Ranks per node as the launcher says (torchrun's and Lightning's `LOCAL_WORLD_SIZE`; under
+    `srun`, which sets no such variable, SLURM's `SLURM_NTASKS_PER_NODE`)."""
     environ = os.environ if environ is None else environ
-    raw = environ.get("LOCAL_WORLD_SIZE")
+    name = "LOCAL_WORLD_SIZE"
+    if not environ.get(name) and environ.get("SLURM_NTASKS_PER_NODE", "").isdigit():
+        name = "SLURM_NTASKS_PER_NODE"
+    raw = environ.get(name)
     try:
         return int(raw) if raw else None
     except ValueError:
         raise ValueError(
-            f"LOCAL_WORLD_SIZE={raw!r} is not an integer; the launcher sets it to the processes "
+            f"{name}={raw!r} is not an integer; the launcher sets it to the processes "
             "per node (unset it, or set node_size=...)."
         ) from None
 

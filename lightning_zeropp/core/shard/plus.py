@@ -60,13 +60,17 @@ class Plus:
         """Create the groups the settings need (collective: every rank calls it)."""
         plus = cls(config, mesh.device_type)
         timeout = world_timeout()
+        # Mesh positions, not rank numbers, are what lie in one node: the mesh holds the ranks
+        # in host order (`core.hosts`), whatever order the launcher numbered them in.
+        order = mesh.mesh.flatten().tolist()
         if _custom_comms(config) and config.dp_shard_size > 1:
             assert mesh.mesh_dim_names is not None  # the ZeroPP mesh names every axis
             shard_axis = mesh.mesh_dim_names.index("dp_shard")
             ranks = mesh.mesh.movedim(shard_axis, -1).reshape(-1, config.dp_shard_size)
-            plus.groups = NodeGroups(ranks.tolist(), config.node_size, timeout)
+            position = {rank: i for i, rank in enumerate(order)}
+            plus.groups = NodeGroups(ranks.tolist(), config.node_size, timeout, position)
         if plus.hpz_size is not None:
-            plus.partition_mesh = build_partition_mesh(plus.hpz_size, mesh.device_type)
+            plus.partition_mesh = build_partition_mesh(plus.hpz_size, mesh.device_type, order)
         return plus
 
     @property

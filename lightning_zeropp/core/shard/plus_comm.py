@@ -24,7 +24,7 @@ shard group of the mesh (process-group creation is collective over the world).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -55,12 +55,13 @@ class NodeGroups:
         shard_groups: Sequence[Sequence[int]],
         node_size: int,
         timeout: timedelta | None = None,
+        position: Mapping[int, int] | None = None,
     ) -> None:
         me = dist.get_rank()
         self.node_size = node_size
         self._splits: dict[tuple[int, ...], Split] = {}
         for ranks in shard_groups:
-            nodes = _by_node(ranks, node_size)
+            nodes = _by_node(ranks, node_size, position)
             local = len(nodes[0])
             intra = cross = None
             # Every rank creates every subgroup, in the same order, whether it belongs or not.
@@ -81,10 +82,14 @@ class NodeGroups:
         return self._splits.get(tuple(dist.get_process_group_ranks(group)))
 
 
-def _by_node(ranks: Sequence[int], node_size: int) -> list[list[int]]:
+def _by_node(
+    ranks: Sequence[int], node_size: int, position: Mapping[int, int] | None = None
+) -> list[list[int]]:
+    """`ranks` split into nodes: `node_size` consecutive mesh positions (`position[rank]`; the
+    rank itself when no mapping is given)."""
     nodes: dict[int, list[int]] = {}
     for r in ranks:
-        nodes.setdefault(r // node_size, []).append(r)
+        nodes.setdefault((position[r] if position else r) // node_size, []).append(r)
     groups = list(nodes.values())
     if len({len(g) for g in groups}) != 1:
         raise ValueError(
