@@ -315,6 +315,23 @@ class ZeroPPTrainer(Trainer):
         """Checked here, on every rank; loaded once the pipeline exists (`_prepare_for_training`)."""
         checkpointing.check_resumable(resume_from_checkpoint)
 
+    def _init_training_state(
+        self,
+        max_steps: int,
+        num_update_steps_per_epoch: int,
+        num_train_epochs: int,
+        resume_from_checkpoint: str | None,
+        trial: Any,
+    ) -> tuple[int, int]:
+        """The Trainer's; a resume with another global batch than the checkpoint's is refused
+        here, before anything is skipped (`checkpointing.check_resumed_rows`)."""
+        done = super()._init_training_state(
+            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+        )
+        if resume_from_checkpoint is not None:
+            checkpointing.check_resumed_rows(self, resume_from_checkpoint)
+        return done
+
     def _load_optimizer_and_scheduler(self, checkpoint_dir: str | None) -> None:
         """Collective: the sharded model and optimizer, and the scheduler, of a checkpoint."""
         if checkpoint_dir is not None:
