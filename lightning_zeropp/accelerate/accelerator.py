@@ -47,7 +47,7 @@ from torch.utils.data import DataLoader
 from lightning_zeropp.accelerate import checkpointing
 from lightning_zeropp.accelerate.build import prepare_pipeline
 from lightning_zeropp.accelerate.checkpointing import BATCHES, EPOCH, ROWS, commit_state
-from lightning_zeropp.accelerate.preempt import Stopper, accelerate_saver
+from lightning_zeropp.accelerate.preempt import Stopper, accelerate_saver, agree_at_end
 from lightning_zeropp.accelerate.settings import ZeroPPPlugin
 from lightning_zeropp.accelerate.shares import (
     in_process_order,
@@ -257,6 +257,16 @@ class ZeroPPAccelerator(Accelerator):
             checkpointing.check_loaded_rows(input_dir, loaded, self._rows)
             self.pipeline.stopper.batches = int(loaded.get(BATCHES, 0))
         return done
+
+    def end_training(self) -> None:
+        """Accelerate's, after every rank agrees whether SIGTERM came after the last step (it
+        stops there, 143, saving with `save_on_sigterm`); the SIGTERM handler this accelerator
+        installed is replaced by the one before it."""
+        try:
+            agree_at_end(self.pipeline)
+        finally:
+            Preemption.of_process().uninstall()
+        super().end_training()
 
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
         """Accelerate's; after `load_state`, refused on every rank if the state was saved with

@@ -41,6 +41,7 @@ from lightning_zeropp.accelerate.optim import retarget_scheduler
 from lightning_zeropp.accelerate.preempt import agree_at_end
 from lightning_zeropp.accelerate.settings import ZeroPPPlugin
 from lightning_zeropp.accelerate.steps import NUM_ITEMS, PipelineModel
+from lightning_zeropp.core.step.preempt import Preemption
 from lightning_zeropp.transformers import checkpointing
 from lightning_zeropp.transformers.counts import (
     padded_tokens,
@@ -78,9 +79,14 @@ class ZeroPPTrainer(Trainer):
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """`Trainer.train`; then every rank agrees whether SIGTERM came after the last step's
-        agreement (it stops there, 143, and saves with `save_on_sigterm`)."""
-        result = super().train(*args, **kwargs)
-        agree_at_end(self._pipeline)
+        agreement (it stops there, 143, and saves with `save_on_sigterm`). SIGTERM is the
+        library's during the call only: the handler before it is restored at its end."""
+        Preemption.of_process().install()  # again, for a second train() on this Trainer
+        try:
+            result = super().train(*args, **kwargs)
+            agree_at_end(self._pipeline)
+        finally:
+            Preemption.of_process().uninstall()
         return result
 
     # ------------------------------------------------------------------ the accelerator
