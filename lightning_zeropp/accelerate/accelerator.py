@@ -44,9 +44,10 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
+from lightning_zeropp.accelerate import checkpointing
 from lightning_zeropp.accelerate.build import prepare_pipeline
-from lightning_zeropp.accelerate.checkpointing import commit_state
-from lightning_zeropp.accelerate.preempt import Stopper, accelerate_saver
+from lightning_zeropp.accelerate.checkpointing import BATCHES, EPOCH, ROWS, commit_state
+from lightning_zeropp.accelerate.preempt import Stopper, accelerate_saver, agree_at_end
 from lightning_zeropp.accelerate.settings import ZeroPPPlugin
 from lightning_zeropp.accelerate.shares import (
     in_process_order,
@@ -82,6 +83,7 @@ class ZeroPPAccelerator(Accelerator):
         self.pipeline: PipelineModel | None = None
         self._skeleton: nn.Module | None = None
         self._order: list[int] = []  # global ranks in DDP's process order (`shares`)
+        self._rows: int | None = None  # of one training loader batch over all processes
 
     # ------------------------------------------------------------------------- prepare
     def prepare(self, *args: Any, device_placement: Any = None) -> Any:
@@ -158,7 +160,17 @@ class ZeroPPAccelerator(Accelerator):
         pipeline.seq_buckets = plugin.seq_buckets
         save = bool(engine.core.config.save_on_sigterm)
         steps = lambda: self.gradient_accumulation_steps  # noqa: E731 - read at the stop
-        pipeline.stopper = Stopper(accelerate_saver(self), save, steps)
+        pipeline.stopper = stopper = Stopper(accelerate_saver(self), save, steps)
+        # Kept with save_state: the global batch (a resume's skip is checked against it) and
+        # the training batches run (the SIGTERM message's step numbers go on after a resume).
+        rows = (
+            checkpointing.global_rows(loaders[0], self.split_batches, self.num_processes)
+            if loaders
+            else None
+        )
+        epoch = checkpointing.epoch_batches(loader) if loaders else None
+        engine.record = lambda: {ROWS: rows, BATCHES: stopper.batches, EPOCH: epoch}
+        self._rows = rows
         holder.append(pipeline)
         self.pipeline, self._skeleton = pipeline, skeleton
         self._order = process_order(engine.dims.pp_rank, engine.dims.dp_rank)
@@ -247,7 +259,31 @@ class ZeroPPAccelerator(Accelerator):
         (`accelerate.checkpointing.check_state_files`), and Accelerate's own reads, which take
         registered objects with `weights_only=False`, run with `weights_only` forced."""
         with weights_only_loads():
-            return super().load_state(input_dir, load_kwargs, **kw)
+            done = super().load_state(input_dir, load_kwargs, **kw)
+        if self.pipeline is not None and self.pipeline.stopper is not None:
+            loaded = self.pipeline.engine.loaded
+            checkpointing.check_loaded_rows(input_dir, loaded, self._rows)
+            self.pipeline.stopper.batches = int(loaded.get(BATCHES, 0))
+        return done
+
+    def end_training(self) -> None:
+        """Accelerate's, after every rank agrees whether SIGTERM came after the last step (it
+        stops there, 143, saving with `save_on_sigterm`); the SIGTERM handler this accelerator
+        installed is replaced by the one before it."""
+        try:
+            agree_at_end(self.pipeline)
+        finally:
+            Preemption.of_process().uninstall()
+        super().end_training()
+
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
+        """Accelerate's; after `load_state`, refused on every rank if the state was saved with
+        another global batch (`checkpointing.check_skipped_rows`): the skipped batches would
+        not be the trained rows."""
+        if self.pipeline is not None:
+            loaded = self.pipeline.engine.loaded
+            checkpointing.check_skipped_rows(num_batches, loaded, self._rows)
+        return super().skip_first_batches(dataloader, num_batches)
 
     def get_state_dict(self, model: Any, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """Collective: the whole model's state dict on the main process ({} elsewhere)."""

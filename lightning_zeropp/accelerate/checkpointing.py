@@ -37,11 +37,19 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zeropp.core.settings.resolve import ZeroPPLayout
+from lightning_zeropp.core.step import resumed_rows
 from lightning_zeropp.core.weights import checkpoint as ckpt
 from lightning_zeropp.core.weights import checksum, commit, trust
 
 __all__ = [
+    "BATCHES",
     "CHECKPOINT_DIR",
+    "EPOCH",
+    "ROWS",
+    "check_loaded_rows",
+    "check_skipped_rows",
+    "epoch_batches",
+    "global_rows",
     "check_state_files",
     "commit_state",
     "load_sharded",
@@ -49,6 +57,10 @@ __all__ = [
 ]
 
 CHECKPOINT_DIR = "zeropp"  # the sharded model + optimizer checkpoint inside save_state's folder
+# in its metadata: rows of one training loader batch over all processes, and the training
+# batches the pipelined model ran (SIGTERM's step numbers continue from them after a resume)
+# and the training loader's batches per epoch
+ROWS, BATCHES, EPOCH = "zeropp_batch_rows", "zeropp_training_batches", "zeropp_epoch_batches"
 
 
 def save_sharded(
@@ -56,9 +68,11 @@ def save_sharded(
     module: nn.Module,
     optimizer: Optimizer,
     config: ZeroPPLayout,
+    record: dict[str, Any] | None = None,
 ) -> Path:
-    """Collective: write the sharded model and optimizer state to `output_dir/zeropp`."""
-    meta = {"zeropp_config": _plain(config), "world_size": dist.get_world_size()}
+    """Collective: write the sharded model and optimizer state to `output_dir/zeropp`;
+    `record`: plain values the front keeps in its metadata (`ROWS`, `BATCHES`)."""
+    meta = {"zeropp_config": _plain(config), "world_size": dist.get_world_size(), **(record or {})}
     with _nonempty_groups(optimizer):
         return ckpt.save_checkpoint(Path(output_dir) / CHECKPOINT_DIR, module, [optimizer], meta)
 
@@ -77,6 +91,47 @@ def load_sharded(
         meta = ckpt.load_checkpoint(path, module, [optimizer])
     _fill_empty_groups(optimizer)
     return meta
+
+
+def global_rows(loader: Any, split_batches: bool, processes: int) -> int | None:
+    """Rows of one batch of the training `loader` (as the loop gave it to `prepare`) over all
+    processes, as DDP reads them; None if the loader does not say its batch size."""
+    size = getattr(loader, "batch_size", None)
+    if not isinstance(size, int):
+        return None
+    return size if split_batches else size * processes
+
+
+def epoch_batches(loader: Any) -> int | None:
+    """Batches of one epoch of the prepared training loader (None: a stream without a length)."""
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+_FIX = (
+    "Prepare the training loader with the batch size the state was saved with (the same "
+    "number of processes), or resume from a state saved at the end of an epoch."
+)
+
+
+def check_loaded_rows(input_dir: str | None, loaded: dict[str, Any], rows: int | None) -> None:
+    """Refuse (every rank: the same checkpoint and loader) a `load_state` of a state saved
+    mid-epoch with another global batch than this run's `rows`: however the loop counts the
+    batches to skip, they are not the trained rows. (A loop computing its epoch from the count,
+    as run_clm does, would otherwise skip whole epochs without a word.)"""
+    epoch, done = loaded.get(EPOCH), int(loaded.get(BATCHES, 0))
+    into = done % epoch if epoch else 0
+    where = f"load_state({input_dir!r}) resumes {into} batches into an epoch"
+    resumed_rows.check_resumed_rows(into, loaded.get(ROWS), rows, where, fix=_FIX)
+
+
+def check_skipped_rows(count: int, loaded: dict[str, Any], rows: int | None) -> None:
+    """Refuse `skip_first_batches(loader, count)` after a `load_state` saved with another
+    global batch than this run's `rows` (every rank: the same numbers)."""
+    where = f"skip_first_batches(train_dataloader, {count}) after load_state"
+    resumed_rows.check_resumed_rows(count, loaded.get(ROWS), rows, where, fix=_FIX)
 
 
 def commit_state(

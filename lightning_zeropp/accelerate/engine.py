@@ -9,7 +9,7 @@ read through their pre-hooks.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,10 @@ class ZeroPPAccelerateEngine:
         # Batches per data-parallel rank and step, in loader batches (see prepare_pipeline's
         # per_process_batches): pp_size for ZeroPPAccelerator, 1 for prepare_pipeline.
         self.batch_factor = 1
+        # What the front keeps in a checkpoint's metadata (`checkpointing.ROWS`, `BATCHES`),
+        # and the metadata the last `load_state` read.
+        self.record: Callable[[], dict[str, Any]] = dict
+        self.loaded: dict[str, Any] = {}
 
     # ---------------------------------------------------------------- views
     @property
@@ -126,11 +130,14 @@ class ZeroPPAccelerateEngine:
     # ---------------------------------------------------------------- checkpoints
     def save(self, output_dir: str | os.PathLike[str]) -> Path:
         """Collective: write the sharded model and optimizer state to `output_dir/zeropp`."""
-        return checkpointing.save_sharded(output_dir, self.module, self.optimizer, self.config)
+        return checkpointing.save_sharded(
+            output_dir, self.module, self.optimizer, self.config, self.record()
+        )
 
     def load(self, input_dir: str | os.PathLike[str]) -> dict[str, Any]:
         """Collective: read what `save` wrote (under any layout: names are the model's own)."""
-        return checkpointing.load_sharded(input_dir, self.module, self.optimizer)
+        self.loaded = checkpointing.load_sharded(input_dir, self.module, self.optimizer)
+        return self.loaded
 
     def _register_hooks(self) -> None:
         acc = self.accelerator

@@ -9,6 +9,14 @@ set-up stops the first step. The state goes where the loop's own resume finds it
 (`load_state()` reads the newest), else `save_state(<project_dir or cwd>/sigterm_step_<n>)`;
 `ZeroPPTrainer` saves its `checkpoint-<step>` (`resume_from_checkpoint=True`). A stop inside a
 gradient accumulation saves nothing: its accumulated gradients are in no checkpoint.
+
+A signal after the last step is agreed on at the end of the run: `ZeroPPTrainer.train` returns
+through one more agreement, a bare loop's `accelerator.end_training()` makes it (a loop that
+never calls it leaves such a signal unreported). The handler is the library's until then: the
+end of `train()` or `end_training()` restores the one before it (not `free_memory()`: the
+Trainer calls it when its training loop begins). The step
+number counts the training batches the pipelined model ran, kept in `save_state`'s checkpoint,
+so it goes on after a resume instead of restarting at 0.
 """
 
 from __future__ import annotations
@@ -80,8 +88,8 @@ def accelerate_saver(accelerator: Any) -> Saver:
 
 def agree_at_end(pipeline: Any) -> None:
     """Collective, at the end of `ZeroPPTrainer.train`: a SIGTERM during the last step or save
-    stops every rank here (one all-reduce), not exit 0. (A bare Accelerate loop has no call
-    every rank makes after its last step: there such a signal goes unreported.)"""
+    stops every rank here (one all-reduce), not exit 0; a bare Accelerate loop agrees in
+    `accelerator.end_training()`, its documented last call."""
     stopper = getattr(pipeline, "stopper", None)
     if stopper is None:
         return

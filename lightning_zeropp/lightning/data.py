@@ -39,6 +39,7 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader
 
+from lightning_zeropp.core.step import resumed_rows
 from lightning_zeropp.core.step.loader import rebuild_loader
 
 __all__ = [
@@ -125,21 +126,9 @@ def batch_rows(trainer: pl.Trainer, loader: object = None) -> int | None:
 def check_resumed_rows(count: int, saved: int | None, now: int | None, epoch: int) -> None:
     """Refuse (every rank has the same numbers) a resume `count` batches into an epoch whose
     global batch differs from the checkpoint's: skipping `count` batches would skip other rows
-    than the trained ones."""
-    if count <= 0 or saved is None or now is None or saved == now:
-        return
-    trained, skipped = count * saved, count * now
-    what = (
-        f"skip {skipped} rows, {skipped - trained} of them never trained"
-        if skipped > trained
-        else f"skip {skipped} rows and train {trained - skipped} trained rows again"
-    )
-    raise ValueError(
-        f"this fit resumes {count} batches into epoch {epoch}, saved with a global batch of "
-        f"{saved} rows ({trained} rows trained this epoch); this run's global batch is {now} "
-        f"rows, so skipping {count} batches would {what}. Resume with the batch size the "
-        "checkpoint was saved with, or from a checkpoint saved at the end of an epoch."
-    )
+    than the trained ones (`core.step.resumed_rows`, the check every front makes)."""
+    where = f"this fit resumes {count} batches into epoch {epoch}"
+    resumed_rows.check_resumed_rows(count, saved, now, where)
 
 
 def skip_batches(loader: Iterable[Any], count: int) -> Iterator[Any]:

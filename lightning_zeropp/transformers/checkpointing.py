@@ -17,6 +17,7 @@ ordinary HF directory, written by the main process.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -30,11 +31,14 @@ from transformers.trainer_pt_utils import safe_globals
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
 
 from lightning_zeropp.accelerate.checkpointing import CHECKPOINT_DIR
+from lightning_zeropp.core.step import resumed_rows
 from lightning_zeropp.core.weights import checkpoint as ckpt
 from lightning_zeropp.core.weights import checksum, commit, trust
 
 __all__ = [
+    "BATCH_FILE",
     "check_resumable",
+    "check_resumed_rows",
     "load",
     "load_best_model",
     "load_rng_state",
@@ -43,6 +47,8 @@ __all__ = [
 ]
 
 _MODEL_ONLY = "model_only"  # in the sharded checkpoint's metadata: saved with save_only_model
+BATCH_FILE = "zeropp_batch.json"  # the global batch the checkpoint was trained with
+_ROWS_PER_STEP = "rows_per_step"
 
 
 def save(trainer: Any, trial: Any) -> None:
@@ -65,6 +71,8 @@ def save(trainer: Any, trial: Any) -> None:
     _record_best(trainer, run_dir, final)
     if args.should_save:
         _save_trainer_state(trainer, tmp)
+        rows = {_ROWS_PER_STEP: trainer.get_total_train_batch_size(args)}
+        (tmp / BATCH_FILE).write_text(json.dumps(rows))
     dist.barrier()
     if dist.get_rank() == 0:
         checksum.write_folder_sums(tmp)  # the Trainer's files, checked before a resume reads them
@@ -130,6 +138,29 @@ def check_resumable(folder: str | os.PathLike[str]) -> None:
             "state to resume from. Start from its weights with ZeroPPPlugin(load_from="
             f"{str(sharded)!r}), or save without save_only_model."
         )
+
+
+def check_resumed_rows(trainer: Any, folder: str | os.PathLike[str]) -> None:
+    """Refuse, on every rank, a resume whose global batch (rows per optimizer step) differs
+    from the checkpoint's: the Trainer skips `global_step` steps of this run's batch, which are
+    other rows than the trained ones. With `ignore_data_skip` nothing is skipped: not checked."""
+    record = Path(folder) / BATCH_FILE
+    if trainer.args.ignore_data_skip or not record.is_file():  # not: saved before the record
+        return
+    saved = json.loads(record.read_text()).get(_ROWS_PER_STEP)
+    steps = trainer.state.global_step
+    resumed_rows.check_resumed_rows(
+        steps,
+        saved,
+        trainer.get_total_train_batch_size(trainer.args),
+        f"this run resumes from {folder} after {steps} optimizer steps",
+        unit="steps",
+        fix=(
+            "Resume with the checkpoint's global batch (per_device_train_batch_size x "
+            "gradient_accumulation_steps x processes), or pass ignore_data_skip=True to "
+            "start the data over knowingly."
+        ),
+    )
 
 
 def load(trainer: Any, folder: str | os.PathLike[str]) -> None:

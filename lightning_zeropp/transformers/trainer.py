@@ -41,6 +41,7 @@ from lightning_zeropp.accelerate.optim import retarget_scheduler
 from lightning_zeropp.accelerate.preempt import agree_at_end
 from lightning_zeropp.accelerate.settings import ZeroPPPlugin
 from lightning_zeropp.accelerate.steps import NUM_ITEMS, PipelineModel
+from lightning_zeropp.core.step.preempt import Preemption
 from lightning_zeropp.transformers import checkpointing
 from lightning_zeropp.transformers.counts import (
     padded_tokens,
@@ -92,9 +93,14 @@ class ZeroPPTrainer(Trainer):
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """`Trainer.train`; then every rank agrees whether SIGTERM came after the last step's
-        agreement (it stops there, 143, and saves with `save_on_sigterm`)."""
-        result = super().train(*args, **kwargs)
-        agree_at_end(self._pipeline)
+        agreement (it stops there, 143, and saves with `save_on_sigterm`). SIGTERM is the
+        library's during the call only: the handler before it is restored at its end."""
+        Preemption.of_process().install()  # again, for a second train() on this Trainer
+        try:
+            result = super().train(*args, **kwargs)
+            agree_at_end(self._pipeline)
+        finally:
+            Preemption.of_process().uninstall()
         return result
 
     # ------------------------------------------------------------------ the accelerator
@@ -384,6 +390,23 @@ class ZeroPPTrainer(Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         """Checked here, on every rank; loaded once the pipeline exists (`_prepare_for_training`)."""
         checkpointing.check_resumable(resume_from_checkpoint)
+
+    def _init_training_state(
+        self,
+        max_steps: int,
+        num_update_steps_per_epoch: int,
+        num_train_epochs: int,
+        resume_from_checkpoint: str | None,
+        trial: Any,
+    ) -> tuple[int, int]:
+        """The Trainer's; a resume with another global batch than the checkpoint's is refused
+        here, before anything is skipped (`checkpointing.check_resumed_rows`)."""
+        done = super()._init_training_state(
+            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+        )
+        if resume_from_checkpoint is not None:
+            checkpointing.check_resumed_rows(self, resume_from_checkpoint)
+        return done
 
     def _load_optimizer_and_scheduler(self, checkpoint_dir: str | None) -> None:
         """Collective: the sharded model and optimizer, and the scheduler, of a checkpoint."""

@@ -37,6 +37,12 @@ class CausalLM(pl.LightningModule):
         self.log("train_loss", outputs.loss)
         return outputs.loss
 
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        outputs = self.model(
+            batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]
+        )
+        self.log("val_loss", outputs.loss, batch_size=batch["input_ids"].shape[0])
+
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.losses.append(float(self.trainer.callback_metrics["train_loss"]))
         engine = getattr(self.trainer.strategy, "engine", None)
@@ -66,8 +72,11 @@ def run(
     export_to: str | None = None,
     id: str = "",  # noqa: A002 - the case's name, ignored here
     lora: bool = False,
+    validate: bool = False,
 ) -> dict[str, Any]:
-    """4 steps of 8 padded rows; `catch`: report an error as {"error": ...} (the benchmark)."""
+    """4 steps of 8 padded rows; `catch`: report an error as {"error": ...} (the benchmark);
+    `validate`: then `trainer.validate` on 2 batches of 8 other rows (`val_loss`, the model's
+    own loss logged by `validation_step`)."""
     if catch:
         try:
             return run(family, strategy, devices, tie_word_embeddings, lora=lora)
@@ -90,6 +99,10 @@ def run(
     )
     module = CausalLM(family, tie_word_embeddings, lora)
     trainer.fit(module, loader)
+    val_loss = None
+    if validate:
+        rows = DataLoader(Texts(16, 2), batch_size=8, collate_fn=collate)
+        val_loss = trainer.validate(module, rows, verbose=False)[0]["val_loss"]
     if strategy:
         params = trainer.strategy.full_state_dict()
         if export_to is not None:
@@ -104,6 +117,7 @@ def run(
         "with_state": sorted(names[p] for p, s in optimizer.state.items() if s),
         "frozen": sorted(n for p, n in names.items() if not p.requires_grad),
         "gaps": module.gaps,
+        "val_loss": val_loss,
     }
 
 

@@ -161,11 +161,21 @@ def accelerate(out: str) -> dict[str, Any]:
     runs = {"straight": run_clm(root, checkpointing_steps=2)}
     # From mid-epoch 1: run_clm's starting_epoch and resume_step arithmetic, then the skip.
     runs["step6"] = run_clm(root / "resumed", resume_from=root / "step_6")
+    # The same state into a loop whose global batch is twice the saved one: refused at
+    # load_state (run_clm's arithmetic would start at epoch 3 of 2 and train nothing).
+    try:
+        run_clm(root / "other", resume_from=root / "step_6", batch_size=4)
+        runs["other_batch"] = None
+    except ValueError as err:
+        runs["other_batch"] = str(err)
     return runs
 
 
 def run_clm(
-    output_dir: Path, checkpointing_steps: int | None = None, resume_from: Path | None = None
+    output_dir: Path,
+    checkpointing_steps: int | None = None,
+    resume_from: Path | None = None,
+    batch_size: int = 2,
 ) -> dict[str, Any]:
     """run_clm_no_trainer.py's training loop (its lines, less tracking and evaluation), with the
     epoch set on the loader so that each epoch's order is reproducible after a restart."""
@@ -185,7 +195,9 @@ def run_clm(
     model = build_model(Args(init_seed=7 if resume_from else 0))  # seeds torch with init_seed
     set_seed(0)  # run_clm's set_seed(args.seed): the sampler's seed, the same in every run
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    train_dataloader = DataLoader(Texts(32, 1), shuffle=True, collate_fn=collate, batch_size=2)
+    train_dataloader = DataLoader(
+        Texts(32, 1), shuffle=True, collate_fn=collate, batch_size=batch_size
+    )
     num_update_steps_per_epoch = math.ceil(len(train_dataloader) / gradient_accumulation_steps)
     max_train_steps = num_train_epochs * num_update_steps_per_epoch
     lr_scheduler = get_scheduler(
@@ -238,5 +250,6 @@ def run_clm(
             if completed_steps >= max_train_steps:
                 break
     out["params"] = {k: v.clone() for k, v in accelerator.get_state_dict(model).items()}
+    out["batches"] = model.stopper.batches  # SIGTERM's step numbers: counted on after a resume
     accelerator.free_memory()
     return out

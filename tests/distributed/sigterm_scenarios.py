@@ -194,6 +194,7 @@ def _accelerate(
     from tests.distributed.clm_loop import Args, Texts, build_model, collate
 
     root = resume or where
+    handler = signal.getsignal(signal.SIGTERM)  # the one before the library's
     accelerator = ZeroPPAccelerator(
         zeropp_plugin=ZeroPPPlugin(**LAYOUT, save_on_sigterm=point != "straight"),
         cpu=True,
@@ -234,8 +235,14 @@ def _accelerate(
                 [model(**b) for b in evals]
             model.train()
         if done == STEPS:
+            if signal_at == "last":
+                _sigterm()  # after the last step: end_training() agrees
             break
     out["params"] = {k: v.clone() for k, v in accelerator.get_state_dict(model).items()}
+    out["batches"] = model.stopper.batches  # the step a SIGTERM message names: goes on
+    mine = signal.getsignal(signal.SIGTERM)  # the library's, during the run
+    accelerator.end_training()
+    out["handler_restored"] = mine is not handler and signal.getsignal(signal.SIGTERM) is handler
     return out
 
 
@@ -248,8 +255,11 @@ def _trainer(
     from lightning_zeropp.transformers import ZeroPPTrainer
     from tests.distributed import trainer_script
 
+    handler, during = signal.getsignal(signal.SIGTERM), []
+
     class Signalled(ZeroPPTrainer):
         def training_step(self, *args: Any, **kwargs: Any) -> Any:
+            during.append(signal.getsignal(signal.SIGTERM))
             if signal_at == "step" and self.state.global_step == 2:
                 _sigterm()  # before step 3's agreement
             loss = super().training_step(*args, **kwargs)
@@ -264,4 +274,5 @@ def _trainer(
     )
     losses = [log["loss"] for log in out["logs"] if "loss" in log]
     steps = list(range(STEPS - len(losses) + 1, STEPS + 1))  # one log per step: the last ones
-    return {"steps": steps, "losses": losses, "params": {}}
+    restored = during[0] is not handler and signal.getsignal(signal.SIGTERM) is handler
+    return {"steps": steps, "losses": losses, "params": {}, "handler_restored": restored}

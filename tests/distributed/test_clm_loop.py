@@ -33,6 +33,9 @@ CASES = [
         "args": {"gradient_accumulation_steps": 2, "tie_word_embeddings": True},
         "tied_gap": True,
     },
+    # a masked LM computing its own mean cross-entropy, accumulating 2 batches per update: each
+    # micro-batch's mean is rescaled to its share of the accumulation window's token mean
+    {"id": "bert-acc2", "plugin": PP, "args": {"family": "bert", "gradient_accumulation_steps": 2}},
     {"id": "llama-zeropp", "plugin": {**PP, "schedule": "ZeroPP"}},
     {"id": "pp4", "plugin": {"pp_size": 4, "num_microbatches": 4}},
     # built under init_empty_weights(); each rank reads its shards of the initial weights from

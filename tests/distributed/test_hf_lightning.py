@@ -25,7 +25,8 @@ CASES = [
     {"id": "opt-tied", "family": "opt", "tie_word_embeddings": True},
     # BERT-MLM returns its own mean cross-entropy (it ignores num_items_in_batch): each
     # micro-batch's mean is rescaled to its token sum over the batch's count (models.loss_rule)
-    {"id": "bert", "family": "bert"},
+    # then validated: validation_step logs the model's own loss (`trainer.validate`)
+    {"id": "bert", "family": "bert", "validate": True},
     {"id": "mixtral", "family": "mixtral"},  # mixture of experts, router logits off
 ]
 # HF's MoE load-balancing loss reads every layer's router logits after the last layer (hooks
@@ -78,6 +79,14 @@ def _assert_matches(got: list[dict], ref: dict, case: dict) -> None:
 @pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
 def test_plain_hf_model_matches_one_process(runs, case):
     _assert_matches(runs[0], runs[1], case)
+
+
+def test_bert_validation_step_logs_the_loss_one_process_logs(runs):
+    got, ref, _ = runs
+    want = ref["bert"]["val_loss"]
+    assert want is not None
+    for r in got:
+        assert r["bert"]["val_loss"] == pytest.approx(want, abs=1e-5)
 
 
 def test_moe_router_logits_are_refused_on_every_rank(runs):

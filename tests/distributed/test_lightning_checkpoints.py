@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import runpy
+import shutil
 import sys
 from pathlib import Path
 
@@ -148,6 +149,23 @@ def test_consolidated_sharded_checkpoint_loads(run, tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["consolidate", str(directory), "--output_file", str(target)])
     runpy.run_module("lightning.pytorch.utilities.consolidate_checkpoint", run_name="__main__")
     _assert_loads_trained_weights(target, _trained(results, "sharded"))
+
+
+def test_load_from_checkpoint_reads_a_sharded_folder(run):
+    """Before: Lightning's loader opened the folder as a file, IsADirectoryError."""
+    out, results = run
+    directory = out / "sharded" / "epoch=1.ckpt"
+    _assert_loads_trained_weights(directory, _trained(results, "sharded"))
+
+
+def test_load_from_checkpoint_refuses_a_changed_shard_naming_it(run, tmp_path):
+    out, _ = run
+    copy = tmp_path / "copy.ckpt"
+    shutil.copytree(out / "sharded" / "epoch=1.ckpt", copy)
+    shard = sorted(copy.glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:-1] + b"x")
+    with pytest.raises(ValueError, match=re.escape(shard.name)):
+        LitGPT.load_from_checkpoint(copy, model=MODEL)
 
 
 @pytest.mark.parametrize("run_id", ["resumed", "resumed_consolidated"])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -79,6 +80,24 @@ def test_run_clm_resume_continues_with_the_next_batch(accelerate_runs, run_id, f
         _assert_continues(rank_result["straight"], rank_result[run_id], first_step)
     main = accelerate_runs[0]  # the whole model lands on the main process
     _assert_same_params(main["straight"]["params"], main[run_id]["params"])
+    # The training batches the model ran (what a SIGTERM message's step is counted from) go
+    # on from the checkpoint's: before, they restarted at 0 (2 here, against 8).
+    assert [r[run_id]["batches"] for r in accelerate_runs] == [8] * 4
+
+
+@pytest.mark.distributed
+def test_run_clm_resume_with_another_global_batch_is_refused(accelerate_runs):
+    """Saved 2 batches into epoch 1 at 8 rows a batch (4 processes x 2), loaded into a loop of
+    16 rows a batch. Before: load_state took it, and run_clm's resume arithmetic (starting epoch
+    6 // 2 = 3 of 2) ended the loop without training a step, exit 0."""
+    for rank_result in accelerate_runs:
+        assert re.fullmatch(
+            r"load_state\('.*step_6'\) resumes 2 batches into an epoch, saved with a global "
+            r"batch of 8 rows \(16 rows trained\); this run's global batch is 16 rows, so "
+            r"skipping 2 batches would skip 32 rows, 16 of them never trained\. Prepare the "
+            r"training loader with the batch size the state was saved with .*",
+            rank_result["other_batch"] or "",
+        ), rank_result["other_batch"]
 
 
 # ------------------------------------------------------------------ the loader, in one process

@@ -89,9 +89,18 @@ def test_sigterm_in_an_accelerate_loop_stops_every_rank_named_and_resumes_exactl
         "accelerate_setup_one",
         "accelerate_step_one",
         "accelerate_validation_all",
+        "accelerate_last_one",
         "resume:accelerate_step_one",
     ]
     reports = _run(tmp_path, cases)
+    # after the last step: before, the loop ended with exit 0 and no word; end_training agrees
+    _assert_stopped(reports, "accelerate_last_one", STEPS)
+    for report in reports:
+        # the handler before the library's is back once the run ends (before: the library's
+        # stayed, recording signals nobody acted on)
+        assert report["accelerate_straight"]["handler_restored"], report["accelerate_straight"]
+        # the step count goes on from the checkpoint's 3 batches (before: 3, from 0)
+        assert report["resume:accelerate_step_one"]["batches"] == STEPS
     _assert_stopped(reports, "accelerate_setup_one", 0)
     # rank 1 is signalled inside step 4's schedule: the step ends, then every rank stops
     _assert_stopped(reports, "accelerate_step_one", 4)
@@ -109,3 +118,5 @@ def test_sigterm_in_the_hf_trainer_stops_every_rank_named_and_resumes_exactly(
     _assert_stopped(reports, "trainer_step_one", 2)  # rank 1, before step 3's agreement
     assert "checkpoint-2" in reports[0]["trainer_step_one"]["message"]
     _assert_resumes(reports, "trainer_step_one", 2)
+    for report in reports:  # train() gives SIGTERM back to the handler before it
+        assert report["trainer_straight"]["handler_restored"], report["trainer_straight"]

@@ -69,6 +69,10 @@ GPT2 = {
 # pipeline rescales each micro-batch's mean to its token sum over the batch's count. A fixed mask
 # (trainer_script.masked) over padded rows: micro-batches hold different numbers of masked tokens
 BERT = {"family": "bert", "rows": "padded", "args": {**EVAL, **SEEN, "optim": "rmsprop"}}
+BERT_ACCUM = {
+    **BERT,
+    "args": {"optim": "sgd", "learning_rate": 0.5, "gradient_accumulation_steps": 2},
+}
 CASES = [
     # equal rows: the plain Trainer's DDP is exact there, and runs in the same launch.
     # evaluate() before train() here, eval_on_start there: the plain Trainer under DDP trains
@@ -92,6 +96,9 @@ CASES = [
     # the head and HF's loss in chunks of 3 tokens on the last stage (`models.hf_chunked`)
     {"id": "lora", "plugin": {**PP, "loss_chunk": 3}, "script": LORA},
     {"id": "bert", "plugin": PP, "script": BERT},
+    # the same model accumulating 2 batches per update: each micro-batch's mean rescaled to a
+    # sum over the whole window's count (the Trainer's num_items_in_batch)
+    {"id": "bert-accum", "plugin": PP, "script": BERT_ACCUM},
     {
         "id": "packed",
         "plugin": {"pp_size": 2, "num_microbatches": 3},
@@ -105,6 +112,8 @@ CASES = [
         "env": {"ZEROPP_PP_SIZE": "2", "ZEROPP_NUM_MICROBATCHES": "2"},  # no zeropp_plugin
         "script": {"args": {"save_strategy": "steps", "save_steps": 2}},
         "resume": {"init_seed": 7},
+        # checkpoint-2 resumed with twice its global batch: refused, naming the rows
+        "other": {"per_device_train_batch_size": 4},
     },
 ]
 # one process reads the 4 processes' per-device batches at once
@@ -112,7 +121,7 @@ ONE = {"per_device_train_batch_size": 8, "per_device_eval_batch_size": 8}
 REFERENCES = [
     {"id": case["id"], "plugin": None, "script": {**case["script"], **case.get("one", ONE)}}
     for case in CASES
-    if case["id"] in ("padded", "lora", "packed", "bert")
+    if case["id"] in ("padded", "lora", "packed", "bert", "bert-accum")
 ]
 
 
@@ -248,6 +257,28 @@ def test_masked_lm_computing_its_own_mean_matches_one_process(runs):
     want = [log["eval_loss"] for log in ref["logs"] if "eval_loss" in log]
     assert len(evals) == len(want) == 2
     assert evals == pytest.approx(want, abs=1e-5)
+
+
+def test_masked_lm_accumulating_two_batches_matches_one_process(runs):
+    four, one = runs
+    got, ref = four[0]["bert-accum"], one["bert-accum"]
+    assert len(_steps(got["logs"])) == len(_steps(ref["logs"])) == 4
+    _assert_same_training(got, ref)
+    _assert_same_weights(got, ref)
+
+
+def test_a_resume_with_another_global_batch_is_refused_naming_the_rows(runs):
+    """checkpoint-2 of 8-row steps (4 processes x 2 rows), resumed at 16 rows a step. Before:
+    the Trainer skipped 2 steps of 16 rows (16 never trained) without a word."""
+    four, _ = runs
+    for rank in four:
+        assert re.fullmatch(
+            r"this run resumes from .*checkpoint-2 after 2 optimizer steps, saved with a global "
+            r"batch of 8 rows \(16 rows trained\); this run's global batch is 16 rows, so "
+            r"skipping 2 steps would skip 32 rows, 16 of them never trained\. Resume with the "
+            r"checkpoint's global batch .*ignore_data_skip=True.*",
+            rank["resume"]["other"] or "",
+        ), rank["resume"]["other"]
 
 
 def test_a_resume_from_a_checkpoint_with_planted_code_runs_nothing(runs):

@@ -22,7 +22,7 @@ from tests.distributed.trainer_script import run as run_script
 def run(cases: list[dict[str, Any]], out_dir: str) -> dict[str, Any]:
     """Each case: {"id", "script": Script fields, "plugin": ZeroPPPlugin settings or None (the
     plain Trainer), "resume": {"script": fields of the resumed run} (train, then resume a fresh
-    run from checkpoint-2)}."""
+    run from checkpoint-2), "other": script fields of a resume expected to fail}."""
     results = {}
     for case in cases:
         folder = Path(out_dir) / case["id"]
@@ -32,6 +32,13 @@ def run(cases: list[dict[str, Any]], out_dir: str) -> dict[str, Any]:
             resumed = _run_case(again, folder / "again", resume=str(folder / "checkpoint-2"))
             results[case["id"]]["resumed"] = resumed
             results[case["id"]]["planted"] = _planted_resume(again, folder)
+        if "other" in case:  # resumed with other script fields: the error on this rank
+            other = {**case, "script": {**case["script"], **case["other"]}}
+            try:
+                _run_case(other, folder / "other", resume=str(folder / "checkpoint-2"))
+                results[case["id"]]["other"] = None
+            except ValueError as err:
+                results[case["id"]]["other"] = str(err)
     return results
 
 
