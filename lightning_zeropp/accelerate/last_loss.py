@@ -94,8 +94,7 @@ def run_with_loss(
         else:
             pipeline._captured = [] if pipeline.eval_logits else None
             with torch.no_grad():
-                value = core.eval_step(target=target, microbatches=micro, **kwargs)
-            out["loss"] = value
+                out["loss"] = core.eval_step(target=target, microbatches=micro, **kwargs)
             logits = pipeline._broadcast_logits() if pipeline.eval_logits else None
             if logits is not None:
                 out["logits"] = shaped.restore(logits)

@@ -125,7 +125,7 @@ def gather_placement(group: int, device: str, what: str = "dp_shard") -> Placeme
     if not dist.is_initialized() or dist.get_world_size() == 1:
         everyone = [mine]
     else:
-        everyone = [None] * dist.get_world_size()
+        everyone = [mine] * dist.get_world_size()  # each entry overwritten by that rank's
         dist.all_gather_object(everyone, mine)
     placement = host_order([host for host, _ in everyone], group, what)
     return Placement(

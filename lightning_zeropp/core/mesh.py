@@ -6,9 +6,9 @@ filled with the ranks in host order (`core.hosts`): each host's ranks are consec
 order the launcher numbered them in, so every dp_shard group sits on one host.
 
 Right after its groups exist, every pipeline link is exercised once (`core.links`), so a broken
-one is named at setup. Every group the library creates gets the default (world) group's timeout, the one given to
-`init_process_group`: torch would give them its own default (30 min for gloo, 10 for NCCL), so a
-rank blocked on a lost peer would wait that long whatever the job asked for.
+one is named at setup. Every group the library creates gets the default (world) group's timeout,
+the one given to `init_process_group`: torch would give them its own default (30 min for gloo, 10
+for NCCL), so a rank blocked on a lost peer would wait that long whatever the job asked for.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -74,6 +75,7 @@ class ParallelDims:
     @property
     def dp_groups(self) -> list[dist.ProcessGroup]:
         """The data-parallel axes' groups that have more than one rank."""
+        assert self.mesh.mesh_dim_names is not None  # build_mesh names every axis
         return [
             self.mesh.get_group(axis)
             for axis in ("dp_replicate", "dp_shard")
@@ -121,7 +123,9 @@ def _mesh(
         options = tuple(mesh_group_options(device_type, timeout) for _ in names)
         override = tuple((None, o) for o in options) if None not in options else None
     if tuple(order) == tuple(range(len(order))):  # torch's own layout: its fast path
-        by_name = dict(zip(names, (o for _, o in override), strict=True)) if override else None
+        by_name: dict[int | str, Any] | None = None
+        if override is not None:
+            by_name = dict(zip(names, (o for _, o in override), strict=True))
         return init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=by_name)
     ranks = torch.tensor(list(order), dtype=torch.int).view(shape)
     return DeviceMesh(device_type, ranks, mesh_dim_names=names, backend_override=override)

@@ -37,7 +37,7 @@ _state = {"armed": False}
 # soft-capping, Cohere's logit_scale, Granite's logits_scaling): their logits stay whole.
 _SCALED = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 # id(hidden states a head returned) -> (those states, the head): what the loss call looks up.
-_pending: dict[int, tuple[torch.Tensor, nn.Module]] = {}
+_pending: dict[int, tuple[torch.Tensor, nn.Linear]] = {}
 
 
 @contextlib.contextmanager
@@ -90,7 +90,7 @@ class ChunkedHead:
         """Whether `model`'s head and loss now compute in chunks when armed: a plain linear
         output embedding, HF's `ForCausalLMLoss`, and no logit soft-capping; else unchanged."""
         # PEFT wraps the HF model: the module whose class defines the loss is the one to change
-        owner = next(
+        owner: Any = next(  # Any: loss_function is HF's, unknown to nn.Module
             (
                 m
                 for m in model.modules()
@@ -135,7 +135,7 @@ def _forward_feeds_the_loss(owner: nn.Module) -> bool:
 
 def _causal_lm_loss(
     hidden: torch.Tensor,
-    head: nn.Module,
+    head: nn.Linear,
     labels: torch.Tensor,
     num_items_in_batch: Any = None,
     ignore_index: int = -100,

@@ -75,7 +75,7 @@ class ZeroPPTrainer(Trainer):
         # ZeroPP class: `lightning_zeropp.trl`)
         mro = type(self).__mro__
         pipelined = mro[mro.index(ZeroPPTrainer) + 1]
-        init = inspect.signature(pipelined.__init__).bind(self, *args, **kwargs).arguments
+        init = inspect.signature(pipelined).bind(*args, **kwargs).arguments
         training_args = init.get("args")
         if training_args is None:  # what the Trainer would build itself
             training_args = self._default_args()
@@ -189,6 +189,7 @@ class ZeroPPTrainer(Trainer):
             shift = 1 if getattr(self, "_loss_shifts_labels", False) else 0
             return self.compute_loss_func, shift
         if self.label_smoother is not None:
+            assert self.model is not None  # the Trainer was given one
             causal = causal_lm(self.model)  # the Trainer's test: shift the labels by one
             return functools.partial(self.label_smoother, shift_labels=causal), int(causal)
         return None

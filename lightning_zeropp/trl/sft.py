@@ -86,6 +86,8 @@ def _without_packing_keys(batch: Any) -> Any:
 class ZeroPPSFTTrainer(ZeroPPTrainer, SFTTrainer):
     """`trl.SFTTrainer(...)` pipelined over FSDP2: TRL's arguments plus `zeropp_plugin`."""
 
+    args: SFTConfig  # SFTTrainer's own arguments (loss_type, ...)
+
     def __init__(self, *args: Any, zeropp_plugin: Any = None, **kwargs: Any) -> None:
         super().__init__(*args, zeropp_plugin=zeropp_plugin, **kwargs)
         if self.args.loss_type not in _LOSS_TYPES:
