@@ -118,3 +118,19 @@ def test_a_cut_that_does_not_fit_is_not_taken() -> None:
 def _sizes(starts: list[int], n: int) -> list[int]:
     bounds = [*starts, n]
     return [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv", "zeropp"])
+def test_the_planner_prices_the_cut_the_engine_takes(schedule) -> None:
+    """One cost count for both: the planner's balanced `split_points` are the engine's default."""
+    from lightning_zeropp.plan.cut import with_cut
+
+    kw = {"pp_size": 2, "schedule": schedule, "num_microbatches": 4}
+    if schedule == "zeropp":
+        kw.update(num_chunks=2, unit_size=2)
+    settings = with_cut(_big_head(), kw, SEQ, "balanced", 2)
+    plan = block_plan(_big_head(), _layout(2, **kw), (torch.zeros(1, SEQ, dtype=torch.long),))
+    assert plan is not None
+    assert settings["split_points"] == [r.start for r in plan.ranges][1:]
+    even = with_cut(_big_head(), kw, SEQ, "even", 2)["split_points"]
+    assert even == _even(len(plan.ranges)) != settings["split_points"]

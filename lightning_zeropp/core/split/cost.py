@@ -6,8 +6,8 @@ final norm, head and loss after them) from one run of the model on the meta devi
 recomputed block's forward once more. A pipeline runs at the pace of its busiest rank, and a rank
 may hold several stages (a loop: rank r holds r, r + pp, ...; a V: rank r holds r and 2pp - 1 - r,
 so the first and last stage, with the embedding and the head, share rank 0): the cut minimises the
-largest per-rank total, then the next largest, and so on (a sorted tuple compared in order), among
-cuts a `fits` check accepts (memory).
+largest per-rank total, then the next largest, and so on (a sorted tuple compared in order), then
+the same of the stages, among cuts a `fits` check accepts (memory).
 
 The engine cuts with `cost_cut` when no `split_points` are given and the planner prices the same
 cut (`PieceCosts` from the same profile); a model the profile cannot run (inputs other than token
@@ -37,6 +37,7 @@ __all__ = [
     "measure_costs",
     "meta_copy",
     "rank_loads",
+    "stage_loads",
 ]
 
 # Above this many possible cuts the search is local (moves of one block between two stages,
@@ -78,12 +79,17 @@ class PieceCosts:
         return self.after / (sum(self.blocks) / len(self.blocks))
 
 
+def stage_loads(costs: PieceCosts, starts: Sequence[int]) -> list[float]:
+    """Each stage's forward + backward FLOPs for a cut (stage s starts at `starts[s]`)."""
+    bounds = [*starts, len(costs.blocks)]
+    n = len(starts)
+    return [costs.stage(range(bounds[s], bounds[s + 1]), n, s) for s in range(n)]
+
+
 def rank_loads(costs: PieceCosts, starts: Sequence[int], style: Style, pp_size: int) -> list[float]:
     """Each pipeline rank's forward + backward FLOPs for a cut (stage s starts at `starts[s]`)."""
-    bounds = [*starts, len(costs.blocks)]
     loads = [0.0] * pp_size
-    for s in range(len(starts)):
-        part = costs.stage(range(bounds[s], bounds[s + 1]), len(starts), s)
+    for s, part in enumerate(stage_loads(costs, starts)):
         loads[rank_of_stage(style, s, pp_size)] += part
     return loads
 
@@ -102,8 +108,11 @@ def cost_cut(
     when no cut `fits`."""
     n = len(costs.blocks)
 
-    def key(starts: Sequence[int]) -> tuple[float, ...]:
-        return tuple(sorted(rank_loads(costs, starts, style, pp_size), reverse=True))
+    def key(starts: Sequence[int]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        # ranks first; among cuts whose ranks tie, the stages too (a V's two stages of a rank
+        # run at different times: one tiny and one huge stall the stages around them)
+        ranks = sorted(rank_loads(costs, starts, style, pp_size), reverse=True)
+        return tuple(ranks), tuple(sorted(stage_loads(costs, starts), reverse=True))
 
     ok = fits or (lambda starts: True)
     best = list(start)
@@ -130,7 +139,7 @@ def _by_cost(costs: PieceCosts, num_stages: int) -> list[int]:
 
 
 def _local_search(
-    key: Callable[[Sequence[int]], tuple[float, ...]],
+    key: Callable[[Sequence[int]], Any],
     ok: Callable[[list[int]], bool],
     n: int,
     num_stages: int,
@@ -149,14 +158,13 @@ def _local_search(
                     for d in (-1, 1):
                         new = cut[:i] + [s + d for s in cut[i : j + 1]] + cut[j + 1 :]
                         valid = all(a < b for a, b in itertools.pairwise(new)) and new[-1] < n
-                        if valid and new[1] >= 1 and ok(new):
+                        if valid and new[1] >= 1:
                             moves.append((key(new), new))
-            if not moves:
+            better = sorted(m for m in moves if current is None or m[0] < current)
+            found = next((m for m in better if ok(m[1])), None)  # the best that fits
+            if found is None:
                 break
-            k, new = min(moves)
-            if current is not None and k >= current:
-                break
-            cut, current = new, k
+            current, cut = found
         ends.append(cut)
     return ends
 
