@@ -134,3 +134,29 @@ def test_the_planner_prices_the_cut_the_engine_takes(schedule) -> None:
     assert settings["split_points"] == [r.start for r in plan.ranges][1:]
     even = with_cut(_big_head(), kw, SEQ, "even", 2)["split_points"]
     assert even == _even(len(plan.ranges)) != settings["split_points"]
+
+
+def test_the_layout_prints_the_cut_and_each_ranks_share(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from lightning_zeropp.core.measure import layout as printed
+
+    config = _layout(4, **_kw("1f1b", 4, 1))
+    plan = block_plan(_big_head(), config, (torch.zeros(1, SEQ, dtype=torch.long),))
+    assert plan is not None
+
+    def gather(parts: list, mine: dict, group: object = None) -> None:  # every rank's counts
+        parts[:] = [{s: 1} for s in range(4)]
+
+    monkeypatch.setattr(printed.dist, "all_gather_object", gather)
+    monkeypatch.setattr(printed.dist, "get_world_size", lambda: 4)
+    engine = SimpleNamespace(
+        config=config, dims=SimpleNamespace(pp_group=None), stage_ids=[0],
+        _stage_modules=[nn.Linear(1, 1)], plan=plan, num_stages=4, style="single", split="call",
+    )  # fmt: skip
+    text = printed.describe_layout(engine)
+    assert f"stages cut by cost (forward + backward FLOPs at {SEQ} tokens" in text, text
+    loads = rank_loads(plan.costs, [r.start for r in plan.ranges], "single", 4)
+    shares = ", ".join(f"{r} {x / sum(loads):.1%}" for r, x in enumerate(loads))
+    assert f"each pp rank's share of the work (forward + backward FLOPs): {shares}" in text
+    print(text)
