@@ -3,11 +3,13 @@ the same search), or the parameter-count cut it replaced ("even"), as explicit `
 
 A layout the search prices carries its cut as `split_points`, so the `conf/parallel/` file it
 writes trains exactly the stages it priced; the layouts differ from the engine's own default
-only when the engine would price another sequence length.
+only when the engine would price another sequence length. A config without split points is
+priced as the engine would cut it at the planner's sequence length (`settle`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -19,7 +21,7 @@ from lightning_zeropp.core.split.blocks import plan_blocks
 from lightning_zeropp.core.split.cost import PieceCosts, cost_cut, rank_loads
 from lightning_zeropp.core.split.profile import profile_model
 
-__all__ = ["CUTS", "busiest_share", "piece_costs", "with_cut"]
+__all__ = ["CUTS", "busiest_share", "piece_costs", "settle", "with_cut"]
 
 CUTS = ("balanced", "even")
 
@@ -59,6 +61,21 @@ def with_cut(
     recompute = cfg.activation_checkpointing != "none"
     points = _points(model, cfg.num_stages, cfg.schedule, cfg.pp_size, seq_len, recompute, cut)
     return {**settings, "split_points": list(points)}
+
+
+def settle(model: nn.Module, config: Any, seq_len: int, world_size: int) -> Any:
+    """`config` with the split points the engine would choose at `seq_len` when it names none:
+    what the planner's step, memory and activation figures price for such a config."""
+    if config.split_points is not None:
+        return config
+    cfg = config.resolve(world_size)
+    if cfg.num_stages == 1:
+        return config
+    recompute = cfg.activation_checkpointing != "none"
+    points = _points(
+        model, cfg.num_stages, cfg.schedule, cfg.pp_size, seq_len, recompute, "balanced"
+    )
+    return dataclasses.replace(config, split_points=list(points))
 
 
 def busiest_share(model: nn.Module, settings: dict[str, Any], seq_len: int, world: int) -> float:

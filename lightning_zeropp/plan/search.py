@@ -30,7 +30,7 @@ from lightning_zeropp.core.settings.placement import schedule_style, stage_ids_f
 from lightning_zeropp.core.settings.plus import hpz_size
 from lightning_zeropp.core.split.blocks import find_blocks
 from lightning_zeropp.plan.activations import activation_peaks
-from lightning_zeropp.plan.cut import with_cut
+from lightning_zeropp.plan.cut import settle, with_cut
 from lightning_zeropp.plan.hardware import Hardware
 from lightning_zeropp.plan.memory import predict_memory, stage_parameter_shapes, stage_units
 from lightning_zeropp.plan.plus import plus_memory
@@ -72,7 +72,9 @@ def rank_memory(
     optimizer: str = "adamw",
     device_type: str = "cuda",
 ) -> list[dict[str, int]]:
-    """Every rank's predicted peak bytes by kind, and their sum ("total")."""
+    """Every rank's predicted peak bytes by kind, and their sum ("total"); a config without
+    split points is priced as the engine cuts it at `seq_len` (`plan.cut.settle`)."""
+    config = settle(model, config, seq_len, world_size)
     cfg = config.resolve(world_size)
     states = predict_memory(model, cfg, world_size, optimizer, device_type)
     acts = activation_peaks(model, cfg, world_size, global_batch, seq_len)

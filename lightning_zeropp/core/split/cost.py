@@ -204,7 +204,10 @@ def measure_costs(model: nn.Module, seq_len: int, recompute: bool) -> PieceCosts
     """The model's piece costs at `seq_len` tokens (one row), or why they could not be measured
     (the profile feeds token ids; a model taking other inputs cannot run it)."""
     try:
-        profile = profile_copy(meta_copy(model), seq_len)
+        # a model drawing random numbers outside torch's meta kernels must not shift the
+        # generator the run's own numbers come from
+        with torch.random.fork_rng(devices=[]):
+            profile = profile_copy(meta_copy(model), seq_len)
     except Exception as err:  # any model the profile cannot run keeps the parameter cut
         return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:160]
     costs = PieceCosts.of(profile, seq_len, recompute)
