@@ -2,7 +2,8 @@
 
     python bench/bench_cost_cut.py [--pp 4,8] [--scale 4] [--steps 2] [--warmup 1] [--planner-only]
 
-Writes bench/results/cost_cut.md and cost_cut.json (machine, date, commit).
+Writes bench/results/cost_cut.md and cost_cut.json (machine, date, commit; `--out-name` names
+them otherwise).
 
 1. The planner (`plan.predict_step_time`, H100 figures of conf/cluster/h100_1x8.yaml, bf16, 4096
    tokens a row): Llama-3-8B, Llama-2-70B and Gemma-2-9B shapes, pp 4 (x dp_shard 2) and pp 8,
@@ -256,7 +257,7 @@ def _bh(s: dict[str, float]) -> dict[str, float]:
 def write(meta: dict[str, Any], planner: list[dict], emulated: list[dict]) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     data = {**meta, "planner": planner, "emulated": emulated}
-    (RESULTS / "cost_cut.json").write_text(json.dumps(data, indent=1))
+    (RESULTS / f"{meta['out_name']}.json").write_text(json.dumps(data, indent=1))
     m = meta["machine"]
     lines = [
         "# Stages cut by cost against stages cut by parameters",
@@ -286,18 +287,28 @@ def write(meta: dict[str, Any], planner: list[dict], emulated: list[dict]) -> No
             f"slowed {meta['scale']}x); pp ranks, 2 pp micro-batches, median of "
             f"{meta['steps']} steps after {meta['warmup']} warm-up.",
             "",
-            "| layout | even step (s) | planned | balanced step (s) | planned | faster "
-            "(measured) | faster (planned) |",
-            "|---|---|---|---|---|---|---|",
+            "Steps: median [fastest] of the timed steps (a loaded machine only adds delay: the "
+            "host falls behind its emulated device); load: the 1-minute load average before and "
+            "after the row.",
+            "",
+            "| layout | even step (s) | planned | load | balanced step (s) | planned | load "
+            "| faster (median) | faster (fastest) | faster (planned) |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in emulated:
             e, b = r["even"], r["balanced"]
+            fastest = min(e["steps_s"]) / min(b["steps_s"]) - 1
             lines.append(
-                f"| pp {r['pp']} {r['schedule']} | {e['step_s']:.2f} | {e['planned_s']:.2f} | "
-                f"{b['step_s']:.2f} | {b['planned_s']:.2f} | {r['gain']:+.1%} | "
+                f"| pp {r['pp']} {r['schedule']} | {e['step_s']:.2f} [{min(e['steps_s']):.2f}] | "
+                f"{e['planned_s']:.2f} | {_load(e)} | {b['step_s']:.2f} [{min(b['steps_s']):.2f}] "
+                f"| {b['planned_s']:.2f} | {_load(b)} | {r['gain']:+.1%} | {fastest:+.1%} | "
                 f"{e['planned_s'] / b['planned_s'] - 1:+.1%} |"
             )
-    (RESULTS / "cost_cut.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{meta['out_name']}.md").write_text("\n".join(lines) + "\n")
+
+
+def _load(row: dict[str, Any]) -> str:
+    return "-".join(f"{x:.0f}" for x in row["load_1m"])
 
 
 def main() -> None:
@@ -309,6 +320,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--planner-only", action="store_true")
+    parser.add_argument("--out-name", default="cost_cut", help="results file names")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--block", type=float, help=argparse.SUPPRESS)
@@ -319,12 +331,12 @@ def main() -> None:
         return
     pps = [int(p) for p in args.pp.split(",")]
     meta = {"machine": machine(), "argv": sys.argv[1:], "scale": args.scale,
-            "steps": args.steps, "warmup": args.warmup}  # fmt: skip
+            "steps": args.steps, "warmup": args.warmup, "out_name": args.out_name}  # fmt: skip
     planner = planner_rows(pps)
     write(meta, planner, [])
     emulated = [] if args.planner_only else emulated_rows(pps, planner, args, meta)
     write(meta, planner, emulated)
-    print((RESULTS / "cost_cut.md").read_text())
+    print((RESULTS / f"{meta['out_name']}.md").read_text())
 
 
 if __name__ == "__main__":
