@@ -100,7 +100,7 @@ class ZeroPPEngine(EngineReports):
         self.device = device or torch.device("cpu")
         self.num_stages = cfg.num_stages
         self._meta = has_meta(model)
-        self.plan = block_plan(model, self.num_stages, cfg.split_points)
+        self.plan = block_plan(model, cfg, example_args, example_kwargs)
         self.split = resolve_split(model, split)
         # Setup communicates: a rank failing or lost in it is named on every rank (the board
         # guards this constructor), and ranks that would build other layouts stop here.

@@ -7,6 +7,7 @@ The order is the engine's build order (docs/architecture.md): split (`core.split
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,11 @@ import torch
 from torch import nn
 
 from lightning_zeropp.core.mesh import ParallelDims, mesh_coordinates
-from lightning_zeropp.core.settings.placement import splits_backward, stage_ids_for_rank
+from lightning_zeropp.core.settings.placement import (
+    schedule_style,
+    splits_backward,
+    stage_ids_for_rank,
+)
 from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 from lightning_zeropp.core.shard.compile import compile_blocks
 from lightning_zeropp.core.shard.fsdp import apply_activation_checkpointing, shard_stage
@@ -24,6 +29,7 @@ from lightning_zeropp.core.shard.plus import Plus
 from lightning_zeropp.core.split.blocks import BlockPlan, find_blocks, plan_blocks
 from lightning_zeropp.core.split.call_plan import CallInputs
 from lightning_zeropp.core.split.call_stages import flatten_outputs
+from lightning_zeropp.core.split.cost import cost_cut, guess_seq_len, measure_costs, rank_loads
 from lightning_zeropp.core.split.methods import SplitMethod, check_no_tied_parameters, split_model
 from lightning_zeropp.core.split.modules import merge_stage_modules
 from lightning_zeropp.core.split.tied import TiedWeights, tied_groups
@@ -40,15 +46,45 @@ __all__ = ["Built", "block_plan", "build_stages", "rank_describer", "settle_spli
 
 
 def block_plan(
-    model: nn.Module, num_stages: int, split_points: list[int] | None
+    model: nn.Module,
+    config: ZeroPPLayout,
+    example_args: tuple[Any, ...] | None = None,
+    example_kwargs: dict[str, Any] | None = None,
 ) -> BlockPlan | None:
-    """The block plan; a single stage without a block container is sharded at its root only."""
+    """The block plan; a single stage without a block container is sharded at its root only.
+
+    Given `split_points` win; otherwise stages are cut by cost (`core.split.cost`: forward +
+    backward FLOPs of every block, the embedding and the head with the loss, measured on the meta
+    device at the example batch's sequence) so that the busiest pipeline rank, under the
+    schedule's placement, is least busy; a model the profile cannot run is cut by parameters."""
+    num_stages = config.num_stages
     if num_stages == 1:
         try:
             find_blocks(model)
         except ValueError:
             return None
-    return plan_blocks(model, num_stages, split_points)
+    plan = plan_blocks(model, num_stages, config.split_points)
+    if config.split_points is not None:
+        return dataclasses.replace(plan, basis="the given split_points")
+    if num_stages == 1:
+        return plan
+    seq_len, source = guess_seq_len(model, example_args, example_kwargs)
+    recompute = config.activation_checkpointing != "none"
+    costs = measure_costs(model, seq_len, recompute)
+    if isinstance(costs, str):
+        return dataclasses.replace(plan, basis=f"parameters (cost not measured: {costs})")
+    style = schedule_style(config.schedule)
+    even = [r.start for r in plan.ranges]
+    starts = cost_cut(costs, num_stages, style, config.pp_size, even)
+    busiest = [max(rank_loads(costs, c, style, config.pp_size)) for c in (starts, even)]
+    total = sum(rank_loads(costs, even, style, config.pp_size))
+    basis = (
+        f"cost (forward + backward FLOPs at {seq_len} tokens, from {source}; head and loss "
+        f"{costs.head_in_blocks():.1f} blocks; busiest pp rank {busiest[0] / total:.1%} of the "
+        f"work, cut by parameters {busiest[1] / total:.1%})"
+    )
+    cut = plan_blocks(model, num_stages, starts[1:])
+    return dataclasses.replace(cut, basis=basis, costs=costs)
 
 
 def settle_split(

@@ -14,6 +14,8 @@ Keys (besides Hydra's `model=` and `cluster=` groups and any `model.*` / `cluste
   quantized_weights=null, quantized_gradients=null, hpz_partition_size=null
                      ZeRO++ (qwZ int8/bf16, qgZ int8/int4, hpZ ranks), priced in every layout
   top=10             layouts printed
+  cut=balanced       stages cut by cost (balanced: the engine's default) or by parameters (even);
+                     each layout's step under the other cut is printed beside it
   write=auto         the parallel/ file for the best layout (auto: conf/parallel/auto_<model>_<cluster>.yaml; none: skip)
 
 The model is built on the meta device from its config (no weights, no download); the cluster's
@@ -34,7 +36,7 @@ DEFAULTS: dict[str, Any] = {
     "global_batch": 256, "seq_len": None, "dtype": "bf16", "optimizer": "adamw",
     "micro_batch": None, "top": 10, "write": "auto", "compile": False,
     "quantized_weights": None, "quantized_gradients": None,
-    "hpz_partition_size": None,
+    "hpz_partition_size": None, "cut": "balanced",
 }  # fmt: skip
 PLUS = ("quantized_weights", "quantized_gradients", "hpz_partition_size")
 GiB = 2**30
@@ -62,6 +64,8 @@ def split_args(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
             raise SystemExit(f"{key}={value!r} must be a positive integer (or null).")
     if not isinstance(own["compile"], bool):
         raise SystemExit(f"compile={own['compile']!r} must be true or false.")
+    if own["cut"] not in ("balanced", "even"):
+        raise SystemExit(f"cut={own['cut']!r} is not a cut; use balanced or even.")
     if own["dtype"] not in ("bf16", "fp16", "fp32"):
         raise SystemExit(f"dtype={own['dtype']!r} is not priced; use bf16, fp16 or fp32.")
     return own, hydra
@@ -123,7 +127,7 @@ def main(argv: list[str]) -> int:
         return 1
     best = search(
         model, world, own["global_batch"], seq_len, hardware, layouts=layouts,
-        optimizer=own["optimizer"], top=own["top"],
+        optimizer=own["optimizer"], top=own["top"], cut=own["cut"],
     )  # fmt: skip
     if not best:
         assert hardware.memory_bytes is not None  # only a memory limit can refuse every layout
@@ -133,17 +137,19 @@ def main(argv: list[str]) -> int:
         )
         return 1
     tokens = own["global_batch"] * seq_len
+    other = "even" if own["cut"] == "balanced" else "balanced"
     print(
         f"{'#':>2} {'step (s) [range]':>22} {'MFU [range]':>19} {'tokens/s':>10} "
-        f"{'GiB/rank':>9}  layout"
+        f"{'GiB/rank':>9} {other + ' cut (s)':>15}  layout"
     )
     for i, c in enumerate(best):
         fast, slow = c.step_range_s
         low_mfu, high_mfu = (c.slow or c.step).mfu, (c.fast or c.step).mfu
+        beside = other_cut(model, c.settings, world, own, seq_len, hardware, other)
         print(
             f"{i + 1:>2} {c.step_s:>7.3f} [{fast:.3f}-{slow:.3f}] "
             f"{c.step.mfu:>6.1%} [{low_mfu:.0%}-{high_mfu:.0%}] {tokens / c.step_s:>10.0f} "
-            f"{c.memory_bytes / GiB:>9.1f}  {describe(c.settings)}"
+            f"{c.memory_bytes / GiB:>9.1f} {beside:>15}  {describe(c.settings)}"
         )
     if own["write"] != "none":
         name = f"auto_{cfg.model.name}_{cluster['name']}"
@@ -166,6 +172,32 @@ def main(argv: list[str]) -> int:
             f"data.seq_len={seq_len} (the batch it was priced for) when it sits in conf/parallel/"
         )
     return 0
+
+
+def other_cut(
+    model: Any,
+    settings: dict[str, Any],
+    world: int,
+    own: dict[str, Any],
+    seq_len: int,
+    hardware: Any,
+    cut: str,
+) -> str:
+    """The layout's predicted step under the other cut, and its change against this one."""
+    from lightning_zeropp.core.settings.config import ZeroPPConfig
+    from lightning_zeropp.plan.cut import with_cut
+    from lightning_zeropp.plan.steptime import predict_step_time
+
+    if settings["pp_size"] == 1:
+        return "-"
+    priced = [
+        predict_step_time(
+            model, ZeroPPConfig(**s), world, own["global_batch"], seq_len, hardware,
+            optimizer=own["optimizer"],
+        ).step_s
+        for s in (settings, with_cut(model, {**settings, "split_points": None}, seq_len, cut, world))
+    ]  # fmt: skip
+    return f"{priced[1]:.3f} ({priced[1] / priced[0] - 1:+.0%})"
 
 
 def _context(cfg: Any) -> int:
@@ -195,6 +227,8 @@ def describe(settings: dict[str, Any]) -> str:
         if s.get("split_backward") is False:
             text += ", no split backward"
     text += f", {s['num_microbatches']} micro-batches"
+    if s.get("split_points"):
+        text += f", split at {s['split_points']}"
     if s.get("activation_checkpointing", "none") != "none":
         text += f", recompute {s['activation_checkpointing']}"
     return text

@@ -31,6 +31,7 @@ from torch import nn
 from lightning_zeropp.core.settings.config import ZeroPPConfig
 from lightning_zeropp.core.settings.placement import stage_ids_for_rank
 from lightning_zeropp.core.settings.resolve import ZeroPPLayout
+from lightning_zeropp.plan.cut import settle
 from lightning_zeropp.plan.memory import _stage_ranges, stage_ranges
 from lightning_zeropp.plan.profile import Part, micro_batch_rows, profile_model
 
@@ -222,6 +223,7 @@ def activation_peaks(
 ) -> dict[int, int]:
     """Each pipeline rank's peak activation bytes in a step of `global_batch` rows: the saved
     bytes, plus (`recompute_transient`) what a recomputing block holds during its backward."""
+    config = settle(model, config, seq_len, world_size)  # no split points: the engine's cut
     cfg = config.resolve(world_size)
     rows = micro_batch_rows(global_batch, cfg.dp_size, cfg.num_microbatches)
     per_stage = stage_activation_bytes(model, cfg, rows, seq_len)

@@ -31,6 +31,7 @@ from lightning_zeropp.core.settings.plus import hpz_size
 from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 from lightning_zeropp.core.split.blocks import find_blocks
 from lightning_zeropp.plan.activations import activation_peaks
+from lightning_zeropp.plan.cut import settle, with_cut
 from lightning_zeropp.plan.hardware import Hardware
 from lightning_zeropp.plan.memory import predict_memory, stage_parameter_shapes, stage_units
 from lightning_zeropp.plan.plus import plus_memory
@@ -72,7 +73,9 @@ def rank_memory(
     optimizer: str = "adamw",
     device_type: str = "cuda",
 ) -> list[dict[str, int]]:
-    """Every rank's predicted peak bytes by kind, and their sum ("total")."""
+    """Every rank's predicted peak bytes by kind, and their sum ("total"); a config without
+    split points is priced as the engine cuts it at `seq_len` (`plan.cut.settle`)."""
+    config = settle(model, config, seq_len, world_size)
     cfg = config.resolve(world_size)
     states = predict_memory(model, cfg, world_size, optimizer, device_type)
     acts = activation_peaks(model, cfg, world_size, global_batch, seq_len)
@@ -218,17 +221,25 @@ def search(
     top: int = 10,
     layouts: Sequence[dict[str, Any]] | None = None,
     compiled: bool | None = None,
+    cut: str = "balanced",
 ) -> list[Candidate]:
     """The `top` fastest layouts whose every rank fits `hardware.memory_bytes` (all of them
     when it is None), fastest first. `layouts` replaces the enumerated space. `compiled` and
     as in `predict_step_time` (None: each layout's `compile`): ranked at the middle of the
-    hardware's efficiency range, with the ends of it for the `top` returned."""
+    hardware's efficiency range, with the ends of it for the `top` returned.
+
+    `cut`: how a layout without `split_points` is cut into stages (`plan.cut`): "balanced" (the
+    engine's default, by cost; a layout whose balanced cut does not fit is priced with the
+    parameter cut instead) or "even" (by parameters); the cut is in each candidate's settings."""
     num_blocks = len(find_blocks(model)[1])
     space = (
         layouts
         if layouts is not None
         else list(enumerate_layouts(world_size, num_blocks, global_batch, hardware.node_size, base))
     )
+    space = [
+        s if s.get("split_points") else with_cut(model, s, seq_len, cut, world_size) for s in space
+    ]
     device = "cuda" if hardware.overlap else "cpu"
     modes: dict[str, Any] = {"compiled": compiled}
     # Cheapest first: price every layout, then simulate in order of the bound no simulation
@@ -254,7 +265,23 @@ def search(
             )
         )  # fmt: skip
         if hardware.memory_bytes is not None and memory > hardware.memory_bytes:
-            continue
+            even = with_cut(model, {**settings, "split_points": None}, seq_len, "even", world_size)
+            if cut == "even" or even == settings:
+                continue
+            settings = even  # within memory: the parameter cut, if it fits where this did not
+            costs = price(
+                model, ZeroPPConfig(**settings), world_size, global_batch, seq_len, hardware,
+                optimizer=optimizer, **modes,
+            )  # fmt: skip
+            memory = max(
+                r["total"]
+                for r in rank_memory(
+                    model, ZeroPPConfig(**settings), world_size, global_batch, seq_len,
+                    optimizer, device,
+                )
+            )  # fmt: skip
+            if memory > hardware.memory_bytes:
+                continue
         step = costs.plan()
         bisect.insort(ranked, (step.step_s, memory, i, Candidate(settings, memory, step)))
     found = [c for *_, c in ranked]

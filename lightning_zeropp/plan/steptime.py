@@ -35,6 +35,7 @@ from lightning_zeropp.core.settings.plus import hpz_size
 from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 from lightning_zeropp.plan.activations import stage_parts
 from lightning_zeropp.plan.comm import padded_shard
+from lightning_zeropp.plan.cut import settle
 from lightning_zeropp.plan.hardware import Hardware, compile_mode
 from lightning_zeropp.plan.memory import StageUnits, predict_memory, stage_ranges, stage_units
 from lightning_zeropp.plan.plus import unit_traffic
@@ -173,6 +174,8 @@ def price(
     bound: str = "mid",
 ) -> Priced:
     """`predict_step_time`'s costs, not yet simulated (its arguments)."""
+    if stage_seconds is None and unit_seconds is None:  # measured: the caller's stages as given
+        config = settle(model, config, seq_len, world_size)  # no split points: the engine's cut
     cfg = config.resolve(world_size)
     hardware = hardware.at(compile_mode(cfg, compiled), bound)
     costs, where, flops = stage_costs(

@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
 from lightning_zeropp.core.measure.comm import CommCounter, mesh_axis_namer
 from tests.distributed.common import (
+    BIG_HEAD,
     GLOBAL_BATCH,
     MAX_NORM,
     MODEL,
@@ -35,12 +36,14 @@ def _train(
     split: str = "trace",
     global_batch: int = GLOBAL_BATCH,
     count_comms: bool = False,
+    model: str = "gpt",
 ) -> dict[str, Any]:
     config = ZeroPPConfig(**layout).resolve(torch.distributed.get_world_size())
     micro = global_batch // config.dp_size // config.num_microbatches
     example = (torch.zeros(micro, MODEL.seq_len, dtype=torch.long),)
     method = _stage_builder if split == "callable" else split
-    engine = ZeroPPEngine(make_model(), config, loss_fn=lm_loss, split=method, example_args=example)
+    net = make_model(config=BIG_HEAD) if model == "big_head" else make_model()
+    engine = ZeroPPEngine(net, config, loss_fn=lm_loss, split=method, example_args=example)
     opt = make_optimizer(optimizer, engine.parameters())
     losses, norms, comms = [], [], []
     for x, y in make_batches(steps, global_batch=global_batch):
@@ -60,6 +63,7 @@ def _train(
         "params": params,
         "comms": comms,
         "plan": _plan(engine),
+        "stage_starts": [r.start for r in engine.plan.ranges] if engine.plan else None,
     }
 
 

@@ -53,6 +53,9 @@ LLAMA_SIZES = {  # config name -> parameters it should have (the name's size cla
     "llama_13b": 13e9,
     "llama_70b": 69e9,
 }
+# Today's vocabularies: the shapes' parameter counts (Gemma 2's published 9.24B ties its head to
+# the embedding; built untied, the head adds 256000 x 3584)
+VOCAB_SHAPES = {"llama3_8b": (8.03e9, 128256), "gemma2_9b": (9.24e9 + 0.917e9, 256000)}
 
 
 def options(group: str) -> list[str]:
@@ -72,7 +75,8 @@ def with_required(overrides: list[str]) -> list[str]:
 # ------------------------------------------------------------------------------ every config
 def test_groups_are_all_there():
     assert {p.name for p in CONF_DIR.iterdir() if p.is_dir()} == set(GROUPS)
-    assert set(LLAMA_SIZES) | {"gpt_tiny", "llama_tiny", "hf_local"} == set(options("model"))
+    extra = {"gpt_tiny", "llama_tiny", "hf_local", *VOCAB_SHAPES}
+    assert set(LLAMA_SIZES) | extra == set(options("model"))
     assert {"cpu4", "cpu8", "h100_1x8", "h100_4x8", "h100_16x8"} == set(options("cluster"))
     parallel = {"base", "zeropp", "zeropp_plus", "pp_1f1b", "fsdp", "ddp", "auto"}
     assert parallel == set(options("parallel"))
@@ -181,6 +185,18 @@ def test_llama_configs_have_their_size_and_fit_the_builder(name):
     assert net["tie_word_embeddings"] is False and net["family"] == "llama"
     want = LLAMA_SIZES[name]
     assert abs(llama_params(net) - want) < 0.1 * want, f"{name}: {llama_params(net) / 1e9:.2f}B"
+
+
+@pytest.mark.parametrize("name", sorted(VOCAB_SHAPES))
+def test_todays_vocabulary_shapes_build_with_their_size(name):
+    """Built on the meta device as the planner builds them: the published size and vocabulary."""
+    cfg = compose_config([f"model={name}"])
+    with torch.device("meta"):
+        net = instantiate(cfg.model.net)
+    size, vocab = VOCAB_SHAPES[name]
+    count = sum(p.numel() for p in net.parameters())
+    assert abs(count - size) < 0.01 * size, f"{name}: {count / 1e9:.3f}B"
+    assert net.get_output_embeddings().weight.shape[0] == vocab == cfg.model.vocab_size
 
 
 def test_llama_param_formula_matches_a_real_model():

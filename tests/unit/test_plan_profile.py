@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_zeropp.core.split import profile
 from lightning_zeropp.models import GPT, GPTConfig
 from lightning_zeropp.models.hf import build_causal_lm
-from lightning_zeropp.plan import profile
 
 
 def _every_block_run(monkeypatch, model: nn.Module, seq: int) -> tuple:

@@ -70,6 +70,7 @@ def test_the_command_line_writes_a_layout_the_recipes_accept(tmp_path: Path, cap
     assert main(["global_batch=32", "top=3", f"write={out}"]) == 0
     printed = capsys.readouterr().out
     assert "gpt_tiny on cpu4 (4 ranks)" in printed
+    assert "even cut (s)" in printed  # each layout's step under the parameter cut, beside it
     ranked = [
         line.split()[0] for line in printed.splitlines() if "pp " in line and " x rep " in line
     ]

@@ -1,8 +1,9 @@
 """The layout of a run in words: what every run prints once at setup.
 
 World and mesh sizes, schedule, micro-batches, chunks and unit size, the split, and each stage's
-blocks, pipeline rank and parameter count (of the whole model, not this rank's shard); then the
-hosts, and the host of each dp_shard group (`core.hosts`: the mesh holds the ranks in host order).
+blocks, pipeline rank and parameter count (of the whole model, not this rank's shard); what the
+stages were cut by, and each pipeline rank's share of the work when cut by cost; then the hosts,
+and the host of each dp_shard group (`core.hosts`: the mesh holds the ranks in host order).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_zeropp.core.settings.placement import rank_of_stage
+from lightning_zeropp.core.split.cost import rank_loads
 
 __all__ = ["describe_layout"]
 
@@ -36,6 +38,8 @@ def describe_layout(engine: Any) -> str:
         head += f", unit size {cfg.unit_size}"
     lines = [head + f"; split {engine.split!r}"]
     plan = engine.plan
+    if plan is not None and engine.num_stages > 1:
+        lines.append(f"  stages cut by {plan.basis}")
     for stage in range(engine.num_stages):
         where = f"'{plan.container or '<root>'}'" if plan is not None else None
         blocks = (
@@ -46,6 +50,11 @@ def describe_layout(engine: Any) -> str:
         rank = rank_of_stage(engine.style, stage, cfg.pp_size)
         lines.append(f"  stage {stage} (pp rank {rank}): {blocks}, {counts[stage]:,} parameters")
     lines.append(f"  total: {sum(counts.values()):,} parameters")
+    if plan is not None and plan.costs is not None:
+        starts = [r.start for r in plan.ranges]
+        loads = rank_loads(plan.costs, starts, engine.style, cfg.pp_size)
+        shares = ", ".join(f"{r} {x / sum(loads):.1%}" for r, x in enumerate(loads))
+        lines.append(f"  each pp rank's share of the work (forward + backward FLOPs): {shares}")
     return "\n".join(lines + placement_lines(dims))
 
 

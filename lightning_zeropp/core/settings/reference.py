@@ -55,7 +55,7 @@ SETTINGS_REFERENCE: dict[str, tuple[str, str]] = {
         "free gathered weights after forward (gather again for backward)",
     ),
     "split_points": (
-        "balanced by parameter count",
+        "cut by cost: the busiest pipeline rank's FLOPs least (docs/cost-cut.md)",
         "block indices where stages 1, 2, ... start",
     ),
     "unit_size": (

@@ -4,19 +4,27 @@ Blocks are found by structure: of the `ModuleList` / `ModuleDict` / `nn.Sequenti
 holding at least two modules of one class (a stack of repeated layers), the one whose repeated
 layers hold the most parameters (ties: more children, then the shallower path). Not by child count:
 torchvision's ViT MLP (`nn.Sequential` of Linear, GELU, Dropout, Linear, Dropout) has more children
-than a 4-layer encoder but only part of one layer's parameters. Stages get contiguous runs of blocks balanced by block
-parameter count unless `split_points` (the block index each stage after the first starts at) is
-given.
+than a 4-layer encoder but only part of one layer's parameters. Stages get contiguous runs of
+blocks: at `split_points` (the block index each stage after the first starts at) when given, else
+balanced by block parameter count here; the engine then re-cuts by cost (`core.split.cost`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
-__all__ = ["BlockPlan", "find_blocks", "num_params", "plan_blocks", "stage_param_names"]
+__all__ = [
+    "BlockPlan",
+    "balanced_starts",
+    "find_blocks",
+    "num_params",
+    "plan_blocks",
+    "stage_param_names",
+]
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
@@ -28,6 +36,10 @@ class BlockPlan:
     container: str  # dotted path of the block container ("" when the model itself is one)
     names: list[str]  # child names of the blocks, in order
     ranges: list[range]  # per stage: indices into `names`
+    # what the cut was chosen by, in words (the layout prints it), and the costs it balanced
+    # (`core.split.cost.PieceCosts`; None when cut by parameters or given split points)
+    basis: str = "parameters"
+    costs: Any = None
 
     def fqn(self, block_index: int) -> str:
         name = self.names[block_index]
@@ -89,7 +101,7 @@ def plan_blocks(
     else:
         holder = model.get_submodule(container) if container else model
         sizes = [num_params(holder.get_submodule(n)) for n in names]
-        starts = _balanced_starts(sizes, num_stages)
+        starts = balanced_starts(sizes, num_stages)
     bounds = [*starts, len(names)]
     ranges = [range(bounds[i], bounds[i + 1]) for i in range(num_stages)]
     return BlockPlan(container=container, names=names, ranges=ranges)
@@ -106,10 +118,10 @@ def _check_split_points(points: Sequence[int], num_stages: int, num_blocks: int)
     return starts
 
 
-def _balanced_starts(sizes: list[int], num_stages: int) -> list[int]:
+def balanced_starts(sizes: Sequence[float], num_stages: int) -> list[int]:
     """Contiguous partition of `sizes` minimising the largest part (exact, by dynamic programming)."""
     n = len(sizes)
-    prefix = [0]
+    prefix: list[float] = [0.0]
     for s in sizes:
         prefix.append(prefix[-1] + s)
     inf = float("inf")

@@ -1,0 +1,395 @@
+"""One micro-batch of a model, measured on the meta device block by block: what each block saves
+for backward (as it runs, and as it runs recomputed), its forward FLOPs and the size of its output,
+and the same for the work before the first block (embeddings) and after the last (norm, head,
+loss).
+
+The whole model runs once (shapes only, no compute), with hooks around each block attributing
+what happens inside it; stages cut at block boundaries, so a stage's figures are sums of its
+blocks', plus the work before the blocks on the first stage and after them on the last. This needs
+no stage modules that run on their own, so any model with a block list works: the bundled GPT,
+HF `*ForCausalLM` (which the engine cuts with split="call"), litgpt.
+
+Saved bytes count each storage once, weights excluded, attention as fused kernels save it
+(`meta_forward`). A recomputed block saves what torch's non-reentrant checkpoint keeps (its
+inputs), counted by wrapping the blocks as the engine does (`core.shard.fsdp`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import functools
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_zeropp.core._torch_private import (
+    fused_attention,
+    fused_attention_flops,
+    storage_identity,
+)
+from lightning_zeropp.core.shard.fsdp import apply_activation_checkpointing
+from lightning_zeropp.core.split.blocks import find_blocks
+
+__all__ = [
+    "ModelProfile",
+    "Part",
+    "lm_loss",
+    "meta_forward",
+    "micro_batch_rows",
+    "profile_copy",
+    "profile_model",
+]
+
+
+def micro_batch_rows(global_batch: int, dp_size: int, num_microbatches: int) -> int:
+    """Rows of one micro-batch; a global batch the layout cannot split evenly is refused (a
+    prediction for a batch that would not run is no prediction)."""
+    if global_batch < 1 or global_batch % (dp_size * num_microbatches):
+        raise ValueError(
+            f"global_batch={global_batch} does not split into {dp_size} data-parallel ranks x "
+            f"{num_microbatches} micro-batches; use a multiple of {dp_size * num_microbatches}."
+        )
+    return global_batch // (dp_size * num_microbatches)
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Token cross-entropy, the loss the planner assumes (computed in fp32)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
+
+
+@contextlib.contextmanager
+def meta_forward() -> Iterator[None]:
+    """Run a model on the meta device as a real run would: attention through the fused kernels
+    (`_torch_private.fused_attention`: what they save, not the math path's whole matrix), and
+    HF's packed-sequence probe answered "not packed" (it reads values, which meta tensors do not
+    have; a batch of input ids alone is never packed)."""
+    original = F.scaled_dot_product_attention
+    # Ignored: torch's stub types the builtin with positional-only names the stand-in lacks
+    F.scaled_dot_product_attention = fused_attention  # type: ignore[assignment]
+    masking = sys.modules.get("transformers.masking_utils")
+    probe = getattr(masking, "find_packed_sequence_indices", None)
+    if probe is not None:
+        masking.find_packed_sequence_indices = lambda position_ids: None  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+        if probe is not None:
+            masking.find_packed_sequence_indices = probe  # type: ignore[union-attr]
+
+
+@dataclass(frozen=True)
+class Part:
+    """One piece of a micro-batch's forward."""
+
+    saved: int  # bytes saved for backward
+    saved_recomputed: int  # ... when the piece is a checkpointed block (its inputs)
+    flops: float  # forward FLOPs (backward: twice these)
+    output: int  # bytes of what it returns (what crosses to the next stage after it)
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    before: Part  # embeddings and whatever runs before the first block
+    blocks: list[Part]
+    after: Part  # final norm, head and loss
+
+    def stage(self, blocks: range, first: bool, last: bool, recompute: bool) -> Part:
+        """A stage holding `blocks` (and the parts before and after them when first / last)."""
+        parts = [*([self.before] if first else []), *[self.blocks[i] for i in blocks]]
+        parts += [self.after] if last else []
+        chosen = [self.blocks[i] for i in blocks]
+        saved = sum(p.saved_recomputed if recompute else p.saved for p in chosen)
+        saved += (self.before.saved if first else 0) + (self.after.saved if last else 0)
+        return Part(
+            saved=saved,
+            saved_recomputed=saved,
+            flops=sum(p.flops for p in parts),
+            output=parts[-1].output,
+        )
+
+
+@functools.lru_cache(maxsize=256)  # a search prices every micro-batch size many times
+def profile_model(
+    model: nn.Module,
+    rows: int,
+    seq_len: int,
+    dtype: torch.dtype | None = None,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] = lm_loss,
+) -> ModelProfile:
+    """Profile one micro-batch of `rows` x `seq_len` token ids through `model` (meta device),
+    computed in `dtype` when given (mixed precision).
+
+    Every figure is affine in the rows (per-row tensors, plus a few that do not depend on them,
+    such as rotary tables), so the model runs at 1 and 2 rows and the rest is extrapolated; a
+    search then prices every micro-batch size from two runs."""
+    one, two = _profile(model, seq_len, dtype, loss_fn)
+    if rows in (1, 2):
+        return one if rows == 1 else two
+
+    def at(a: Part, b: Part) -> Part:
+        return Part(
+            *(
+                x + (y - x) * (rows - 1)
+                for x, y in zip(dataclasses.astuple(a), dataclasses.astuple(b), strict=True)
+            )
+        )
+
+    return ModelProfile(
+        before=at(one.before, two.before),
+        blocks=[at(a, b) for a, b in zip(one.blocks, two.blocks, strict=True)],
+        after=at(one.after, two.after),
+    )
+
+
+@functools.lru_cache(maxsize=32)  # a search prices many layouts of one model
+def _profile(
+    model: nn.Module,
+    seq_len: int,
+    dtype: torch.dtype | None,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+) -> tuple[ModelProfile, ModelProfile]:
+    """The profiles of one and of two rows (one copy of the model for both)."""
+    model = copy.deepcopy(model)
+    if dtype is not None:
+        model = model.to(dtype)
+    container, names = find_blocks(model)
+    holder = model.get_submodule(container) if container else model
+    blocks = [holder.get_submodule(n) for n in names]
+    with _repeats_skipped(blocks) as repeats:
+        plain = [_run(model, blocks, rows, seq_len, loss_fn, repeats) for rows in (1, 2)]
+        apply_activation_checkpointing(holder, names)
+        # recomputed, only what is saved counts: the FLOPs are the plain run's
+        recomputed = [
+            _run(model, blocks, rows, seq_len, loss_fn, repeats, count_flops=False)
+            for rows in (1, 2)
+        ]
+    return _assemble(plain[0], recomputed[0]), _assemble(plain[1], recomputed[1])
+
+
+def profile_copy(model: nn.Module, seq_len: int) -> ModelProfile:
+    """One row of `seq_len` token ids through `model` itself, a meta-device copy the caller owns
+    (the engine's, thrown away after): not cached, not copied again, and without the recomputed
+    run (`saved_recomputed` is `saved`: the cut prices time, not recomputation)."""
+    container, names = find_blocks(model)
+    holder = model.get_submodule(container) if container else model
+    blocks = [holder.get_submodule(n) for n in names]
+    with _repeats_skipped(blocks) as repeats:
+        plain = _run(model, blocks, 1, seq_len, lm_loss, repeats)
+    return _assemble(plain, plain)
+
+
+def _assemble(plain: _Tally, recomputed: _Tally) -> ModelProfile:
+    parts = [
+        Part(saved=s, saved_recomputed=r, flops=f, output=o)
+        for s, r, f, o in zip(
+            plain.saved[1:-1], recomputed.saved[1:-1], plain.flops[1:-1], plain.output[1:-1],
+            strict=True,
+        )
+    ]  # fmt: skip
+    return ModelProfile(
+        before=Part(plain.saved[0], plain.saved[0], plain.flops[0], plain.output[0]),
+        blocks=parts,
+        after=Part(plain.saved[-1], plain.saved[-1], plain.flops[-1], plain.output[-1]),
+    )
+
+
+class _Repeats:
+    """Blocks that repeat an earlier one are not run again: a decoder's 80 identical layers
+    cost what 2 do (meta tensors still pay Python for every op).
+
+    A block repeats another when both are the same module (class, parameter shapes, the plain
+    attributes of every submodule, its own index aside) called with the same input shapes and
+    values; once the last two such blocks have measured the same, the rest of them return a
+    fresh output of the measured shape and are given the measured figures (`credit`).
+    Different blocks (Gemma2's sliding and global layers) have different attributes and run."""
+
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        self.prints = [_fingerprint(b, i) for i, b in enumerate(blocks)]
+        self.measured: dict[tuple, list[tuple[int, float, Any]]] = {}
+        self.pending: dict[int, tuple] = {}  # blocks running for real, by index: their key
+        self.stubbed: dict[int, tuple[int, float]] = {}  # blocks skipped: (saved, flops) owed
+
+    def reset(self) -> None:  # a new run: what was measured with or without recompute differs
+        self.measured.clear()
+        self.pending.clear()
+        self.stubbed.clear()
+
+    def forward(self, i: int, original: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            key = (self.prints[i], _signature((args, kwargs)))
+            runs = self.measured.get(key, [])
+            # the last two alike (the first of a kind may differ: it saves what later ones share)
+            if len(runs) >= 2 and runs[-1][:2] == runs[-2][:2]:
+                self.stubbed[i] = runs[-1][:2]
+                return _map_tensors(_fresh, runs[-1][2])
+            self.pending[i] = key
+            return original(*args, **kwargs)
+
+        return forward
+
+    def credit(self, i: int, tally: _Tally, output: Any) -> None:
+        """After block i: record what it measured, or credit what a skipped block owes."""
+        if i in self.stubbed:  # what its wrappers (a checkpoint's) did for real is in these too
+            tally.saved[i + 1], tally.flops[i + 1] = self.stubbed.pop(i)
+        elif i in self.pending:
+            entry = (tally.saved[i + 1], tally.flops[i + 1], output)
+            self.measured.setdefault(self.pending.pop(i), []).append(entry)
+
+
+@contextlib.contextmanager
+def _repeats_skipped(blocks: list[nn.Module]) -> Iterator[_Repeats]:
+    repeats = _Repeats(blocks)
+    for i, block in enumerate(blocks):
+        block.forward = repeats.forward(i, block.forward)  # type: ignore[method-assign]
+    try:
+        yield repeats
+    finally:
+        for block in blocks:
+            del block.forward
+
+
+def _fingerprint(module: nn.Module, index: int) -> tuple:
+    """What makes two blocks the same computation: each submodule's class, parameter shapes and
+    plain attributes (numbers, strings, flags), leaving out any integer equal to the block's own
+    index (its layer number)."""
+    out = []
+    for name, m in module.named_modules():
+        attrs = tuple(
+            sorted(
+                (k, v)
+                for k, v in vars(m).items()
+                if not k.startswith("_")
+                and isinstance(v, int | float | str | bool | type(None))
+                and not (type(v) is int and v == index)
+            )
+        )
+        params = tuple((n, tuple(p.shape), p.dtype) for n, p in m.named_parameters(recurse=False))
+        out.append((name, type(m).__qualname__, attrs, params))
+    return tuple(out)
+
+
+def _signature(value: Any) -> Any:
+    """A call's arguments as shapes and plain values (hashable): what the block computes on."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype, value.requires_grad)
+    if isinstance(value, list | tuple):
+        return (type(value).__qualname__, tuple(_signature(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple((k, _signature(v)) for k, v in value.items()))
+    if isinstance(value, int | float | str | bool | type(None)):
+        return value
+    return type(value).__qualname__
+
+
+def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
+    """`value` with every tensor in its tuples, lists and dicts replaced by `fn(tensor)`."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
+        return type(value)(_map_tensors(fn, v) for v in value)
+    if isinstance(value, dict):
+        return type(value)((k, _map_tensors(fn, v)) for k, v in value.items())
+    return value
+
+
+def _fresh(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device="meta", requires_grad=t.requires_grad)
+
+
+@dataclass
+class _Tally:
+    """Per piece (before, each block, after): saved bytes, FLOPs, output bytes."""
+
+    saved: list[int]
+    flops: list[float]
+    output: list[int]
+
+
+def _run(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    rows: int,
+    seq_len: int,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+    repeats: _Repeats | None = None,
+    count_flops: bool = True,
+) -> _Tally:
+    n = len(blocks)
+    tally = _Tally([0] * (n + 2), [0.0] * (n + 2), [0] * (n + 2))
+    piece = [0]  # 0: before the blocks; i + 1: inside block i; n + 1: after them
+    params = {storage_identity(p) for p in model.parameters()}
+    seen: set[int] = set()
+    counter = FlopCounterMode(display=False, custom_mapping=fused_attention_flops())
+    flops_at = [0.0]
+
+    def move_to(index: int) -> None:
+        total = float(counter.get_total_flops()) if count_flops else 0.0
+        tally.flops[piece[0]] += total - flops_at[0]
+        flops_at[0] = total
+        piece[0] = index
+
+    def enter(i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            if i == 0:
+                tally.output[0] = _nbytes(args)  # the first block's input: the embeddings
+            move_to(i + 1)
+
+        return hook
+
+    if repeats is not None:
+        repeats.reset()
+
+    def leave(i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            tally.output[i + 1] = _nbytes(output)
+            move_to(n + 1)  # until the next block starts, work belongs after the blocks
+            if repeats is not None:
+                repeats.credit(i, tally, output)
+
+        return hook
+
+    def pack(t: torch.Tensor) -> Any:
+        key = storage_identity(t)
+        if key not in params and key not in seen:
+            seen.add(key)
+            tally.saved[piece[0]] += t.untyped_storage().nbytes()
+        return t
+
+    handles = []
+    for i, block in enumerate(blocks):
+        handles.append(block.register_forward_pre_hook(enter(i)))
+        handles.append(block.register_forward_hook(leave(i)))
+    tokens = torch.zeros(rows, seq_len, dtype=torch.long, device="meta")
+    try:
+        with (
+            counter if count_flops else contextlib.nullcontext(),
+            meta_forward(),
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        ):
+            out = model(tokens)
+            logits = getattr(out, "logits", out)
+            tally.output[n + 1] = _nbytes(logits)
+            loss_fn(logits, tokens)
+            move_to(n + 1)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return tally
+
+
+def _nbytes(value: Any) -> int:
+    """Bytes of the first tensor in `value` (a block's hidden state comes first)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (tuple, list)) and value:
+        return _nbytes(value[0])
+    return 0
