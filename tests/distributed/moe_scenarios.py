@@ -65,8 +65,12 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def run(optimizer: str) -> dict[str, Any]:
-    """The engine at pp 2 x dp 2 (4 ranks, split='call'), and one process on every rank."""
+def run(optimizers: list[str]) -> dict[str, Any]:
+    """Per optimizer: the engine at pp 2 x dp 2 (4 ranks, split='call'), and one process."""
+    return {name: _train(name) for name in optimizers}
+
+
+def _train(optimizer: str) -> dict[str, Any]:
     config = ZeroPPConfig(pp_size=2, num_microbatches=2).resolve(4)
     micro = GLOBAL_BATCH // config.dp_size // config.num_microbatches
     example = (torch.zeros(micro, SEQ, dtype=torch.long),)

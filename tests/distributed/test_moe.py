@@ -16,15 +16,20 @@ from tests.distributed.launch import launch
 pytestmark = pytest.mark.distributed
 
 
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    params = {"optimizers": ["sgd", "adamw"]}
+    return launch(4, "moe_scenarios.run", params, tmp_path_factory.mktemp("moe"), timeout=300)
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-def test_experts_unused_on_one_rank_match_one_process(tmp_path, optimizer):
-    results = launch(4, "moe_scenarios.run", {"optimizer": optimizer}, tmp_path, timeout=300)
-    for rank, got in enumerate(results):
+def test_experts_unused_on_one_rank_match_one_process(results, optimizer):
+    for rank_results in results:
+        got = rank_results[optimizer]
         assert got["unused"], "the batches must leave an expert unused on one rank only"
         one = got["one"]
         torch.testing.assert_close(got["losses"], one["losses"], rtol=0, atol=1e-5)
-        if rank == 0:
-            params = {**got["params"], **results[2]["params"]}  # both stages
-            assert params.keys() == one["params"].keys()
-            for name, value in one["params"].items():
-                torch.testing.assert_close(params[name], value, rtol=0, atol=1e-5, msg=name)
+    params = {**results[0][optimizer]["params"], **results[2][optimizer]["params"]}  # 2 stages
+    assert params.keys() == one["params"].keys()
+    for name, value in one["params"].items():
+        torch.testing.assert_close(params[name], value, rtol=0, atol=1e-5, msg=name)
