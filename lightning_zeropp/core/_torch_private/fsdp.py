@@ -74,30 +74,35 @@ def fill_missing_gradients(root: FSDPModule) -> None:
     parameter without a gradient on every rank keeps none, as in one process (an optimizer
     skips it there, and here).
     """
-    state = root._get_fsdp_state()
-    for sub in state._state_ctx.all_states:
+    # One all-reduce per data-parallel group, over every unit's flags (units share their mesh).
+    by_mesh: dict[tuple[Any, ...], list[Any]] = {}
+    for sub in root._get_fsdp_state()._state_ctx.all_states:
         for group in _state_groups(sub):
-            params = [
+            info = group.mesh_info
+            groups = tuple(
+                getattr(info, name, None)
+                for name in ("shard_process_group", "replicate_process_group")
+            )
+            by_mesh.setdefault((*groups, group.device), []).extend(
                 fp for fp in group.fsdp_params
                 if hasattr(fp, "_unsharded_param") and fp.sharded_param.requires_grad
-            ]  # fmt: skip
-            if not params:
-                continue
-            held = torch.tensor(
-                [fp.unsharded_accumulated_grad is not None or fp.unsharded_param.grad is not None
-                 for fp in params],
-                dtype=torch.int32,
-                device=group.device,
             )  # fmt: skip
-            anywhere = held.clone()
-            info = group.mesh_info
-            for name in ("shard_process_group", "replicate_process_group"):
-                pg = getattr(info, name, None)
-                if pg is not None and dist.get_world_size(pg) > 1:
-                    dist.all_reduce(anywhere, op=dist.ReduceOp.MAX, group=pg)
-            for fp, mine, some in zip(params, held.tolist(), anywhere.tolist(), strict=True):
-                if some and not mine:
-                    fp.unsharded_param.grad = torch.zeros_like(fp.unsharded_param)
+    for (*groups, device), params in by_mesh.items():
+        if not params or all(pg is None or dist.get_world_size(pg) == 1 for pg in groups):
+            continue
+        held = torch.tensor(
+            [fp.unsharded_accumulated_grad is not None or fp.unsharded_param.grad is not None
+             for fp in params],
+            dtype=torch.int32,
+            device=device,
+        )  # fmt: skip
+        anywhere = held.clone()
+        for pg in groups:
+            if pg is not None and dist.get_world_size(pg) > 1:
+                dist.all_reduce(anywhere, op=dist.ReduceOp.MAX, group=pg)
+        for fp, mine, some in zip(params, held.tolist(), anywhere.tolist(), strict=True):
+            if some and not mine:
+                fp.unsharded_param.grad = torch.zeros_like(fp.unsharded_param)
 
 
 @contextlib.contextmanager
