@@ -71,6 +71,11 @@ SWEEP_CASES = [
     _sweep("gpt2", True, args=EXPORTS),  # learned positions; its loss_type is None
     _sweep("gemma2", True),  # scaled embedding, soft-capping, masks alternating by layer
     _sweep("opt", True),  # learned positions offset by 2, a projection-free OPT
+    # mixture of experts at pp 2 x dp 2 (router logits off: see ROUTER): its (1, hidden)
+    # shared_expert_gate shards empty on the second data-parallel rank, whose empty shards all
+    # sit at address 0; the export took them for one tied tensor and its all-gathers no longer
+    # lined up (gloo: "64 vs 32" bytes) (`core.weights.export._first_names`)
+    _sweep("qwen2_moe", False),
     # no training: run_clm's eval alone, compared with DDP's and one process's
     {"id": "eval-only", "plugin": PP, "args": {"num_train_epochs": 0, "eval_rows": 10}},
 ]
@@ -90,10 +95,10 @@ ROUTER = {"id": "moe-router", "plugin": PP, "args": {"family": "olmoe+router"}, 
 # for time (bench/bench_families.py tabulates every family on both fronts).
 FAMILY_CASES = [
     *(_sweep(f, False) for f in ("llama", "qwen2", "mistral", "phi3", "gpt_neox")),
-    # mixture-of-experts families (router logits off: see ROUTER), one pipeline of 4 stages: with
-    # 2 data-parallel ranks (pp 2 x dp 2) they end after the first update in a gloo collective
-    # mismatch ("64 vs 32" bytes), cause not yet found; this pins the pipeline's exactness
-    *({**_sweep(f, False), "plugin": PP4} for f in ("qwen2_moe", "olmoe")),
+    # mixture-of-experts families (router logits off: see ROUTER) in one pipeline of 4 stages
+    # (Qwen2-MoE at pp 2 x dp 2: SWEEP_CASES), and OLMoE at pp 2 x dp 2
+    *({**_sweep(f, False), "plugin": PP4, "id": f"sweep-{f}-pp4"} for f in ("qwen2_moe", "olmoe")),
+    _sweep("olmoe", False),
     _sweep("gemma", True),
     *(
         {**_sweep("llama", True), "id": f"sweep-llama-tied-{schedule}",

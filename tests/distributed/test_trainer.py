@@ -26,6 +26,22 @@ EVAL = {"eval_strategy": "steps", "eval_steps": 2, "lr_scheduler_type": "cosine"
 LORA = {"lora": True, "rows": "padded"}
 # tokens seen counted as one process counts them, padding included (before: 400 against 448)
 SEEN = {"include_num_input_tokens_seen": True}
+# Qwen2-MoE: a mixture of experts with a shared expert (router logits off, the config's default)
+# at pp 2 x dp 2, padded rows; before, save_model crashed in gloo ("64 vs 32" bytes: the
+# (1, hidden) shared_expert_gate shards empty on the second data-parallel rank). Not with BEST:
+# the plain Trainer's load_best_model_at_end skips its experts (transformers 5.24 saves them per
+# expert and loads that file with strict=False), so one process's reference would be wrong.
+QWEN2_MOE = {
+    "family": "qwen2_moe",
+    "config": {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 16,
+    },
+    "rows": "padded",
+    "args": CLIPPED,
+}
 # packed rows regrouped into 3 micro-batches: in evaluation a packed row does not split into the
 # 2 processes' shares (each process reports the global batch's mean); 10 evaluation rows, 12 a
 # batch: Accelerate repeats 2 documents to complete the last batch, which must not count (before:
@@ -99,6 +115,7 @@ CASES = [
     # the same model accumulating 2 batches per update: each micro-batch's mean rescaled to a
     # sum over the whole window's count (the Trainer's num_items_in_batch)
     {"id": "bert-accum", "plugin": PP, "script": BERT_ACCUM},
+    {"id": "qwen2-moe", "plugin": PP, "script": QWEN2_MOE},
     {
         "id": "packed",
         "plugin": {"pp_size": 2, "num_microbatches": 3},
@@ -121,7 +138,7 @@ ONE = {"per_device_train_batch_size": 8, "per_device_eval_batch_size": 8}
 REFERENCES = [
     {"id": case["id"], "plugin": None, "script": {**case["script"], **case.get("one", ONE)}}
     for case in CASES
-    if case["id"] in ("padded", "lora", "packed", "bert", "bert-accum")
+    if case["id"] in ("padded", "lora", "packed", "bert", "bert-accum", "qwen2-moe")
 ]
 
 
@@ -279,6 +296,14 @@ def test_a_resume_with_another_global_batch_is_refused_naming_the_rows(runs):
             r"checkpoint's global batch .*ignore_data_skip=True.*",
             rank["resume"]["other"] or "",
         ), rank["resume"]["other"]
+
+
+def test_mixture_of_experts_matches_one_process(runs):
+    """Qwen2-MoE through ZeroPPTrainer: losses, norms and the weights save_model writes. Before:
+    save_model's gather ended in gloo's "64 vs 32" bytes on the second data-parallel rank."""
+    four, one = runs
+    _assert_same_training(four[0]["qwen2-moe"], one["qwen2-moe"])
+    _assert_same_weights(four[0]["qwen2-moe"], one["qwen2-moe"])
 
 
 def test_a_resume_from_a_checkpoint_with_planted_code_runs_nothing(runs):

@@ -45,6 +45,7 @@ from lightning_zeropp.core._torch_private.distributed import (  # noqa: E402
 )
 from lightning_zeropp.core._torch_private.fsdp import (  # noqa: E402
     defer_post_forward_reshard,
+    fill_missing_gradients,
     fsdp_pre_backward_muted,
     fsdp_unit_shards,
     hide_post_forward_mesh,
@@ -107,6 +108,7 @@ __all__ = [
     "dcp_written_files",
     "default_store",
     "defer_post_forward_reshard",
+    "fill_missing_gradients",
     "fsdp_pre_backward_muted",
     "fsdp_unit_shards",
     "fused_attention",

@@ -8,6 +8,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
@@ -24,6 +26,7 @@ GROUP_LIST = at_least(2, 12)
 
 __all__ = [
     "defer_post_forward_reshard",
+    "fill_missing_gradients",
     "fsdp_pre_backward_muted",
     "fsdp_unit_shards",
     "hide_post_forward_mesh",
@@ -58,6 +61,48 @@ def run_post_backward(root: FSDPModule) -> None:
         for group in _state_groups(sub):
             group.post_backward()
     state._root_post_backward_final_callback()
+
+
+def fill_missing_gradients(root: FSDPModule) -> None:
+    """Collective over each unit's data-parallel ranks: before FSDP reduces the gradients of the
+    units under `root`, a parameter that has a gradient on some data-parallel rank and none on
+    this one (an expert no row of this rank's batch was routed to) gets a zero gradient here.
+
+    FSDP's post-backward reduce-scatters only the parameters that hold a gradient, so ranks
+    disagreeing on which do send buffers of different sizes (gloo: "40 vs 20" bytes; torch issue
+    158719). Zeros are what this rank's rows contribute to the global batch's gradient; a
+    parameter without a gradient on every rank keeps none, as in one process (an optimizer
+    skips it there, and here).
+    """
+    # One all-reduce per data-parallel group, over every unit's flags (units share their mesh).
+    by_mesh: dict[tuple[Any, ...], list[Any]] = {}
+    for sub in root._get_fsdp_state()._state_ctx.all_states:
+        for group in _state_groups(sub):
+            info = group.mesh_info
+            groups = tuple(
+                getattr(info, name, None)
+                for name in ("shard_process_group", "replicate_process_group")
+            )
+            by_mesh.setdefault((*groups, group.device), []).extend(
+                fp for fp in group.fsdp_params
+                if hasattr(fp, "_unsharded_param") and fp.sharded_param.requires_grad
+            )  # fmt: skip
+    for (*groups, device), params in by_mesh.items():
+        if not params or all(pg is None or dist.get_world_size(pg) == 1 for pg in groups):
+            continue
+        held = torch.tensor(
+            [fp.unsharded_accumulated_grad is not None or fp.unsharded_param.grad is not None
+             for fp in params],
+            dtype=torch.int32,
+            device=device,
+        )  # fmt: skip
+        anywhere = held.clone()
+        for pg in groups:
+            if pg is not None and dist.get_world_size(pg) > 1:
+                dist.all_reduce(anywhere, op=dist.ReduceOp.MAX, group=pg)
+        for fp, mine, some in zip(params, held.tolist(), anywhere.tolist(), strict=True):
+            if some and not mine:
+                fp.unsharded_param.grad = torch.zeros_like(fp.unsharded_param)
 
 
 @contextlib.contextmanager

@@ -47,6 +47,13 @@ class LeanStage(tp.ShapeInferenceStage):
             if isinstance(module, FSDPModule):
                 module.reshard()
 
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        # Data-parallel ranks must agree on which parameters have gradients (see
+        # `fill_missing_gradients`): an expert none of a rank's rows was routed to has none.
+        if isinstance(self.submod, FSDPModule):
+            tp.fill_missing_gradients(self.submod)
+        super().perform_reduce_grad(grad_scale_factor)
+
 
 _KINDS = {"F": FORWARD, "B": FULL_BACKWARD, "I": BACKWARD_INPUT, "W": BACKWARD_WEIGHT}
 # A RESHARD action whose micro-batch index is this releases to FSDP's post-forward copy (hpZ).
@@ -214,6 +221,7 @@ def _reduce_grad(action: Any, ctx: Any) -> None:
     root.set_requires_gradient_sync(True)
     root.set_reshard_after_backward(False)
     root.set_is_last_backward(True)
+    tp.fill_missing_gradients(root)
     tp.run_post_backward(root)
     root.set_requires_gradient_sync(False)
     root.set_is_last_backward(False)

@@ -50,12 +50,14 @@ def full_state_dict(module: nn.Module, dims: ParallelDims) -> dict[str, torch.Te
     # Every data-parallel rank of the stage walks the same names in the same order, so the
     # all-gathers inside full_tensor() line up. Names of one tensor (a tie inside a stage) are
     # gathered once.
-    first_of: dict[tuple[Any, ...], str] = {}
+    first_of = _first_names(module, sharded)
     local: dict[str, torch.Tensor | None] = {}
-    ties = [tuple(names) for names in _shared_names(sharded, first_of)]
+    groups: dict[str, list[str]] = {}
     for name, value in sharded.items():
-        first = first_of.get(_storage_key(value), name)
+        first = first_of[name]
+        groups.setdefault(first, []).append(name)
         local[name] = _full_cpu(value, leader) if first == name else local[first]
+    ties = [tuple(names) for names in groups.values() if len(names) > 1]
     ties += list(local_ties(module).values())
     parts = _gather_to_rank0((local, ties), dims)
     merged: dict[str, torch.Tensor] = {}
@@ -72,22 +74,22 @@ def full_state_dict(module: nn.Module, dims: ParallelDims) -> dict[str, torch.Te
     return {name: merged[name] for name in _tree_order([list(state) for state, _ in parts])}
 
 
-def _storage_key(value: Any) -> tuple[Any, ...]:
-    """What makes two state-dict values one tensor: their (local) storage, offset, shape."""
-    if not torch.is_tensor(value) or not value.numel():
-        return (id(value),)
-    local = value.to_local() if isinstance(value, DTensor) else value
-    return (local.data_ptr(), local.storage_offset(), tuple(value.shape), local.dtype)
+def _first_names(module: nn.Module, state: dict[str, Any]) -> dict[str, str]:
+    """{name in `state`: the first name of its tensor}: names of one parameter or buffer of
+    `module` (a tie inside a stage) share their first name; other names are their own.
 
-
-def _shared_names(state: dict[str, Any], first_of: dict[tuple[Any, ...], str]) -> list[list[str]]:
-    """Groups of names whose values are one tensor (fills `first_of`: key -> first name)."""
-    groups: dict[str, list[str]] = {}
-    for name, value in state.items():
-        key = _storage_key(value)
-        first = first_of.setdefault(key, name)
-        groups.setdefault(first, []).append(name)
-    return [names for names in groups.values() if len(names) > 1]
+    Read from the module's objects, which every data-parallel rank of the stage holds alike: the
+    local shards' storage would not do, since FSDP2's empty shards (a dimension 0 smaller than
+    the data-parallel size, e.g. Qwen2-MoE's (1, hidden) `shared_expert_gate`) all sit at
+    address 0 on the ranks past the end, which then took every such weight of one shape for one
+    tensor and gathered it once while the rank holding it gathered each: the all-gathers no
+    longer lined up (gloo: "64 vs 32" bytes).
+    """
+    tensors = [*module.named_parameters(remove_duplicate=False)]
+    tensors += module.named_buffers(remove_duplicate=False)
+    identity: dict[str, int] = {name: id(t) for name, t in tensors}
+    first_by: dict[Any, str] = {}
+    return {name: first_by.setdefault(identity.get(name, name), name) for name in state}
 
 
 def _alias_ties(merged: dict[str, torch.Tensor], ties: list[tuple[str, ...]]) -> str | None:

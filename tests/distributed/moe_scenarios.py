@@ -1,0 +1,116 @@
+"""A mixture of experts held as separate modules (one `nn.Linear` per expert, top-1 routing), as
+many MoE codes and older HF versions write it, trained by the core engine at pp 2 x dp 2 against
+one process: an expert that no row of one data-parallel rank's batch is routed to has no gradient
+there while it has one on its peer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
+from tests.distributed.common import lm_loss, make_optimizer, reference
+
+VOCAB, DIM, SEQ, EXPERTS = 32, 16, 4, 8
+GLOBAL_BATCH, STEPS = 8, 3
+
+
+class Routed(nn.Module):
+    """Top-1 routing: each token goes through the one expert its gate picks, scaled by the
+    gate's probability (so the gate trains); experts no token picks are not called at all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(DIM, EXPERTS)
+        self.experts = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(EXPERTS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.gate(x).softmax(-1)
+        weight, pick = p.max(-1)
+        out = torch.zeros_like(x)
+        for e in pick.unique().tolist():
+            rows = pick == e
+            out[rows] = self.experts[e](x[rows]) * weight[rows][:, None]
+        return x + out
+
+
+class MoELM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Routed() for _ in range(4))
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def make_model() -> MoELM:
+    torch.manual_seed(0)
+    return MoELM()
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    shape = (GLOBAL_BATCH, SEQ)
+    return [
+        (torch.randint(0, VOCAB, shape, generator=g), torch.randint(0, VOCAB, shape, generator=g))
+        for _ in range(STEPS)
+    ]
+
+
+def run(optimizers: list[str]) -> dict[str, Any]:
+    """Per optimizer: the engine at pp 2 x dp 2 (4 ranks, split='call'), and one process."""
+    return {name: _train(name) for name in optimizers}
+
+
+def _train(optimizer: str) -> dict[str, Any]:
+    config = ZeroPPConfig(pp_size=2, num_microbatches=2).resolve(4)
+    micro = GLOBAL_BATCH // config.dp_size // config.num_microbatches
+    example = (torch.zeros(micro, SEQ, dtype=torch.long),)
+    engine = ZeroPPEngine(make_model(), config, loss_fn=lm_loss, split="call", example_args=example)
+    opt = make_optimizer(optimizer, engine.parameters())
+    per_rank = GLOBAL_BATCH // engine.dims.dp_size
+    rows = slice(engine.dims.dp_rank * per_rank, (engine.dims.dp_rank + 1) * per_rank)
+    losses = []
+    for x, y in batches():
+        losses.append(float(engine.train_step(x[rows], target=y[rows])))
+        opt.step()
+        opt.zero_grad()
+    params = {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in engine.module.named_parameters()
+    }
+    one = reference(optimizer, False, STEPS, batches=batches(), model_fn=make_model)
+    return {"losses": losses, "params": params, "one": one, "unused": _unused_somewhere()}
+
+
+def _unused_somewhere() -> list[tuple[int, int, list[int]]]:
+    """(step, block, experts) picked by one data-parallel half of the batch and not the other, in
+    one process's training: the case this scenario is for must occur."""
+    model = make_model()
+    opt = make_optimizer("sgd", model.parameters())
+    picks: list[list[set[int]]] = []
+    halves = (slice(0, GLOBAL_BATCH // 2), slice(GLOBAL_BATCH // 2, GLOBAL_BATCH))
+
+    def record(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+        picks.append([set(out[rows].argmax(-1).flatten().tolist()) for rows in halves])
+
+    hooks = [b.gate.register_forward_hook(record) for b in model.blocks]
+    found = []
+    for step, (x, y) in enumerate(batches()):
+        picks.clear()
+        loss = lm_loss(model(x), y)
+        found += [(step, block, sorted(a ^ b)) for block, (a, b) in enumerate(picks) if a ^ b]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    for hook in hooks:
+        hook.remove()
+    return found
