@@ -66,6 +66,7 @@ class Schedules:
         target: Any,
         skip: bool = False,
         chosen: int | None = None,
+        problem: ValueError | None = None,
     ) -> Entry | None:
         """The schedule for this batch's shapes (and its stages), after the batch checks.
 
@@ -74,10 +75,11 @@ class Schedules:
         data-parallel ranks read different batches (padded to different lengths), and a rank
         that found its shapes cached would skip the gathers the others wait on. One small
         all-reduce per step decides it, and stops every rank when one rank's batch fails its
-        checks (`agree_on_step`). None when the step is skipped (on every rank).
+        checks (`agree_on_step`). None when the step is skipped (on every rank). `problem`: the
+        batch already found bad (context parallelism's split), stopping every rank alike.
         """
-        problem, microbatches, key, popped = None, 0, None, None
-        if not skip:
+        microbatches, key, popped = 0, None, None
+        if not skip and problem is None:
             try:  # this rank's own checks, before any communication
                 rows = check_batch(mode, args, kwargs, target, self.shapes)
                 microbatches = self.config.num_microbatches  # the key if the next check fails

@@ -1,7 +1,9 @@
 """The ("pp", "dp_replicate", "dp_shard") device mesh and the ranks a front needs from it.
 
 Ranks are laid out pp-major: `dp_shard` is the fastest-varying axis, so the ranks that shard one
-model chunk are consecutive (inside a node), and pipeline stages sit across nodes.
+model chunk are consecutive (inside a node), and pipeline stages sit across nodes. With
+`cp_size > 1` a fourth axis "cp" varies fastest of all (a sequence's ranks sit inside a node, as
+torchtitan lays them out), and FSDP shards over dp_shard x cp flattened into one axis.
 
 Every group the library creates gets the default (world) group's timeout, the one given to
 `init_process_group`: torch would give them its own default (30 min for gloo, 10 for NCCL), so a
@@ -18,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lightning_zeropp.core._torch_private import group_timeout, mesh_group_options
+from lightning_zeropp.core._torch_private import flatten_mesh, group_timeout, mesh_group_options
 from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 
 __all__ = [
@@ -31,6 +33,8 @@ __all__ = [
 ]
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard")
+CP_AXIS = "cp"  # appended to MESH_AXES when cp_size > 1
+SHARD_CP_AXIS = "dp_shard_cp"  # dp_shard x cp flattened: what FSDP shards over under CP
 
 
 @dataclass(frozen=True)
@@ -50,10 +54,11 @@ class ParallelDims:
 
     @property
     def dp_mesh(self) -> DeviceMesh:
-        """Mesh FSDP shards over: 1-D over dp_shard, or 2-D (HSDP) when replicas > 1."""
+        """Mesh FSDP shards over: 1-D over dp_shard (x cp), or 2-D (HSDP) when replicas > 1."""
+        shard = SHARD_CP_AXIS if self.config.cp_size > 1 else "dp_shard"
         if self.config.dp_replicate_size > 1:
-            return self.mesh["dp_replicate", "dp_shard"]
-        return self.mesh["dp_shard"]
+            return self.mesh["dp_replicate", shard]
+        return self.mesh[shard]
 
     @property
     def dp_rank(self) -> int:
@@ -74,6 +79,26 @@ class ParallelDims:
             if self.mesh.size(self.mesh.mesh_dim_names.index(axis)) > 1
         ]
 
+    @property
+    def cp_group(self) -> dist.ProcessGroup | None:
+        """The ranks one sequence is split over (None without context parallelism)."""
+        return self.mesh.get_group(CP_AXIS) if self.config.cp_size > 1 else None
+
+    @property
+    def cp_rank(self) -> int:
+        return self.mesh.get_local_rank(CP_AXIS) if self.config.cp_size > 1 else 0
+
+    @property
+    def grad_groups(self) -> list[dist.ProcessGroup]:
+        """What a whole gradient or the step's loss is averaged over: the data-parallel groups
+        and the CP group (each CP rank's loss is the mean over its part of the tokens)."""
+        cp = [self.cp_group] if self.cp_group is not None else []
+        return self.dp_groups + cp  # type: ignore[operator]
+
+    @property
+    def grad_size(self) -> int:
+        return self.config.dp_size * self.config.cp_size
+
 
 def build_mesh(config: ZeroPPLayout, device_type: str) -> ParallelDims:
     """Build the 3-D mesh for a resolved config over the default process group."""
@@ -81,13 +106,19 @@ def build_mesh(config: ZeroPPLayout, device_type: str) -> ParallelDims:
         raise RuntimeError(
             "torch.distributed is not initialized; call init_process_group (with a timeout) first."
         )
-    shape = (config.pp_size, config.dp_replicate_size, config.dp_shard_size)
+    shape: tuple[int, ...] = (config.pp_size, config.dp_replicate_size, config.dp_shard_size)
+    axes: tuple[str, ...] = MESH_AXES
+    if config.cp_size > 1:
+        shape, axes = (*shape, config.cp_size), (*axes, CP_AXIS)
     override = None
     if (timeout := world_timeout()) is not None:
         # One options object per axis: NCCL's group creation writes the group's ranks into it.
-        options = {axis: mesh_group_options(device_type, timeout) for axis in MESH_AXES}
+        options = {axis: mesh_group_options(device_type, timeout) for axis in axes}
         override = options if None not in options.values() else None
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES, backend_override=override)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=axes, backend_override=override)
+    if config.cp_size > 1:
+        flat = mesh_group_options(device_type, timeout) if timeout is not None else None
+        flatten_mesh(mesh["dp_shard", CP_AXIS], SHARD_CP_AXIS, flat)
     return ParallelDims(mesh=mesh, config=config)
 
 

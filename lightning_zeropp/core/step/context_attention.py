@@ -1,0 +1,162 @@
+"""Context parallelism's attention: a model's own `F.scaled_dot_product_attention` calls run over
+the whole sequence, with no change to the model's code.
+
+While the stages run, `ContextAttention` (a `TorchFunctionMode`) answers each call with this
+rank's queries against the keys and values of every CP rank: they are all-gathered along the
+sequence in the forward (`gather_sequence`, a custom autograd Function) and their gradients
+reduce-scattered (summed) back in the backward. The causal mask is built from the global
+positions of this rank's query chunks; a mask the model gives must already span the whole
+sequence's keys. Grouped-query attention gathers the K/V heads only (the call's own
+`enable_gqa`). This runs anywhere gloo or NCCL does; torch's ring attention is not used.
+
+Positions a model makes itself stay global under the same mode: a `torch.arange(T)`-valued index
+into an embedding table (the bundled GPT's `pos_emb(arange(T))`) and a parameter sliced `[:T]`
+(a learned table read as `self.pos[: idx.shape[1]]`) read this rank's global positions instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from lightning_zeropp.core.step.context import ContextSplit
+
+__all__ = ["ContextAttention", "gather_sequence"]
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along dim -2 over the CP group, rows put in global order; backward: the
+    gradient's rows back in gathered order, reduce-scattered (summed: each rank's keys serve
+    every rank's queries)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, order: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.group, ctx.order = group, order
+        size = dist.get_world_size(group)
+        rows = x.movedim(-2, 0).contiguous()
+        gathered = rows.new_empty((size * rows.shape[0], *rows.shape[1:]))
+        dist.all_gather_into_tensor(gathered, rows, group=group)
+        return gathered.index_select(0, order).movedim(0, -2)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        size = dist.get_world_size(ctx.group)
+        rows = torch.empty_like(grad.movedim(-2, 0).contiguous())
+        rows.index_copy_(0, ctx.order, grad.movedim(-2, 0).contiguous())  # back to gathered order
+        local = rows.new_empty((rows.shape[0] // size, *rows.shape[1:]))
+        dist.reduce_scatter_tensor(local, rows, op=dist.ReduceOp.SUM, group=ctx.group)
+        return local.movedim(0, -2), None, None
+
+
+def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, order: torch.Tensor) -> torch.Tensor:
+    """Every CP rank's `x` along dim -2 in global sequence order (differentiable)."""
+    return _GatherSequence.apply(x, group, order.to(x.device))
+
+
+class ContextAttention(TorchFunctionMode):
+    """CP attention and global positions for the stages' forward (and any recomputation)."""
+
+    def __init__(self, split: ContextSplit, group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.split, self.group = split, group
+        self.calls = 0  # attention calls taken over (a model with none is refused)
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            self.calls += 1
+            return self.attention(*args, **kwargs)
+        if func is F.embedding:
+            return func(self._global_index(args[0], args[1]), *args[1:], **kwargs)
+        if func is torch.Tensor.__getitem__ and isinstance(args[0], nn.Parameter):
+            return self._global_slice(args[0], args[1])
+        return func(*args, **kwargs)
+
+    def attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        split = self.split
+        local, length = split.local_length, split.length
+        if query.shape[-2] != local or key.shape[-2] != local:
+            raise ValueError(
+                "context parallelism runs self-attention over the split sequence only: "
+                f"scaled_dot_product_attention got {query.shape[-2]} queries and "
+                f"{key.shape[-2]} keys where this rank holds {local} of the {length} tokens; "
+                "set cp_size=1 for this model."
+            )
+        key = gather_sequence(key, self.group, split.order)
+        value = gather_sequence(value, self.group, split.order)
+        mask = attn_mask
+        if mask is not None and mask.shape[-1] != length:
+            raise ValueError(
+                f"context parallelism needs an attention mask over all {length} keys; the "
+                f"model gave one of shape {tuple(mask.shape)} (its own {local} keys only). "
+                "Pass the padding as a (batch, sequence) attention_mask and let the model "
+                "use is_causal, or set cp_size=1."
+            )
+        if is_causal:
+            q_pos = split.positions.to(query.device)
+            causal = q_pos[:, None] >= torch.arange(length, device=query.device)[None, :]
+            if mask is None:
+                mask = causal
+            elif mask.dtype == torch.bool:
+                mask = mask & causal
+            else:
+                mask = mask.masked_fill(~causal, float("-inf"))
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+            enable_gqa=enable_gqa,
+        )  # fmt: skip
+
+    def _global_index(self, index: Any, weight: Any) -> Any:
+        """A position index `arange(T_local)` (1-D, or one row) into a table of at least the
+        global length: this rank's global positions."""
+        split = self.split
+        if (
+            isinstance(index, torch.Tensor)
+            and not index.is_floating_point()
+            and (index.dim() == 1 or (index.dim() == 2 and index.shape[0] == 1))
+            and index.shape[-1] == split.local_length
+            and isinstance(weight, torch.Tensor)
+            and weight.shape[0] >= split.length
+            and torch.equal(
+                index.reshape(-1), torch.arange(split.local_length, device=index.device)
+            )
+        ):
+            return split.positions.to(index.device).reshape(index.shape)
+        return index
+
+    def _global_slice(self, table: torch.Tensor, key: Any) -> torch.Tensor:
+        """`table[:T_local]` (or `table[:, :T_local]`) on a parameter of at least the global
+        length along that dimension: its rows at this rank's global positions."""
+        split = self.split
+        keys = key if isinstance(key, tuple) else (key,)
+        head = [k == slice(None) for k in keys]
+        if all(isinstance(k, slice) for k in keys) and head.count(False) == 1:
+            dim = head.index(False)
+            cut = keys[dim]
+            if (
+                cut.start in (None, 0)
+                and cut.step in (None, 1)
+                and cut.stop == split.local_length
+                and table.shape[dim] >= split.length
+            ):
+                return table.index_select(dim, split.positions.to(table.device))
+        return table[key]
