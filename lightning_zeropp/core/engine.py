@@ -227,6 +227,8 @@ class ZeroPPEngine(EngineReports):
         ):
             with self._attention or contextlib.nullcontext():
                 schedule.step(*inputs, target=target, losses=losses, return_outputs=False, **kw)
+            if first and self._attention is not None:
+                self._attention.check_taken(self.device)
             # This step's gradients only: `earlier` holds earlier accumulation steps' ones.
             average_whole_grads(self.parameters(), self.dims.grad_groups, self.dims.grad_size)
             self._tied.sum_grads()

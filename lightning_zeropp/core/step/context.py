@@ -9,8 +9,9 @@ What the model computes from positions keeps the global ones: `position_ids` are
 sequence (or made, global, for a forward that takes them); a `labels` keyword is shifted on the
 whole sequence before the split (HF's convention: the pair straddling a shard boundary stays),
 and given as `shift_labels` too, so an HF loss does not shift it again; a 2-D `attention_mask`
-whose rows are right-padded is taken out (with causal attention no real token sees a later pad,
-and pads carry no label), anything else is refused. Positions a model makes itself
+whose rows are right-padded becomes a mask of ones (with causal attention no real token sees a
+later pad, and pads carry no label; HF would read global position_ids without a mask as packed
+documents), anything else is refused. Positions a model makes itself
 (`torch.arange` into an embedding, a table sliced `[:T]`) are made global by
 `core.step.context_attention` while the stages run.
 """
@@ -36,6 +37,7 @@ class ContextSplit:
         self.size, self.rank = size, rank
         params = inspect.signature(model.forward).parameters
         self.takes_positions = "position_ids" in params
+        self.takes_mask = "attention_mask" in params
         self.length = 0  # the global sequence length of the current batch
         self.positions = torch.zeros(0, dtype=torch.long)  # its local tokens' global positions
         self.order = torch.zeros(0, dtype=torch.long)  # gathered row of each global position
@@ -94,15 +96,21 @@ class ContextSplit:
         special = {k: kwargs.pop(k) for k in SPLIT_KEYS if k in kwargs}
         out_args = tuple(self._split_value(a, length) for a in args)
         out_kwargs = {k: self._split_value(v, length) for k, v in kwargs.items()}
-        self._check_padding(special.pop("attention_mask", None))
+        mask = special.pop("attention_mask", None)
+        self._check_padding(mask)
+        first = next(v for v in (*out_args, *out_kwargs.values()) if isinstance(v, torch.Tensor))
+        rows, device = first.shape[0], first.device
         positions = special.get("position_ids")
         if positions is not None:
             self._check_positions(positions, length)
             out_kwargs["position_ids"] = self.local(positions)
         elif self.takes_positions:
-            rows = out_args[0].shape[0] if out_args else next(iter(out_kwargs.values())).shape[0]
-            device = (out_args or tuple(out_kwargs.values()))[0].device
             out_kwargs["position_ids"] = self.positions.to(device).expand(rows, -1)
+        if mask is not None or (self.takes_mask and "position_ids" in out_kwargs):
+            # A mask of ones, not none: HF reads position_ids that jump (chunks r and
+            # 2 cp - 1 - r) without a mask as packed documents, and would mask across the jump.
+            dtype = mask.dtype if mask is not None else torch.long
+            out_kwargs["attention_mask"] = torch.ones(rows, self.local_length, dtype=dtype)
         labels, shifted = special.get("labels"), special.get("shift_labels")
         if labels is not None or shifted is not None:
             if shifted is None:  # shift on the whole sequence: the boundary pairs stay

@@ -72,6 +72,11 @@ class ContextAttention(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict | None = None
     ) -> Any:
         kwargs = kwargs or {}
+        first = args[0] if args else None
+        if isinstance(first, torch.Tensor) and first.is_meta:
+            # a call stage's pass over the parts another stage owns (on the meta device): shapes
+            # only, which the split keeps
+            return func(*args, **kwargs)
         if func is F.scaled_dot_product_attention:
             self.calls += 1
             return self.attention(*args, **kwargs)
@@ -80,6 +85,20 @@ class ContextAttention(TorchFunctionMode):
         if func is torch.Tensor.__getitem__ and isinstance(args[0], nn.Parameter):
             return self._global_slice(args[0], args[1])
         return func(*args, **kwargs)
+
+    def check_taken(self, device: torch.device) -> None:
+        """After the first step, on every rank: some stage's attention was taken over. A model
+        whose attention is written by hand would attend within each rank's chunks only."""
+        seen = torch.tensor([float(self.calls)], device=device)
+        dist.all_reduce(seen)
+        if not seen.item():
+            raise ValueError(
+                "context parallelism (cp_size > 1) found no call of torch's "
+                "scaled_dot_product_attention in the model: its attention would see each rank's "
+                "part of the sequence only. Compute attention with "
+                "torch.nn.functional.scaled_dot_product_attention (HF: "
+                'attn_implementation="sdpa"), or set cp_size=1.'
+            )
 
     def attention(
         self,
@@ -101,16 +120,16 @@ class ContextAttention(TorchFunctionMode):
                 f"{key.shape[-2]} keys where this rank holds {local} of the {length} tokens; "
                 "set cp_size=1 for this model."
             )
-        key = gather_sequence(key, self.group, split.order)
-        value = gather_sequence(value, self.group, split.order)
         mask = attn_mask
-        if mask is not None and mask.shape[-1] != length:
+        if mask is not None and mask.shape[-1] != length:  # before the gathers: no rank waits
             raise ValueError(
                 f"context parallelism needs an attention mask over all {length} keys; the "
                 f"model gave one of shape {tuple(mask.shape)} (its own {local} keys only). "
                 "Pass the padding as a (batch, sequence) attention_mask and let the model "
                 "use is_causal, or set cp_size=1."
             )
+        key = gather_sequence(key, self.group, split.order)
+        value = gather_sequence(value, self.group, split.order)
         if is_causal:
             q_pos = split.positions.to(query.device)
             causal = q_pos[:, None] >= torch.arange(length, device=query.device)[None, :]
