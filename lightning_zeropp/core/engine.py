@@ -154,6 +154,8 @@ class ZeroPPEngine(EngineReports):
             cfg, self.dims, self.stage_ids, self._stage_modules, self.device, self.failures,
             self._loss, self.planning, self._shapes,
         )  # fmt: skip
+        if self._attention is not None:
+            self._schedules.inference_context = self._attention.paused
         # A failure inside a step (say the loss raising on the last stage) becomes, on every
         # rank, an error naming the failing rank and its error, instead of transport errors.
         describe = rank_describer(self.dims.mesh, self.style, cfg)

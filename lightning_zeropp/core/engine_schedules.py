@@ -57,6 +57,7 @@ class Schedules:
         self.stage_ids, self.stage_modules = list(stage_ids), list(stage_modules)
         self.failures, self.loss, self.planning, self.shapes = failures, loss, planning, shapes
         self._entries: dict[tuple[Any, ...], Entry] = {}  # most recently used last
+        self.inference_context: Any = None  # what shape inference runs in (`ContextAttention`)
 
     def for_batch(
         self,
@@ -123,6 +124,7 @@ class Schedules:
             ]
             for stage in stages:
                 stage.inference_clock = self.planning
+                stage.inference_context = self.inference_context
             if mode == "train":
                 schedule = build_schedule(self.config, stages, self.loss)
             else:

@@ -43,6 +43,7 @@ class ParallelDims:
 
     mesh: DeviceMesh
     config: ZeroPPLayout
+    shard_cp: DeviceMesh | None = None  # dp_shard x cp flattened (torch wants it kept, not sliced)
 
     @property
     def pp_rank(self) -> int:
@@ -58,7 +59,7 @@ class ParallelDims:
         shard = SHARD_CP_AXIS if self.config.cp_size > 1 else "dp_shard"
         if self.config.dp_replicate_size > 1:
             return self.mesh["dp_replicate", shard]
-        return self.mesh[shard]
+        return self.shard_cp if self.shard_cp is not None else self.mesh[shard]
 
     @property
     def dp_rank(self) -> int:
@@ -116,10 +117,11 @@ def build_mesh(config: ZeroPPLayout, device_type: str) -> ParallelDims:
         options = {axis: mesh_group_options(device_type, timeout) for axis in axes}
         override = options if None not in options.values() else None
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=axes, backend_override=override)
+    shard_cp = None
     if config.cp_size > 1:
         flat = mesh_group_options(device_type, timeout) if timeout is not None else None
-        flatten_mesh(mesh["dp_shard", CP_AXIS], SHARD_CP_AXIS, flat)
-    return ParallelDims(mesh=mesh, config=config)
+        shard_cp = flatten_mesh(mesh["dp_shard", CP_AXIS], SHARD_CP_AXIS, flat)
+    return ParallelDims(mesh=mesh, config=config, shard_cp=shard_cp)
 
 
 def build_partition_mesh(size: int, device_type: str) -> DeviceMesh:

@@ -128,7 +128,7 @@ def _train_llama(id: str, layout: dict[str, Any], labels: bool, steps: int = 3) 
     parts = config.num_microbatches * config.dp_size * config.cp_size
 
     def own_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
-        logits = out.logits if hasattr(out, "logits") else out["logits"]
+        logits = out if isinstance(out, torch.Tensor) else out["logits"]
         summed = F.cross_entropy(
             logits.flatten(0, 1).float(), target.flatten(), ignore_index=-100, reduction="sum"
         )
@@ -197,7 +197,32 @@ def _attempt_left_padding() -> None:
     ZeroPPEngine(make_llama(), ZeroPPConfig(cp_size=2), loss_fn=lm_loss, example_kwargs=example)
 
 
+class _NoAttention(nn.Module):
+    """Mixes tokens without scaled_dot_product_attention (a hand-written or no attention)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(MODEL.vocab_size, 8)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+        self.head = nn.Linear(8, MODEL.vocab_size)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx)
+        for block in self.blocks:
+            x = block(x).cumsum(1)  # each token sees the earlier ones: attention-like
+        return self.head(x)
+
+
+def _attempt_no_attention() -> None:
+    x = torch.zeros(2, 16, dtype=torch.long)
+    engine = ZeroPPEngine(
+        _NoAttention(), ZeroPPConfig(pp_size=1, cp_size=2), loss_fn=lm_loss, example_args=(x,)
+    )
+    engine.train_step(x, target=x)
+
+
 ATTEMPTS = {
+    "cp_no_attention": _attempt_no_attention,
     "cp_length_at_setup": _attempt_length_at_setup,
     "cp_length_at_step": _attempt_length_at_step,
     "cp_not_dividing_the_world": _attempt_cp_not_dividing,

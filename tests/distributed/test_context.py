@@ -45,6 +45,8 @@ EXPECTED = {
     "cannot run: CP attention takes over torch's scaled_dot_product_attention. Load the model "
     'with attn_implementation="sdpa"',
     "cp_left_padding": "context parallelism takes right-padded rows only",
+    "cp_no_attention": "context parallelism (cp_size > 1) found no call of torch's "
+    "scaled_dot_product_attention in the model",
 }
 
 

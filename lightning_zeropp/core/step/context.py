@@ -38,6 +38,7 @@ class ContextSplit:
         params = inspect.signature(model.forward).parameters
         self.takes_positions = "position_ids" in params
         self.takes_mask = "attention_mask" in params
+        self.names = {name: i for i, name in enumerate(params)}
         self.length = 0  # the global sequence length of the current batch
         self.positions = torch.zeros(0, dtype=torch.long)  # its local tokens' global positions
         self.order = torch.zeros(0, dtype=torch.long)  # gathered row of each global position
@@ -117,6 +118,10 @@ class ContextSplit:
                 shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], 1)
             shifted = self.local(shifted)
             out_kwargs["labels"], out_kwargs["shift_labels"] = shifted, shifted
+        # in the forward's own order: a traced stage takes its inputs in the order it was traced
+        # with, and the keywords added here must not shift the others
+        last = len(self.names)
+        out_kwargs = dict(sorted(out_kwargs.items(), key=lambda kv: self.names.get(kv[0], last)))
         return out_args, out_kwargs, self._split_value(target, length)
 
     def sequence_length(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:

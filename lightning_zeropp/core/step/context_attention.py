@@ -16,6 +16,8 @@ into an embedding table (the bundled GPT's `pos_emb(arange(T))`) and a parameter
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -27,6 +29,8 @@ from torch.overrides import TorchFunctionMode
 from lightning_zeropp.core.step.context import ContextSplit
 
 __all__ = ["ContextAttention", "gather_sequence"]
+
+_aten = torch.ops.aten
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -67,23 +71,45 @@ class ContextAttention(TorchFunctionMode):
         super().__init__()
         self.split, self.group = split, group
         self.calls = 0  # attention calls taken over (a model with none is refused)
+        self._paused = False
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Plain torch inside: the pipeline's shape inference, whose inputs on a later stage are
+        not real (every CP rank of a stage infers at once, so none waits on a gather)."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict | None = None
     ) -> Any:
         kwargs = kwargs or {}
         first = args[0] if args else None
-        if isinstance(first, torch.Tensor) and first.is_meta:
+        if self._paused or (isinstance(first, torch.Tensor) and first.is_meta):
             # a call stage's pass over the parts another stage owns (on the meta device): shapes
             # only, which the split keeps
             return func(*args, **kwargs)
-        if func is F.scaled_dot_product_attention:
+        # the eager functions, and the aten ops a traced stage (split="trace") calls instead
+        if (
+            func is F.scaled_dot_product_attention
+            or func is _aten.scaled_dot_product_attention.default
+        ):
             self.calls += 1
             return self.attention(*args, **kwargs)
         if func is F.embedding:
             return func(self._global_index(args[0], args[1]), *args[1:], **kwargs)
+        if func is _aten.embedding.default:  # (weight, indices, ...)
+            return func(args[0], self._global_index(args[1], args[0]), *args[2:], **kwargs)
         if func is torch.Tensor.__getitem__ and isinstance(args[0], nn.Parameter):
             return self._global_slice(args[0], args[1])
+        if func is _aten.slice.Tensor and isinstance(args[0], nn.Parameter):
+            dim, start, end, step = (*args[1:], None, None, None, None)[:4]
+            dim = 0 if dim is None else dim
+            key = (slice(None),) * dim + (slice(start, end, step),)
+            return self._global_slice(args[0], key, lambda: func(*args, **kwargs))
         return func(*args, **kwargs)
 
     def check_taken(self, device: torch.device) -> None:
@@ -121,6 +147,10 @@ class ContextAttention(TorchFunctionMode):
                 "set cp_size=1 for this model."
             )
         mask = attn_mask
+        if mask is not None and not is_causal and _local_causal(mask, local):
+            # a causal mask the model built over its own chunk (a traced HF stage does): the
+            # causal mask over global positions is meant
+            mask, is_causal = None, True
         if mask is not None and mask.shape[-1] != length:  # before the gathers: no rank waits
             raise ValueError(
                 f"context parallelism needs an attention mask over all {length} keys; the "
@@ -162,7 +192,7 @@ class ContextAttention(TorchFunctionMode):
             return split.positions.to(index.device).reshape(index.shape)
         return index
 
-    def _global_slice(self, table: torch.Tensor, key: Any) -> torch.Tensor:
+    def _global_slice(self, table: torch.Tensor, key: Any, plain: Any = None) -> torch.Tensor:
         """`table[:T_local]` (or `table[:, :T_local]`) on a parameter of at least the global
         length along that dimension: its rows at this rank's global positions."""
         split = self.split
@@ -178,4 +208,16 @@ class ContextAttention(TorchFunctionMode):
                 and table.shape[dim] >= split.length
             ):
                 return table.index_select(dim, split.positions.to(table.device))
-        return table[key]
+        return plain() if plain is not None else table[key]
+
+
+def _local_causal(mask: torch.Tensor, local: int) -> bool:
+    """Whether `mask` is exactly the causal mask over `local` keys (bool: True where allowed;
+    additive: 0 where allowed, a large negative number elsewhere)."""
+    if mask.shape[-2:] != (local, local):
+        return False
+    tril = torch.ones(local, local, dtype=torch.bool, device=mask.device).tril()
+    if mask.dtype == torch.bool:
+        return torch.equal(mask, tril.expand_as(mask))
+    allowed = mask == 0
+    return torch.equal(allowed, tril.expand_as(mask)) and bool((mask[..., ~tril] < -1e4).all())
