@@ -89,8 +89,9 @@ class ZeroPPLayout:
                 ("pp_size", "dp_replicate_size", "dp_shard_size", "cp_size"),
                 f"this layout was resolved for {self.world_size} processes "
                 f"(pp_size={self.pp_size} x dp_replicate_size={self.dp_replicate_size} x "
-                f"dp_shard_size={self.dp_shard_size} x cp_size={self.cp_size}), but the world "
-                f"has {world_size}; resolve the ZeroPPConfig for this world.",
+                f"dp_shard_size={self.dp_shard_size}"
+                + (f" x cp_size={self.cp_size}" if self.cp_size > 1 else "")
+                + f"), but the world has {world_size}; resolve the ZeroPPConfig for this world.",
             )
         return self
 
@@ -136,13 +137,13 @@ def _resolve_sizes(cfg: Any, world_size: int) -> None:
         cfg.dp_shard_size = max(others // (cfg.pp_size * cfg.dp_replicate_size), 1)
     _check_positive("dp_shard_size", cfg.dp_shard_size)
     product = cfg.pp_size * cfg.dp_replicate_size * cfg.dp_shard_size * cfg.cp_size
+    cp = f" x cp_size ({cfg.cp_size})" if cfg.cp_size > 1 else ""  # named when it is used
     if product != world_size:
         raise setting_error(
             ("pp_size", "dp_replicate_size", "dp_shard_size", "cp_size"),
             f"pp_size ({cfg.pp_size}) x dp_replicate_size ({cfg.dp_replicate_size}) x "
-            f"dp_shard_size ({cfg.dp_shard_size}) x cp_size ({cfg.cp_size}) = {product}, but "
-            f"the world has {world_size} processes; choose sizes whose product is the number "
-            "of processes.",
+            f"dp_shard_size ({cfg.dp_shard_size}){cp} = {product}, but the world has "
+            f"{world_size} processes; choose sizes whose product is the number of processes.",
         )
     _check_context(cfg)
 
