@@ -44,6 +44,8 @@ from lightning_zeropp.core.split.methods import SplitMethod, resolve_split
 from lightning_zeropp.core.step.agree import agree, check_replicas, model_layout, settings_fields
 from lightning_zeropp.core.step.batch import ShapeGuard
 from lightning_zeropp.core.step.chunked_loss import set_loss_chunk
+from lightning_zeropp.core.step.context import ContextSplit, attention_refusal
+from lightning_zeropp.core.step.context_attention import ContextAttention
 from lightning_zeropp.core.step.failure import FailureBoard, describe_rank, guarded
 from lightning_zeropp.core.step.grads import StepGrads, average_whole_grads, clip_grad_norm_
 from lightning_zeropp.core.step.loss import LossFn, StepLoss, broadcast_loss
@@ -111,7 +113,18 @@ class ZeroPPEngine(EngineReports):
                 cfg, split=self.split, check_batch=check, **model_layout(model, self.plan)
             )
         )
+        self._context: ContextSplit | None = None
+        if cfg.cp_size > 1:  # refused on every rank alike, before the mesh's collectives
+            if (refusal := attention_refusal(model)) is not None:
+                raise ValueError(refusal)
+            self._context = ContextSplit(cfg.cp_size, 0, model)
+            example_args, example_kwargs = self._context_example(example_args, example_kwargs)
         self.dims: ParallelDims = dims or build_mesh(cfg, self.device.type, self.device)
+        self._attention: ContextAttention | None = None
+        if self._context is not None:
+            self._context.set_rank(self.dims.cp_rank)
+            assert self.dims.cp_group is not None  # cp_size > 1
+            self._attention = ContextAttention(self._context, self.dims.cp_group)
         # Every stage of a pipeline steps on its first stage's batch (random collators).
         pp = self.dims.pp_group if cfg.pp_size > 1 else None
         self.batches = BatchSharer(pp, self.device, check, self.failures.guard)
@@ -150,6 +163,8 @@ class ZeroPPEngine(EngineReports):
             cfg, self.dims, self.stage_ids, self._stage_modules, self.device, self.failures,
             self._loss, self.planning, self._shapes,
         )  # fmt: skip
+        if self._attention is not None:
+            self._schedules.inference_context = self._attention.paused
         # A failure inside a step (say the loss raising on the last stage) becomes, on every
         # rank, an error naming the failing rank and its error, instead of transport errors.
         describe = rank_describer(self.dims.mesh, self.style, cfg)
@@ -202,7 +217,8 @@ class ZeroPPEngine(EngineReports):
 
         `skip=True` (no batch given): this rank skips the step; so does every rank, which then
         gets a zero loss and no gradient (a data-parallel peer may have skipped instead)."""
-        schedule = self._schedule_for("train", args, kwargs, target, skip)
+        args, kwargs, target, problem = self._split_context(args, kwargs, target, skip)
+        schedule = self._schedule_for("train", args, kwargs, target, skip, problem=problem)
         if schedule is None:
             return torch.zeros((), device=self.device), StepGrads(())
         earlier = StepGrads(self.parameters())  # the runtime divides every .grad present
@@ -220,9 +236,12 @@ class ZeroPPEngine(EngineReports):
             probe or contextlib.nullcontext(),
             saved or contextlib.nullcontext(),
         ):
-            schedule.step(*inputs, target=target, losses=losses, return_outputs=False, **kw)
+            with self._attention or contextlib.nullcontext():
+                schedule.step(*inputs, target=target, losses=losses, return_outputs=False, **kw)
+            if first and self._attention is not None:
+                self._attention.check_taken(self.device)
             # This step's gradients only: `earlier` holds earlier accumulation steps' ones.
-            average_whole_grads(self.parameters(), self.dims.dp_groups, self.dims.dp_size)
+            average_whole_grads(self.parameters(), self.dims.grad_groups, self.dims.grad_size)
             self._tied.sum_grads()
             loss = self._broadcast_loss(losses)
         if self.nonfinite.check(loss):  # the same loss on every rank: all skip, or all raise
@@ -252,12 +271,15 @@ class ZeroPPEngine(EngineReports):
         micro-batch means is the batch mean. The loss function sees them in order. `skip`: as in
         `train_step_deferred` (returns None).
         """
-        schedule = self._schedule_for("eval", args, kwargs, target, skip, microbatches)
+        args, kwargs, target, problem = self._split_context(args, kwargs, target, skip)
+        schedule = self._schedule_for(
+            "eval", args, kwargs, target, skip, microbatches, problem=problem
+        )
         if schedule is None:
             return None
         losses: list[torch.Tensor] = []
         inputs, kw = self._stage_inputs(args, kwargs)
-        with self.failures.guard():
+        with self.failures.guard(), self._attention or contextlib.nullcontext():
             schedule.evaluate(*inputs, target=target, losses=losses, **kw)
             return self._broadcast_loss(losses) if target is not None else None
 
@@ -303,17 +325,42 @@ class ZeroPPEngine(EngineReports):
         target: Any,
         skip: bool = False,
         chosen: int | None = None,
+        problem: ValueError | None = None,
     ) -> Any:
         """The schedule for this batch's shapes, after the batch checks, built on first use on
         every rank alike (`Schedules.for_batch`); None when the step is skipped (on every
-        rank). Replicas are compared before the first step."""
+        rank). Replicas are compared before the first step. `problem`: this rank's batch was
+        already found bad (raised on every rank)."""
         self._check_replicas_once()
-        entry = self._schedules.for_batch(mode, args, kwargs, target, skip, chosen)
+        entry = self._schedules.for_batch(mode, args, kwargs, target, skip, chosen, problem)
         if entry is None:
             return None
         if mode == "train":
             self.stages = entry[1]
         return entry[0]
+
+    def _split_context(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, skip: bool
+    ) -> tuple[tuple[Any, ...], dict[str, Any], Any, ValueError | None]:
+        """This CP rank's part of the batch (`core.step.context`), or the batch as given and
+        what is wrong with it (raised on every rank by the step's agreement)."""
+        if self._context is None or skip:
+            return args, kwargs, target, None
+        try:
+            return (*self._context.split(args, kwargs, target), None)
+        except ValueError as err:
+            return args, kwargs, target, err
+
+    def _context_example(
+        self, args: tuple[Any, ...] | None, kwargs: dict[str, Any] | None
+    ) -> tuple[tuple[Any, ...] | None, dict[str, Any] | None]:
+        """The example micro-batch as one CP rank's part (shapes are what the split methods
+        read); a bad sequence length is refused here, at setup, on every rank."""
+        assert self._context is not None
+        if args is None and kwargs is None:
+            return args, kwargs
+        split_args, split_kwargs, _ = self._context.split(args or (), kwargs or {}, None)
+        return split_args, split_kwargs
 
     def restore_output(self, output: Any) -> Any:
         """The last stage's output as the model returns it (an HF `ModelOutput`, a dict), from
@@ -327,5 +374,5 @@ class ZeroPPEngine(EngineReports):
         dims = self.dims
         return broadcast_loss(
             losses, self.device, dims.pp_group, self.config.pp_size, self.last_pp_rank,
-            dims.dp_groups, dims.dp_size,
+            dims.grad_groups, dims.grad_size,
         )  # fmt: skip

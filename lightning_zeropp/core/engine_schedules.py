@@ -57,6 +57,7 @@ class Schedules:
         self.stage_ids, self.stage_modules = list(stage_ids), list(stage_modules)
         self.failures, self.loss, self.planning, self.shapes = failures, loss, planning, shapes
         self._entries: dict[tuple[Any, ...], Entry] = {}  # most recently used last
+        self.inference_context: Any = None  # what shape inference runs in (`ContextAttention`)
 
     def for_batch(
         self,
@@ -66,6 +67,7 @@ class Schedules:
         target: Any,
         skip: bool = False,
         chosen: int | None = None,
+        problem: ValueError | None = None,
     ) -> Entry | None:
         """The schedule for this batch's shapes (and its stages), after the batch checks.
 
@@ -74,10 +76,11 @@ class Schedules:
         data-parallel ranks read different batches (padded to different lengths), and a rank
         that found its shapes cached would skip the gathers the others wait on. One small
         all-reduce per step decides it, and stops every rank when one rank's batch fails its
-        checks (`agree_on_step`). None when the step is skipped (on every rank).
+        checks (`agree_on_step`). None when the step is skipped (on every rank). `problem`: the
+        batch already found bad (context parallelism's split), stopping every rank alike.
         """
-        problem, microbatches, key, popped = None, 0, None, None
-        if not skip:
+        microbatches, key, popped = 0, None, None
+        if not skip and problem is None:
             try:  # this rank's own checks, before any communication
                 rows = check_batch(mode, args, kwargs, target, self.shapes)
                 microbatches = self.config.num_microbatches  # the key if the next check fails
@@ -122,6 +125,7 @@ class Schedules:
                     m, s, self.config.num_stages, self.device, group=self.dims.pp_group
                 )
                 stage.inference_clock = self.planning
+                stage.inference_context = self.inference_context
                 stages.append(stage)
             if mode == "train":
                 schedule = build_schedule(self.config, stages, self.loss)

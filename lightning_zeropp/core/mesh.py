@@ -1,9 +1,12 @@
 """The ("pp", "dp_replicate", "dp_shard") device mesh and the ranks a front needs from it.
 
 Mesh positions are laid out pp-major: `dp_shard` is the fastest-varying axis, so the positions
-that shard one model chunk are consecutive, and pipeline stages sit across nodes. Positions are
-filled with the ranks in host order (`core.hosts`): each host's ranks are consecutive whatever
-order the launcher numbered them in, so every dp_shard group sits on one host.
+that shard one model chunk are consecutive, and pipeline stages sit across nodes. With
+`cp_size > 1` a fourth axis "cp" varies fastest of all (a sequence's ranks sit together, as
+torchtitan lays them out), and FSDP shards over dp_shard x cp flattened into one axis.
+Positions are filled with the ranks in host order (`core.hosts`): each host's ranks are
+consecutive whatever order the launcher numbered them in, so every dp_shard x cp group sits
+on one host.
 
 Right after its groups exist, every pipeline link is exercised once (`core.links`), so a broken
 one is named at setup. Every group the library creates gets the default (world) group's timeout,
@@ -22,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lightning_zeropp.core._torch_private import group_timeout, mesh_group_options
+from lightning_zeropp.core._torch_private import flatten_mesh, group_timeout, mesh_group_options
 from lightning_zeropp.core.hosts import Placement, check_node_size, gather_placement
 from lightning_zeropp.core.links import check_links, link_pairs
 from lightning_zeropp.core.settings.resolve import ZeroPPLayout
@@ -37,6 +40,8 @@ __all__ = [
 ]
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard")
+CP_AXIS = "cp"  # appended to MESH_AXES when cp_size > 1
+SHARD_CP_AXIS = "dp_shard_cp"  # dp_shard x cp flattened: what FSDP shards over under CP
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,7 @@ class ParallelDims:
     mesh: DeviceMesh
     config: ZeroPPLayout
     placement: Placement | None = None  # where each rank runs, and the order the mesh holds
+    shard_cp: DeviceMesh | None = None  # dp_shard x cp flattened (torch wants it kept, not sliced)
 
     @property
     def pp_rank(self) -> int:
@@ -57,10 +63,11 @@ class ParallelDims:
 
     @property
     def dp_mesh(self) -> DeviceMesh:
-        """Mesh FSDP shards over: 1-D over dp_shard, or 2-D (HSDP) when replicas > 1."""
+        """Mesh FSDP shards over: 1-D over dp_shard (x cp), or 2-D (HSDP) when replicas > 1."""
+        shard = SHARD_CP_AXIS if self.config.cp_size > 1 else "dp_shard"
         if self.config.dp_replicate_size > 1:
-            return self.mesh["dp_replicate", "dp_shard"]
-        return self.mesh["dp_shard"]
+            return self.mesh["dp_replicate", shard]
+        return self.shard_cp if self.shard_cp is not None else self.mesh[shard]
 
     @property
     def dp_rank(self) -> int:
@@ -82,6 +89,26 @@ class ParallelDims:
             if self.mesh.size(self.mesh.mesh_dim_names.index(axis)) > 1
         ]
 
+    @property
+    def cp_group(self) -> dist.ProcessGroup | None:
+        """The ranks one sequence is split over (None without context parallelism)."""
+        return self.mesh.get_group(CP_AXIS) if self.config.cp_size > 1 else None
+
+    @property
+    def cp_rank(self) -> int:
+        return self.mesh.get_local_rank(CP_AXIS) if self.config.cp_size > 1 else 0
+
+    @property
+    def grad_groups(self) -> list[dist.ProcessGroup]:
+        """What a whole gradient or the step's loss is averaged over: the data-parallel groups
+        and the CP group (each CP rank's loss is the mean over its part of the tokens)."""
+        cp = [self.cp_group] if self.cp_group is not None else []
+        return [*self.dp_groups, *cp]
+
+    @property
+    def grad_size(self) -> int:
+        return self.config.dp_size * self.config.cp_size
+
 
 def build_mesh(
     config: ZeroPPLayout, device_type: str, device: torch.device | None = None
@@ -92,16 +119,26 @@ def build_mesh(
         raise RuntimeError(
             "torch.distributed is not initialized; call init_process_group (with a timeout) first."
         )
-    shape = (config.pp_size, config.dp_replicate_size, config.dp_shard_size)
+    shape: tuple[int, ...] = (config.pp_size, config.dp_replicate_size, config.dp_shard_size)
+    axes: tuple[str, ...] = MESH_AXES
+    if config.cp_size > 1:
+        shape, axes = (*shape, config.cp_size), (*axes, CP_AXIS)
     device = device if device is not None else device_for_rank(device_type)
-    placement = gather_placement(config.dp_shard_size, str(device))
+    # a shard group is dp_shard x cp ranks (FSDP shards over both): one host holds each
+    what = "dp_shard x cp" if config.cp_size > 1 else "dp_shard"
+    placement = gather_placement(config.dp_shard_size * config.cp_size, str(device), what)
     if _node_groups(config):
         check_node_size(placement, config.node_size)
-    mesh = _mesh(device_type, placement.order, shape, MESH_AXES)
+    mesh = _mesh(device_type, placement.order, shape, axes)
+    shard_cp = None
+    if config.cp_size > 1:
+        timeout = world_timeout()
+        flat = mesh_group_options(device_type, timeout) if timeout is not None else None
+        shard_cp = flatten_mesh(mesh["dp_shard", CP_AXIS], SHARD_CP_AXIS, flat)
     if config.pp_size > 1:  # a broken pipeline link named now, not as a hang mid-step
         pairs = link_pairs(config.schedule, config.pp_size, config.num_chunks)
         check_links(mesh.get_group("pp"), pairs, device, placement.hosts)
-    return ParallelDims(mesh=mesh, config=config, placement=placement)
+    return ParallelDims(mesh=mesh, config=config, placement=placement, shard_cp=shard_cp)
 
 
 def _node_groups(config: ZeroPPLayout) -> bool:

@@ -40,6 +40,7 @@ from lightning_zeropp.core._torch_private.compile import (  # noqa: E402
 )
 from lightning_zeropp.core._torch_private.distributed import (  # noqa: E402
     default_store,
+    flatten_mesh,
     group_timeout,
     mesh_group_options,
 )
@@ -107,6 +108,7 @@ __all__ = [
     "dcp_write_prefix",
     "dcp_written_files",
     "default_store",
+    "flatten_mesh",
     "defer_post_forward_reshard",
     "fill_missing_gradients",
     "fsdp_pre_backward_muted",

@@ -1,5 +1,6 @@
-"""c10d's internals: the default store, a group's timeout, and backend options that create a
-mesh's groups with a timeout (`core.mesh`, `core.step.failure`).
+"""c10d's internals: the default store, a group's timeout, backend options that create a
+mesh's groups with a timeout, and a mesh's dimensions flattened into one (`core.mesh`,
+`core.step.failure`).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["default_store", "group_timeout", "mesh_group_options"]
+__all__ = ["default_store", "flatten_mesh", "group_timeout", "mesh_group_options"]
 
 
 def default_store() -> Any:
@@ -48,3 +49,10 @@ def mesh_group_options(device_type: str, timeout: timedelta) -> Any | None:
         # Ignored below: the stubs declare Options() without the (backend, timeout) it takes
         return dist.ProcessGroupGloo.Options("gloo", timeout)  # type: ignore[call-arg]
     return None
+
+
+def flatten_mesh(mesh: Any, name: str, options: Any | None = None) -> Any:
+    """`mesh` (a slice of a root mesh) as one dimension called `name`, registered on the root so
+    that `root[name]` and `root[other, name]` find it: torchtitan's way of sharding over
+    dp_shard x cp (`DeviceMesh._flatten`, private in torch); `options` as `mesh_group_options`."""
+    return mesh._flatten(name, backend_override=options)

@@ -87,7 +87,8 @@ def fill_missing_gradients(root: FSDPModule) -> None:
                 fp for fp in group.fsdp_params
                 if hasattr(fp, "_unsharded_param") and fp.sharded_param.requires_grad
             )  # fmt: skip
-    for (*groups, device), params in by_mesh.items():
+    for (*_groups, device), params in by_mesh.items():
+        groups = tuple(_groups)
         if not params or all(pg is None or dist.get_world_size(pg) == 1 for pg in groups):
             continue
         held = torch.tensor(

@@ -146,6 +146,9 @@ class ShapeInferenceStage(_StageBase):
 
     # Set by the engine: times shape inference (`core.measure.planning.PlanningStats.timed`).
     inference_clock: Any = None
+    # Set by the engine: a context manager factory its shape inference runs in (context
+    # parallelism pauses its attention: the inputs a later stage infers from are not real).
+    inference_context: Any = None
 
     def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
         with self._timed():
@@ -165,8 +168,11 @@ class ShapeInferenceStage(_StageBase):
             return super()._prepare_backward_infra(*args, **kwargs)
 
     def _timed(self) -> Any:
-        clock = self.inference_clock
-        return clock.timed() if clock is not None else contextlib.nullcontext()
+        clock, context = self.inference_clock, self.inference_context
+        stack = contextlib.ExitStack()
+        stack.enter_context(clock.timed() if clock is not None else contextlib.nullcontext())
+        stack.enter_context(context() if context is not None else contextlib.nullcontext())
+        return stack
 
     def after_forward_inference(self) -> None:
         """Called after forward shape inference (default: nothing)."""

@@ -75,7 +75,8 @@ def placement_lines(dims: Any) -> list[str]:
             "exceeds the ranks per host): its collectives cross the hosts' link"
         )
     mesh = dims.mesh.mesh
-    shards = mesh.reshape(mesh.shape[0], -1, mesh.shape[-1])  # (pp, replicas, dp_shard)
+    group = dims.config.dp_shard_size * dims.config.cp_size  # FSDP's group: dp_shard x cp
+    shards = mesh.reshape(mesh.shape[0], -1, group)  # (pp, replicas, dp_shard x cp)
     for pp in range(shards.shape[0]):
         groups = []
         for ranks in shards[pp].tolist():

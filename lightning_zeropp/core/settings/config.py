@@ -38,9 +38,12 @@ __all__ = [
 class ZeroPPConfig:
     """Layout and schedule of a ZeroPP run.
 
-    World = pp_size x dp_replicate_size x dp_shard_size. Weights, gradients and optimizer state are
-    sharded (ZeRO-3, FSDP2) over `dp_shard` (consecutive ranks, i.e. inside a node) and replicated
-    over `dp_replicate` (HSDP when > 1). Each pipeline rank holds `num_chunks` model chunks.
+    World = pp_size x dp_replicate_size x dp_shard_size x cp_size. Weights, gradients and optimizer
+    state are sharded (ZeRO-3, FSDP2) over `dp_shard` (consecutive ranks, i.e. inside a node) and
+    replicated over `dp_replicate` (HSDP when > 1). Each pipeline rank holds `num_chunks` model chunks.
+
+    `cp_size` (context parallelism): each sequence is split over `cp_size` consecutive ranks, which
+    read the same batch; each stage's weights are sharded over dp_shard x cp (`core.step.context`).
 
     Defaults: `pp_size` from the other sizes when they are given, else 2 when the world splits
     into two pipeline stages (an even number of data-parallel groups) and 1 otherwise (a planner
@@ -83,6 +86,7 @@ class ZeroPPConfig:
     pp_size: int | None = None
     dp_shard_size: int | None = None
     dp_replicate_size: int = 1
+    cp_size: int = 1
     num_microbatches: int | None = None
     schedule: str = "1f1b"
     num_chunks: int | None = None

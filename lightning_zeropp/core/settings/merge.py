@@ -55,7 +55,16 @@ class RunSettings:
     def resolve(self, world_size: int) -> ZeroPPLayout:
         """The layout for `world_size` processes; a bad value set by a variable names it."""
         try:
-            return self.config.resolve(world_size, self.node_size)
+            layout = self.config.resolve(world_size, self.node_size)
+            if layout.cp_size > 1:
+                # the fronts' token weighting and data sharding are not yet CP-aware
+                raise setting_error(
+                    "cp_size",
+                    f"cp_size={layout.cp_size}: context parallelism runs through the core "
+                    "ZeroPPEngine only so far; the Lightning, Accelerate and Trainer fronts do "
+                    "not run it yet. Set cp_size=1 here, or drive ZeroPPEngine directly.",
+                )
+            return layout
         except ValueError as err:
             named = [f"{self.from_env[f]} ({f})" for f in fields_of(err) if f in self.from_env]
             if not named:

@@ -26,6 +26,12 @@ SETTINGS_REFERENCE: dict[str, tuple[str, str]] = {
         "1",
         "replicas of each shard group (HSDP)",
     ),
+    "cp_size": (
+        "1",
+        "context parallelism: ranks each sequence is split over (chunks r and 2 cp - 1 - r on "
+        "rank r, positions kept global, attention over the gathered keys and values); each "
+        "stage's weights are sharded over dp_shard x cp",
+    ),
     "num_microbatches": (
         "`pp_size`",
         "micro-batches per step and data-parallel rank",

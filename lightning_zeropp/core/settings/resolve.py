@@ -44,6 +44,7 @@ class ZeroPPLayout:
     pp_size: int
     dp_shard_size: int
     dp_replicate_size: int
+    cp_size: int
     num_microbatches: int
     schedule: str
     num_chunks: int
@@ -86,11 +87,12 @@ class ZeroPPLayout:
         """Already resolved: itself, for the world it was resolved for."""
         if world_size != self.world_size:
             raise setting_error(
-                ("pp_size", "dp_replicate_size", "dp_shard_size"),
+                ("pp_size", "dp_replicate_size", "dp_shard_size", "cp_size"),
                 f"this layout was resolved for {self.world_size} processes "
                 f"(pp_size={self.pp_size} x dp_replicate_size={self.dp_replicate_size} x "
-                f"dp_shard_size={self.dp_shard_size}), but the world has {world_size}; resolve "
-                "the ZeroPPConfig for this world.",
+                f"dp_shard_size={self.dp_shard_size}"
+                + (f" x cp_size={self.cp_size}" if self.cp_size > 1 else "")
+                + f"), but the world has {world_size}; resolve the ZeroPPConfig for this world.",
             )
         return self
 
@@ -120,20 +122,50 @@ def resolve_config(
 def _resolve_sizes(cfg: Any, world_size: int) -> None:
     cfg.schedule = schedule_name(cfg.schedule)
     _check_positive("dp_replicate_size", cfg.dp_replicate_size)
+    _check_positive("cp_size", cfg.cp_size)
+    if world_size % cfg.cp_size:
+        raise setting_error(
+            "cp_size",
+            f"cp_size={cfg.cp_size} does not divide the world of {world_size} processes; "
+            f"choose a cp_size that divides {world_size} (world = pp_size x dp_replicate_size "
+            "x dp_shard_size x cp_size).",
+        )
+    others = world_size // cfg.cp_size  # what the pipeline and data-parallel axes share
     if cfg.pp_size is None:
-        cfg.pp_size = _default_pp(world_size, cfg.dp_replicate_size, cfg.dp_shard_size)
+        cfg.pp_size = _default_pp(others, cfg.dp_replicate_size, cfg.dp_shard_size)
     _check_positive("pp_size", cfg.pp_size)
     if cfg.dp_shard_size is None:
-        cfg.dp_shard_size = max(world_size // (cfg.pp_size * cfg.dp_replicate_size), 1)
+        cfg.dp_shard_size = max(others // (cfg.pp_size * cfg.dp_replicate_size), 1)
     _check_positive("dp_shard_size", cfg.dp_shard_size)
-    product = cfg.pp_size * cfg.dp_replicate_size * cfg.dp_shard_size
+    product = cfg.pp_size * cfg.dp_replicate_size * cfg.dp_shard_size * cfg.cp_size
+    cp = f" x cp_size ({cfg.cp_size})" if cfg.cp_size > 1 else ""  # named when it is used
     if product != world_size:
         raise setting_error(
-            ("pp_size", "dp_replicate_size", "dp_shard_size"),
+            ("pp_size", "dp_replicate_size", "dp_shard_size", "cp_size"),
             f"pp_size ({cfg.pp_size}) x dp_replicate_size ({cfg.dp_replicate_size}) x "
-            f"dp_shard_size ({cfg.dp_shard_size}) = {product}, but the world has {world_size} "
-            "processes; choose sizes whose product is the number of processes.",
+            f"dp_shard_size ({cfg.dp_shard_size}){cp} = {product}, but the world has "
+            f"{world_size} processes; choose sizes whose product is the number of processes.",
         )
+    _check_context(cfg)
+
+
+def _check_context(cfg: Any) -> None:
+    """Context parallelism is exact with these settings only; the others are refused by name."""
+    if cfg.cp_size == 1:
+        return
+    unsupported = {
+        "quantized_weights": cfg.quantized_weights,
+        "hpz_partition_size": cfg.hpz_partition_size,
+        "quantized_gradients": cfg.quantized_gradients,
+        "compile": cfg.compile or None,
+    }
+    for name, value in unsupported.items():
+        if value is not None:
+            raise setting_error(
+                (name, "cp_size"),
+                f"{name}={value!r} cannot be combined with cp_size={cfg.cp_size} yet; leave "
+                f"{name} unset, or set cp_size=1.",
+            )
 
 
 def _resolve_schedule(cfg: Any) -> None:

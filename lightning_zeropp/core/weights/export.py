@@ -85,7 +85,7 @@ def _first_names(module: nn.Module, state: dict[str, Any]) -> dict[str, str]:
     tensor and gathered it once while the rank holding it gathered each: the all-gathers no
     longer lined up (gloo: "64 vs 32" bytes).
     """
-    tensors = [*module.named_parameters(remove_duplicate=False)]
+    tensors: list[tuple[str, torch.Tensor]] = [*module.named_parameters(remove_duplicate=False)]
     tensors += module.named_buffers(remove_duplicate=False)
     identity: dict[str, int] = {name: id(t) for name, t in tensors}
     first_by: dict[Any, str] = {}

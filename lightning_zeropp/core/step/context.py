@@ -1,0 +1,185 @@
+"""Context parallelism's batch: each sequence split over the CP group, positions kept global.
+
+The `cp` ranks of one data-parallel group read the same batch; each keeps two of its `2 cp`
+equal chunks along the sequence, chunks `r` and `2 cp - 1 - r` on CP rank `r` (causal load
+balance: under a causal mask every rank then attends over as many query-key pairs). Splitting
+happens once per step, before the micro-batches are cut, so every micro-batch is split alike.
+
+What the model computes from positions keeps the global ones: `position_ids` are split with the
+sequence (or made, global, for a forward that takes them); a `labels` keyword is shifted on the
+whole sequence before the split (HF's convention: the pair straddling a shard boundary stays),
+and given as `shift_labels` too, so an HF loss does not shift it again; a 2-D `attention_mask`
+whose rows are right-padded becomes a mask of ones (with causal attention no real token sees a
+later pad, and pads carry no label; HF would read global position_ids without a mask as packed
+documents), anything else is refused. Positions a model makes itself
+(`torch.arange` into an embedding, a table sliced `[:T]`) are made global by
+`core.step.context_attention` while the stages run.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["ContextSplit", "attention_refusal"]
+
+IGNORE = -100  # the label of a position with no target (torch's and HF's ignore_index)
+SPLIT_KEYS = ("labels", "shift_labels", "position_ids", "attention_mask")
+
+
+class ContextSplit:
+    """This rank's part of every sequence of a batch, for CP rank `rank` of `size`."""
+
+    def __init__(self, size: int, rank: int, model: nn.Module) -> None:
+        self.size, self.rank = size, rank
+        params = inspect.signature(model.forward).parameters
+        self.takes_positions = "position_ids" in params
+        self.takes_mask = "attention_mask" in params
+        self.names = {name: i for i, name in enumerate(params)}
+        self.length = 0  # the global sequence length of the current batch
+        self.positions = torch.zeros(0, dtype=torch.long)  # its local tokens' global positions
+        self.order = torch.zeros(0, dtype=torch.long)  # gathered row of each global position
+
+    # ------------------------------------------------------------------ positions
+    def local_positions(self, rank: int, length: int) -> torch.Tensor:
+        """Global positions of CP rank `rank`'s tokens: chunks rank and 2 cp - 1 - rank."""
+        chunk = length // (2 * self.size)
+        first = torch.arange(rank * chunk, (rank + 1) * chunk)
+        last = 2 * self.size - 1 - rank
+        return torch.cat([first, torch.arange(last * chunk, (last + 1) * chunk)])
+
+    def check_length(self, length: int) -> None:
+        """A sequence of `length` tokens splits into 2 cp equal chunks, or is refused."""
+        if length % (2 * self.size):
+            raise ValueError(
+                f"the sequence length {length} does not split into 2 x cp_size = "
+                f"{2 * self.size} equal chunks (context parallelism gives each of the "
+                f"{self.size} CP ranks two chunks, for causal load balance); pad every batch to "
+                f"a multiple of {2 * self.size} tokens (or use seq_buckets that are), or "
+                "choose another cp_size."
+            )
+
+    def set_length(self, length: int) -> None:
+        """Prepare the positions and gather order for sequences of `length` tokens."""
+        self.check_length(length)
+        if length != self.length:
+            self.length = length
+            self.positions = self.local_positions(self.rank, length)
+            every = torch.cat([self.local_positions(r, length) for r in range(self.size)])
+            self.order = torch.argsort(every)  # global position p sits at gathered row order[p]
+
+    def set_rank(self, rank: int) -> None:
+        """This process's CP rank, once the mesh says it (the example was split as rank 0's:
+        only its shapes were read)."""
+        self.rank, self.length = rank, 0
+
+    @property
+    def local_length(self) -> int:
+        return self.length // self.size
+
+    def local(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """`x`'s entries at this rank's positions along `dim`."""
+        return x.index_select(dim, self.positions.to(x.device))
+
+    # ------------------------------------------------------------------ batches
+    def split(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any
+    ) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+        """This rank's part of a batch: every tensor of the sequence's length along dim 1
+        split, `labels` shifted first, `position_ids` kept global, a right-padded
+        `attention_mask` taken out. Raises ValueError naming the problem and its fix."""
+        length = self.sequence_length(args, kwargs)
+        self.set_length(length)
+        kwargs = dict(kwargs)
+        special = {k: kwargs.pop(k) for k in SPLIT_KEYS if k in kwargs}
+        out_args = tuple(self._split_value(a, length) for a in args)
+        out_kwargs = {k: self._split_value(v, length) for k, v in kwargs.items()}
+        mask = special.pop("attention_mask", None)
+        self._check_padding(mask)
+        first = next(v for v in (*out_args, *out_kwargs.values()) if isinstance(v, torch.Tensor))
+        rows, device = first.shape[0], first.device
+        positions = special.get("position_ids")
+        if positions is not None:
+            self._check_positions(positions, length)
+            out_kwargs["position_ids"] = self.local(positions)
+        elif self.takes_positions:
+            out_kwargs["position_ids"] = self.positions.to(device).expand(rows, -1)
+        if mask is not None or (self.takes_mask and "position_ids" in out_kwargs):
+            # A mask of ones, not none: HF reads position_ids that jump (chunks r and
+            # 2 cp - 1 - r) without a mask as packed documents, and would mask across the jump.
+            dtype = mask.dtype if mask is not None else torch.long
+            out_kwargs["attention_mask"] = torch.ones(rows, self.local_length, dtype=dtype)
+        labels, shifted = special.get("labels"), special.get("shift_labels")
+        if labels is not None or shifted is not None:
+            if shifted is None:  # shift on the whole sequence: the boundary pairs stay
+                assert labels is not None
+                shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], 1)
+            shifted = self.local(shifted)
+            out_kwargs["labels"], out_kwargs["shift_labels"] = shifted, shifted
+        # in the forward's own order: a traced stage takes its inputs in the order it was traced
+        # with, and the keywords added here must not shift the others
+        last = len(self.names)
+        out_kwargs = dict(sorted(out_kwargs.items(), key=lambda kv: self.names.get(kv[0], last)))
+        return out_args, out_kwargs, self._split_value(target, length)
+
+    def sequence_length(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+        """The batch's sequence length: dim 1 of its first tensor of two or more dimensions."""
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Tensor) and value.dim() >= 2:
+                return value.shape[1]
+        raise ValueError(
+            "context parallelism (cp_size > 1) cannot find the batch's sequence dimension: "
+            "no input is a tensor of shape (batch, sequence, ...); pass the token ids as a "
+            "(batch, sequence) tensor."
+        )
+
+    def _split_value(self, value: Any, length: int) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == length:
+            return self.local(value)
+        return value
+
+    def _check_padding(self, mask: Any) -> None:
+        if mask is None:
+            return
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+            raise ValueError(
+                "context parallelism takes an attention_mask of shape (batch, sequence) only "
+                f"(got {type(mask).__name__} of shape {getattr(mask, 'shape', None)}); pass the "
+                "padding mask as (batch, sequence), or none."
+            )
+        keep = mask.bool()
+        # right-padded: every row's ones come first, so its mask never rises again
+        if bool((keep[:, 1:] & ~keep[:, :-1]).any()):
+            raise ValueError(
+                "context parallelism takes right-padded rows only: this attention_mask has "
+                "a zero before a one in some row (left padding, or a hole); pad on the right "
+                "(tokenizer.padding_side = 'right') with label -100 on the pads."
+            )
+
+    def _check_positions(self, positions: Any, length: int) -> None:
+        ramp = torch.arange(length, device=positions.device).expand_as(positions)
+        if positions.shape[-1] != length or not torch.equal(positions, ramp):
+            raise ValueError(
+                "context parallelism takes position_ids that count 0, 1, ... along each row "
+                "only; packed documents (position_ids restarting within a row) are not supported "
+                "under cp_size > 1 yet: pass one document per row, or set cp_size=1."
+            )
+
+
+def attention_refusal(model: nn.Module) -> str | None:
+    """Why `model`'s attention cannot run under context parallelism (None when it can): CP
+    attention takes over `F.scaled_dot_product_attention` calls, so an HF model must use its
+    "sdpa" implementation."""
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None) if config is not None else None
+    if impl is None or impl == "sdpa":
+        return None
+    return (
+        f"{type(model).__name__} uses attn_implementation={impl!r}, which context parallelism "
+        "(cp_size > 1) cannot run: CP attention takes over torch's "
+        'scaled_dot_product_attention. Load the model with attn_implementation="sdpa", or set '
+        "cp_size=1."
+    )

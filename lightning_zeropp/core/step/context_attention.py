@@ -1,0 +1,223 @@
+"""Context parallelism's attention: a model's own `F.scaled_dot_product_attention` calls run over
+the whole sequence, with no change to the model's code.
+
+While the stages run, `ContextAttention` (a `TorchFunctionMode`) answers each call with this
+rank's queries against the keys and values of every CP rank: they are all-gathered along the
+sequence in the forward (`gather_sequence`, a custom autograd Function) and their gradients
+reduce-scattered (summed) back in the backward. The causal mask is built from the global
+positions of this rank's query chunks; a mask the model gives must already span the whole
+sequence's keys. Grouped-query attention gathers the K/V heads only (the call's own
+`enable_gqa`). This runs anywhere gloo or NCCL does; torch's ring attention is not used.
+
+Positions a model makes itself stay global under the same mode: a `torch.arange(T)`-valued index
+into an embedding table (the bundled GPT's `pos_emb(arange(T))`) and a parameter sliced `[:T]`
+(a learned table read as `self.pos[: idx.shape[1]]`) read this rank's global positions instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from lightning_zeropp.core.step.context import ContextSplit
+
+__all__ = ["ContextAttention", "gather_sequence"]
+
+_aten = torch.ops.aten
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along dim -2 over the CP group, rows put in global order; backward: the
+    gradient's rows back in gathered order, reduce-scattered (summed: each rank's keys serve
+    every rank's queries)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, order: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.group, ctx.order = group, order
+        size = dist.get_world_size(group)
+        rows = x.movedim(-2, 0).contiguous()
+        gathered = rows.new_empty((size * rows.shape[0], *rows.shape[1:]))
+        dist.all_gather_into_tensor(gathered, rows, group=group)
+        return gathered.index_select(0, order).movedim(0, -2)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        size = dist.get_world_size(ctx.group)
+        rows = torch.empty_like(grad.movedim(-2, 0).contiguous())
+        rows.index_copy_(0, ctx.order, grad.movedim(-2, 0).contiguous())  # back to gathered order
+        local = rows.new_empty((rows.shape[0] // size, *rows.shape[1:]))
+        dist.reduce_scatter_tensor(local, rows, op=dist.ReduceOp.SUM, group=ctx.group)
+        return local.movedim(0, -2), None, None
+
+
+def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, order: torch.Tensor) -> torch.Tensor:
+    """Every CP rank's `x` along dim -2 in global sequence order (differentiable)."""
+    return _GatherSequence.apply(x, group, order.to(x.device))
+
+
+class ContextAttention(TorchFunctionMode):
+    """CP attention and global positions for the stages' forward (and any recomputation)."""
+
+    def __init__(self, split: ContextSplit, group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.split, self.group = split, group
+        self.calls = 0  # attention calls taken over (a model with none is refused)
+        self._paused = False
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Plain torch inside: the pipeline's shape inference, whose inputs on a later stage are
+        not real (every CP rank of a stage infers at once, so none waits on a gather)."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        first = args[0] if args else None
+        if self._paused or (isinstance(first, torch.Tensor) and first.is_meta):
+            # a call stage's pass over the parts another stage owns (on the meta device): shapes
+            # only, which the split keeps
+            return func(*args, **kwargs)
+        # the eager functions, and the aten ops a traced stage (split="trace") calls instead
+        if (
+            func is F.scaled_dot_product_attention
+            or func is _aten.scaled_dot_product_attention.default
+        ):
+            self.calls += 1
+            return self.attention(*args, **kwargs)
+        if func is F.embedding:
+            return func(self._global_index(args[0], args[1]), *args[1:], **kwargs)
+        if func is _aten.embedding.default:  # (weight, indices, ...)
+            return func(args[0], self._global_index(args[1], args[0]), *args[2:], **kwargs)
+        if func is torch.Tensor.__getitem__ and isinstance(args[0], nn.Parameter):
+            return self._global_slice(args[0], args[1])
+        if func is _aten.slice.Tensor and isinstance(args[0], nn.Parameter):
+            dim, start, end, step = (*args[1:], None, None, None, None)[:4]
+            dim = 0 if dim is None else dim
+            key = (slice(None),) * dim + (slice(start, end, step),)
+            return self._global_slice(args[0], key, lambda: func(*args, **kwargs))
+        return func(*args, **kwargs)
+
+    def check_taken(self, device: torch.device) -> None:
+        """After the first step, on every rank: some stage's attention was taken over. A model
+        whose attention is written by hand would attend within each rank's chunks only."""
+        seen = torch.tensor([float(self.calls)], device=device)
+        dist.all_reduce(seen)
+        if not seen.item():
+            raise ValueError(
+                "context parallelism (cp_size > 1) found no call of torch's "
+                "scaled_dot_product_attention in the model: its attention would see each rank's "
+                "part of the sequence only. Compute attention with "
+                "torch.nn.functional.scaled_dot_product_attention (HF: "
+                'attn_implementation="sdpa"), or set cp_size=1.'
+            )
+
+    def attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        split = self.split
+        local, length = split.local_length, split.length
+        if query.shape[-2] != local or key.shape[-2] != local:
+            raise ValueError(
+                "context parallelism runs self-attention over the split sequence only: "
+                f"scaled_dot_product_attention got {query.shape[-2]} queries and "
+                f"{key.shape[-2]} keys where this rank holds {local} of the {length} tokens; "
+                "set cp_size=1 for this model."
+            )
+        mask = attn_mask
+        if mask is not None and not is_causal and _local_causal(mask, local):
+            # a causal mask the model built over its own chunk (a traced HF stage does): the
+            # causal mask over global positions is meant
+            mask, is_causal = None, True
+        if mask is not None and mask.shape[-1] != length:  # before the gathers: no rank waits
+            raise ValueError(
+                f"context parallelism needs an attention mask over all {length} keys; the "
+                f"model gave one of shape {tuple(mask.shape)} (its own {local} keys only). "
+                "Pass the padding as a (batch, sequence) attention_mask and let the model "
+                "use is_causal, or set cp_size=1."
+            )
+        key = gather_sequence(key, self.group, split.order)
+        value = gather_sequence(value, self.group, split.order)
+        if is_causal:
+            q_pos = split.positions.to(query.device)
+            causal = q_pos[:, None] >= torch.arange(length, device=query.device)[None, :]
+            if mask is None:
+                mask = causal
+            elif mask.dtype == torch.bool:
+                mask = mask & causal
+            else:
+                mask = mask.masked_fill(~causal, float("-inf"))
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+            enable_gqa=enable_gqa,
+        )  # fmt: skip
+
+    def _global_index(self, index: Any, weight: Any) -> Any:
+        """A position index `arange(T_local)` (1-D, or one row) into a table of at least the
+        global length: this rank's global positions."""
+        split = self.split
+        if (
+            isinstance(index, torch.Tensor)
+            and not index.is_floating_point()
+            and (index.dim() == 1 or (index.dim() == 2 and index.shape[0] == 1))
+            and index.shape[-1] == split.local_length
+            and isinstance(weight, torch.Tensor)
+            and weight.shape[0] >= split.length
+            and torch.equal(
+                index.reshape(-1), torch.arange(split.local_length, device=index.device)
+            )
+        ):
+            return split.positions.to(index.device).reshape(index.shape)
+        return index
+
+    def _global_slice(self, table: torch.Tensor, key: Any, plain: Any = None) -> torch.Tensor:
+        """`table[:T_local]` (or `table[:, :T_local]`) on a parameter of at least the global
+        length along that dimension: its rows at this rank's global positions."""
+        split = self.split
+        keys = key if isinstance(key, tuple) else (key,)
+        head = [k == slice(None) for k in keys]
+        if all(isinstance(k, slice) for k in keys) and head.count(False) == 1:
+            dim = head.index(False)
+            cut = keys[dim]
+            if (
+                cut.start in (None, 0)
+                and cut.step in (None, 1)
+                and cut.stop == split.local_length
+                and table.shape[dim] >= split.length
+            ):
+                return table.index_select(dim, split.positions.to(table.device))
+        return plain() if plain is not None else table[key]
+
+
+def _local_causal(mask: torch.Tensor, local: int) -> bool:
+    """Whether `mask` is exactly the causal mask over `local` keys (bool: True where allowed;
+    additive: 0 where allowed, a large negative number elsewhere)."""
+    if mask.shape[-2:] != (local, local):
+        return False
+    tril = torch.ones(local, local, dtype=torch.bool, device=mask.device).tril()
+    if mask.dtype == torch.bool:
+        return torch.equal(mask, tril.expand_as(mask))
+    allowed = mask == 0
+    return torch.equal(allowed, tril.expand_as(mask)) and bool((mask[..., ~tril] < -1e4).all())

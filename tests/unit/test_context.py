@@ -1,0 +1,107 @@
+"""Context parallelism without a process group: the cp_size setting, each rank's chunks, the
+labels shifted on the whole sequence, and the batches refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_zeropp.core.settings.config import ZeroPPConfig
+from lightning_zeropp.core.settings.env import config_from_env
+from lightning_zeropp.core.settings.merge import merge_settings
+from lightning_zeropp.core.step.context import ContextSplit
+
+
+class _Ids(nn.Module):
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return input_ids
+
+
+class _TakesPositions(nn.Module):
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> None:
+        return None
+
+
+def test_cp_size_is_a_mesh_axis_of_the_world():
+    layout = ZeroPPConfig(cp_size=2).resolve(8)
+    assert (layout.pp_size, layout.dp_shard_size, layout.cp_size) == (2, 2, 2)
+    layout = ZeroPPConfig(pp_size=1, cp_size=4).resolve(4)
+    assert (layout.dp_shard_size, layout.dp_size) == (1, 1)
+    assert config_from_env({"ZEROPP_CP_SIZE": "4"}).cp_size == 4
+
+
+@pytest.mark.parametrize(
+    ("settings", "world", "message"),
+    [
+        ({"cp_size": 3}, 4, "cp_size=3 does not divide the world of 4 processes"),
+        ({"cp_size": 0}, 4, "cp_size=0 must be a positive integer"),
+        ({"cp_size": 2, "pp_size": 2, "dp_shard_size": 2}, 4, "x cp_size (2) = 8, but the world"),
+        ({"cp_size": 2, "quantized_weights": "int8"}, 4, "quantized_weights='int8' cannot be"),
+        ({"cp_size": 2, "compile": True}, 4, "compile=True cannot be combined with cp_size=2"),
+    ],
+)
+def test_bad_cp_settings_name_the_value_and_fix(settings, world, message):
+    with pytest.raises(ValueError, match=None) as err:
+        ZeroPPConfig(**settings).resolve(world)
+    assert message in str(err.value)
+
+
+def test_the_fronts_refuse_cp_until_they_weigh_tokens_under_it():
+    with pytest.raises(ValueError, match="runs through the core ZeroPPEngine only so far"):
+        merge_settings({"cp_size": 2}, environ={}).resolve(4)
+
+
+def test_each_rank_holds_chunks_r_and_2cp_minus_1_minus_r():
+    split = ContextSplit(2, 0, _Ids())
+    assert split.local_positions(0, 8).tolist() == [0, 1, 6, 7]
+    assert split.local_positions(1, 8).tolist() == [2, 3, 4, 5]
+    split.set_length(8)
+    gathered = torch.cat([split.local_positions(r, 8) for r in range(2)])
+    assert gathered[split.order].tolist() == list(range(8))  # the gather's global order
+
+
+def test_labels_are_shifted_on_the_whole_sequence_before_the_split():
+    labels = torch.arange(8).unsqueeze(0) + 10
+    for rank, want in ((0, [11, 12, 17, -100]), (1, [13, 14, 15, 16])):
+        split = ContextSplit(2, rank, _Ids())
+        _, kwargs, _ = split.split((), {"input_ids": labels - 10, "labels": labels}, None)
+        # rank 0's position 1 predicts token 2, which rank 1 holds: the straddling pair stays
+        assert kwargs["labels"].tolist() == [want]
+        assert kwargs["shift_labels"].tolist() == [want]
+
+
+def test_positions_are_given_global_to_a_forward_that_takes_them():
+    split = ContextSplit(2, 1, _TakesPositions())
+    args, kwargs, target = split.split((torch.zeros(3, 8, dtype=torch.long),), {}, None)
+    assert args[0].shape == (3, 4)
+    assert kwargs["position_ids"].tolist() == [[2, 3, 4, 5]] * 3
+
+
+def test_a_right_padded_mask_is_taken_out_and_others_refused():
+    split = ContextSplit(2, 0, _Ids())
+    mask = torch.tensor([[1] * 8, [1] * 5 + [0] * 3])
+    _, kwargs, _ = split.split(
+        (torch.zeros(2, 8, dtype=torch.long),), {"attention_mask": mask}, None
+    )
+    assert kwargs["attention_mask"].tolist() == [[1] * 4] * 2  # ones: the pads are right
+    with pytest.raises(ValueError, match="right-padded rows only"):
+        split.split((torch.zeros(1, 8),), {"attention_mask": torch.tensor([[0] + [1] * 7])}, None)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "message"),
+    [
+        ((torch.zeros(2, 6),), {}, "sequence length 6 does not split into 2 x cp_size = 4"),
+        ((torch.zeros(6),), {}, "cannot find the batch's sequence dimension"),
+        (
+            (torch.zeros(1, 8),),
+            {"position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])},
+            "packed documents",
+        ),
+    ],
+)
+def test_batches_it_cannot_split_are_refused(args, kwargs, message):
+    with pytest.raises(ValueError) as err:
+        ContextSplit(2, 0, _Ids()).split(args, kwargs, None)
+    assert message in str(err.value)
