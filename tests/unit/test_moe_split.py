@@ -129,12 +129,50 @@ class MoEModel(torch.nn.Module):
         return self.head(h), total
 
 
-def test_blocks_returning_an_aux_loss_are_refused_by_the_call_split_naming_it():
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_blocks_returning_an_aux_loss_are_carried_by_the_call_split(num_stages):
+    """Each stage sends its blocks' aux values on with the hidden state; an earlier block's
+    stand-in returns the received one, so the model's own `total = total + aux` runs on the
+    last stage and every router gets its aux gradient back (before: refused)."""
+    torch.manual_seed(0)
     model = MoEModel()
+    x = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(3))
+    plan = plan_calls(model, plan_blocks(model, num_stages), (x,), {})
+    assert plan.aux == (1,)
+    inputs = CallInputs()
+    stages = build_call_stages(model, plan, range(num_stages), inputs, torch.device("cpu"))
+    flat = inputs.flatten((x,), {})
+    sent: tuple = ()
+    for stage in stages:
+        sent = stage(*sent, **flat)
+    logits, total = sent
+    want_logits, want_total = model(x)
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-6)
+    torch.testing.assert_close(total, want_total, rtol=0, atol=1e-6)
+    (logits.square().mean() + 0.01 * total).backward()
+    (want_logits.square().mean() + 0.01 * want_total).backward()
+    for stage in stages:
+        for name, param in stage.named_parameters():
+            want = model.get_parameter(name).grad
+            torch.testing.assert_close(param.grad, want, rtol=0, atol=1e-6, msg=name)
+
+
+class HiddenReadModel(MoEModel):
+    """Reads an earlier block's hidden state after the blocks: still refused."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h, total = self.emb(x), 0.0
+        for block in self.blocks:
+            h, aux = block(h)
+            total = total + aux + h.mean()
+        return self.head(h), total
+
+
+def test_an_earlier_blocks_hidden_state_read_after_the_blocks_is_refused():
+    model = HiddenReadModel()
     x = torch.randint(0, 32, (2, 8))
-    with pytest.raises(ValueError, match=r"mixture-of-experts auxiliary loss") as err:
+    with pytest.raises(ValueError, match=r"reads a value computed from block 0's output"):
         plan_calls(model, plan_blocks(model, 2), (x,), {})
-    assert "as gradient accumulation computes it" in str(err.value)
 
 
 def test_traced_aux_loss_is_the_micro_batchs_own():

@@ -56,6 +56,11 @@ class CallPlan:
     # code reads them, the first when read before the blocks (or never), the last when after.
     first_params: tuple[str, ...] = ()
     last_params: tuple[str, ...] = ()
+    # Positions in a block's tuple return of the extra tensors the forward reads after the
+    # blocks (a mixture-of-experts auxiliary loss summed over the blocks): each stage sends
+    # those of every block up to its last along with the hidden state, and on a later stage the
+    # stand-in of an earlier block returns what it received (`call_stages`).
+    aux: tuple[int, ...] = ()
 
 
 class CallInputs:
@@ -168,7 +173,13 @@ def _dry_run(
         def hook(module: nn.Module, a: Any, kw: Any, out: Any) -> None:
             calls[-1][3] = out
             tagger.inside = None
-            tagger.tag(out, frozenset({("block", i)}))
+            if isinstance(out, (tuple, list)) and len(out) > 1:
+                # Each part on its own: the next block takes one, the others may be extras
+                # read after the blocks (decided by `_plan` once the chain is known).
+                for j, part in enumerate(out):
+                    tagger.tag(part, frozenset({("part", (i, j))}))
+            else:
+                tagger.tag(out, frozenset({("block", i)}))
             tagger.after = i if i == len(block_list) - 1 else None
 
         return hook
@@ -219,8 +230,11 @@ def _dry_run(
     finally:
         for h in handles:
             h.remove()
-    if tagger.leak is None and not final <= {("block", len(block_list) - 1)}:
+    if tagger.leak is None and not {t for t in final if t[0] != "part"} <= {
+        ("block", len(block_list) - 1)
+    }:
         tagger.leak = "the model's output depends on values other than its last block's output"
+    tagger.read_after |= {t for t in final if t[0] == "part"}
     return _plan(blocks, units, calls, events, tagger, type(model).__name__)
 
 
@@ -243,14 +257,6 @@ def _plan(
             f"{[blocks.names[c[0]] for c in calls]})"
         )
     if leak is not None:
-        out = calls[0][3]
-        if "block 0's output" in leak and isinstance(out, (tuple, list)) and len(out) > 1:
-            leak += (
-                f" (its blocks return {len(out)} values: one the next block takes, the others, "
-                "e.g. a mixture-of-experts auxiliary loss, read after the blocks; split='call' "
-                "carries only the first kind. Under split='trace' each micro-batch's auxiliary "
-                "loss is computed on that micro-batch, as gradient accumulation computes it)"
-            )
         raise refuse(leak)
     first_block = events.index(("block", 0))
     last_block = events.index(("block", len(blocks.names) - 1))
@@ -268,6 +274,7 @@ def _plan(
     first_params, last_params = _place_bare(tagger.bare_reads, refuse)
     leaves, spec = tree_flatten((calls[0][1], calls[0][2]))
     hidden, out_index = _chain(calls, leaves, spec, refuse)
+    aux = _extras(calls, tagger.read_after, out_index, refuse)
     others = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and i != hidden]
     # A block argument computed from the model inputs alone (a padding mask, position ids and
     # rotary tables, a constant) is the same on every stage, which holds the micro-batch: each
@@ -289,7 +296,33 @@ def _plan(
         out_len,
         first_params,
         last_params,
+        aux,
     )
+
+
+def _extras(
+    calls: list[list[Any]], read: set[Any], out_index: int | None, refuse: Callable
+) -> tuple[int, ...]:
+    """The positions of the extra values of a block's return read after the blocks: any part
+    but an earlier block's hidden state (which the next block took) may be; each must be a
+    tensor from every block (a stage sends them on)."""
+    last = len(calls) - 1
+    for _, (block, j) in sorted(read):
+        if j == out_index and block != last:
+            raise refuse(
+                f"after the last block reads a value computed from block {block}'s output other "
+                "than through the blocks' arguments"
+            )
+    aux = tuple(sorted({j for _, (_, j) in read if j != out_index}))
+    for i, _, _, out, _ in calls:
+        odd = [j for j in aux if not isinstance(out[j], torch.Tensor)]
+        if odd:
+            raise refuse(
+                f"block {i} returns {type(out[odd[0]]).__name__} at position {odd[0]} of its "
+                "return, which the forward reads after the blocks; each block's extra return "
+                "values (an auxiliary loss) must be tensors for split='call' to send them on"
+            )
+    return aux
 
 
 def _place_bare(

@@ -52,6 +52,10 @@ class _Stub(nn.Module):
         object.__setattr__(self, "_device", device)
         object.__setattr__(self, "_block", block)
         object.__setattr__(self, "_dtype", dtype)
+        # A block's stub with extras (`CallPlan.aux`): its index and the stage's state, whose
+        # received extras an earlier block's stub returns.
+        object.__setattr__(self, "_index", None)
+        object.__setattr__(self, "_state", None)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         plan = self._block
@@ -59,10 +63,32 @@ class _Stub(nn.Module):
             hidden = tree_flatten((args, kwargs))[0][plan.slots[0]]
             if plan.out_index is None:
                 return hidden
-            return tuple(hidden if i == plan.out_index else None for i in range(plan.out_len))
+            out: list[Any] = [None] * plan.out_len
+            if plan.aux:
+                out = list(self._extras(args, kwargs))
+            out[plan.out_index] = hidden
+            return tuple(out)
         meta_args, meta_kwargs = tree_map(self._to_meta, (args, kwargs))
         out = self._meta(*meta_args, **meta_kwargs)
         return tree_map(self._zeros, out)
+
+    def _extras(self, args: Any, kwargs: Any) -> Sequence[Any]:
+        """An earlier block's extras as the previous stage sent them (their gradients flow back
+        to it); a later block's are zeros shaped like its real ones (what the code after it
+        computes from them is not sent)."""
+        plan, state, index = self._block, self._state, self._index
+        assert plan is not None and state is not None and index is not None
+        if state.got_aux is not None and index < len(state.got_aux) // len(plan.aux):
+            got = state.got_aux[index * len(plan.aux) : (index + 1) * len(plan.aux)]
+            out: list[Any] = [None] * plan.out_len
+            for j, value in zip(plan.aux, got, strict=True):
+                out[j] = value
+            return out
+        meta_args, meta_kwargs = tree_map(self._to_meta, (args, kwargs))
+        return [
+            self._zeros(x) if j in plan.aux else None
+            for j, x in enumerate(self._meta(*meta_args, **meta_kwargs))
+        ]
 
     def _to_meta(self, x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
@@ -108,6 +134,10 @@ class _StageState:
         self.plan, self.stage, self.inputs = plan, stage, inputs
         self.is_last = stage == len(plan.blocks.ranges) - 1
         self.received: tuple[torch.Tensor, ...] | None = None
+        # The extras (`CallPlan.aux`) of the blocks before this stage's, received, and those of
+        # this stage's blocks, kept as they return.
+        self.got_aux: tuple[torch.Tensor, ...] | None = None
+        self.own_aux: dict[int, tuple[torch.Tensor, ...]] = {}
         self.sent: tuple[torch.Tensor, ...] | None = None
         self.forward: Callable[..., Any] | None = None
         self.outputs = _Outputs()
@@ -167,6 +197,13 @@ class _StageState:
             leaves[slot] = value
         return tree_unflatten(leaves, spec)
 
+    def keep_aux(self, index: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, out: Any) -> None:
+            if self.running:  # not a recompute in backward
+                self.own_aux[index] = tuple(out[j] for j in self.plan.aux)
+
+        return hook
+
     def exit(self, module: nn.Module, args: Any, kwargs: Any, out: Any) -> None:
         """Keep what the next stage needs: this block's output and the other block arguments."""
         leaves, _ = tree_flatten((args, kwargs))
@@ -184,13 +221,17 @@ class _StageState:
     def run(self, *received: torch.Tensor, **flat_inputs: Any) -> Any:
         args, kwargs = self.inputs.unflatten(flat_inputs)
         received = tuple(dense_grad(t) for t in received)
-        self.received, self.sent = (received if self.stage > 0 else None), None
+        ours = len(self.plan.slots)
+        self.received, self.sent = (received[:ours] if self.stage > 0 else None), None
+        self.got_aux = received[ours:] if self.stage > 0 else None
+        self.own_aux = {}
         self.running, self.training = True, torch.is_grad_enabled()
         try:
             assert self.forward is not None
             out = self.forward(*args, **kwargs)
+            extras = (*(self.got_aux or ()), *_flat(self.own_aux))
         finally:
-            self.received, self.running = None, False
+            self.received, self.running, self.got_aux, self.own_aux = None, False, None, {}
         if self.is_last:
             return self.outputs.flat(out)
         sent, self.sent = self.sent, None
@@ -201,7 +242,11 @@ class _StageState:
             )
         # Sent tensors must be dense: the receiver's buffers copy their layout, and gloo's
         # point-to-point ops take contiguous tensors only (e.g. a rotary table sliced per batch).
-        return tuple(t.contiguous() for t in sent)
+        return tuple(t.contiguous() for t in (*sent, *extras))
+
+
+def _flat(kept: dict[int, tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    return tuple(t for i in sorted(kept) for t in kept[i])
 
 
 class _Outputs:
@@ -324,6 +369,15 @@ def _call_stage(
             block.register_forward_pre_hook(state.inner, with_kwargs=True)
     if not last:
         mine[-1].register_forward_hook(state.exit, with_kwargs=True)
+        if plan.aux:
+            for i, block in zip(blocks.ranges[stage], mine, strict=True):
+                block.register_forward_hook(state.keep_aux(i))
+    if plan.aux:
+        for i, _ in enumerate(blocks.names):
+            if i not in blocks.ranges[stage]:
+                stub = stage_model.get_submodule(blocks.fqn(i))
+                object.__setattr__(stub, "_index", i)
+                object.__setattr__(stub, "_state", state)
     state.forward = functools.partial(type(model).forward, stage_model)
     object.__setattr__(stage_model, "_zeropp_call_stage", state)
     object.__setattr__(stage_model, _OUTPUTS_ATTR, state.outputs)

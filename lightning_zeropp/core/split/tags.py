@@ -37,6 +37,11 @@ class Tagger(TorchFunctionMode):
         # ("before", "between" or "after" the blocks).
         self.bare: dict[int, str] = {}
         self.bare_reads: dict[str, set[str]] = {}
+        # The parts ("part", block, position) of blocks' tuple returns read after the last
+        # block: which of them may be (the last block's output, or extra values such as a
+        # mixture-of-experts auxiliary loss, which the call split carries) is decided once the
+        # chain is known (`call_plan._plan`).
+        self.read_after: set[Any] = set()
 
     def add_bare(self, param: torch.Tensor, name: str) -> None:
         """Watch where the forward reads `param`, a parameter held outside any submodule. Read
@@ -117,7 +122,7 @@ class Tagger(TorchFunctionMode):
                 self.leak is None
                 and what not in _METADATA
                 and not _tensors_only(out)
-                and not tags <= self.allowed_after | inner
+                and not tags <= self.allowed_after | inner | self._parts_after(tags)
             ):
                 # A Python number or flag read from a value another stage computes: on this
                 # stage it would come from a stub (zeros), and tags cannot follow it.
@@ -131,10 +136,18 @@ class Tagger(TorchFunctionMode):
             return frozenset()
         return frozenset({("block", self.after), ("inner", self.after)})
 
+    def _parts_after(self, tags: frozenset[Any]) -> frozenset[Any]:
+        """The block-return parts among `tags` once the blocks are done (checked by the plan)."""
+        if self.after is None:
+            return frozenset()
+        return frozenset(t for t in tags if t[0] == "part")
+
     def check(self, tags: frozenset[Any], what: str) -> None:
         allowed = frozenset({("inner", self.inside)}) if self.inside is not None else None
         if self.after is not None:
-            allowed = self.allowed_after
+            parts = self._parts_after(tags)
+            self.read_after |= parts
+            allowed = self.allowed_after | parts
         if allowed is not None and not tags <= allowed and self.leak is None:
             where = f"block {self.inside}" if self.inside is not None else "after the last block"
             sources = ", ".join(sorted(_source_name(t) for t in tags - allowed))
@@ -196,4 +209,6 @@ def _source_name(tag: Any) -> str:
             "attribute, e.g. HF's MoE router logits under output_router_logits=True: set it "
             "False, or compute that loss from what the blocks return)"
         )
+    if kind == "part":
+        return f"block {name[0]}'s output"
     return f"block {name}'s output" if kind == "block" else f"the output of '{name}'"
