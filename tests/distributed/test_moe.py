@@ -18,7 +18,7 @@ pytestmark = pytest.mark.distributed
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    params = {"optimizers": ["sgd", "adamw"]}
+    params = {"optimizers": ["sgd", "adamw"], "aux": True}
     return launch(4, "moe_scenarios.run", params, tmp_path_factory.mktemp("moe"), timeout=300)
 
 
@@ -30,6 +30,21 @@ def test_experts_unused_on_one_rank_match_one_process(results, optimizer):
         one = got["one"]
         torch.testing.assert_close(got["losses"], one["losses"], rtol=0, atol=1e-5)
     params = {**results[0][optimizer]["params"], **results[2][optimizer]["params"]}  # 2 stages
+    assert params.keys() == one["params"].keys()
+    for name, value in one["params"].items():
+        torch.testing.assert_close(params[name], value, rtol=0, atol=1e-5, msg=name)
+
+
+def test_blocks_returning_an_aux_loss_match_one_process_accumulating(results):
+    """Blocks returning `(x, aux)`, the model summing the aux values after the blocks and the loss
+    adding them (before: refused by split='call'): at pp 2 x dp 2 the loss and parameters equal
+    one process accumulating the same micro-batches (1e-5)."""
+    one = results[0]["aux"]["one"]
+    k = results[0]["aux"]["micro_per_step"]
+    want = [sum(one["losses"][i : i + k]) / k for i in range(0, len(one["losses"]), k)]
+    for rank_results in results:
+        torch.testing.assert_close(rank_results["aux"]["losses"], want, rtol=0, atol=1e-5)
+    params = {**results[0]["aux"]["params"], **results[2]["aux"]["params"]}  # the 2 stages
     assert params.keys() == one["params"].keys()
     for name, value in one["params"].items():
         torch.testing.assert_close(params[name], value, rtol=0, atol=1e-5, msg=name)

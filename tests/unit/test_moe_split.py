@@ -175,6 +175,33 @@ def test_an_earlier_blocks_hidden_state_read_after_the_blocks_is_refused():
         plan_calls(model, plan_blocks(model, 2), (x,), {})
 
 
+class NoAuxBlock(MoEBlock):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:  # type: ignore[override]
+        return super().forward(x)[0], None
+
+
+class NoAuxFirst(MoEModel):
+    """Block 0 returns `(x, None)`: an extra value that is not a tensor for every block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks[0] = NoAuxBlock()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h, total = self.emb(x), 0.0
+        for block in self.blocks:
+            h, aux = block(h)
+            total = total if aux is None else total + aux
+        return self.head(h), total
+
+
+def test_an_extra_return_that_is_not_always_a_tensor_is_refused():
+    model = NoAuxFirst()
+    x = torch.randint(0, 32, (2, 8))
+    with pytest.raises(ValueError, match=r"block 0 returns NoneType at position 1"):
+        plan_calls(model, plan_blocks(model, 2), (x,), {})
+
+
 def test_traced_aux_loss_is_the_micro_batchs_own():
     """Under split='trace' the stages carry every block's aux to the last one: a micro-batch's
     output (logits and aux) is the model's on that micro-batch, which is what one process

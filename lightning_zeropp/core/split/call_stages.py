@@ -199,8 +199,18 @@ class _StageState:
 
     def keep_aux(self, index: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, out: Any) -> None:
-            if self.running:  # not a recompute in backward
-                self.own_aux[index] = tuple(out[j] for j in self.plan.aux)
+            if not self.running:  # a recompute in backward: already sent
+                return
+            kept = tuple(out[j] for j in self.plan.aux)
+            odd = [j for j, t in zip(self.plan.aux, kept, strict=True) if not torch.is_tensor(t)]
+            if odd:
+                raise RuntimeError(
+                    f"pipeline stage {self.stage}: block {index} returned "
+                    f"{type(out[odd[0]]).__name__} at position {odd[0]} of its return, a tensor "
+                    "(an auxiliary loss) read after the blocks when split='call' checked the "
+                    "model; the next stage needs it. Return a tensor for every batch."
+                )
+            self.own_aux[index] = kept
 
         return hook
 
