@@ -47,8 +47,11 @@ def test_fsdp_step_traffic_is_on_dp_shard(tmp_path: Path) -> None:
         # The loss, and the four int32 flags by which the ranks agree whether to rebuild the
         # step's schedule (a rebuild gathers weights, so all rebuild when any must), whether
         # every rank's batch passed its checks, whether some rank's step skips the batch, and
-        # whether some rank received SIGTERM (then every rank stops before the step).
-        assert summary["all_reduce"] == {"dp_shard": {"count": 2, "bytes": FP32 + 16}}
+        # whether some rank received SIGTERM (then every rank stops before the step); and one
+        # int32 flag per parameter by which the ranks agree which parameters have a gradient
+        # before FSDP reduces them (an expert no row of a rank's batch reached has none).
+        flags = sum(len(unit) for unit in units) * 4
+        assert summary["all_reduce"] == {"dp_shard": {"count": 3, "bytes": FP32 + 16 + flags}}
         assert set(summary) == {"all_gather", "reduce_scatter", "all_reduce"}
 
 

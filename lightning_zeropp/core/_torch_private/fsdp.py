@@ -91,18 +91,18 @@ def fill_missing_gradients(root: FSDPModule) -> None:
         groups = tuple(_groups)
         if not params or all(pg is None or dist.get_world_size(pg) == 1 for pg in groups):
             continue
-        held = torch.tensor(
-            [fp.unsharded_accumulated_grad is not None or fp.unsharded_param.grad is not None
-             for fp in params],
-            dtype=torch.int32,
-            device=device,
-        )  # fmt: skip
-        anywhere = held.clone()
+        mine = [
+            fp.unsharded_accumulated_grad is not None or fp.unsharded_param.grad is not None
+            for fp in params
+        ]
+        anywhere = torch.tensor(mine, dtype=torch.int32, device=device)
         for pg in groups:
             if pg is not None and dist.get_world_size(pg) > 1:
                 dist.all_reduce(anywhere, op=dist.ReduceOp.MAX, group=pg)
-        for fp, mine, some in zip(params, held.tolist(), anywhere.tolist(), strict=True):
-            if some and not mine:
+        if all(mine):  # nothing to fill here (a dense model): the peers' answer is not read, so
+            continue  # no host sync
+        for fp, held, some in zip(params, mine, anywhere.tolist(), strict=True):
+            if some and not held:
                 fp.unsharded_param.grad = torch.zeros_like(fp.unsharded_param)
 
 
