@@ -34,6 +34,12 @@ from lightning_zeropp.accelerate.checkpointing import CHECKPOINT_DIR
 from lightning_zeropp.core.step import resumed_rows
 from lightning_zeropp.core.weights import checkpoint as ckpt
 from lightning_zeropp.core.weights import checksum, commit, trust
+from lightning_zeropp.transformers._private import (
+    push_checkpoint,
+    run_folder,
+    save_rng_state,
+    trainer_load_rng_state,
+)
 
 __all__ = [
     "BATCH_FILE",
@@ -56,7 +62,7 @@ def save(trainer: Any, trial: Any) -> None:
     args, state = trainer.args, trainer.state
     if trainer.hp_search_backend is None and trial is None:
         trainer.store_flos()
-    run_dir = Path(trainer._get_output_dir(trial=trial))
+    run_dir = Path(run_folder(trainer, trial))
     final = run_dir / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
     tmp = Path(ckpt.broadcast_str(str(commit.temporary(final))))
     engine = trainer.pipeline.engine
@@ -67,7 +73,7 @@ def save(trainer: Any, trial: Any) -> None:
         engine.save(tmp)
         if args.should_save:
             torch.save(trainer.lr_scheduler.state_dict(), tmp / SCHEDULER_NAME)
-        trainer._save_rng_state(str(tmp))  # every process its own
+        save_rng_state(trainer, str(tmp))  # every process its own
     _record_best(trainer, run_dir, final)
     if args.should_save:
         _save_trainer_state(trainer, tmp)
@@ -80,7 +86,7 @@ def save(trainer: Any, trial: Any) -> None:
         commit.publish(tmp, final, link=False)  # a real folder: the Trainer lists and deletes it
     dist.barrier()
     if args.push_to_hub:
-        trainer._push_from_checkpoint(str(final))
+        push_checkpoint(trainer, str(final))
     if args.should_save:
         rotate_checkpoints(
             output_dir=str(run_dir),
@@ -200,7 +206,7 @@ def load_rng_state(trainer: Any, folder: str | os.PathLike[str]) -> None:
                     f"it was edited or replaced. {fix}"
                 )
         with trust.weights_only_loads():  # the Trainer reads it again: as data, whatever it asks
-            Trainer._load_rng_state(trainer, str(folder))
+            trainer_load_rng_state(trainer, str(folder))
     except ValueError as err:
         problem = str(err) if str(file) in str(err) else f"{file}: {err}. {fix}"
     except (KeyError, TypeError, RuntimeError) as err:

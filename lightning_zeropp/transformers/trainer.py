@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
-from transformers import Trainer, TrainingArguments
+from transformers import TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from lightning_zeropp.accelerate.accelerator import ZeroPPAccelerator
@@ -43,6 +43,20 @@ from lightning_zeropp.accelerate.settings import ZeroPPPlugin
 from lightning_zeropp.accelerate.steps import NUM_ITEMS, PipelineModel
 from lightning_zeropp.core.step.preempt import Preemption
 from lightning_zeropp.transformers import checkpointing
+from lightning_zeropp.transformers._private import (
+    TrainerOverrides,
+    accelerator_args_builder,
+    forget_created_scheduler,
+    load_optimizer_and_scheduler,
+    loss_shifts_labels,
+    num_items_in_batch,
+    run_folder,
+    save_checkpoint,
+    scheduler_created,
+    trainer_init_training_state,
+    trainer_num_items_in_batch,
+    trainer_track_num_input_tokens,
+)
 from lightning_zeropp.transformers.counts import (
     padded_tokens,
     summed_over_data_parallel,
@@ -58,7 +72,7 @@ from lightning_zeropp.transformers.settings import (
 __all__ = ["ZeroPPTrainer"]
 
 
-class ZeroPPTrainer(Trainer):
+class ZeroPPTrainer(TrainerOverrides):
     """`transformers.Trainer(...)` whose model is pipelined over FSDP2 (ZeroPP).
 
     Takes every argument of `Trainer`, plus `zeropp_plugin` (the layout; default: the
@@ -74,7 +88,7 @@ class ZeroPPTrainer(Trainer):
         # the signature of the Trainer class this one pipelines (a TRL trainer's, for its
         # ZeroPP class: `lightning_zeropp.trl`)
         mro = type(self).__mro__
-        pipelined = mro[mro.index(ZeroPPTrainer) + 1]
+        pipelined = mro[mro.index(TrainerOverrides) + 1]
         init = inspect.signature(pipelined).bind(*args, **kwargs).arguments
         training_args = init.get("args")
         if training_args is None:  # what the Trainer would build itself
@@ -108,7 +122,7 @@ class ZeroPPTrainer(Trainer):
         """The Trainer's own accelerator settings, on a `ZeroPPAccelerator`: no FSDP or
         DeepSpeed plugin (refused), and mixed precision as FSDP2's (`bf16=True` is mapped onto
         the plugin's `param_dtype`), since the stages are not prepared models to autocast."""
-        kwargs = accelerator_arguments(self.args, self._build_accelerator_args)
+        kwargs = accelerator_arguments(self.args, accelerator_args_builder(self))
         self.accelerator = ZeroPPAccelerator(zeropp_plugin=self._zeropp_plugin, **kwargs)
         self.gather_function = functools.partial(
             self.accelerator.gather_for_metrics, use_gather_object=self.args.eval_use_gather_object
@@ -116,7 +130,7 @@ class ZeroPPTrainer(Trainer):
         self.is_deepspeed_enabled = False
         self.is_fsdp_enabled = False
 
-    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+    def _zeropp_move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
         """The stages go to the device when the pipeline is built; the whole model never does."""
 
     # ------------------------------------------------------------------ the pipeline
@@ -164,7 +178,7 @@ class ZeroPPTrainer(Trainer):
         in) over this rank's stages; return `loader` sharded over data-parallel ranks."""
         if self.optimizer is None:
             self.create_optimizer()  # on the whole model, as under DDP
-        given = self.lr_scheduler if not self._created_lr_scheduler else None
+        given = self.lr_scheduler if not scheduler_created(self) else None
         whole = self.optimizer
         pipeline, optimizer, prepared = self.accelerator.prepare(self.model, whole, loader)
         self.optimizer = optimizer
@@ -186,7 +200,7 @@ class ZeroPPTrainer(Trainer):
         (`PipelineModel.use_loss`) with the count of labels the Trainer's own code uses:
         `compute_loss_func`, else label smoothing; None for the model's own loss."""
         if self.compute_loss_func is not None:
-            shift = 1 if getattr(self, "_loss_shifts_labels", False) else 0
+            shift = 1 if loss_shifts_labels(self) else 0
             return self.compute_loss_func, shift
         if self.label_smoother is not None:
             assert self.model is not None  # the Trainer was given one
@@ -196,28 +210,29 @@ class ZeroPPTrainer(Trainer):
 
     def _save_on_sigterm(self, steps: int) -> str:
         """Collective: `checkpoint-<global_step>`, which `resume_from_checkpoint=True` finds."""
-        self._save_checkpoint(self.model_wrapped, trial=None)
+        save_checkpoint(self, self.model_wrapped)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        path = os.path.join(self._get_output_dir(trial=None), name)
+        path = os.path.join(run_folder(self, trial=None), name)
         return f"saved checkpoint at {path} (resume with train(resume_from_checkpoint=True))"
 
-    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> Any:
+    def _zeropp_wrap_model(
+        self, model: nn.Module, training: bool = True, dataloader: Any = None
+    ) -> Any:
         if self._pipeline is None:  # evaluation_loop asks after building its loader
             raise RuntimeError("ZeroPPTrainer: the pipeline is built with the first data loader")
         return self._pipeline
 
-    def _prepare_for_training(
+    def _zeropp_prepare_for_training(
         self, max_steps: int, train_dataloader: DataLoader, resume_from_checkpoint: str | None
     ) -> tuple[PipelineModel, DataLoader]:
         """The pipeline and the rebuilt optimizer exist (the training loader built them): the
         scheduler is created on that optimizer, and a checkpoint resumed into both."""
         assert self._pipeline is not None
-        if self._created_lr_scheduler:
-            self.lr_scheduler = None
-            self._created_lr_scheduler = False
+        if scheduler_created(self):
+            forget_created_scheduler(self)
         self.create_scheduler(num_training_steps=max_steps)
         self.model_wrapped = self._pipeline
-        self._load_optimizer_and_scheduler(resume_from_checkpoint)
+        load_optimizer_and_scheduler(self, resume_from_checkpoint)
         for attr in ("model", "optimizer", "lr_scheduler"):
             setattr(self.callback_handler, attr, getattr(self, attr))
         self.callback_handler.train_dataloader = train_dataloader
@@ -307,7 +322,7 @@ class ZeroPPTrainer(Trainer):
         again = without_repeats(inputs, state, pipeline)
         if again is not None:  # every rank counts again: a collective
             inputs = again
-            items = float(self._get_num_items_in_batch([inputs], pipeline.engine.device))
+            items = float(num_items_in_batch(self, [inputs], pipeline.engine.device))
         outputs = pipeline(**{**inputs, NUM_ITEMS: items})
         shared = pipeline.rows is not None and pipeline.rows % pipeline.engine.config.pp_size == 0
         if shared:
@@ -333,7 +348,7 @@ class ZeroPPTrainer(Trainer):
             pipeline.eval_logits = keep
 
     # ------------------------------------------------------------------ counts over processes
-    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:
+    def _zeropp_get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:
         """The Trainer's token count of the accumulation window, each row counted once, of the
         batches the pipeline trains on: its first stage's (a random collator draws on each
         rank), shared before the count and written into each rank's batch."""
@@ -341,16 +356,16 @@ class ZeroPPTrainer(Trainer):
             shared = self._pipeline.engine.core.batches.share
             batch_samples[:] = [shared(batch) for batch in batch_samples]
         with self._summing_over_data_parallel():
-            return super()._get_num_items_in_batch(batch_samples, device)
+            return trainer_num_items_in_batch(self, batch_samples, device)
 
-    def _track_num_input_tokens(self, inputs: dict[str, Any]) -> None:
+    def _zeropp_track_num_input_tokens(self, inputs: dict[str, Any]) -> None:
         """Tokens seen, as one process counts them (`counts.padded_tokens`)."""
         name = getattr(self.model, "main_input_name", "input_ids")
         padded = self.args.include_num_input_tokens_seen == "all"
         seen = padded_tokens(inputs, name, self._pipeline) if padded else None
         if seen is None:
             with self._summing_over_data_parallel():
-                super()._track_num_input_tokens(inputs)
+                trainer_track_num_input_tokens(self, inputs)
         else:
             self.state.num_input_tokens_seen += seen
 
@@ -361,12 +376,12 @@ class ZeroPPTrainer(Trainer):
     def _summing_over_data_parallel(self) -> contextlib.AbstractContextManager[None]:
         return summing_over_data_parallel(self.accelerator, self._pipeline)
 
-    def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
+    def _zeropp_clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
         """Clip by the norm over every stage and shard (tied copies counted once)."""
         assert self._pipeline is not None
         return self._pipeline.engine.core.clip_grad_norm_(self.args.max_grad_norm)
 
-    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+    def _zeropp_get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
         if grad_norm is None:
             assert self._pipeline is not None
             grad_norm = self._pipeline.engine.core.clip_grad_norm_(float("inf"))
@@ -385,14 +400,14 @@ class ZeroPPTrainer(Trainer):
         super().log(logs, start_time)
 
     # ------------------------------------------------------------------ checkpoints
-    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+    def _zeropp_save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         checkpointing.save(self, trial)
 
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+    def _zeropp_load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         """Checked here, on every rank; loaded once the pipeline exists (`_prepare_for_training`)."""
         checkpointing.check_resumable(resume_from_checkpoint)
 
-    def _init_training_state(
+    def _zeropp_init_training_state(
         self,
         max_steps: int,
         num_update_steps_per_epoch: int,
@@ -402,24 +417,29 @@ class ZeroPPTrainer(Trainer):
     ) -> tuple[int, int]:
         """The Trainer's; a resume with another global batch than the checkpoint's is refused
         here, before anything is skipped (`checkpointing.check_resumed_rows`)."""
-        done = super()._init_training_state(
-            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+        done = trainer_init_training_state(
+            self,
+            max_steps,
+            num_update_steps_per_epoch,
+            num_train_epochs,
+            resume_from_checkpoint,
+            trial,
         )
         if resume_from_checkpoint is not None:
             checkpointing.check_resumed_rows(self, resume_from_checkpoint)
         return done
 
-    def _load_optimizer_and_scheduler(self, checkpoint_dir: str | None) -> None:
+    def _zeropp_load_optimizer_and_scheduler(self, checkpoint_dir: str | None) -> None:
         """Collective: the sharded model and optimizer, and the scheduler, of a checkpoint."""
         if checkpoint_dir is not None:
             checkpointing.load(self, checkpoint_dir)
 
-    def _load_rng_state(self, checkpoint: str | None) -> None:
+    def _zeropp_load_rng_state(self, checkpoint: str | None) -> None:
         """The Trainer's, reading the RNG file as data (named, with the fix, if it is not)."""
         if checkpoint is not None:
             checkpointing.load_rng_state(self, checkpoint)
 
-    def _load_best_model(self) -> None:
+    def _zeropp_load_best_model(self) -> None:
         checkpointing.load_best_model(self)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
