@@ -48,7 +48,7 @@ from transformers import (
     default_data_collator,
 )
 
-from lightning_zeropp.models.packing import check_buckets
+from lightning_zeropp.fronts.packing import check_buckets
 from lightning_zeropp.transformers import ZeroPPPlugin, ZeroPPTrainer
 
 

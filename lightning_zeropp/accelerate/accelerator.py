@@ -61,9 +61,9 @@ from lightning_zeropp.core.step.failure import guarded
 from lightning_zeropp.core.step.preempt import Preemption
 from lightning_zeropp.core.weights.export import full_state_dict
 from lightning_zeropp.core.weights.trust import weights_only_loads
-from lightning_zeropp.models.hf_chunked import ChunkedHead
-from lightning_zeropp.models.hf_loss import disable_kv_cache, token_rule
-from lightning_zeropp.models.loss_rule import LossWatch
+from lightning_zeropp.fronts.hf_chunked import ChunkedHead
+from lightning_zeropp.fronts.hf_loss import disable_kv_cache, token_rule
+from lightning_zeropp.fronts.loss_rule import LossWatch
 
 __all__ = ["ZeroPPAccelerator"]
 
@@ -136,7 +136,7 @@ class ZeroPPAccelerator(Accelerator):
             )
         holder: list[PipelineModel] = []
         skeleton = _skeleton(model)  # the whole model's structure, for unwrap_model
-        # An HF causal LM's head and loss in chunks in training (`models.hf_chunked`), before
+        # An HF causal LM's head and loss in chunks in training (`fronts.hf_chunked`), before
         # the watch wraps its loss function: the watch sees the call as the model made it.
         chunked = rule is not None and rule.causal and ChunkedHead.install(model)
         watch = LossWatch(model, rule) if rule is not None else None

@@ -39,14 +39,7 @@ from lightning_zeropp.accelerate.data import (
     widen_loader,
 )
 from lightning_zeropp.accelerate.engine import ZeroPPAccelerateEngine
-from lightning_zeropp.accelerate.optim import (
-    OptimizerFactory,
-    PipelineScheduler,
-    SchedulerFactory,
-    optimizer_param_names,
-    rebuild_optimizer,
-    retarget_scheduler,
-)
+from lightning_zeropp.accelerate.optim import PipelineScheduler
 from lightning_zeropp.core.engine import LossFn, ZeroPPEngine
 from lightning_zeropp.core.measure.layout import describe_layout
 from lightning_zeropp.core.settings.config import ZeroPPConfig, ZeroPPLayout
@@ -55,7 +48,14 @@ from lightning_zeropp.core.settings.values import fields_of, setting_error
 from lightning_zeropp.core.split.methods import SplitMethod
 from lightning_zeropp.core.step.failure import guarded
 from lightning_zeropp.core.weights.materialize import InitFn
-from lightning_zeropp.models.hf_loss import disable_kv_cache
+from lightning_zeropp.fronts.hf_loss import disable_kv_cache
+from lightning_zeropp.fronts.optim import (
+    OptimizerFactory,
+    SchedulerFactory,
+    optimizer_param_names,
+    rebuild_optimizer,
+    retarget_scheduler,
+)
 
 __all__ = ["prepare_pipeline"]
 

@@ -18,7 +18,7 @@ from accelerate.data_loader import prepare_data_loader
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_zeropp.core.mesh import ParallelDims
-from lightning_zeropp.core.step.loader import rebuild_loader
+from lightning_zeropp.fronts.loader import rebuild_loader
 
 __all__ = [
     "Unpack",

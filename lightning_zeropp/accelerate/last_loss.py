@@ -26,8 +26,8 @@ from lightning_zeropp.core.step.last_loss import (
     global_items,
     share_metrics,
 )
-from lightning_zeropp.models.hf_loss import NUM_ITEMS
-from lightning_zeropp.models.packing import Reshaped, reshape
+from lightning_zeropp.fronts.hf_loss import NUM_ITEMS
+from lightning_zeropp.fronts.packing import Reshaped, reshape
 
 if TYPE_CHECKING:
     from lightning_zeropp.accelerate.steps import PipelineModel, PipelineOutput
@@ -115,7 +115,7 @@ def run_with_loss(
 
 
 def _reshaped(pipeline: PipelineModel, loss: LastStageLoss, kwargs: dict[str, Any]) -> Reshaped:
-    """Packed rows regrouped for the micro-batches (`models.packing`) only where that changes no
+    """Packed rows regrouped for the micro-batches (`fronts.packing`) only where that changes no
     number: a causal LM's rows, a loss that skips each row's first label, no per-row tensors."""
     if not (pipeline.shifts and loss.shift == 1 and not loss.rows):
         return Reshaped(kwargs)

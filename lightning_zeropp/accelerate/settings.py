@@ -21,7 +21,7 @@ from lightning_zeropp.core.settings.merge import (
 )
 from lightning_zeropp.core.split.methods import SplitMethod
 from lightning_zeropp.core.weights.materialize import InitFn
-from lightning_zeropp.models.packing import SeqBuckets, check_buckets
+from lightning_zeropp.fronts.packing import SeqBuckets, check_buckets
 
 __all__ = ["ZeroPPPlugin"]
 
@@ -44,7 +44,7 @@ class ZeroPPPlugin:
         seq_buckets: for causal LMs, pad each batch's length up to a bucket so that batches of
             changing length reuse a few pipeline schedules (each new shape builds one): None
             (default: lengths as they come), "pow2", an int k (multiples of k) or a list of
-            lengths (`lightning_zeropp.models.packing`). Padding is masked out of the loss and
+            lengths (`lightning_zeropp.fronts.packing`). Padding is masked out of the loss and
             attention: the numbers do not change.
         **settings: `ZeroPPConfig` fields; those left out come from `ZEROPP_*` variables.
     """

@@ -32,10 +32,10 @@ from lightning_zeropp.core.schedule.build import eval_microbatches
 from lightning_zeropp.core.step.failure import guarded
 from lightning_zeropp.core.step.last_loss import LastLossStep
 from lightning_zeropp.core.step.preempt import PreemptedError
-from lightning_zeropp.models.hf_chunked import armed, check_consumed
-from lightning_zeropp.models.hf_loss import NUM_ITEMS, TokenRule, accepts_num_items
-from lightning_zeropp.models.loss_rule import LossWatch
-from lightning_zeropp.models.packing import Reshaped, SeqBuckets, reshape
+from lightning_zeropp.fronts.hf_chunked import armed, check_consumed
+from lightning_zeropp.fronts.hf_loss import NUM_ITEMS, TokenRule, accepts_num_items
+from lightning_zeropp.fronts.loss_rule import LossWatch
+from lightning_zeropp.fronts.packing import Reshaped, SeqBuckets, reshape
 
 __all__ = [
     "NUM_ITEMS",
@@ -110,15 +110,15 @@ class PipelineModel(nn.Module):
         object.__setattr__(self, "engine", engine)
         # The user's model, for unwrap_model (not a submodule: its weights are not ours).
         object.__setattr__(self, "original", original)
-        # How the model's own loss counts tokens (`models.hf_loss.token_rule`; None: it cannot
+        # How the model's own loss counts tokens (`fronts.hf_loss.token_rule`; None: it cannot
         # be weighed by tokens), and the check that its forward computed it so.
         self.rule, self.watch = rule, watch
         self.token_weighted = rule is not None
         # A causal LM (its loss skips each row's first label): packed rows may be regrouped and
-        # lengths padded to buckets without changing a number (`models.packing`).
+        # lengths padded to buckets without changing a number (`fronts.packing`).
         self.shifts = rule is not None and rule.causal
         self.eval_logits = True
-        # The model's head and loss compute in chunks in training (`models.hf_chunked`): the
+        # The model's head and loss compute in chunks in training (`fronts.hf_chunked`): the
         # training output holds the loss only, so nothing reads the logits.
         self.chunked = False
         self.seq_buckets: SeqBuckets = None
@@ -197,7 +197,7 @@ class PipelineModel(nn.Module):
 
     def _reshaped(self, args: Any, kwargs: dict[str, Any]) -> Reshaped:
         """A causal LM's keyword batch with packed rows regrouped into as many rows as the
-        micro-batches need and its length padded to a bucket (`models.packing`: exact)."""
+        micro-batches need and its length padded to a bucket (`fronts.packing`: exact)."""
         if args or not self.shifts:
             return Reshaped(kwargs)
         assert self.engine.core.config.num_microbatches is not None
@@ -301,7 +301,7 @@ class PipelineModel(nn.Module):
             check_consumed()  # the head's hidden states went to the loss, not read as logits
         loss = loss_of(output)
         if self.watch is not None and self._items is not None and loss is not None:
-            # the forward's loss as its token sum over the count, or refused (`models.loss_rule`)
+            # the forward's loss as its token sum over the count, or refused (`fronts.loss_rule`)
             loss = self.watch.settle(loss, target, self._items, self._divisor)
         if self._losses is not None and loss is not None:
             self._losses.append(loss.detach())

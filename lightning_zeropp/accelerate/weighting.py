@@ -3,7 +3,7 @@ tokens, as one process computes it over the whole batch.
 
 The engine averages what the loss returns over micro-batches and data-parallel ranks. For a model
 whose forward takes HF's `num_items_in_batch` (every HF causal LM does) the front passes it the
-global batch's labelled tokens, counted by the model's own rule (`models.hf_loss.token_rule`),
+global batch's labelled tokens, counted by the model's own rule (`fronts.hf_loss.token_rule`),
 divided by the micro-batch and data-parallel counts the engine averages over: each micro-batch's
 loss is then its token sum over the global count, and the average is the global token mean. For
 other models the loss is the mean of micro-batch means, which equals the global mean only when
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zeropp.core.mesh import ParallelDims
-from lightning_zeropp.models.hf_loss import NUM_ITEMS, TokenRule, token_counts
+from lightning_zeropp.fronts.hf_loss import NUM_ITEMS, TokenRule, token_counts
 
 __all__ = ["weigh_tokens"]
 

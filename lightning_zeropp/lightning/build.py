@@ -22,16 +22,16 @@ from lightning_zeropp.core.engine import ZeroPPEngine
 from lightning_zeropp.core.measure.layout import describe_layout
 from lightning_zeropp.core.mesh import ParallelDims, world_timeout
 from lightning_zeropp.core.settings.config import ZeroPPLayout
-from lightning_zeropp.core.split.call_adapter import CallAdapter, get_call_adapter
 from lightning_zeropp.core.split.copies import meta_copy
 from lightning_zeropp.core.split.methods import SplitMethod
 from lightning_zeropp.core.weights.materialize import InitFn
+from lightning_zeropp.fronts.call_adapter import CallAdapter, get_call_adapter
+from lightning_zeropp.fronts.hf_loss import disable_kv_cache, token_rule
+from lightning_zeropp.fronts.loss_rule import LossWatch
 from lightning_zeropp.lightning.network import Network, summarize_whole_model
 from lightning_zeropp.lightning.redirect import attributes_kept, first_batch, rng_kept
 from lightning_zeropp.lightning.steps import StepRunner
 from lightning_zeropp.lightning.weighting import GlobalTokenCount
-from lightning_zeropp.models.hf_loss import disable_kv_cache, token_rule
-from lightning_zeropp.models.loss_rule import LossWatch
 
 __all__ = ["build_engine", "data_parallel_group"]
 

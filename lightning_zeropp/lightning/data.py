@@ -40,7 +40,7 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader
 
 from lightning_zeropp.core.step import resumed_rows
-from lightning_zeropp.core.step.loader import rebuild_loader
+from lightning_zeropp.fronts.loader import rebuild_loader
 
 __all__ = [
     "BATCH_ROWS",

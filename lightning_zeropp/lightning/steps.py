@@ -28,9 +28,9 @@ import torch.distributed as dist
 from lightning_zeropp.core._torch_private import tree_map
 from lightning_zeropp.core.engine import ZeroPPEngine
 from lightning_zeropp.core.schedule import eval_microbatches
-from lightning_zeropp.core.split.call_adapter import CallAdapter
 from lightning_zeropp.core.step.batch import batch_size, take_rows
 from lightning_zeropp.core.step.grads import StepGrads
+from lightning_zeropp.fronts.call_adapter import CallAdapter
 from lightning_zeropp.lightning.continuation import Continuation
 from lightning_zeropp.lightning.logging import LogRecorder
 from lightning_zeropp.lightning.microbatches import (
@@ -170,7 +170,7 @@ class StepRunner:
             self.adapter.microbatches = len(step.parts)
             args, kwargs = self.adapter.stage_inputs(*concat_calls(step.calls))
         target = torch.arange(sum(len(p) for p in step.parts))  # row indices stay on the host
-        # An HF model's own mean loss is counted while its stages run (`models.loss_rule`).
+        # An HF model's own mean loss is counted while its stages run (`fronts.loss_rule`).
         counting = getattr(self.adapter, "counting", contextlib.nullcontext)
         with counting():
             if step.mode == "train":

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from lightning_zeropp.models.hf_loss import TokenRule
-from lightning_zeropp.models.loss_rule import CountedMeans, LossWatch, TokenCountAdapter
+from lightning_zeropp.fronts.hf_loss import TokenRule
+from lightning_zeropp.fronts.loss_rule import CountedMeans, LossWatch, TokenCountAdapter
 
 __all__ = ["NUM_ITEMS", "UNWEIGHTED", "GlobalTokenCount", "WeightWatch", "loss_weight"]
 
@@ -48,7 +48,7 @@ UNWEIGHTED = (
 class WeightWatch(CountedMeans):
     """Active in a step's thread: each mean-reduced `F.cross_entropy` / `F.nll_loss` over class
     indices is computed as a sum over the counted targets, and its result is remembered with that
-    count (`weight_of`); the same mechanism settles an HF model's own loss (`models.loss_rule`)."""
+    count (`weight_of`); the same mechanism settles an HF model's own loss (`fronts.loss_rule`)."""
 
 
 def loss_weight(result: Any, loss: torch.Tensor, watch: WeightWatch) -> torch.Tensor | None:

@@ -15,7 +15,7 @@ The adapter between `transformers` and the library; the core never imports trans
 
 Two ways in. A plain `AutoModelForCausalLM` (no preparation) is cut by the call split: it takes
 `attention_mask` and `position_ids`, keeps tied embeddings tied (`core.split.tied`), and its loss is
-HF's own, token-weighted through `models.hf_loss`. A model passed through `prepare_causal_lm` is
+HF's own, token-weighted through `fronts.hf_loss`. A model passed through `prepare_causal_lm` is
 cut by `split="trace"` with one micro-batch of `input_ids` as the example: the stages keep HF's
 names (`model.layers.3.mlp.up_proj.weight`, `lm_head.weight`); the rotary cos/sin and causal mask
 the first stage computes travel with the hidden states (relayed by `core.split.chain` past two stages).
@@ -37,10 +37,10 @@ import torch
 from torch import nn
 
 from lightning_zeropp.core.split.blocks import find_blocks
-from lightning_zeropp.core.split.call_adapter import CallAdapter, set_call_adapter
 from lightning_zeropp.core.split.methods import SPLIT_ATTR
 from lightning_zeropp.core.weights.export import save_consolidated
 from lightning_zeropp.core.weights.materialize import empty_parameters
+from lightning_zeropp.fronts.call_adapter import CallAdapter, set_call_adapter
 
 __all__ = [
     "FAMILIES",

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_zeropp.accelerate.steps import PipelineModel
-from lightning_zeropp.models.hf_loss import IGNORE_INDEX
-from lightning_zeropp.models.packing import documents, is_packed
+from lightning_zeropp.fronts.hf_loss import IGNORE_INDEX
+from lightning_zeropp.fronts.packing import documents, is_packed
 
 __all__ = [
     "padded_tokens",

@@ -37,11 +37,11 @@ from transformers import TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from lightning_zeropp.accelerate.accelerator import ZeroPPAccelerator
-from lightning_zeropp.accelerate.optim import retarget_scheduler
 from lightning_zeropp.accelerate.preempt import agree_at_end
 from lightning_zeropp.accelerate.settings import ZeroPPPlugin
 from lightning_zeropp.accelerate.steps import NUM_ITEMS, PipelineModel
 from lightning_zeropp.core.step.preempt import Preemption
+from lightning_zeropp.fronts.optim import retarget_scheduler
 from lightning_zeropp.transformers import checkpointing
 from lightning_zeropp.transformers._private import (
     TrainerOverrides,

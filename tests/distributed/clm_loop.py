@@ -119,7 +119,7 @@ def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 class OwnLossLlama(LlamaForCausalLM):
     """A model computing its own mean loss in its forward (not through `loss_function`), as a
     mean `F.cross_entropy`: the pipeline sees its count and weighs it exactly
-    (`models.loss_rule`)."""
+    (`fronts.loss_rule`)."""
 
     def forward(self, input_ids: Any = None, labels: Any = None, **kwargs: Any) -> Any:
         kwargs.pop("num_items_in_batch", None)

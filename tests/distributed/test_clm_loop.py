@@ -22,7 +22,7 @@ PP4 = {"pp_size": 4, "num_microbatches": 4}
 # of per-process losses (a sample's value is its process's batch loss), under DDP and ZeroPP
 ONE = {"per_device_train_batch_size": 8, "per_device_eval_batch_size": 2}
 CASES = [
-    # the head and HF's loss in chunks of 5 tokens on the last stage (`models.hf_chunked`)
+    # the head and HF's loss in chunks of 5 tokens on the last stage (`fronts.hf_chunked`)
     {"id": "llama-1f1b", "plugin": {**PP, "loss_chunk": 5}},
     # a forward returning its own mean F.cross_entropy: rescaled to the batch's token weighting
     {"id": "own-loss", "plugin": PP, "args": {"family": "llama_own_loss"}},
@@ -80,7 +80,7 @@ SWEEP_CASES = [
     {"id": "eval-only", "plugin": PP, "args": {"num_train_epochs": 0, "eval_rows": 10}},
 ]
 # A forward that computes its own mean loss by hand: no count can be seen, so it is refused at its
-# first step, on every rank (`models.loss_rule.LossWatch`). One computing it as a mean
+# first step, on every rank (`fronts.loss_rule.LossWatch`). One computing it as a mean
 # F.cross_entropy is weighed exactly (CASES: "own-loss").
 REFUSED = {
     "id": "manual-loss",

@@ -24,7 +24,7 @@ CASES = [
     {"id": "gpt2-tied", "family": "gpt2", "tie_word_embeddings": True, "export_to": "<out>"},
     {"id": "opt-tied", "family": "opt", "tie_word_embeddings": True},
     # BERT-MLM returns its own mean cross-entropy (it ignores num_items_in_batch): each
-    # micro-batch's mean is rescaled to its token sum over the batch's count (models.loss_rule)
+    # micro-batch's mean is rescaled to its token sum over the batch's count (fronts.loss_rule)
     # then validated: validation_step logs the model's own loss (`trainer.validate`)
     {"id": "bert", "family": "bert", "validate": True},
     {"id": "mixtral", "family": "mixtral"},  # mixture of experts, router logits off

@@ -109,7 +109,7 @@ CASES = [
         "plugin": {**PP, "schedule": "zeropp", "num_microbatches": 4, "seq_buckets": 8},
         "script": PADDED,
     },
-    # the head and HF's loss in chunks of 3 tokens on the last stage (`models.hf_chunked`)
+    # the head and HF's loss in chunks of 3 tokens on the last stage (`fronts.hf_chunked`)
     {"id": "lora", "plugin": {**PP, "loss_chunk": 3}, "script": LORA},
     {"id": "bert", "plugin": PP, "script": BERT},
     # the same model accumulating 2 batches per update: each micro-batch's mean rescaled to a

@@ -22,14 +22,14 @@ from lightning_zeropp.accelerate.data import (
     example_microbatch,
     unpack_batch,
 )
-from lightning_zeropp.accelerate.optim import (
-    PipelineScheduler,
+from lightning_zeropp.accelerate.optim import PipelineScheduler
+from lightning_zeropp.core.settings import env
+from lightning_zeropp.core.settings.config import ZeroPPConfig
+from lightning_zeropp.fronts.optim import (
     optimizer_param_names,
     rebuild_optimizer,
     retarget_scheduler,
 )
-from lightning_zeropp.core.settings import env
-from lightning_zeropp.core.settings.config import ZeroPPConfig
 
 
 # ------------------------------------------------------------------------------ ZEROPP_* variables

@@ -137,7 +137,7 @@ def _llama() -> torch.nn.Module:
 def test_an_hf_llama_loss_with_padded_rows_equals_whole_logits(items: float | None) -> None:
     """HF's own loss (label shift, -100 rows, `num_items_in_batch` or the token mean) from the
     chunked head: the loss and every gradient of whole logits; logits whole when not armed."""
-    from lightning_zeropp.models.hf_chunked import ChunkedHead, armed
+    from lightning_zeropp.fronts.hf_chunked import ChunkedHead, armed
 
     model = _llama()
     ids = torch.randint(0, 211, (3, 24))
@@ -159,7 +159,7 @@ def test_an_hf_llama_loss_with_padded_rows_equals_whole_logits(items: float | No
 
 
 def test_a_head_whose_output_is_changed_before_the_loss_is_left_whole() -> None:
-    from lightning_zeropp.models.hf_chunked import ChunkedHead
+    from lightning_zeropp.fronts.hf_chunked import ChunkedHead
 
     model = _llama()
     model.config.final_logit_softcapping = 30.0
@@ -170,7 +170,7 @@ def test_a_head_whose_output_is_changed_before_the_loss_is_left_whole() -> None:
 def test_a_forward_of_its_own_keeps_whole_logits_or_is_named() -> None:
     """A subclass's forward may read the logits itself (here: drops the labels and computes a
     mean from `out.logits`): not chunked; a forward that slips past is named at its step."""
-    from lightning_zeropp.models.hf_chunked import ChunkedHead, armed, check_consumed
+    from lightning_zeropp.fronts.hf_chunked import ChunkedHead, armed, check_consumed
     from tests.distributed.clm_loop import OwnLossLlama
 
     own = OwnLossLlama(_llama().config)

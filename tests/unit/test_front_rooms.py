@@ -1,6 +1,7 @@
 """The rooms' import arrows, read from the source: no front imports another front (except the
 layering the fronts are built on: the Trainer front builds on the Accelerate front, TRL's on the
-Trainer's), and nothing below the fronts (the core, the planner, the bundled models) imports any.
+Trainer's), and nothing below the fronts (the core, the planner, the bundled models, and the
+fronts' shared room `fronts/`) imports any; the core does not import the shared room either.
 
 `test_imports.py` checks what importing a module pulls in at run time; this reads every import
 statement, including those inside functions, which run-time checks only see when they run.
@@ -15,6 +16,9 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_zeropp"
 FRONTS = ("lightning", "accelerate", "transformers", "trl")
+# What the fronts share (`lightning_zeropp/fronts/`): any front may import it, it imports no
+# front (it is not in FRONTS, so it may import none), and the core, below it, does not import it.
+SHARED = "fronts"
 # front -> the fronts it may import (what it is built on).
 BUILT_ON = {
     "lightning": set(),
@@ -57,7 +61,8 @@ def crossings(files: list[Path], root: Path = PACKAGE) -> list[str]:
         allowed = BUILT_ON.get(room, set()) | ({room} if room in FRONTS else set())
         for line, name in imported_modules(path, root):
             front = front_of(name)
-            if front is not None and front not in allowed:
+            shared = room == "core" and name.split(".")[1:2] == [SHARED]
+            if (front is not None and front not in allowed) or shared:
                 bad.append(f"lightning_zeropp/{'/'.join(rel)}:{line} imports {name}")
     return bad
 
@@ -80,6 +85,13 @@ def test_no_room_imports_a_front_it_is_not_built_on() -> None:
         ("core/step", "from ...lightning.steps import x", True),
         ("models", "import lightning_zeropp.transformers.trainer", True),
         ("plan", "from lightning_zeropp import lightning", True),
+        ("fronts", "from lightning_zeropp.accelerate.optim import x", True),
+        ("fronts", "from ..lightning import strategy", True),
+        ("core/split", "from lightning_zeropp.fronts.call_adapter import x", True),
+        ("core/step", "from ...fronts import loader", True),
+        ("fronts", "from ..core.step.chunked_loss import x", False),
+        ("lightning", "from lightning_zeropp.fronts.loader import x", False),
+        ("accelerate", "from ..fronts.optim import x", False),
         ("transformers", "from ..accelerate.engine import x", False),
         ("trl", "from lightning_zeropp.transformers.trainer import x", False),
         ("core/step", "from ..mesh import x", False),

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lightning_zeropp.core.split.blocks import find_blocks, plan_blocks
-from lightning_zeropp.core.split.call_adapter import CallAdapter, get_call_adapter, set_call_adapter
 from lightning_zeropp.core.split.methods import split_model
+from lightning_zeropp.fronts.call_adapter import CallAdapter, get_call_adapter, set_call_adapter
 from lightning_zeropp.models.hf import (
     FAMILIES,
     build_causal_lm,

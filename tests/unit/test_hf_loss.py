@@ -1,4 +1,4 @@
-"""How an HF model's loss counts tokens, read from the model itself (`models.hf_loss`), and the
+"""How an HF model's loss counts tokens, read from the model itself (`fronts.hf_loss`), and the
 Accelerate front's pieces that keep tied weights and eval shares exact, in one process."""
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_zeropp.accelerate.optim import optimizer_param_names, rebuild_optimizer
 from lightning_zeropp.accelerate.shares import (
     eval_microbatches_by_share,
     owners_only,
@@ -17,8 +16,9 @@ from lightning_zeropp.accelerate.shares import (
     share_losses,
 )
 from lightning_zeropp.accelerate.steps import PipelineOutput
-from lightning_zeropp.models.hf_loss import NUM_ITEMS, TokenRule, token_rule
-from lightning_zeropp.models.loss_rule import TokenCountAdapter
+from lightning_zeropp.fronts.hf_loss import NUM_ITEMS, TokenRule, token_rule
+from lightning_zeropp.fronts.loss_rule import TokenCountAdapter
+from lightning_zeropp.fronts.optim import optimizer_param_names, rebuild_optimizer
 from tests.distributed.clm_loop import (
     Args,
     ManualLossLlama,

@@ -70,6 +70,28 @@ except ImportError as err:
     print("LAZY", type(err).__name__, err)
 """
 
+# The fronts' shared room imports no framework: every module of it imports with all of them
+# uninstalled (any front may import it, whichever framework that front is for).
+FRAMEWORKS = (
+    "lightning",
+    "pytorch_lightning",
+    "accelerate",
+    "transformers",
+    "trl",
+    "hydra",
+    "omegaconf",
+)
+SHARED_ROOM = f"""
+import importlib, pkgutil, sys
+for name in {FRAMEWORKS!r}:
+    sys.modules[name] = None  # what an uninstalled package looks like to `import`
+import lightning_zeropp.fronts as room
+names = [m.name for m in pkgutil.iter_modules(room.__path__)]
+for name in names:
+    importlib.import_module("lightning_zeropp.fronts." + name)
+print("SHARED", sorted(names))
+"""
+
 # Registration failing must not break Lightning's import: a warning names the problem.
 FAILED_REGISTRATION = """
 import sys
@@ -94,6 +116,7 @@ SCRIPTS = {
     "without-fronts": WITHOUT_FRONTS,
     "failed-registration": FAILED_REGISTRATION,
     "without-transformers": WITHOUT_TRANSFORMERS,
+    "shared-room": SHARED_ROOM,
 }
 
 
@@ -148,6 +171,12 @@ def test_core_and_accelerate_front_import_without_lightning(results: dict[str, R
     assert result.returncode == 0, result.describe()
     assert "LAZY ModuleNotFoundError" in result.stdout, result.describe()
     assert "could not register" not in result.stderr, result.describe()
+
+
+def test_shared_room_imports_no_framework(results: dict[str, Result]) -> None:
+    result = results["shared-room"]
+    assert result.returncode == 0, result.describe()
+    assert "SHARED [" in result.stdout and "'optim'" in result.stdout, result.describe()
 
 
 def test_failed_registration_does_not_break_lightning(results: dict[str, Result]) -> None:

@@ -208,7 +208,7 @@ def test_a_loss_the_library_cannot_weight_is_said_once(monkeypatch) -> None:
     says once that micro-batch losses are averaged as returned, naming num_items."""
     from types import SimpleNamespace
 
-    from lightning_zeropp.core.split.call_adapter import CallAdapter
+    from lightning_zeropp.fronts.call_adapter import CallAdapter
     from lightning_zeropp.lightning import strategy
 
     said: list[str] = []

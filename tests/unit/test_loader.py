@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import DataLoader, RandomSampler
 
 from lightning_zeropp.accelerate.data import widen_loader
-from lightning_zeropp.core.step.loader import rebuild_loader
+from lightning_zeropp.fronts.loader import rebuild_loader
 from lightning_zeropp.lightning.data import _without_first, skip_batches
 
 

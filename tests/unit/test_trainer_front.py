@@ -16,7 +16,7 @@ from transformers import (  # noqa: E402
     TrainingArguments,
 )
 
-from lightning_zeropp.models.packing import bucket_length, check_buckets, reshape  # noqa: E402
+from lightning_zeropp.fronts.packing import bucket_length, check_buckets, reshape  # noqa: E402
 from lightning_zeropp.transformers import ZeroPPPlugin, ZeroPPTrainer  # noqa: E402
 from lightning_zeropp.transformers.settings import plugin_for  # noqa: E402
 

@@ -2,9 +2,8 @@
 stages (`BlockPlan`); `methods` builds the stage modules by one of four ways (the model's own
 forward cut at its block calls, `call_plan` + `call_stages` + `tags`; torch's tracer with `chain`;
 a pruned copy; or a user's callable); `tied` keeps a weight used on several stages one weight;
-`call_adapter` is how a front turns a user's call into stage inputs; `modules` merges a rank's
-stages into one module; `copies` copies a model for its stages (sharing the root's plain
-attributes). Reads settings only; knows nothing of sharding or schedules.
+`modules` merges a rank's stages into one module; `copies` copies a model for its stages
+(sharing the root's plain attributes). Reads settings only; knows nothing of sharding or schedules.
 
 The names `lightning_zeropp.core.split` held when it was one file are re-exported here.
 """

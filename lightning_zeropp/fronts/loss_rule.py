@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_zeropp.core.split.call_adapter import CallAdapter
-from lightning_zeropp.models.hf_loss import NUM_ITEMS, TokenRule, token_counts, token_rule
+from lightning_zeropp.fronts.call_adapter import CallAdapter
+from lightning_zeropp.fronts.hf_loss import NUM_ITEMS, TokenRule, token_counts, token_rule
 
 __all__ = ["CountedMeans", "LossWatch", "TokenCountAdapter"]
 

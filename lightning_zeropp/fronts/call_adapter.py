@@ -46,7 +46,7 @@ def set_call_adapter(model: nn.Module, adapter: CallAdapter) -> nn.Module:
     """Attach `adapter` to `model` (returned, for chaining)."""
     if not isinstance(adapter, CallAdapter):
         raise TypeError(
-            f"adapter must be a lightning_zeropp.core.split.call_adapter.CallAdapter, got "
+            f"adapter must be a lightning_zeropp.fronts.call_adapter.CallAdapter, got "
             f"{type(adapter).__name__}; subclass CallAdapter."
         )
     # object.__setattr__: nn.Module.__setattr__ would accept it too, but this keeps the intent

@@ -1,4 +1,4 @@
-"""HF models' loss conventions, shared by both fronts: token-weighted losses and the KV cache.
+"""HF models' loss conventions, shared by the fronts: token-weighted losses and the KV cache.
 
 HF models mark positions without a target with -100 and average their loss over the labelled
 tokens of whatever batch they see. Under a pipeline they see one micro-batch at a time, and the
@@ -11,8 +11,8 @@ Which labels count is the model's business, so it is observed, not looked up by 
 one labelled position at a time: each counted token adds log(vocab) to the summed loss) and reads
 how many leading labels of a row are never targets (1 for causal LMs, which shift inside the
 loss, whatever the class is called). Whether a model's forward really computes its loss so, and
-what is done when it does not, is `models.loss_rule`'s (`LossWatch`, `TokenCountAdapter`, which
-this module still names for older imports). Duck-typed: nothing here imports transformers.
+what is done when it does not, is `fronts.loss_rule`'s (`LossWatch`, `TokenCountAdapter`).
+Duck-typed: nothing here imports transformers.
 """
 
 from __future__ import annotations
@@ -150,13 +150,3 @@ def disable_kv_cache(model: nn.Module) -> None:
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "use_cache", False):
         config.use_cache = False
-
-
-def __getattr__(name: str) -> Any:
-    """`LossWatch` and `TokenCountAdapter` moved to `models.loss_rule` (which imports this
-    module, so they are read from there on first use)."""
-    if name in ("LossWatch", "TokenCountAdapter"):
-        from lightning_zeropp.models import loss_rule
-
-        return getattr(loss_rule, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

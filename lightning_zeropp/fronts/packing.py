@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from lightning_zeropp.models.hf_loss import IGNORE_INDEX
+from lightning_zeropp.fronts.hf_loss import IGNORE_INDEX
 
 __all__ = [
     "SeqBuckets",
