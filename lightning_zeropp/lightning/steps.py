@@ -245,7 +245,8 @@ class StepRunner:
                 )
             loss = result["loss"]
             extras = {k: v for k, v in result.items() if k not in ("loss", NUM_ITEMS)}
-            step.outputs.append(tree_map(detached, extras))
+            if extras:  # none (a loss and its count) crosses nothing: the step returns the loss
+                step.outputs.append(tree_map(detached, extras))
         check_loss(loss)
         weight = loss_weight(result, loss, step.watches[m])
         if step.weights and (step.weights[0] is None) != (weight is None):

@@ -140,6 +140,12 @@ def _widths(units: list[list[tuple[int, int]]], bits: int | None, raw: int = 4) 
     return total
 
 
+def _grad_flags(units: list) -> int:
+    """Bytes of the all-reduce before each gradient reduction: which parameters have a gradient
+    on some data-parallel rank (`fill_missing_gradients`), one int32 per parameter."""
+    return 4 * sum(len(unit) for unit in units)
+
+
 def test_cross_node_bytes_are_the_expected_volumes(fsdp_runs) -> None:
     units = fsdp_runs["plain"]["units"]
     shard = _widths(units, None)  # one rank's fp32 shards of every unit
@@ -166,8 +172,9 @@ def test_cross_node_bytes_are_the_expected_volumes(fsdp_runs) -> None:
             w8 * 2 + w4,
         ),
     }
-    # the loss and the step's four agreement flags (cached, checked, skipped, SIGTERM): 20 bytes
-    scalars = 20
+    # the loss and the step's four agreement flags (cached, checked, skipped, SIGTERM): 20 bytes;
+    # and one int32 flag per parameter, by which the ranks agree which have a gradient
+    scalars = 20 + _grad_flags(units)
     for case, (collectives, cross) in expect.items():
         run = fsdp_runs[case]
         for kind, groups in collectives.items():
@@ -314,7 +321,8 @@ def test_eight_ranks_as_two_nodes_of_four(tmp_path: Path) -> None:
     assert gathers["hpz:in4"]["count"] == len(units)  # backward, inside the node
     assert quant["summary"]["all_to_all"]["zeropp_plus_cross:x2"]["bytes"] == 2 * w4
     # Cross-node bytes sent: the INT8 shard to the 4 ranks of the other node, one INT4 row of
-    # gradients, and the step's 20 bytes of scalars (all-reduced over 8: 2 x 20 x 4/8).
-    assert quant["sent"]["cross_node"] == pytest.approx(4 * w8 + w4 + 20)
+    # gradients, the step's 20 bytes of scalars (all-reduced over 8: 2 x 20 x 4/8) and the
+    # gradient agreement's flags (one int32 per parameter, likewise).
+    assert quant["sent"]["cross_node"] == pytest.approx(4 * w8 + w4 + 20 + _grad_flags(units))
     assert quant["sent"]["cross_node"] < 0.15 * plain["sent"]["cross_node"]
     assert 1e-6 < _max_param_diff(quant, plain) < 1.5e-2
