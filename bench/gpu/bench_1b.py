@@ -11,6 +11,9 @@ Rows, each in its own fresh process (its own CUDA context and compile caches in 
   written; compiled = each decoder layer compiled in place, as torchtitan does (`layer.compile()`).
 - `zeropp_eager` / `zeropp_compiled`: `ZeroPPStrategy(param_dtype="bf16")` on one rank (FSDP2 over
   one rank, one stage, 4 micro-batches of 1 row); compiled = `compile=True` (whole blocks).
+  `..._mb1`: the same with one micro-batch of all 4 rows (the default at pp_size 1): the pair
+  prices micro-batching itself, which on one rank only costs (1-row micro-batches of 2048 tokens
+  leave an H200 launch-bound: see gpu_blocks.md's 2048- against 8192-token rows).
 - `zeropp_split_eager` / `zeropp_split_compiled`: `schedule="zeropp"` with two chunks on the one
   rank and its split backward; compiled = the regions between the weights.
 
@@ -18,7 +21,9 @@ Per row: median step time over the timed steps (CUDA-synchronized at each batch'
 tokens/s, MFU (torchtitan's count: 6 x (parameters - input embedding) + 12 x layers x hidden x
 sequence FLOPs per token, over 989 TFLOP/s bf16 dense for H100/H200), the first step's time
 (compiling), peak memory, first and last loss, and for ZeroPP rows how often compiled code ran.
-Rows run until `--budget-s` is spent (a row that would not fit is reported as skipped). Writes
+`--profile` writes torch.profiler tables of two steps per row (gpu_1b_profile_<row>.txt; the
+row's median then includes those slower steps). Rows run until `--budget-s` is spent (a row
+that would not fit is reported as skipped). Writes
 bench/results/gpu_1b.json and gpu_1b.md.
 """
 
@@ -40,8 +45,10 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = Path(os.environ.get("BENCH_RESULTS", ROOT / "bench" / "results"))
 ROWS = (
     "lightning_eager",
+    "zeropp_eager_mb1",
     "zeropp_eager",
     "lightning_compiled",
+    "zeropp_compiled_mb1",
     "zeropp_compiled",
     "zeropp_split_eager",
     "zeropp_split_compiled",
@@ -63,7 +70,9 @@ PEAK_BF16 = {"H100": 989e12, "H200": 989e12}  # dense bf16 TFLOP/s, SXM parts
 
 
 # ---------------------------------------------------------------------------------------- row
-def run_row(row: str, device: str, shape_name: str, steps: int, warmup: int, out: Path) -> None:
+def run_row(
+    row: str, device: str, shape_name: str, steps: int, warmup: int, out: Path, profile: bool
+) -> None:
     import lightning.pytorch as pl
     import torch
 
@@ -77,18 +86,20 @@ def run_row(row: str, device: str, shape_name: str, steps: int, warmup: int, out
     with on:  # random init where it runs: a 1B model initializes in seconds on a GPU
         net = build_causal_lm("llama", seed=0, **shape)
     zeropp = row.startswith("zeropp")
-    compiled = row.endswith("compiled")
+    compiled = "compiled" in row
+    # `<row>_mb1`: one micro-batch of all the step's rows (what micro-batching itself costs)
+    microbatches = 1 if row.endswith("_mb1") else MICROBATCHES
     if compiled and not zeropp:
         for layer in net.model.layers:
             layer.compile()  # torchtitan's per-block compile, as a plain-Lightning user would
-    micro = rows // MICROBATCHES if zeropp else rows
+    micro = rows // microbatches if zeropp else rows
     module = LitCausalLM(net, micro_batch_size=micro, seq_len=seq, loss="logits")
-    timer = _step_timer(on)
+    timer = _step_timer(on, profile_at=warmup if profile else None)
     kwargs: dict[str, Any] = {"precision": "bf16-mixed"}
     if zeropp:
         from lightning_zeropp import ZeroPPStrategy
 
-        layout: dict[str, Any] = {"pp_size": 1, "num_microbatches": MICROBATCHES}
+        layout: dict[str, Any] = {"pp_size": 1, "num_microbatches": microbatches}
         if "split" in row:
             layout.update(schedule="zeropp", num_chunks=2, reshard_after_forward=False)
         kwargs = {
@@ -126,11 +137,17 @@ def run_row(row: str, device: str, shape_name: str, steps: int, warmup: int, out
         "compile": _compile_stats() if zeropp else None,
     }
     out.write_text(json.dumps(result))
+    if timer.profile is not None:
+        _write_profile(row, timer, RESULTS / f"gpu_1b_profile_{row}.txt")
 
 
-def _step_timer(device: Any) -> Any:
+PROFILED_STEPS = 2
+
+
+def _step_timer(device: Any, profile_at: int | None = None) -> Any:
     """A Lightning callback keeping each training batch's wall time (device-synchronized) and
-    loss in `.times` and `.losses`."""
+    loss in `.times` and `.losses`; with `profile_at`, torch.profiler records batches
+    `profile_at` .. `profile_at + PROFILED_STEPS - 1` into `.profile`."""
     import lightning.pytorch as pl
     import torch
 
@@ -143,18 +160,60 @@ def _step_timer(device: Any) -> Any:
             self.times: list[float] = []
             self.losses: list[float] = []
             self._start = 0.0
+            self.profile: Any = None
+            self.profiled_s = 0.0
 
         def on_train_batch_start(self, *args: Any) -> None:
             sync()
+            if profile_at is not None and len(self.times) == profile_at:
+                from torch.profiler import ProfilerActivity, profile
+
+                kinds = [ProfilerActivity.CPU] + (
+                    [ProfilerActivity.CUDA] if device.type == "cuda" else []
+                )
+                self.profile = profile(activities=kinds)
+                self.profile.__enter__()
             self._start = time.perf_counter()
 
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, *args: Any) -> None:
             sync()
             self.times.append(time.perf_counter() - self._start)
+            if (
+                profile_at is not None
+                and profile_at <= len(self.times) - 1 < profile_at + PROFILED_STEPS
+            ):
+                self.profiled_s += self.times[-1]
+                if len(self.times) == profile_at + PROFILED_STEPS:
+                    self.profile.__exit__(None, None, None)
             loss = outputs["loss"] if isinstance(outputs, dict) else outputs
             self.losses.append(float(loss))
 
     return StepTimer()
+
+
+def _write_profile(row: str, timer: Any, path: Path) -> None:
+    """The profiled steps' busiest operators (device and host time), the device's busy share of
+    the wall time, and the host synchronizations: where a row's step time goes."""
+    events = timer.profile.key_averages()
+    device_us = sum(e.self_device_time_total for e in events)
+    syncs = {
+        e.key: e.count
+        for e in events
+        if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::_local_scalar_dense",
+                     "cudaMemcpyAsync", "cudaEventSynchronize", "cudaLaunchKernel")
+    }  # fmt: skip
+    head = [
+        f"# {row}: {PROFILED_STEPS} profiled steps, {timer.profiled_s:.4f} s wall",
+        f"device kernel time {device_us / 1e6:.4f} s = "
+        f"{device_us / 1e6 / max(timer.profiled_s, 1e-9):.1%} of the wall time",
+        f"host calls: {json.dumps(syncs)}",
+        "",
+    ]
+    by_device = events.table(
+        sort_by="self_device_time_total", row_limit=30, max_name_column_width=70
+    )
+    by_host = events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)
+    path.write_text("\n".join(head) + by_device + "\n\n" + by_host + "\n")
 
 
 def _random_tokens(n: int, seq: int, vocab: int) -> Any:
@@ -201,6 +260,8 @@ def write_markdown(meta: dict[str, Any], rows: list[dict[str, Any]], path: Path)
     out = [
         "## 1B-class Llama, bf16, one GPU: plain Lightning against ZeroPPStrategy",
         "",
+        f"Machine: {json.dumps(meta.get('machine', {}))}",
+        "",
         f"{meta['shape']} shape, {meta['tokens_per_step']} tokens a step "
         f"({meta['params'] / 1e9:.2f} B parameters), {meta['steps']} timed steps after "
         f"{meta['warmup']} warm-up; MFU over 989 TFLOP/s (torchtitan's FLOP count). "
@@ -223,6 +284,9 @@ def write_markdown(meta: dict[str, Any], rows: list[dict[str, Any]], path: Path)
         )
     by = {r["row"]: r for r in rows if "median_step_s" in r}
     pairs = [
+        ("zeropp_eager_mb1", "lightning_eager"),
+        ("zeropp_compiled_mb1", "lightning_compiled"),
+        ("zeropp_eager", "zeropp_eager_mb1"),
         ("zeropp_eager", "lightning_eager"),
         ("zeropp_compiled", "lightning_compiled"),
         ("lightning_compiled", "lightning_eager"),
@@ -247,12 +311,13 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a tiny model (dry runs)")
     parser.add_argument("--budget-s", type=float, default=330.0)
     parser.add_argument("--row-timeout-s", type=float, default=150.0)
+    parser.add_argument("--profile", action="store_true", help="torch.profiler tables per row")
     parser.add_argument("--row")  # internal: run one row in this process
     parser.add_argument("--out")
     args = parser.parse_args()
     shape = "tiny" if args.tiny else "1b"
     if args.row:
-        run_row(args.row, args.device, shape, args.steps, args.warmup, Path(args.out))
+        run_row(args.row, args.device, shape, args.steps, args.warmup, Path(args.out), args.profile)
         return
     caches = tempfile.mkdtemp(prefix="gpu_1b_inductor_")
 
@@ -260,7 +325,11 @@ def main() -> None:
         return str(Path(caches) / row)
 
     deadline = time.monotonic() + args.budget_s
-    rows, meta = [], {"shape": shape, "steps": args.steps, "warmup": args.warmup}
+    sys.path.insert(0, str(ROOT))  # run as a script: bench/ is a package of the repository
+    from bench.common import machine
+
+    rows: list[dict[str, Any]] = []
+    meta = {"shape": shape, "steps": args.steps, "warmup": args.warmup, "machine": machine()}
     RESULTS.mkdir(parents=True, exist_ok=True)
     for row in args.rows.split(","):
         left = deadline - time.monotonic()
@@ -272,9 +341,8 @@ def main() -> None:
         out = RESULTS / f".gpu_1b_{row}.json"
         out.unlink(missing_ok=True)
         cmd = [sys.executable, __file__, "--row", row, "--out", str(out), "--device", args.device]
-        cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)] + (
-            ["--tiny"] if args.tiny else []
-        )
+        cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+        cmd += (["--tiny"] if args.tiny else []) + (["--profile"] if args.profile else [])
         t0 = time.monotonic()
         try:
             done = subprocess.run(

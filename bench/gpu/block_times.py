@@ -21,6 +21,7 @@ import copy
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -97,8 +98,12 @@ def measure(
         pos = torch.arange(seq, device=dev).unsqueeze(0).expand(rows, -1)
         cos_sin = rotary(x0, pos)
         dy = torch.randn_like(x0)
+        # counted with an explicit causal mask: without one HF asks SDPA for grouped-query
+        # attention (`enable_gqa`) on CUDA, whose shapes torch 2.11's FLOP counter rejects; the
+        # mask changes no matrix product's size (the counter counts whole attention either way)
+        causal = torch.ones(seq, seq, device=dev, dtype=torch.bool).tril()[None, None]
         with FlopCounterMode(display=False) as counter:
-            base(x0, position_embeddings=cos_sin)
+            base(x0, position_embeddings=cos_sin, attention_mask=causal.expand(rows, 1, -1, -1))
         flops_f = counter.get_total_flops()
         for mode in MODES:
             layer = copy.deepcopy(base)
@@ -137,6 +142,8 @@ def write_markdown(meta: dict[str, Any], rows: list[dict[str, Any]], path: Path)
     out = [
         "## Per-block times for the planner (one llama_1b decoder layer, bf16)",
         "",
+        f"Machine: {json.dumps(meta.get('machine', {}))}",
+        "",
         f"{meta['device']}, {meta['shape']} shape, median of {meta['repeats']} repeats. "
         "`python bench/gpu/block_times.py`. F: forward; B: full backward; I, W: torch's split "
         "backward (input, then weight gradients); TFLOP/s from torch's FlopCounterMode (backward "
@@ -167,7 +174,10 @@ def main() -> None:
 
     shape = "tiny" if args.tiny else "1b"
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    meta = {"device": device, "shape": shape, "repeats": args.repeats}
+    sys.path.insert(0, str(ROOT))  # run as a script: bench/ is a package of the repository
+    from bench.common import machine
+
+    meta = {"device": device, "shape": shape, "repeats": args.repeats, "machine": machine()}
     RESULTS.mkdir(parents=True, exist_ok=True)
 
     def report(rows: list[dict[str, Any]]) -> None:

@@ -70,3 +70,22 @@ def test_every_schedule_on_one_gpu_matches_one_cpu_process(results, ref, case, c
     cfg = ZeroPPConfig(**case["layout"]).resolve(1)
     runs = "split_runs" if splits_backward(cfg.schedule, cfg.split_backward) else "whole_runs"
     assert counts.get(runs, 0) >= 3 * 4 * 8 and not counts.get("fallbacks"), counts
+
+
+def test_a_model_built_on_the_gpu_is_checked_where_its_weights_are():
+    """split='call' checks how a model calls its blocks with a dry run on one example batch; an HF
+    model built on the GPU (`with torch.device("cuda")`, as `bench/gpu/bench_1b.py` does) gets its
+    example from the loader in host memory. Its real dry run failed with "Expected all tensors to
+    be on the same device" (bench_1b's zeropp_split rows, on an H200): it must run on the GPU."""
+    from lightning_zeropp.core.split.blocks import plan_blocks
+    from lightning_zeropp.core.split.call_plan import plan_calls
+    from lightning_zeropp.models.hf import build_causal_lm
+
+    with torch.device(DEVICE):
+        model = build_causal_lm(
+            "llama", seed=0, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+        )  # fmt: skip
+    ids = torch.randint(0, 64, (2, 8))  # in host memory, as a DataLoader yields it
+    plan = plan_calls(model, plan_blocks(model, 2), (ids,), {})
+    assert plan.blocks.names == [str(i) for i in range(4)] and plan.last_units

@@ -129,12 +129,24 @@ def plan_calls(
             except _DryRunFailed as err:
                 raise ValueError(str(err)) from err.__cause__
     # Some forwards read values (`.item()`, `torch.equal`) that meta tensors do not have: check on
-    # the real model and example once, without gradients.
+    # the real model and example once, without gradients, where the weights are (the example
+    # comes from the loader, in host memory, while a model built under `torch.device("cuda")` or
+    # loaded with a `device_map` already sits on the accelerator).
     with torch.no_grad():
         try:
-            return _dry_run(model, blocks, example, model)
+            return _dry_run(model, blocks, _where_weights_are(model, example), model)
         except _DryRunFailed as err:
             raise ValueError(str(err)) from err.__cause__
+
+
+def _where_weights_are(model: nn.Module, example: Any) -> Any:
+    """`example` with its tensors moved to the device holding all of `model`'s weights (as is
+    where they lie on several devices)."""
+    devices = {t.device for t in (*model.parameters(), *model.buffers())}
+    if len(devices) != 1:
+        return example
+    (device,) = devices
+    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, example)
 
 
 class _DryRunFailed(Exception):
