@@ -128,7 +128,7 @@ def load_checkpoint(
         )
     if not is_checkpoint(path):
         raise FileNotFoundError(f"{path} is not a ZeroPP checkpoint directory (no {META_FILE})")
-    raise_on_every_rank(_content_problem(path, _rank(), _world()))
+    raise_on_every_rank(trust.content_problem(path, _rank(), _world()))
     meta = trust.load_meta(path / META_FILE, trusted)
     state = checkpoint_state(model, optimizers)
     raise_on_every_rank(shape_problem(path, state["model"], all_gather(list(state["model"]))))
@@ -143,17 +143,6 @@ def load_checkpoint(
     for i, opt in enumerate(optimizers):
         set_optimizer_state_dict(model, opt, state[f"optimizer_{i}"], options=_OPTIONS)
     return meta
-
-
-def _content_problem(path: Path, rank: int, world: int) -> str | None:
-    """This rank's share of the checks that read files: checksums, then `.metadata`'s globals."""
-    try:
-        if problem := checksum.verify(path, rank, world):
-            return problem
-        trust.check_metadata(path)  # raises ValueError on a global DCP does not own
-        return None
-    except ValueError as err:
-        return str(err)
 
 
 def shape_problem(

@@ -34,9 +34,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from lightning_zeropp.core._torch_private import local_chunk
 from lightning_zeropp.core.shard.fsdp import local_shard
-from lightning_zeropp.core.weights.checksum import verify
 from lightning_zeropp.core.weights.collective import all_gather, raise_on_every_rank
-from lightning_zeropp.core.weights.trust import SafeLoadPlanner, check_metadata
+from lightning_zeropp.core.weights.trust import SafeLoadPlanner, content_problem
 
 __all__ = ["load_weights", "weight_source_kind"]
 
@@ -81,7 +80,7 @@ def _load_dcp(module: nn.Module, path: Path) -> None:
     # Checksums and `.metadata`'s globals first: nothing is unpickled before (`weights.trust`).
     distributed = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    raise_on_every_rank(_content_problem(path, rank, world))
+    raise_on_every_rank(content_problem(path, rank, world))
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     prefix = _saved_prefix(list(state), saved)
     missing = [n for n in state if prefix + n not in saved]
@@ -125,16 +124,6 @@ def _saved_prefix(names: list[str], saved: Any) -> str:
             {k[: -len(first)] for k in saved if k.endswith(f".{first}") and k.startswith("model.")}
         )
     return max(candidates, key=lambda prefix: sum(prefix + n in saved for n in names))
-
-
-def _content_problem(path: Path, rank: int, world: int) -> str | None:
-    try:
-        if problem := verify(path, rank, world):
-            return problem
-        check_metadata(path)  # raises ValueError on a global DCP does not own
-        return None
-    except ValueError as err:
-        return str(err)
 
 
 def _load_safetensors(

@@ -38,6 +38,7 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
 from lightning_zeropp.core._torch_private import is_dcp_metadata_global
+from lightning_zeropp.core.weights import checksum
 
 __all__ = [
     "SafeLoadPlanner",
@@ -235,3 +236,15 @@ class _MetadataUnpickler(pickle.Unpickler):
         if not is_dcp_metadata_global(module, name):
             raise _Refused(f"{module}.{name}")
         return super().find_class(module, name)
+
+
+def content_problem(path: Path, rank: int, world: int) -> str | None:
+    """This rank's share of the checks that read a checkpoint's files before anything is loaded:
+    its checksums, then `.metadata`'s globals, as one line naming the problem (None: none)."""
+    try:
+        if problem := checksum.verify(path, rank, world):
+            return problem
+        check_metadata(path)  # raises ValueError on a global DCP does not own
+        return None
+    except ValueError as err:
+        return str(err)
