@@ -23,6 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from lightning_zeropp.core.settings.placement import SPLIT_BACKWARD_SCHEDULES
+
 __all__ = [
     "Hardware",
     "SPLIT_BACKWARD",
@@ -35,7 +37,7 @@ __all__ = [
 GB = 1e9
 BOUNDS = ("low", "mid", "high")
 # torch's schedules whose backward is always split into input and weight tasks
-SPLIT_BACKWARD = ("zbv", "interleaved_zb", "dualpipev")
+SPLIT_BACKWARD = SPLIT_BACKWARD_SCHEDULES
 
 
 MODES = ("eager", "compiled", "regions")

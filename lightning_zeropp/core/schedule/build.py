@@ -18,7 +18,7 @@ from lightning_zeropp.core.schedule.zeropp import (
     reduce_points,
 )
 from lightning_zeropp.core.settings.placement import (
-    STYLES,
+    SCHEDULE_ROWS,
     Style,
     rank_of_stage,
     schedule_style,
@@ -38,19 +38,11 @@ __all__ = [
     "zeropp_plans",
 ]
 
-# name -> (torch schedule class, or None for ZeroPP's own order; placement style)
+# name -> (torch schedule class, or None for ZeroPP's own order; placement style), from the one
+# table of schedules (core.settings.placement), each class found by its name in torch
 SCHEDULES: dict[str, tuple[type | None, Style]] = {
-    name: (cls, STYLES[name])
-    for name, cls in {
-        "gpipe": pipelining.ScheduleGPipe,
-        "1f1b": pipelining.Schedule1F1B,
-        "interleaved_1f1b": pipelining.ScheduleInterleaved1F1B,
-        "looped_bfs": pipelining.ScheduleLoopedBFS,
-        "interleaved_zb": pipelining.ScheduleInterleavedZeroBubble,
-        "zbv": pipelining.ScheduleZBVZeroBubble,
-        "dualpipev": pipelining.ScheduleDualPipeV,
-        "zeropp": None,  # run by torch's runtime: see _build_zeropp
-    }.items()
+    row.name: (getattr(pipelining, row.torch_class) if row.torch_class else None, row.style)
+    for row in SCHEDULE_ROWS
 }
 
 

@@ -10,11 +10,14 @@ Three placement styles cover the schedules:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 __all__ = [
+    "SCHEDULE_ROWS",
     "SPLIT_BACKWARD_SCHEDULES",
     "STYLES",
+    "ScheduleRow",
     "Style",
     "rank_of_stage",
     "schedule_style",
@@ -24,22 +27,38 @@ __all__ = [
 
 Style = Literal["single", "looped", "v"]
 
-# Every schedule the library runs, by its name, with its placement style.
-STYLES: dict[str, Style] = {
-    "gpipe": "single",
-    "1f1b": "single",
-    "interleaved_1f1b": "looped",
-    "looped_bfs": "looped",
-    "interleaved_zb": "looped",
-    "zbv": "v",
-    "dualpipev": "v",
-    "zeropp": "looped",  # ZeroPP's unit schedule (core.schedule.zeropp)
-}
+
+@dataclass(frozen=True)
+class ScheduleRow:
+    """Everything the library knows about one schedule, in one place: adding one of torch's
+    schedules is one row here (the runtime resolves `torch_class` by name in
+    `torch.distributed.pipelining`, as torchtitan does; the config accepts that name, any case,
+    with or without its "Schedule" prefix)."""
+
+    name: str  # the library's name (`schedule=...`)
+    style: Style  # where its stages sit (module docstring)
+    torch_class: str | None  # the class in torch.distributed.pipelining; None: the library's own
+    split_backward: bool = False  # its backward is separate input- and weight-gradient tasks
+    aliases: tuple[str, ...] = ()  # further names accepted (torch's class name is already)
 
 
+SCHEDULE_ROWS: tuple[ScheduleRow, ...] = (
+    ScheduleRow("gpipe", "single", "ScheduleGPipe"),
+    ScheduleRow("1f1b", "single", "Schedule1F1B"),
+    ScheduleRow("interleaved_1f1b", "looped", "ScheduleInterleaved1F1B"),
+    ScheduleRow("looped_bfs", "looped", "ScheduleLoopedBFS"),
+    ScheduleRow("interleaved_zb", "looped", "ScheduleInterleavedZeroBubble", True, ("interleavedzb",)),
+    ScheduleRow("zbv", "v", "ScheduleZBVZeroBubble", True),
+    ScheduleRow("dualpipev", "v", "ScheduleDualPipeV", True),
+    # ZeroPP's unit schedule (core.schedule.zeropp); splits backward with `split_backward=True`
+    ScheduleRow("zeropp", "looped", None),
+)  # fmt: skip
+
+# Derived views, for the checks that need one fact of every schedule.
+STYLES: dict[str, Style] = {row.name: row.style for row in SCHEDULE_ROWS}
 # torch's schedules whose backward is an input-gradient and a weight-gradient task (zeropp's is,
 # with split_backward). A unit test checks this against the schedules' own actions.
-SPLIT_BACKWARD_SCHEDULES = ("interleaved_zb", "zbv", "dualpipev")
+SPLIT_BACKWARD_SCHEDULES = tuple(row.name for row in SCHEDULE_ROWS if row.split_backward)
 
 
 def splits_backward(schedule: str, split_backward: bool | None) -> bool:

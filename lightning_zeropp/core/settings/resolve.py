@@ -17,7 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_zeropp.core.settings.placement import schedule_style, splits_backward
+from lightning_zeropp.core.settings.placement import (
+    SPLIT_BACKWARD_SCHEDULES,
+    schedule_style,
+    splits_backward,
+)
 from lightning_zeropp.core.settings.plus import resolve_plus
 from lightning_zeropp.core.settings.values import (
     GRAD_REDUCE,
@@ -270,7 +274,7 @@ def _resolve_zeropp_only(name: str, value: bool | None, schedule: str, default: 
         raise setting_error(
             (name, "schedule"),
             f"{name}=True applies to schedule='zeropp' only (got schedule={schedule!r}); torch's "
-            "zero-bubble schedules ('interleaved_zb', 'zbv', 'dualpipev') split backward themselves.",
+            f"zero-bubble schedules {SPLIT_BACKWARD_SCHEDULES} split backward themselves.",
         )
     return bool(value)
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lightning_zeropp.core.settings.placement import STYLES
+from lightning_zeropp.core.settings.placement import SCHEDULE_ROWS, STYLES
 
 __all__ = [
     "GRAD_REDUCE",
@@ -62,25 +62,23 @@ def parse_dtype(value: str | torch.dtype | None, name: str) -> torch.dtype | Non
     return _DTYPES[key]
 
 
-# torch's schedule class names (as torchtitan configs spell them), matched the way torch's
-# get_schedule_class matches: case-insensitively, without the "Schedule" prefix.
+def _alias_key(name: object) -> str:
+    """A schedule name as torch's get_schedule_class matches it: any case, without underscores,
+    dashes or the "Schedule" prefix."""
+    return str(name).lower().replace("_", "").replace("-", "").removeprefix("schedule")
+
+
+# Ours and torch's class names (as torchtitan configs spell them), from the schedule table.
 _ALIASES = {
-    "gpipe": "gpipe",
-    "1f1b": "1f1b",
-    "interleaved1f1b": "interleaved_1f1b",
-    "loopedbfs": "looped_bfs",
-    "interleavedzb": "interleaved_zb",
-    "interleavedzerobubble": "interleaved_zb",
-    "zbv": "zbv",
-    "zbvzerobubble": "zbv",
-    "dualpipev": "dualpipev",
-    "zeropp": "zeropp",
+    _alias_key(alias): row.name
+    for row in SCHEDULE_ROWS
+    for alias in (row.name, row.torch_class or row.name, *row.aliases)
 }
 
 
 def schedule_name(name: object) -> str:
     """The library's name of a schedule given by ours or by torch's class name, any case."""
-    key = str(name).lower().replace("_", "").replace("-", "").removeprefix("schedule")
+    key = _alias_key(name)
     if key not in _ALIASES:
         raise setting_error(
             "schedule",
