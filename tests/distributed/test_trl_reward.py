@@ -20,7 +20,9 @@ MARGIN = {"margin": True, "args": {"center_rewards_coefficient": 0.1}}
 CASES = [
     {"id": "plain", "plugin": PP, "batch": 2},
     {"id": "margin", "plugin": PP, "batch": 2, **MARGIN},
-    {"id": "accumulated", "plugin": PP, "batch": 2, "args": {"gradient_accumulation_steps": 2}},
+]
+ACCUMULATED = [
+    {"id": "accumulated", "plugin": PP, "batch": 2, "args": {"gradient_accumulation_steps": 2}}
 ]
 REFUSED = [
     # 5 pairs, 4 a step: the last step's single pair cannot be cut into 2 micro-batches
@@ -101,24 +103,33 @@ def test_evaluation_is_refused_on_every_rank(two, case):
         assert "eval_strategy='no'" in error
 
 
-@pytest.mark.slow
-def test_reward_at_pp2_dp2_matches_trl_in_one_process(tmp_path):
+def _against_one_process(tmp_path, world: int, cases: list[dict]) -> None:
     ranks = launch(
-        4,
+        world,
         "trl_reward_scenarios.run",
-        {"cases": WIDE, "out_dir": str(tmp_path / "four")},
-        tmp_path / "four",
+        {"cases": cases, "out_dir": str(tmp_path / "many")},
+        tmp_path / "many",
         timeout=600,
     )
     one = launch(
         1,
         "trl_reward_scenarios.run",
-        {"cases": references(WIDE, 8), "out_dir": str(tmp_path / "one")},
+        {"cases": references(cases, 2 * world), "out_dir": str(tmp_path / "one")},
         tmp_path / "one",
         timeout=600,
     )
-    for case in WIDE:
+    for case in cases:
         _matches(ranks, one[0], case["id"])
+
+
+@pytest.mark.slow
+def test_reward_with_gradient_accumulation_matches_trl_in_one_process(tmp_path):
+    _against_one_process(tmp_path, 2, ACCUMULATED)
+
+
+@pytest.mark.slow
+def test_reward_at_pp2_dp2_matches_trl_in_one_process(tmp_path):
+    _against_one_process(tmp_path, 4, WIDE)
 
 
 GUARDED = """
