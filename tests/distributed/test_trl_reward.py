@@ -1,8 +1,8 @@
 """TRL's reward-model script under `ZeroPPRewardTrainer` (pp 2 on 2 gloo ranks; pp 2 x dp 2 on
 4) against TRL's own `RewardTrainer` in one process: loss, TRL's metrics (accuracy, margin,
 min/mean/max reward, num_tokens) and grad norm per logged step on every rank, and the saved
-weights; plain pairs, pairs with TRL's `margin` column and `center_rewards_coefficient`, and
-gradient accumulation. Refused, on every rank: a batch whose pairs do not split into the
+weights; plain pairs, pairs with TRL's `margin` column and `center_rewards_coefficient`,
+gradient accumulation, and LoRA adapters with the score head trained in full (`peft_config`). Refused, on every rank: a batch whose pairs do not split into the
 micro-batches, evaluation; an unchanged `RewardTrainer` under ZEROPP_* variables."""
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ CASES = [
     {"id": "plain", "plugin": PP, "batch": 2},
     {"id": "margin", "plugin": PP, "batch": 2, **MARGIN},
 ]
-ACCUMULATED = [
-    {"id": "accumulated", "plugin": PP, "batch": 2, "args": {"gradient_accumulation_steps": 2}}
+MORE = [  # slow: a launch of their own
+    {"id": "accumulated", "plugin": PP, "batch": 2, "args": {"gradient_accumulation_steps": 2}},
+    {"id": "lora", "plugin": PP, "batch": 2, "lora": True},  # adapters + the score head
 ]
 REFUSED = [
     # 5 pairs, 4 a step: the last step's single pair cannot be cut into 2 micro-batches
@@ -123,8 +124,8 @@ def _against_one_process(tmp_path, world: int, cases: list[dict]) -> None:
 
 
 @pytest.mark.slow
-def test_reward_with_gradient_accumulation_matches_trl_in_one_process(tmp_path):
-    _against_one_process(tmp_path, 2, ACCUMULATED)
+def test_reward_with_accumulation_or_lora_matches_trl_in_one_process(tmp_path):
+    _against_one_process(tmp_path, 2, MORE)
 
 
 @pytest.mark.slow

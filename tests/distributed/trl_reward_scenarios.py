@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from datasets import Dataset
+from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForSequenceClassification
 from trl import RewardConfig, RewardTrainer
 
@@ -27,6 +28,19 @@ def pairs(n: int, seed: int, margin: bool) -> Dataset:
     if margin:
         columns["margin"] = (torch.rand(n, generator=g) * 2 - 0.5).tolist()
     return Dataset.from_dict(columns)
+
+
+def _lora() -> Any:
+    from peft import LoraConfig
+
+    # TRL's advice for a reward model: the score head trained in full beside the adapters
+    return LoraConfig(
+        task_type="SEQ_CLS",
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj"],
+        modules_to_save=["score"],
+    )
 
 
 def run(cases: list[dict[str, Any]], out_dir: str) -> dict[str, Any]:
@@ -64,6 +78,7 @@ def run(cases: list[dict[str, Any]], out_dir: str) -> dict[str, Any]:
                 eval_dataset=pairs(8, 2, False) if case.get("evaluate") else None,
                 processing_class=tokenizer(),
                 callbacks=[recorder],
+                peft_config=_lora() if case.get("lora") else None,
                 **kwargs,
             )
         except NotImplementedError as err:  # refused at construction
@@ -80,8 +95,11 @@ def run(cases: list[dict[str, Any]], out_dir: str) -> dict[str, Any]:
         trainer.save_model(str(folder / "final"))
         out: dict[str, Any] = {"logs": recorder.logs}
         if torch.distributed.is_initialized() is False or torch.distributed.get_rank() == 0:
-            saved = AutoModelForSequenceClassification.from_pretrained(folder / "final")
-            out["weights"] = {k: v.clone() for k, v in saved.state_dict().items()}
+            if case.get("lora"):  # the adapters (and the score head PEFT keeps), as saved
+                out["weights"] = load_file(folder / "final" / "adapter_model.safetensors")
+            else:
+                saved = AutoModelForSequenceClassification.from_pretrained(folder / "final")
+                out["weights"] = {k: v.clone() for k, v in saved.state_dict().items()}
         trainer.accelerator.free_memory()
         results[case["id"]] = out
     return results
