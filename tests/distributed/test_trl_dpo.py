@@ -65,10 +65,8 @@ def runs(tmp_path_factory):
     return two, one[0]
 
 
-@pytest.mark.parametrize("case", [case["id"] for case in CASES])
-def test_dpo_matches_trl_in_one_process(runs, case):
-    two, one = runs
-    got, ref = two[0][case], one[case]
+def check_equal(got: dict, ref: dict, ranks: list[dict]) -> None:
+    """Loss and TRL's metrics of every logged step, on every rank, and the saved weights."""
     steps = [log for log in got["logs"] if "loss" in log]
     want = [log for log in ref["logs"] if "loss" in log]
     assert len(steps) == len(want) == 3
@@ -77,12 +75,31 @@ def test_dpo_matches_trl_in_one_process(runs, case):
         for key in METRICS:
             assert a[key] == pytest.approx(b[key], abs=1e-5), key
         assert a["num_tokens"] == b["num_tokens"]
-    for rank in two:
-        assert [log for log in rank[case]["logs"] if "loss" in log] == steps
+    for rank in ranks:
+        assert [log for log in rank["logs"] if "loss" in log] == steps
     for name, value in ref["weights"].items():
         torch.testing.assert_close(
             got["weights"][name], value, rtol=0, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
         )
+
+
+@pytest.mark.parametrize("case", [case["id"] for case in CASES])
+def test_dpo_matches_trl_in_one_process(runs, case):
+    two, one = runs
+    check_equal(two[0][case], one[case], [rank[case] for rank in two])
+
+
+@pytest.mark.slow
+def test_dpo_pp2_dp2_matches_trl_in_one_process(tmp_path):
+    """4 ranks, pp 2 x dp 2: the pair count, tokens and metrics summed over data-parallel
+    ranks."""
+    case = {"id": "dp2", "plugin": PP, "batch": 1}
+    four = launch(4, "trl_dpo_scenarios.run", {"cases": [case], "out_dir": str(tmp_path / "4")},
+                  tmp_path / "4", timeout=600)  # fmt: skip
+    ref = {**case, "plugin": None, "batch": 4}
+    one = launch(1, "trl_dpo_scenarios.run", {"cases": [ref], "out_dir": str(tmp_path / "1")},
+                 tmp_path / "1", timeout=600)  # fmt: skip
+    check_equal(four[0]["dp2"], one[0]["dp2"], [rank["dp2"] for rank in four])
 
 
 @pytest.mark.parametrize("case", REFUSED, ids=[case["id"] for case in REFUSED])
