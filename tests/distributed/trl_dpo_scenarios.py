@@ -95,7 +95,9 @@ def run(cases: list[dict[str, Any]], out_dir: str) -> dict[str, Any]:
         recorder = Recorder()
         if case.get("refused"):
             try:
-                _trainer(case, folder, recorder)
+                refused = _trainer(case, folder, recorder)
+                if case["refused"] == "train":
+                    refused.train()
             except ValueError as err:
                 results[case["id"]] = {"error": str(err)}
                 continue
