@@ -22,8 +22,8 @@ TRL's reference pass runs in every process on the whole model before it is split
 model, weights, collator and batches as one process's), over the whole dataset (no sharding, so
 no gathering); TRL's cache file of the results is not written. Refused at construction, on every rank: the reference model run each step
 (`precompute_ref_log_probs=False`), a separate `ref_model`, `loss_type`s other than "sigmoid",
-`ld_alpha`, `f_divergence_type` other than "reverse_kl", `use_weighting`, an MoE auxiliary loss
-and an `eval_dataset` (not yet pipelined).
+`ld_alpha`, `f_divergence_type` other than "reverse_kl", `use_weighting`, activation offloading,
+an MoE auxiliary loss and an `eval_dataset`; `evaluate()` and `predict()` raise (not yet pipelined).
 
 Overridden TRL methods: `compute_loss` (the whole body), `_precompute_ref_logps` (the whole body), and,
 from `ZeroPPTrainer`, everything it overrides of the Trainer (its place first in the method order).
@@ -49,6 +49,10 @@ __all__ = ["ZeroPPDPOTrainer", "dpo_loss", "paired_batch"]
 
 # The per-row tensors the last-stage loss reads besides the labels
 _ROWS = ("completion_mask", "ref_logps")
+_NO_EVAL = (
+    "ZeroPPDPOTrainer: evaluation (an eval_dataset, evaluate(), predict()) is not pipelined "
+    "yet: the DPO loss and its metrics are computed in training steps only."
+)
 
 
 def paired_batch(batch: dict[str, Any]) -> dict[str, Any]:
@@ -132,7 +136,7 @@ def _refusals(args: Any, init: dict[str, Any]) -> list[str]:
             "the policy's initial weights, precomputed (precompute_ref_log_probs=True)."
         )
     if init.get("eval_dataset") is not None:
-        found.append("an eval_dataset is not pipelined yet. Pass eval_dataset=None.")
+        found.append(_NO_EVAL.removeprefix("ZeroPPDPOTrainer: ") + " Pass eval_dataset=None.")
     if args is None:
         return found
     if list(args.loss_type) != ["sigmoid"]:
@@ -145,6 +149,11 @@ def _refusals(args: Any, init: dict[str, Any]) -> list[str]:
         )
     if args.use_weighting:
         found.append("use_weighting=True (WPO) is not pipelined; set use_weighting=False.")
+    if args.activation_offloading:
+        found.append(
+            "activation_offloading=True would hook the whole model's saved tensors, not the "
+            "pipeline's stages. Set activation_offloading=False."
+        )
     return found
 
 
@@ -200,6 +209,12 @@ class ZeroPPDPOTrainer(ZeroPPTrainer, DPOTrainer):
         self._pipeline.use_loss(loss, shift=1, rows=_ROWS)
         return prepared
 
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        raise ValueError(_NO_EVAL)  # before TRL prepares a dataset on the released model
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        raise ValueError(_NO_EVAL)
+
     def _last_stage_loss(self) -> tuple[Any, int] | None:
         return None  # DPO's own (`_build_pipeline`): TRL's DPO ignores compute_loss_func
 
@@ -213,6 +228,8 @@ class ZeroPPDPOTrainer(ZeroPPTrainer, DPOTrainer):
         """The pipeline's DPO loss of the global batch: its pair mean (TRL's), the metrics
         recorded on the way. The Trainer divides it by the accumulation steps (TRL's
         `loss_is_scaled_for_ga = False`), as for one process."""
+        if not model.training:  # evaluate(dataset), predict(): not silently another number
+            raise ValueError(_NO_EVAL)
         pipeline = self._pipeline
         assert pipeline is not None
         engine = pipeline.engine

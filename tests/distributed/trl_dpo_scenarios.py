@@ -56,7 +56,6 @@ def _trainer(case: dict[str, Any], folder: Path, recorder: Recorder) -> Any:
         # noise of a gradient element near zero into a weight difference of about lr)
         optim="sgd",
         learning_rate=0.5,
-        max_steps=3,
         logging_steps=1,
         report_to=[],
         use_cpu=True,
@@ -65,6 +64,7 @@ def _trainer(case: dict[str, Any], folder: Path, recorder: Recorder) -> Any:
         max_length=32,
         **{
             "beta": 0.5,
+            "max_steps": 3,
             "precompute_ref_log_probs": True,
             "precompute_ref_batch_size": 4,
             "gradient_accumulation_steps": case.get("accumulation", 1),
@@ -72,6 +72,8 @@ def _trainer(case: dict[str, Any], folder: Path, recorder: Recorder) -> Any:
         },
     )
     kwargs: dict[str, Any] = dict(case.get("init", {}))
+    if kwargs.get("eval_dataset") == "rows":
+        kwargs["eval_dataset"] = rows(8, 2)
     cls: Any = DPOTrainer
     if case.get("plugin") is not None:
         from lightning_zeropp.trl import ZeroPPDPOTrainer
@@ -98,6 +100,9 @@ def run(cases: list[dict[str, Any]], out_dir: str) -> dict[str, Any]:
                 refused = _trainer(case, folder, recorder)
                 if case["refused"] == "train":
                     refused.train()
+                if case["refused"] == "evaluate":
+                    refused.train()
+                    refused.evaluate(rows(8, 2))
             except ValueError as err:
                 results[case["id"]] = {"error": str(err)}
                 continue
