@@ -23,7 +23,8 @@ __all__ = ["install", "message", "zeropp_variables"]
 
 _TARGET = "transformers.trainer"
 _MARK = "_zeropp_trainer"  # a class attribute ZeroPPTrainer sets to True
-_TRL_PIPELINED = ("SFTTrainer", "DPOTrainer")  # TRL trainers lightning_zeropp.trl has a ZeroPP class for
+# TRL trainers lightning_zeropp.trl has a ZeroPP class for
+_TRL_PIPELINED = ("SFTTrainer", "DPOTrainer")
 
 
 def zeropp_variables() -> dict[str, str]:
