@@ -23,7 +23,8 @@ model, weights, collator and batches as one process's), over the whole dataset (
 no gathering); TRL's cache file of the results is not written. Refused at construction, on every rank: the reference model run each step
 (`precompute_ref_log_probs=False`), a separate `ref_model`, `loss_type`s other than "sigmoid",
 `ld_alpha`, `f_divergence_type` other than "reverse_kl", `use_weighting`, activation offloading,
-an MoE auxiliary loss and an `eval_dataset`; `evaluate()` and `predict()` raise (not yet pipelined).
+a PEFT model, an MoE auxiliary loss and an `eval_dataset`; `evaluate()` and `predict()` raise
+(not yet pipelined).
 
 Overridden TRL methods: `compute_loss` (the whole body), `_precompute_ref_logps` (the whole body), and,
 from `ZeroPPTrainer`, everything it overrides of the Trainer (its place first in the method order).
@@ -134,6 +135,13 @@ def _refusals(args: Any, init: dict[str, Any]) -> list[str]:
         found.append(
             "a separate ref_model is not supported yet. Pass ref_model=None: the reference is "
             "the policy's initial weights, precomputed (precompute_ref_log_probs=True)."
+        )
+    model = init.get("model")
+    if init.get("peft_config") is not None or callable(getattr(model, "get_base_model", None)):
+        found.append(
+            "a PEFT model is not pipelined yet (the split fails on the base model's forward "
+            "TRL patches with its fused LM head). Train the whole model (peft_config=None), or "
+            "use TRL's DPOTrainer."
         )
     if init.get("eval_dataset") is not None:
         found.append(_NO_EVAL.removeprefix("ZeroPPDPOTrainer: ") + " Pass eval_dataset=None.")

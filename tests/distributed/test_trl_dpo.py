@@ -34,6 +34,7 @@ REFUSED = [
         "want": "evaluation (an eval_dataset, evaluate(), predict()) is not pipelined",
     },
     {"id": "eval_dataset", "init": {"eval_dataset": "rows"}, "want": "Pass eval_dataset=None"},
+    {"id": "lora", "init": {"peft_config": "lora"}, "want": "a PEFT model is not pipelined"},
     # 3 pairs per device x pp 2 = 6 pairs: 4 micro-batches would split a pair (the loader's
     # check of rows per micro-batch refuses it: a row of TRL's dataset is a pair)
     {

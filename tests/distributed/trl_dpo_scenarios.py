@@ -74,6 +74,13 @@ def _trainer(case: dict[str, Any], folder: Path, recorder: Recorder) -> Any:
     kwargs: dict[str, Any] = dict(case.get("init", {}))
     if kwargs.get("eval_dataset") == "rows":
         kwargs["eval_dataset"] = rows(8, 2)
+    if kwargs.get("peft_config") == "lora":
+        from peft import LoraConfig
+
+        # B nonzero: the policy differs from the reference (adapters off) from the start
+        kwargs["peft_config"] = LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+        )
     cls: Any = DPOTrainer
     if case.get("plugin") is not None:
         from lightning_zeropp.trl import ZeroPPDPOTrainer
@@ -113,8 +120,14 @@ def run(cases: list[dict[str, Any]], out_dir: str) -> dict[str, Any]:
         trainer.save_model(str(folder / "final"))
         out: dict[str, Any] = {"logs": recorder.logs}
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-            saved = AutoModelForCausalLM.from_pretrained(folder / "final")
-            out["weights"] = {k: v.clone() for k, v in saved.state_dict().items()}
+            adapter = folder / "final" / "adapter_model.safetensors"
+            if adapter.exists():
+                from safetensors.torch import load_file
+
+                out["weights"] = load_file(str(adapter))
+            else:
+                saved = AutoModelForCausalLM.from_pretrained(folder / "final")
+                out["weights"] = {k: v.clone() for k, v in saved.state_dict().items()}
         trainer.accelerator.free_memory()
         results[case["id"]] = out
     return results
