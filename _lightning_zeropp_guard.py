@@ -24,7 +24,7 @@ __all__ = ["install", "message", "zeropp_variables"]
 _TARGET = "transformers.trainer"
 _MARK = "_zeropp_trainer"  # a class attribute ZeroPPTrainer sets to True
 # TRL trainers lightning_zeropp.trl has a ZeroPP class for
-_TRL_PIPELINED = ("SFTTrainer", "RewardTrainer")
+_TRL_PIPELINED = ("SFTTrainer", "RewardTrainer", "DPOTrainer")
 
 
 def zeropp_variables() -> dict[str, str]:

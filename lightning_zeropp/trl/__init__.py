@@ -23,7 +23,8 @@ if not CHECKED[0] <= Version(trl.__version__) < CHECKED[1]:
         "lightning-zeropp[trl] (or that TRL range)."
     )
 
+from lightning_zeropp.trl.dpo import ZeroPPDPOTrainer  # noqa: E402 - after the version check
 from lightning_zeropp.trl.reward import ZeroPPRewardTrainer  # noqa: E402 - after the version check
 from lightning_zeropp.trl.sft import ZeroPPSFTTrainer  # noqa: E402 - after the version check
 
-__all__ = ["CHECKED", "ZeroPPRewardTrainer", "ZeroPPSFTTrainer"]
+__all__ = ["CHECKED", "ZeroPPDPOTrainer", "ZeroPPRewardTrainer", "ZeroPPSFTTrainer"]

@@ -1,0 +1,290 @@
+"""`ZeroPPDPOTrainer`: TRL's `DPOTrainer` pipelined (checked on TRL 1.16: `trl.CHECKED`).
+
+TRL 1.16's `DPOTrainer.compute_loss` calls the model on `[chosen rows; rejected rows]` with its
+fused LM head (per-token log-probabilities, entropy, mean logit and top-1 hits), sums each
+completion's log-probabilities, takes the DPO loss against the reference's sums and gathers its
+metrics over every process. Under a pipeline the head exists on the last stage only, one
+micro-batch at a time, so the same numbers are computed there from the logits, through the
+library's last-stage loss (`core.step.last_loss`), in `dpo_loss`:
+- the batch's rows are reordered so that each chosen row is followed by its rejected row
+  (`paired_batch`, the collator's last step): a micro-batch of an even number of rows then
+  holds whole pairs, which the loss needs (it is not a sum over rows);
+- the loss of a micro-batch is its pairs' summed sigmoid loss over the global batch's pair
+  count divided by micro-batches and data-parallel ranks, so the step's loss is the global
+  batch's pair mean, as one process's;
+- the metrics are sums over the micro-batch (pairs, rewards, log-probabilities, completion
+  tokens, their entropy, mean logit and top-1 hits), which every rank turns into TRL's
+  `rewards/*`, `logps/*`, `logits/*`, `entropy` and `mean_token_accuracy` of the global batch
+  (`num_tokens` summed over data-parallel ranks only).
+
+The reference log-probabilities are TRL's precomputed ones (`precompute_ref_log_probs=True`):
+TRL's reference pass runs in every process on the whole model before it is split (the same
+model, weights, collator and batches as one process's), over the whole dataset (no sharding, so
+no gathering); TRL's cache file of the results is not written. Refused at construction, on every rank: the reference model run each step
+(`precompute_ref_log_probs=False`), a separate `ref_model`, `loss_type`s other than "sigmoid",
+`ld_alpha`, `f_divergence_type` other than "reverse_kl", `use_weighting`, activation offloading,
+a PEFT model, an MoE auxiliary loss and an `eval_dataset`; `evaluate()` and `predict()` raise
+(not yet pipelined).
+
+Overridden TRL methods: `compute_loss` (the whole body), `_precompute_ref_logps` (the whole body), and,
+from `ZeroPPTrainer`, everything it overrides of the Trainer (its place first in the method order).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from datasets import Dataset
+from torch import nn
+from torch.utils.data import DataLoader
+from trl import DPOConfig, DPOTrainer
+
+from lightning_zeropp.accelerate.steps import NUM_ITEMS
+from lightning_zeropp.transformers.counts import summed_over_data_parallel
+from lightning_zeropp.transformers.trainer import ZeroPPTrainer
+
+__all__ = ["ZeroPPDPOTrainer", "dpo_loss", "paired_batch"]
+
+# The per-row tensors the last-stage loss reads besides the labels
+_ROWS = ("completion_mask", "ref_logps")
+_NO_EVAL = (
+    "ZeroPPDPOTrainer: evaluation (an eval_dataset, evaluate(), predict()) is not pipelined "
+    "yet: the DPO loss and its metrics are computed in training steps only."
+)
+
+
+def paired_batch(batch: dict[str, Any]) -> dict[str, Any]:
+    """TRL's collated batch (`[chosen; rejected]` rows, per-pair reference log-probabilities) as
+    the pipeline is called: rows alternating chosen, rejected of one pair; `labels` the
+    completions' tokens (-100 elsewhere, as TRL's); `ref_logps` one per row."""
+    ids, completion = batch["input_ids"], batch["completion_mask"]
+    pairs = ids.size(0) // 2
+    order = torch.arange(2 * pairs).view(2, pairs).t().reshape(-1)  # c0 r0 c1 r1 ...
+    out = {
+        "input_ids": ids[order],
+        "attention_mask": batch["attention_mask"][order],
+        "completion_mask": completion[order],
+        "labels": ids.masked_fill(completion == 0, -100)[order],
+    }
+    if "ref_chosen_logps" in batch:
+        ref = torch.stack([batch["ref_chosen_logps"], batch["ref_rejected_logps"]], dim=1)
+        out["ref_logps"] = ref.reshape(-1)
+    return out
+
+
+def dpo_loss(
+    output: Any,
+    labels: torch.Tensor,
+    num_items_in_batch: float,
+    completion_mask: torch.Tensor,
+    ref_logps: torch.Tensor,
+    beta: float,
+    weight: float = 1.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """TRL's sigmoid DPO loss of a micro-batch of whole pairs (rows chosen, rejected, ...), summed
+    over its pairs and divided by `num_items_in_batch` (pairs); and its metrics as sums."""
+    logits = output["logits"][:, :-1].float()
+    target = labels[:, 1:]
+    mask = completion_mask[:, 1:].bool()
+    logp = logits.log_softmax(-1)
+    picked = logp.gather(-1, target.clamp(min=0)[..., None])[..., 0] * mask
+    logps = picked.sum(dim=1)
+    chosen, rejected = logps[0::2], logps[1::2]
+    chosen_ratio = chosen - ref_logps[0::2]
+    rejected_ratio = rejected - ref_logps[1::2]
+    per_pair = -F.logsigmoid(beta * (chosen_ratio - rejected_ratio))
+    loss = per_pair.sum() * weight / num_items_in_batch
+    with torch.no_grad():
+        entropy = -(logp.exp() * logp).sum(-1)
+        mean_logits = logits.mean(-1)
+        hits = logits.argmax(-1) == target
+        reward_c, reward_r = beta * chosen_ratio, beta * rejected_ratio
+        c_mask, r_mask = mask[0::2], mask[1::2]
+        metrics = {
+            "pairs": torch.tensor(float(chosen.numel())),
+            "rewards_chosen": reward_c.sum(),
+            "rewards_rejected": reward_r.sum(),
+            "rewards_accuracies": (reward_c > reward_r).float().sum(),
+            "rewards_margins": (reward_c - reward_r).sum(),
+            "logps_chosen": chosen.sum(),
+            "logps_rejected": rejected.sum(),
+            "tokens": mask.sum().float(),
+            "entropy_sum": (entropy * mask).sum(),
+            "chosen_tokens": c_mask.sum().float(),
+            "rejected_tokens": r_mask.sum().float(),
+            "chosen_logits": (mean_logits[0::2] * c_mask).sum(),
+            "rejected_logits": (mean_logits[1::2] * r_mask).sum(),
+            "chosen_correct": (hits[0::2] & c_mask).sum().float(),
+        }
+    return loss, {k: v.detach().to(torch.float64) for k, v in metrics.items()}
+
+
+def _refusals(args: Any, init: dict[str, Any]) -> list[str]:
+    """What the pipelined DPO loss does not compute (yet), from the arguments alone."""
+    found = []
+    if args is None or not args.precompute_ref_log_probs:
+        found.append(
+            "the reference model run each step (precompute_ref_log_probs=False, DPOConfig's "
+            "default) is not pipelined yet. Set DPOConfig(precompute_ref_log_probs=True): TRL "
+            "computes the reference log-probabilities once, before training."
+        )
+    if init.get("ref_model") is not None:
+        found.append(
+            "a separate ref_model is not supported yet. Pass ref_model=None: the reference is "
+            "the policy's initial weights, precomputed (precompute_ref_log_probs=True)."
+        )
+    model = init.get("model")
+    if init.get("peft_config") is not None or callable(getattr(model, "get_base_model", None)):
+        found.append(
+            "a PEFT model is not pipelined yet (the split fails on the base model's forward "
+            "TRL patches with its fused LM head). Train the whole model (peft_config=None), or "
+            "use TRL's DPOTrainer."
+        )
+    if init.get("eval_dataset") is not None:
+        found.append(_NO_EVAL.removeprefix("ZeroPPDPOTrainer: ") + " Pass eval_dataset=None.")
+    if args is None:
+        return found
+    if list(args.loss_type) != ["sigmoid"]:
+        found.append(f"loss_type={args.loss_type!r} is not pipelined; use loss_type='sigmoid'.")
+    if args.ld_alpha is not None:
+        found.append(f"ld_alpha={args.ld_alpha!r} is not pipelined; set ld_alpha=None.")
+    if args.f_divergence_type != "reverse_kl":
+        found.append(
+            f"f_divergence_type={args.f_divergence_type!r} is not pipelined; use 'reverse_kl'."
+        )
+    if args.use_weighting:
+        found.append("use_weighting=True (WPO) is not pipelined; set use_weighting=False.")
+    if args.activation_offloading:
+        found.append(
+            "activation_offloading=True would hook the whole model's saved tensors, not the "
+            "pipeline's stages. Set activation_offloading=False."
+        )
+    return found
+
+
+class ZeroPPDPOTrainer(ZeroPPTrainer, DPOTrainer):
+    """`trl.DPOTrainer(...)` pipelined over FSDP2: TRL's arguments plus `zeropp_plugin`."""
+
+    args: DPOConfig  # DPOTrainer's own arguments (beta, loss_type, ...)
+
+    def __init__(self, *args: Any, zeropp_plugin: Any = None, **kwargs: Any) -> None:
+        init = inspect.signature(DPOTrainer).bind(*args, **kwargs).arguments
+        for problem in _refusals(init.get("args"), init):
+            raise ValueError(f"ZeroPPDPOTrainer: {problem}")
+        super().__init__(*args, zeropp_plugin=zeropp_plugin, **kwargs)
+        if self.aux_loss_enabled:
+            raise ValueError(
+                "ZeroPPDPOTrainer: the MoE router's auxiliary loss (router_aux_loss_coef) is not "
+                "pipelined yet. Set router_aux_loss_coef=0.0."
+            )
+        collate = self.data_collator
+        self.data_collator = lambda rows: paired_batch(collate(rows))
+
+    def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
+        """TRL's reference pass (`compute_ref_log_probs`, its collator, batch size and order) on
+        the whole model before it is split, in every process over every row: nothing to shard,
+        gather or exchange through TRL's cache file (a temporary file per process for a dataset
+        built in memory)."""
+        if not isinstance(dataset, Dataset):
+            raise ValueError(
+                "ZeroPPDPOTrainer: precompute_ref_log_probs=True needs a map-style Dataset, got "
+                f"{type(dataset).__name__} (as TRL's DPOTrainer)."
+            )
+        loader = DataLoader(
+            dataset, batch_size=batch_size, collate_fn=self.data_collator, shuffle=False
+        )
+        model = self.ref_model or self.model
+        chosen, rejected = [], []
+        for batch in loader:
+            ref_chosen, ref_rejected = self.compute_ref_log_probs(model, batch)
+            chosen.append(ref_chosen.cpu())
+            rejected.append(ref_rejected.cpu())
+        dataset = dataset.add_column("ref_chosen_logps", torch.cat(chosen).tolist())
+        return dataset.add_column("ref_rejected_logps", torch.cat(rejected).tolist())
+
+    def _build_pipeline(self, loader: Any) -> Any:
+        prepared = super()._build_pipeline(loader)
+        assert self._pipeline is not None
+        weight = (self.loss_weights or [1.0])[0]
+        beta = self.beta
+
+        def loss(output: Any, labels: torch.Tensor, num_items_in_batch: float, **rows: Any) -> Any:
+            return dpo_loss(output, labels, num_items_in_batch, beta=beta, weight=weight, **rows)
+
+        self._pipeline.use_loss(loss, shift=1, rows=_ROWS)
+        return prepared
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        raise ValueError(_NO_EVAL)  # before TRL prepares a dataset on the released model
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        raise ValueError(_NO_EVAL)
+
+    def _last_stage_loss(self) -> tuple[Any, int] | None:
+        return None  # DPO's own (`_build_pipeline`): TRL's DPO ignores compute_loss_func
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: Any = None,
+    ) -> Any:
+        """The pipeline's DPO loss of the global batch: its pair mean (TRL's), the metrics
+        recorded on the way. The Trainer divides it by the accumulation steps (TRL's
+        `loss_is_scaled_for_ga = False`), as for one process."""
+        if not model.training:  # evaluate(dataset), predict(): not silently another number
+            raise ValueError(_NO_EVAL)
+        pipeline = self._pipeline
+        assert pipeline is not None
+        engine = pipeline.engine
+        micro = engine.config.num_microbatches
+        pairs = inputs["input_ids"].size(0) // 2
+        if pairs % micro != 0:
+            raise ValueError(
+                f"ZeroPPDPOTrainer: a batch of {pairs} pairs does not split into "
+                f"num_microbatches={micro} micro-batches of whole pairs (a pair's chosen and "
+                "rejected rows must meet in one micro-batch). Make per_device_train_batch_size x "
+                "pp_size a multiple of num_microbatches (and drop a short last batch: "
+                "dataloader_drop_last=True)."
+            )
+        local = torch.tensor(float(pairs), device=engine.device)
+        total = float(summed_over_data_parallel(local, pipeline).item())
+        batch = {k: v for k, v in inputs.items() if k != NUM_ITEMS}
+        batch[NUM_ITEMS] = total / (micro * engine.dims.dp_size)
+        outputs = pipeline(**batch)
+        self._record_metrics(outputs.metrics, inputs, model.training)
+        loss = outputs["loss"]
+        return (loss, outputs) if return_outputs else loss
+
+    def _record_metrics(
+        self, metrics: dict[str, float], inputs: dict[str, Any], training: bool
+    ) -> None:
+        """TRL's metrics of the global batch (as `DPOTrainer.compute_loss` logs them)."""
+        mode = "train" if training else "eval"
+        log = self._metrics[mode]
+
+        def ratio(num: str, den: str) -> float:
+            return metrics[num] / metrics[den] if metrics[den] > 0 else 0.0
+
+        log["entropy"].append(ratio("entropy_sum", "tokens"))
+        if training:
+            self._total_train_tokens += self._tokens(inputs)
+        log["num_tokens"] = [self._total_train_tokens]
+        log["logits/chosen"].append(ratio("chosen_logits", "chosen_tokens"))
+        log["logits/rejected"].append(ratio("rejected_logits", "rejected_tokens"))
+        log["mean_token_accuracy"].append(ratio("chosen_correct", "chosen_tokens"))
+        for name in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins"):
+            log[name].append(ratio(name.replace("/", "_"), "pairs"))
+        log["logps/chosen"].append(ratio("logps_chosen", "pairs"))
+        log["logps/rejected"].append(ratio("logps_rejected", "pairs"))
+
+    def _tokens(self, inputs: dict[str, Any]) -> int:
+        """Tokens of the global batch, as TRL counts them (attention mask), over data-parallel
+        ranks only (the ranks of one pipeline share their rows)."""
+        assert self._pipeline is not None
+        local = inputs["attention_mask"].sum().to(self._pipeline.engine.device)
+        return int(summed_over_data_parallel(local, self._pipeline).item())

@@ -1,0 +1,130 @@
+"""TRL's DPO script under `ZeroPPDPOTrainer` (pp 2, 2 gloo ranks) against TRL's own
+`DPOTrainer` in one process: the loss, TRL's logged metrics (rewards/*, logps/*, logits/*,
+entropy, mean_token_accuracy, num_tokens) per step and the saved weights, with the reference
+log-probabilities precomputed; and what is not pipelined refused on every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.launch import launch
+
+pytestmark = pytest.mark.distributed
+pytest.importorskip("trl")
+
+PP = {"pp_size": 2, "num_microbatches": 2}
+CASES = [
+    {"id": "sigmoid", "plugin": PP, "batch": 2},
+    # one pair per micro-batch, two batches per update
+    {"id": "accumulated", "plugin": PP, "batch": 1, "accumulation": 2},
+]
+REFERENCES = [{**case, "plugin": None, "batch": 2 * case["batch"]} for case in CASES]
+REFUSED = [
+    {"id": "hinge", "args": {"loss_type": ["hinge"]}, "want": "loss_type=['hinge']"},
+    {
+        "id": "per_step_reference",
+        "args": {"precompute_ref_log_probs": False},
+        "want": "precompute_ref_log_probs=True",
+    },
+    {
+        "id": "evaluate",
+        "refused": "evaluate",
+        "args": {"max_steps": 1},
+        "want": "evaluation (an eval_dataset, evaluate(), predict()) is not pipelined",
+    },
+    {"id": "eval_dataset", "init": {"eval_dataset": "rows"}, "want": "Pass eval_dataset=None"},
+    {"id": "lora", "init": {"peft_config": "lora"}, "want": "a PEFT model is not pipelined"},
+    # 3 pairs per device x pp 2 = 6 pairs: 4 micro-batches would split a pair (the loader's
+    # check of rows per micro-batch refuses it: a row of TRL's dataset is a pair)
+    {
+        "id": "pairs_split",
+        "plugin": {"pp_size": 2, "num_microbatches": 4},
+        "batch": 3,
+        "refused": "train",
+        "want": "6 rows per batch (batch_size=6, dp_size=1, split_batches=False), which do not "
+        "split into num_microbatches=4",
+    },
+]
+METRICS = (
+    "loss",
+    "grad_norm",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+    "logits/chosen",
+    "logits/rejected",
+    "entropy",
+    "mean_token_accuracy",
+)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("trl_dpo")
+    refused = [{"plugin": PP, "batch": 2, "refused": "init", **case} for case in REFUSED]
+    two = launch(
+        2,
+        "trl_dpo_scenarios.run",
+        {"cases": refused + CASES, "out_dir": str(out / "two")},
+        out / "two",
+        timeout=600,
+    )
+    one = launch(
+        1,
+        "trl_dpo_scenarios.run",
+        {"cases": REFERENCES, "out_dir": str(out / "one")},
+        out / "one",
+        timeout=600,
+    )
+    return two, one[0]
+
+
+def check_equal(got: dict, ref: dict, ranks: list[dict]) -> None:
+    """Loss and TRL's metrics of every logged step, on every rank, and the saved weights."""
+    steps = [log for log in got["logs"] if "loss" in log]
+    want = [log for log in ref["logs"] if "loss" in log]
+    assert len(steps) == len(want) == 3
+    for a, b in zip(steps, want, strict=True):
+        assert set(b) <= set(a), set(b) - set(a)  # every metric TRL logs
+        for key in METRICS:
+            assert a[key] == pytest.approx(b[key], abs=1e-5), key
+        assert a["num_tokens"] == b["num_tokens"]
+    for rank in ranks:
+        assert [log for log in rank["logs"] if "loss" in log] == steps
+    for name, value in ref["weights"].items():
+        torch.testing.assert_close(
+            got["weights"][name], value, rtol=0, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+@pytest.mark.parametrize("case", [case["id"] for case in CASES])
+def test_dpo_matches_trl_in_one_process(runs, case):
+    two, one = runs
+    check_equal(two[0][case], one[case], [rank[case] for rank in two])
+
+
+@pytest.mark.slow
+def test_dpo_pp2_dp2_matches_trl_in_one_process(tmp_path):
+    """4 ranks, pp 2 x dp 2: the pair count, tokens and metrics summed over data-parallel
+    ranks."""
+    case = {"id": "dp2", "plugin": PP, "batch": 1}
+    four = launch(4, "trl_dpo_scenarios.run", {"cases": [case], "out_dir": str(tmp_path / "4")},
+                  tmp_path / "4", timeout=600)  # fmt: skip
+    ref = {**case, "plugin": None, "batch": 4}
+    one = launch(1, "trl_dpo_scenarios.run", {"cases": [ref], "out_dir": str(tmp_path / "1")},
+                 tmp_path / "1", timeout=600)  # fmt: skip
+    check_equal(four[0]["dp2"], one[0]["dp2"], [rank["dp2"] for rank in four])
+
+
+@pytest.mark.parametrize("case", REFUSED, ids=[case["id"] for case in REFUSED])
+def test_dpo_refuses_what_is_not_pipelined(runs, case):
+    two, _ = runs
+    for rank in two:
+        error = rank[case["id"]]["error"]
+        assert error is not None
+        assert error.startswith("ZeroPPDPOTrainer:") or case["id"] == "pairs_split"
+        assert case["want"] in error
