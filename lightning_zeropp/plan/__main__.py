@@ -90,8 +90,9 @@ def main(argv: list[str]) -> int:
             "pip install 'lightning-zeropp[hydra]'"
         ) from None
 
+    from lightning_zeropp.plan.context import search_by_cp
     from lightning_zeropp.plan.hardware import Hardware
-    from lightning_zeropp.plan.search import as_parallel_config, enumerate_layouts, search
+    from lightning_zeropp.plan.search import as_parallel_config, enumerate_layouts
 
     own, overrides = split_args(argv)
     with initialize_config_dir(str(CONF), version_base="1.3"):
@@ -134,15 +135,17 @@ def main(argv: list[str]) -> int:
             + "; use a global batch with more factors in common with the world size."
         )
         return 1
-    best = search(
-        model, world, own["global_batch"], seq_len, hardware, layouts=layouts,
+    by_cp = search_by_cp(
+        model, world, own["global_batch"], seq_len, hardware, layouts,
         optimizer=own["optimizer"], top=own["top"], cut=own["cut"],
     )  # fmt: skip
+    best = sorted((c for found in by_cp.values() for c in found), key=lambda c: c.step_s)
+    best = best[: own["top"]]
     if not best:
         assert hardware.memory_bytes is not None  # only a memory limit can refuse every layout
         print(
             f"No layout fits {hardware.memory_bytes / GiB:.0f} GiB per rank; try a smaller "
-            "global_batch, more devices, or cpu_offload."
+            "global_batch, more devices, a larger cp_size (up to the node), or cpu_offload."
         )
         return 1
     tokens = own["global_batch"] * seq_len
@@ -160,6 +163,14 @@ def main(argv: list[str]) -> int:
             f"{c.step.mfu:>6.1%} [{low_mfu:.0%}-{high_mfu:.0%}] {tokens / c.step_s:>10.0f} "
             f"{c.memory_bytes / GiB:>9.1f} {beside:>15}  {describe(c.settings)}"
         )
+    if len(by_cp) > 1:
+        print("the fastest layout that fits, per cp_size:")
+        for cp, found in by_cp.items():
+            line = "none fits" if not found else (
+                f"{found[0].step_s:.3f} s, {found[0].memory_bytes / GiB:.1f} GiB/rank, "
+                f"{describe(found[0].settings)}"
+            )  # fmt: skip
+            print(f"  cp {cp}: {line}")
     if own["write"] != "none":
         name = f"auto_{cfg.model.name}_{cluster['name']}"
         path = Path(own["write"] if own["write"] != "auto" else CONF / "parallel" / f"{name}.yaml")
