@@ -9,6 +9,8 @@ Keys (besides Hydra's `model=` and `cluster=` groups and any `model.*` / `cluste
   dtype=bf16         compute dtype (param_dtype; gradients reduced in fp32)
   optimizer=adamw    adamw or sgd
   micro_batch=null   rows per micro-batch (null: any)
+  cp_size=null       context parallelism: each sequence split over cp ranks (null: every cp
+                     inside a node that splits seq_len into 2 x cp chunks; 1: none)
   compile=false      blocks compiled (torch.compile): whole, or under split backward only the
                      regions between their weights (priced between eager and compiled)
   quantized_weights=null, quantized_gradients=null, hpz_partition_size=null
@@ -36,7 +38,7 @@ DEFAULTS: dict[str, Any] = {
     "global_batch": 256, "seq_len": None, "dtype": "bf16", "optimizer": "adamw",
     "micro_batch": None, "top": 10, "write": "auto", "compile": False,
     "quantized_weights": None, "quantized_gradients": None,
-    "hpz_partition_size": None, "cut": "balanced",
+    "hpz_partition_size": None, "cut": "balanced", "cp_size": None,
 }  # fmt: skip
 PLUS = ("quantized_weights", "quantized_gradients", "hpz_partition_size")
 GiB = 2**30
@@ -56,7 +58,7 @@ def split_args(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
     for key in ("global_batch", "top"):
         if not isinstance(own[key], int) or isinstance(own[key], bool) or own[key] < 1:
             raise SystemExit(f"{key}={own[key]!r} must be a positive integer.")
-    for key in ("seq_len", "micro_batch"):
+    for key in ("seq_len", "micro_batch", "cp_size"):
         value = own[key]
         if value is not None and (
             not isinstance(value, int) or isinstance(value, bool) or value < 1
@@ -88,14 +90,21 @@ def main(argv: list[str]) -> int:
             "pip install 'lightning-zeropp[hydra]'"
         ) from None
 
+    from lightning_zeropp.plan.context import search_by_cp
     from lightning_zeropp.plan.hardware import Hardware
-    from lightning_zeropp.plan.search import as_parallel_config, enumerate_layouts, search
+    from lightning_zeropp.plan.search import as_parallel_config, enumerate_layouts
 
     own, overrides = split_args(argv)
     with initialize_config_dir(str(CONF), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
     seq_len = int(own["seq_len"] or _context(cfg))
     cfg.data.seq_len = seq_len  # the bundled GPT's position table follows it
+    cp = own["cp_size"]
+    if cp and seq_len % (2 * cp):
+        raise SystemExit(
+            f"cp_size={cp} does not split seq_len={seq_len} into 2 x cp_size = {2 * cp} equal "
+            f"chunks; use a seq_len that is a multiple of {2 * cp}, or another cp_size."
+        )
     cluster: Any = OmegaConf.to_container(cfg.cluster, resolve=True)  # a mapping of settings
     assert isinstance(cluster, dict)
     world = int(cluster["devices"]) * int(cluster["num_nodes"])
@@ -110,7 +119,8 @@ def main(argv: list[str]) -> int:
     layouts = list(
         enumerate_layouts(
             world, _num_blocks(model), own["global_batch"], hardware.node_size, base,
-            micro_batch=own["micro_batch"],
+            micro_batch=own["micro_batch"], seq_len=seq_len,
+            cp_sizes=[own["cp_size"]] if own["cp_size"] else None,
         )
     )  # fmt: skip
     print(
@@ -125,15 +135,17 @@ def main(argv: list[str]) -> int:
             + "; use a global batch with more factors in common with the world size."
         )
         return 1
-    best = search(
-        model, world, own["global_batch"], seq_len, hardware, layouts=layouts,
+    by_cp = search_by_cp(
+        model, world, own["global_batch"], seq_len, hardware, layouts,
         optimizer=own["optimizer"], top=own["top"], cut=own["cut"],
     )  # fmt: skip
+    best = sorted((c for found in by_cp.values() for c in found), key=lambda c: c.step_s)
+    best = best[: own["top"]]
     if not best:
         assert hardware.memory_bytes is not None  # only a memory limit can refuse every layout
         print(
             f"No layout fits {hardware.memory_bytes / GiB:.0f} GiB per rank; try a smaller "
-            "global_batch, more devices, or cpu_offload."
+            "global_batch, more devices, a larger cp_size (up to the node), or cpu_offload."
         )
         return 1
     tokens = own["global_batch"] * seq_len
@@ -151,11 +163,20 @@ def main(argv: list[str]) -> int:
             f"{c.step.mfu:>6.1%} [{low_mfu:.0%}-{high_mfu:.0%}] {tokens / c.step_s:>10.0f} "
             f"{c.memory_bytes / GiB:>9.1f} {beside:>15}  {describe(c.settings)}"
         )
+    if len(by_cp) > 1:
+        print("the fastest layout that fits, per cp_size:")
+        for cp, found in by_cp.items():
+            line = "none fits" if not found else (
+                f"{found[0].step_s:.3f} s, {found[0].memory_bytes / GiB:.1f} GiB/rank, "
+                f"{describe(found[0].settings)}"
+            )  # fmt: skip
+            print(f"  cp {cp}: {line}")
     if own["write"] != "none":
         name = f"auto_{cfg.model.name}_{cluster['name']}"
         path = Path(own["write"] if own["write"] != "auto" else CONF / "parallel" / f"{name}.yaml")
         chosen = as_parallel_config(best[0], world)
-        micro = own["global_batch"] // (world // chosen["pp_size"]) // chosen["num_microbatches"]
+        dp = world // (chosen["pp_size"] * chosen["cp_size"])
+        micro = own["global_batch"] // dp // chosen["num_microbatches"]
         header = (
             f"# Chosen by `python -m lightning_zeropp.plan {' '.join(argv)}` for {cfg.model.name} "
             f"on {cluster['name']}:\n# predicted {best[0].step_s:.3f} s a step "
@@ -218,6 +239,8 @@ def _num_blocks(model: Any) -> int:
 def describe(settings: dict[str, Any]) -> str:
     s = settings
     text = f"pp {s['pp_size']} x rep {s['dp_replicate_size']} x shard {s['dp_shard_size']}"
+    if s.get("cp_size", 1) > 1:
+        text += f" x cp {s['cp_size']}"
     if s["pp_size"] > 1:
         text += f", {s['schedule']}"
         if "num_chunks" in s:

@@ -15,6 +15,9 @@ Split backward (ZeroPP's default, torch's zero-bubble schedules) holds a micro-b
 bytes from its F to its W: the I runs with `retain_graph`, and the W frees the graph. (The
 intermediate gradients the I keeps for its W are not saved tensors and are not counted here.)
 
+Context parallelism (`cp_size`): every figure is one CP rank's (`plan.context.rank_profile`: its
+part of each sequence, plus the gathered keys and values and the mask its attention keeps).
+
 Recomputation: a recomputing stage's blocks save their inputs only (counted with the engine's
 own checkpoint wrapping); while one block runs backward it holds its activations again
 (`recompute_transients`), which saved-tensor tracking does not see and the peak adds.
@@ -31,9 +34,10 @@ from torch import nn
 from lightning_zeropp.core.settings.config import ZeroPPConfig
 from lightning_zeropp.core.settings.placement import stage_ids_for_rank
 from lightning_zeropp.core.settings.resolve import ZeroPPLayout
+from lightning_zeropp.plan.context import rank_profile
 from lightning_zeropp.plan.cut import settle
 from lightning_zeropp.plan.memory import _stage_ranges, stage_ranges
-from lightning_zeropp.plan.profile import Part, micro_batch_rows, profile_model
+from lightning_zeropp.plan.profile import Part, micro_batch_rows
 
 __all__ = [
     "activation_peaks",
@@ -52,8 +56,11 @@ def stage_parts(model: nn.Module, config: ZeroPPLayout, rows: int, seq_len: int)
     points = tuple(config.split_points) if config.split_points else None
     recompute = tuple(config.recomputes(s) for s in range(config.num_stages))
     return list(
-        _stage_parts(model, config.num_stages, points, rows, seq_len, config.param_dtype, recompute)
-    )
+        _stage_parts(
+            model, config.num_stages, points, rows, seq_len, config.param_dtype, recompute,
+            config.cp_size,
+        )
+    )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=1024)
@@ -65,8 +72,9 @@ def _stage_parts(
     seq_len: int,
     dtype: Any,
     recompute: tuple[bool, ...],
+    cp: int = 1,
 ) -> tuple[Part, ...]:
-    profile = profile_model(model, rows, seq_len, dtype)
+    profile = rank_profile(model, rows, seq_len, dtype, cp)
     cut = _stage_ranges(model, num_stages, points)
     return tuple(
         profile.stage(r, s == 0, s == num_stages - 1, recompute[s]) for s, r in enumerate(cut)
@@ -85,7 +93,7 @@ def recompute_transients(
 ) -> list[int]:
     """Per stage, what recomputing holds on top of the saved bytes while a block runs backward:
     the largest block's own saved bytes (0 for a stage that does not recompute)."""
-    profile = profile_model(model, rows, seq_len, config.param_dtype)
+    profile = rank_profile(model, rows, seq_len, config.param_dtype, config.cp_size)
     return [
         max((profile.blocks[i].saved for i in r), default=0) if config.recomputes(s) else 0
         for s, r in enumerate(stage_ranges(model, config))

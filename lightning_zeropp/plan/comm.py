@@ -18,6 +18,10 @@
   replaces each reduce-scatter with all-to-alls inside the node ("zeropp_plus_intra") and
   across nodes ("zeropp_plus_cross"), each counted with its whole packed input.
 
+- context parallelism (`plan.context`): FSDP's gathers and reductions over dp_shard x cp (named
+  "dp_shard"); per block and micro-batch, K and V all-gathered over "cp" in each forward
+  (recomputation included) and their gradients reduce-scattered in the backward.
+
 Not modelled (it raises): resharding after forward under a pipeline; left out: the engine's few
 scalar collectives (the loss, the step's four agreement flags).
 """
@@ -36,6 +40,7 @@ from lightning_zeropp.core.settings.placement import (
 )
 from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 from lightning_zeropp.plan.activations import stage_parts
+from lightning_zeropp.plan.context import fsdp_view, kv_bytes
 from lightning_zeropp.plan.memory import stage_units
 from lightning_zeropp.plan.plus import unit_traffic
 from lightning_zeropp.plan.profile import micro_batch_rows
@@ -60,6 +65,7 @@ def predict_comm(
     """Each global rank's predicted `CommCounter` summary of one training step (all-gather,
     reduce-scatter, ZeRO++'s all-to-alls, send and recv only)."""
     cfg = config.resolve(world_size)
+    fsdp = fsdp_view(cfg)  # under CP, FSDP's group is dp_shard x cp
     if cfg.pp_size > 1 and cfg.reshard_after_forward:
         raise NotImplementedError("resharding after forward under a pipeline is not modelled")
     stages = stage_units(model, cfg)
@@ -67,9 +73,10 @@ def predict_comm(
     boundary = [part.output for part in stage_parts(model, cfg, rows, seq_len)]
     programs = programs_for(cfg)
     style = schedule_style(cfg.schedule)
+    kv = kv_bytes(model, seq_len, cfg.param_dtype, cfg.cp_size) * rows
     out = {}
     for rank in range(world_size):
-        pp_rank = rank // cfg.dp_size
+        pp_rank = rank // fsdp.dp_size
         summary: Summary = {}
         ops = programs[pp_rank]
         for stage in stage_ids_for_rank(style, pp_rank, cfg.pp_size, cfg.num_chunks):
@@ -81,9 +88,14 @@ def predict_comm(
             full = sum(1 for op in ops if op.stage == stage and op.gather and not op.from_node)
             node = sum(1 for op in ops if op.stage == stage and op.gather and op.from_node)
             reduced = sum(1 for op in ops if op.stage == stage and op.reduce)
-            if cfg.dp_shard_size > 1:
-                _count_units(summary, cfg, shapes, full, node, reduced)
+            if fsdp.dp_shard_size > 1:
+                _count_units(summary, fsdp, shapes, full, node, reduced)
             m = cfg.num_microbatches
+            if kv:  # CP attention: K and V gathered per block and forward, reduced per backward
+                forwards = m * len(block_shapes) * (2 if cfg.recomputes(stage) else 1)
+                backwards = m * len(block_shapes)
+                _add(summary, "all_gather", "cp", 2 * forwards, forwards * kv)
+                _add(summary, "reduce_scatter", "cp", 2 * backwards, backwards * kv * cfg.cp_size)
             if (
                 stage + 1 < cfg.num_stages
                 and rank_of_stage(style, stage + 1, cfg.pp_size) != pp_rank

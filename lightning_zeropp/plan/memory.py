@@ -17,6 +17,7 @@ Gathered weights, per schedule (in the compute dtype, `param_dtype` if set):
   the root plus the two largest consecutive blocks (not checked here: no GPU in CI). With
   several micro-batches, gradient accumulation keeps every backward's weights gathered until the
   last: the whole model.
+Under context parallelism (`cp_size`) FSDP shards over dp_shard x cp (`plan.context.fsdp_view`).
 A shard group of one rank still gathers (FSDP2 keeps its unsharded copy apart).
 """
 
@@ -34,6 +35,7 @@ from lightning_zeropp.core.settings.placement import schedule_style, stage_ids_f
 from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 from lightning_zeropp.core.split.blocks import find_blocks, plan_blocks
 from lightning_zeropp.core.split.methods import split_model
+from lightning_zeropp.plan.context import fsdp_view
 
 __all__ = [
     "RankMemoryPlan",
@@ -168,7 +170,7 @@ def predict_memory(
     `device_type` ("cuda", or "cpu" for gloo ranks)."""
     if optimizer not in ("adamw", "adam", "sgd"):
         raise ValueError(f"optimizer={optimizer!r} is not modelled; use 'adamw', 'adam' or 'sgd'.")
-    cfg = config.resolve(world_size)
+    cfg = fsdp_view(config.resolve(world_size))  # under CP, FSDP shards over dp_shard x cp
     stages = stage_parameter_shapes(model, cfg)
     compute_bytes = cfg.param_dtype.itemsize if cfg.param_dtype else None
     style = schedule_style(cfg.schedule)

@@ -1,7 +1,8 @@
 """The layout search: every layout of a world that fits each rank's memory, ranked by predicted
 step time.
 
-A layout is pp x dp_replicate x dp_shard, a schedule (FSDP alone when pp is 1; 1F1B, interleaved
+A layout is pp x dp_replicate x dp_shard x cp (context parallelism, a CP group inside a node:
+`plan.context`), a schedule (FSDP alone when pp is 1; 1F1B, interleaved
 1F1B, ZB-V, ZeroPP with its chunks v and unit U), a micro-batch count and recomputation; the
 compute and reduce dtypes and the optimizer are the caller's (`base`). Memory per rank
 (`rank_memory`) is the planner's model state, gathered weights and activations (with a
@@ -38,7 +39,14 @@ from lightning_zeropp.plan.plus import plus_memory
 from lightning_zeropp.plan.programs import programs_for
 from lightning_zeropp.plan.steptime import StepTimePlan, predict_range, price
 
-__all__ = ["Candidate", "enumerate_layouts", "gradient_buffers", "rank_memory", "search"]
+__all__ = [
+    "Candidate",
+    "context_sizes",
+    "enumerate_layouts",
+    "gradient_buffers",
+    "rank_memory",
+    "search",
+]
 
 RECOMPUTE = ("none", "except_last", "all")
 
@@ -83,7 +91,7 @@ def rank_memory(
     plus = _plus_bytes(model, cfg)
     out = []
     for plan in states:
-        pp_rank = plan.rank // cfg.dp_size
+        pp_rank = plan.rank // (cfg.dp_size * cfg.cp_size)
         entry = {
             "model_state": 0 if plan.on_host else plan.model_state,
             "gathered_weights": plan.gathered_peak,
@@ -149,22 +157,32 @@ def enumerate_layouts(
     base: dict[str, Any] | None = None,
     max_microbatches: int = 64,
     micro_batch: int | None = None,
+    seq_len: int | None = None,
+    cp_sizes: Sequence[int] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Every layout of the search space, as ZeroPPConfig keyword arguments (each resolves);
-    with `micro_batch`, only those whose micro-batches have that many rows."""
+    with `micro_batch`, only those whose micro-batches have that many rows.
+
+    Context parallelism: `cp_sizes` (default, given `seq_len`: every cp that divides the node,
+    so a CP group sits inside a node, and splits `seq_len` into 2 x cp chunks; without
+    `seq_len`, cp 1 only)."""
     # ranks per node: the planned cluster's, not the launcher's LOCAL_WORLD_SIZE
     base = {"node_size": node_size, **(base or {})}
-    for pp in _divisors(world_size):
-        if pp > num_blocks:
+    if cp_sizes is None:
+        cp_sizes = [1] if seq_len is None else context_sizes(world_size, node_size, seq_len)
+    for cp, pp in itertools.product(cp_sizes, _divisors(world_size)):
+        if pp > num_blocks or world_size % (cp * pp):
             continue
-        dp = world_size // pp
+        dp = world_size // (pp * cp)
         if global_batch % dp:
             continue
         rows = global_batch // dp
         for shard in _divisors(dp):
-            if shard > node_size and shard != dp:  # a shard group spanning nodes: only whole dp
+            # a shard group (dp_shard x cp) spanning nodes: only the whole of dp
+            if shard * cp > node_size and shard != dp:
                 continue
             sizes = {"pp_size": pp, "dp_shard_size": shard, "dp_replicate_size": dp // shard}
+            sizes.update({"cp_size": cp} if cp > 1 else {})
             for m, (schedule, extra), recompute in itertools.product(
                 [
                     m
@@ -185,6 +203,16 @@ def enumerate_layouts(
                 except ValueError:
                     continue  # e.g. too few micro-batches for the schedule
                 yield settings
+
+
+def context_sizes(world_size: int, node_size: int, seq_len: int) -> list[int]:
+    """The cp sizes a search tries: those dividing the node (a CP group inside one node) and the
+    world, that split `seq_len` into 2 x cp equal chunks."""
+    return [
+        cp
+        for cp in _divisors(node_size)
+        if cp == 1 or (world_size % cp == 0 and seq_len % (2 * cp) == 0)
+    ]
 
 
 def _schedules(pp: int, num_blocks: int, rows: int) -> list[tuple[str, dict[str, Any]]]:
@@ -235,7 +263,11 @@ def search(
     space = (
         layouts
         if layouts is not None
-        else list(enumerate_layouts(world_size, num_blocks, global_batch, hardware.node_size, base))
+        else list(
+            enumerate_layouts(
+                world_size, num_blocks, global_batch, hardware.node_size, base, seq_len=seq_len
+            )
+        )
     )
     space = [
         s if s.get("split_points") else with_cut(model, s, seq_len, cut, world_size) for s in space

@@ -12,6 +12,10 @@
   (`plan.programs.programs_for`: FSDP gathers a stage's units when a task reaches them ungathered, reshards
   after forward when told to, and reduces after the stage's last gradient task; ZeroPP follows
   its lowered plan, `core.schedule.build.zeropp_plans`).
+- Context parallelism (`plan.context`): one CP rank's FLOPs (its part of every sequence, its
+  queries against all keys), each block's K/V all-gathers and gradient reduce-scatters over the
+  CP group added to its forward and backward (exposed: the runtime waits for them), and FSDP's
+  collectives over dp_shard x cp.
 - The optimizer step updates each rank's shard at `Hardware.optimizer_rate` (by default AdamW
   streaming its state once: 28 bytes per fp32 parameter).
 
@@ -35,11 +39,12 @@ from lightning_zeropp.core.settings.plus import hpz_size
 from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 from lightning_zeropp.plan.activations import stage_parts
 from lightning_zeropp.plan.comm import padded_shard
+from lightning_zeropp.plan.context import fsdp_view, kv_bytes, rank_profile
 from lightning_zeropp.plan.cut import settle
 from lightning_zeropp.plan.hardware import Hardware, compile_mode
 from lightning_zeropp.plan.memory import StageUnits, predict_memory, stage_ranges, stage_units
 from lightning_zeropp.plan.plus import unit_traffic
-from lightning_zeropp.plan.profile import micro_batch_rows, profile_model
+from lightning_zeropp.plan.profile import micro_batch_rows
 from lightning_zeropp.plan.programs import programs_for
 from lightning_zeropp.plan.simulate import RankTimeline, StageCost, compute_seconds, simulate
 
@@ -81,7 +86,7 @@ class StepTimePlan:
 def stage_flops(model: nn.Module, cfg: ZeroPPLayout, rows: int, seq: int) -> list[list[float]]:
     """Forward FLOPs of one micro-batch per stage and unit: [the stage's own (non-block) part,
     then each block] (`plan.profile`, on the meta device)."""
-    profile = profile_model(model, rows, seq, cfg.param_dtype)
+    profile = rank_profile(model, rows, seq, cfg.param_dtype, cfg.cp_size)
     n = cfg.num_stages
     out = []
     for s, blocks in enumerate(stage_ranges(model, cfg)):
@@ -147,7 +152,8 @@ class Priced:
     def plan(self) -> StepTimePlan:
         lines = simulate(programs_for(self.cfg), self.costs, self.where, self.hardware.overlap)
         cfg, hw = self.cfg, self.hardware
-        total_forward = sum(map(sum, self.flops)) * cfg.num_microbatches * cfg.dp_size
+        ranks = cfg.dp_size * cfg.cp_size  # each CP rank computes its part of the rows
+        total_forward = sum(map(sum, self.flops)) * cfg.num_microbatches * ranks
         return StepTimePlan(
             step_s=max(line.end for line in lines.values()) + self.optimizer_s,
             optimizer_s=self.optimizer_s,
@@ -241,19 +247,23 @@ def stage_costs(
     style = schedule_style(cfg.schedule)
     where = {s: rank_of_stage(style, s, cfg.pp_size) for s in range(cfg.num_stages)}
     boundary = [part.output for part in stage_parts(model, cfg, rows, seq_len)]
+    group = cfg.dp_size * cfg.cp_size  # ranks of one pipeline rank
+    attend = _context_seconds(model, cfg, rows, seq_len, hardware)
     costs = []
     for s, stage in enumerate(stages):
         if unit_seconds is not None:
             seconds = list(unit_seconds[s])
         else:
             seconds = _unit_seconds(flops[s], hardware, stage_seconds[s] if stage_seconds else None)
-        gather, gather_node, reduce = _collective_seconds(stage, cfg, hardware, where[s])
+        gather, gather_node, reduce = _collective_seconds(stage, fsdp_view(cfg), hardware, where[s])
         nxt = where.get(s + 1, where[s])
-        lat, link = hardware.hop("p2p", *sorted((where[s] * cfg.dp_size, nxt * cfg.dp_size)))
+        lat, link = hardware.hop("p2p", *sorted((where[s] * group, nxt * group)))
+        # CP attention's gathers (forward) and reduce-scatters (backward) in each block
+        extra = [(0.0, 0.0), *[attend] * (len(seconds) - 1)]
         costs.append(
             StageCost(
-                forward=tuple(f for f, _ in seconds),
-                backward=tuple(b for _, b in seconds),
+                forward=tuple(f + a for (f, _), (a, _) in zip(seconds, extra, strict=True)),
+                backward=tuple(b + a for (_, b), (_, a) in zip(seconds, extra, strict=True)),
                 gather=gather,
                 gather_node=gather_node,
                 reduce=reduce,
@@ -275,6 +285,26 @@ def _unit_seconds(
         return [(f / hardware.flops_per_s, 2.0 * f / hardware.flops_per_s) for f in flops]
     total = sum(flops) or 1.0
     return [(measured[0] * f / total, measured[1] * f / total) for f in flops]
+
+
+def _context_seconds(
+    model: nn.Module, cfg: ZeroPPLayout, rows: int, seq_len: int, hardware: Hardware
+) -> tuple[float, float]:
+    """Seconds of one block's CP attention traffic per micro-batch (`plan.context`): the ring
+    all-gathers of K and V in the forward, the reduce-scatters of their gradients in the
+    backward; each waited for before the attention runs (not overlapped). (0, 0) without CP."""
+    cp = cfg.cp_size
+    if cp == 1:
+        return 0.0, 0.0
+    kv = kv_bytes(model, seq_len, cfg.param_dtype, cp) * rows  # this rank's K + V bytes
+    first = 0  # a CP group is cp consecutive ranks (the mesh's fastest axis)
+    ag_lat, ag_bw = hardware.hop("all_gather", first, first + cp - 1, cp)
+    rs_lat, rs_bw = hardware.hop("reduce_scatter", first, first + cp - 1, cp)
+    # two calls (K, V), each (cp - 1) ring hops of this rank's share
+    return (
+        (cp - 1) * (2 * ag_lat + kv / ag_bw),
+        (cp - 1) * (2 * rs_lat + kv / rs_bw),
+    )
 
 
 _COLLECTIVES: dict[tuple, tuple[Hardware, StageUnits, tuple]] = {}  # asked for many times

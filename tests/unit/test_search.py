@@ -71,10 +71,10 @@ def test_the_command_line_writes_a_layout_the_recipes_accept(tmp_path: Path, cap
     printed = capsys.readouterr().out
     assert "gpt_tiny on cpu4 (4 ranks)" in printed
     assert "even cut (s)" in printed  # each layout's step under the parameter cut, beside it
-    ranked = [
-        line.split()[0] for line in printed.splitlines() if "pp " in line and " x rep " in line
-    ]
+    table, _, per_cp = printed.partition("the fastest layout that fits, per cp_size:")
+    ranked = [line.split()[0] for line in table.splitlines() if "pp " in line and " x rep " in line]
     assert ranked == ["1", "2", "3"]
+    assert per_cp.split()[:2] == ["cp", "1:"]  # the searched cp sizes' best, each
     chosen = yaml.safe_load(out.read_text())
     ZeroPPConfig(**chosen).resolve(4)
     (Path("conf/parallel") / "zz_test_chosen.yaml").write_text(out.read_text())

@@ -85,6 +85,7 @@ from lightning_zeropp.core._torch_private.pytree import (  # noqa: E402
 from lightning_zeropp.core._torch_private.tensors import (  # noqa: E402
     fused_attention,
     fused_attention_flops,
+    is_fused_attention,
     local_chunk,
     make_subclass,
     storage_identity,
@@ -116,6 +117,7 @@ __all__ = [
     "fused_attention",
     "fused_attention_flops",
     "group_timeout",
+    "is_fused_attention",
     "hide_post_forward_mesh",
     "inductor",
     "is_dcp_metadata_global",

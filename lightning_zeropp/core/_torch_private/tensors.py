@@ -44,6 +44,13 @@ def fused_attention(
     )[0]
 
 
+def is_fused_attention(func: Any) -> bool:
+    """Whether `func` (as a `TorchFunctionMode` sees it) is `fused_attention`'s CPU kernel."""
+    import torch
+
+    return func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
 def fused_attention_flops() -> dict[Any, Any]:
     """`FlopCounterMode(custom_mapping=...)` for `fused_attention`'s CPU kernel, which torch's
     counter does not know: the two matmuls of attention (scores, then weighted values)."""

@@ -1,0 +1,163 @@
+"""Context parallelism (`cp_size`), priced: what one CP rank of a layout holds, computes and moves.
+
+The runtime (`core.step.context`, `core.step.context_attention`) gives each of the `cp` ranks of a
+sequence two of its `2 cp` chunks (chunks r and 2 cp - 1 - r: under a causal mask every rank then
+attends over as many query-key pairs), and runs each `scaled_dot_product_attention` call as this
+rank's queries against every rank's keys and values: K and V all-gathered along the sequence in
+the forward, their gradients reduce-scattered in the backward, with the causal mask over global
+positions built as a (local queries x all keys) mask on each call. So one CP rank:
+
+- saves for backward what the model saves at `seq_len / cp` tokens, except that each attention
+  call keeps the gathered K and V (the whole sequence, K/V heads only) and its mask (in the
+  query's dtype: torch's kernels turn a boolean mask into an additive one);
+- computes 1/cp of the model's FLOPs (its queries against all keys: the load balance makes the
+  ranks equal);
+- per attention call and micro-batch, all-gathers its K and V (ring: (cp - 1) hops of its own
+  K/V bytes) in the forward (again where a block recomputes) and reduce-scatters their
+  gradients in the backward; the runtime waits for each before the attention runs, so neither
+  overlaps compute (priced as exposed);
+- holds 1/(dp_shard x cp) of its stages' model state: FSDP shards over dp_shard x cp (`fsdp_view`).
+
+All of it is measured the planner's way: the model runs on the meta device at `seq_len / cp`
+tokens (`plan.profile`) with its attention calls answered as the runtime's (`_MetaContext`).
+The pricing assumes one attention call per block (a decoder layer), of the K/V size the first
+call shows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from lightning_zeropp.core._torch_private import is_fused_attention
+from lightning_zeropp.core.settings.resolve import ZeroPPLayout
+from lightning_zeropp.plan.profile import ModelProfile, lm_loss, profile_model
+
+__all__ = ["check_length", "fsdp_view", "kv_bytes", "rank_profile", "search_by_cp"]
+
+
+def fsdp_view(cfg: ZeroPPLayout) -> ZeroPPLayout:
+    """The layout as FSDP sees it: sharded over dp_shard x cp (the mesh's flattened axis, its
+    ranks consecutive: cp varies fastest), with no CP axis. Model state, weight gathers and
+    gradient reductions of a CP layout are those of this view; rows and activations are not."""
+    if cfg.cp_size == 1:
+        return cfg
+    return dataclasses.replace(cfg, dp_shard_size=cfg.dp_shard_size * cfg.cp_size, cp_size=1)
+
+
+def check_length(seq_len: int, cp: int) -> None:
+    """A sequence the runtime can split over `cp` ranks (2 cp equal chunks), or a ValueError."""
+    if cp > 1 and seq_len % (2 * cp):
+        raise ValueError(
+            f"seq_len={seq_len} does not split into 2 x cp_size = {2 * cp} equal chunks; use a "
+            f"seq_len that is a multiple of {2 * cp}, or another cp_size."
+        )
+
+
+class _MetaContext(TorchFunctionMode):
+    """On the meta device, each fused attention call as the runtime's CP attention runs it: the
+    local queries against keys and values of `cp` times the local length (new tensors, as the
+    gather makes them), under a (queries x keys) mask in the query's dtype. Records each call's
+    local K + V bytes (what this rank hands to the two all-gathers)."""
+
+    def __init__(self, cp: int) -> None:
+        super().__init__()
+        self.cp = cp
+        self.kv: list[int] = []
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        if not is_fused_attention(func):
+            return func(*args, **kwargs)
+        query, key, value, dropout_p, is_causal = (*args, 0.0, False)[:5]
+        self.kv.append(_nbytes(key) + _nbytes(value))
+        gathered = [
+            torch.empty((*t.shape[:-2], t.shape[-2] * self.cp, t.shape[-1]), dtype=t.dtype,
+                        device=t.device, requires_grad=t.requires_grad)
+            for t in (key, value)
+        ]  # fmt: skip
+        if is_causal or kwargs.get("attn_mask") is not None:
+            length = gathered[0].shape[-2]
+            kwargs["attn_mask"] = torch.empty(
+                (query.shape[-2], length), dtype=query.dtype, device=query.device
+            )
+        return func(query, *gathered, dropout_p, False, **kwargs)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@functools.lru_cache(maxsize=16)
+def _loss(cp: int) -> Any:
+    """A loss function object per cp: `profile_model` caches by its loss function, so a CP
+    profile at `seq_len / cp` tokens never answers for a plain profile at that length."""
+
+    def loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return lm_loss(logits, target)
+
+    return loss
+
+
+_KV: dict[tuple[Any, ...], int] = {}  # (model, seq_len, dtype, cp) -> first call's K + V bytes
+
+
+def rank_profile(
+    model: nn.Module, rows: int, seq_len: int, dtype: torch.dtype | None, cp: int
+) -> ModelProfile:
+    """`profile_model` for one CP rank of `cp` (`profile_model` itself when cp is 1): one
+    micro-batch of `rows` sequences of `seq_len` tokens, this rank's part of them."""
+    if cp == 1:
+        return profile_model(model, rows, seq_len, dtype)
+    check_length(seq_len, cp)
+    mode = _MetaContext(cp)
+    with mode:
+        out = profile_model(model, rows, seq_len // cp, dtype, _loss(cp))
+    if mode.kv:  # run now (not cached): its first call is the one-row run's
+        _KV[model, seq_len, dtype, cp] = mode.kv[0]
+    return out
+
+
+def kv_bytes(model: nn.Module, seq_len: int, dtype: torch.dtype | None, cp: int) -> int:
+    """Bytes of K and V one CP rank hands to an attention call's all-gathers, per row (0 when
+    cp is 1 or the model has no fused attention call)."""
+    if cp == 1:
+        return 0
+    rank_profile(model, 1, seq_len, dtype, cp)
+    return _KV.get((model, seq_len, dtype, cp), 0)
+
+
+def search_by_cp(
+    model: nn.Module,
+    world_size: int,
+    global_batch: int,
+    seq_len: int,
+    hardware: Any,
+    layouts: list[dict[str, Any]],
+    **kwargs: Any,
+) -> dict[int, list[Any]]:
+    """`plan.search.search` run over the layouts of each cp size apart: per cp, its fastest
+    layouts that fit (a list, empty where none fits), so a caller can name the best of each
+    as well as the best of all. Each layout is priced once, as in one search."""
+    from lightning_zeropp.plan.search import search
+
+    sizes = sorted({s.get("cp_size", 1) for s in layouts})
+    return {
+        cp: search(
+            model,
+            world_size,
+            global_batch,
+            seq_len,
+            hardware,
+            layouts=[s for s in layouts if s.get("cp_size", 1) == cp],
+            **kwargs,
+        )  # fmt: skip
+        for cp in sizes
+    }
