@@ -34,9 +34,13 @@ def run_agents(
     links: TwoLinks | None = None,
     timeout: float = 600.0,
     last_call_s: int = 20,
+    launcher: str = "torchrun",
 ) -> list[int | str]:
     """Start one agent per name; return each agent's exit code ("timeout" if it ran past
-    `timeout`: then every agent and its workers are killed)."""
+    `timeout`: then every agent and its workers are killed). `launcher="accelerate"`: `accelerate
+    launch` with one task per host (`--num_machines`, `--machine_rank k`, `--main_process_ip`
+    the first host's), which starts torchrun's agent with a static rendezvous; `nnodes` and
+    `max_restarts` are then torchrun's only."""
     out_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     endpoint = f"{'127.0.0.1' if links is None else links.data_address(0)}:{port}"
@@ -49,6 +53,8 @@ def run_agents(
         cmd += ["--rdzv-id=lzpp", f"--rdzv-conf={conf}", f"--local-addr={local_addr}"]
         cmd += [f"--max-restarts={max_restarts}", "--monitor-interval=0.5"]
         cmd += [f"--log-dir={out_dir / f'agent{host}'}", "--redirects=3"]
+        if launcher == "accelerate":
+            cmd = _accelerate(endpoint, host, len(names), nproc)
         cmd += ["-m", "tests.distributed.worker", scenario, json.dumps(params), str(out_dir)]
         inner = f'hostname {name} && exec "$@"'
         cmd = ["unshare", "--uts", "sh", "-c", inner, "sh", *cmd]
@@ -85,6 +91,17 @@ def run_agents(
         for log in logs:
             log.close()
     return codes
+
+
+def _accelerate(endpoint: str, machine: int, machines: int, nproc: int) -> list[str]:
+    """`accelerate launch` as a user runs it on machine `machine` (no config file: `--multi_gpu`
+    is its multi-process mode on any device; the script builds its accelerator with `cpu=True`)."""
+    ip, port = endpoint.split(":")
+    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu"]
+    cmd += [f"--num_machines={machines}", f"--machine_rank={machine}"]
+    cmd += [f"--num_processes={machines * nproc}", f"--main_process_ip={ip}"]
+    cmd += [f"--main_process_port={port}", "--mixed_precision=no", "--dynamo_backend=no"]
+    return cmd
 
 
 def _children(pid: int) -> list[int]:

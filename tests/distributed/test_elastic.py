@@ -3,8 +3,10 @@ hosts (a UTS namespace each, `elastic_cluster.py`) loses a node mid-epoch: the s
 restarts on its own host, the fit resumes from the last checkpoint with the same global batch
 (the data-parallel width halves, each rank's micro-batches double) and ends with the numbers of
 one uninterrupted process (1e-5: losses after the restart, final parameters); a pipeline that
-does not fit the smaller world is refused on every rank, naming why. Needs root.
-Scenarios: elastic_scenarios.py."""
+does not fit the smaller world is refused on every rank, naming why. Also on the emulated hosts,
+each in its network namespace: torchrun's c10d rendezvous across them, and `accelerate launch`
+with one task per host, each training like one process. Needs root.
+Scenarios: elastic_scenarios.py (the restart), hosts_scenarios.py, accelerate_scenarios.py."""
 
 from __future__ import annotations
 
@@ -114,3 +116,29 @@ def test_torchrun_c10d_rendezvous_across_emulated_hosts_trains_like_one_process(
     assert sorted(hosts) == ["nodeA", "nodeA", "nodeB", "nodeB"], hosts
     assert all(len(group) == 1 for group in got[0]["c10d"]["group_hosts"]), got[0]["c10d"]
     assert_matches_reference(got, case)
+
+
+def test_accelerate_launch_one_task_per_host_trains_like_one_process(tmp_path: Path) -> None:
+    """`accelerate launch --multi_gpu --num_machines 2 --machine_rank k --num_processes 4
+    --main_process_ip <host 0>` once per emulated host (its network namespace), an Accelerate
+    loop through `prepare_pipeline` (AdamW, warm-up + cosine, clipping, validation): equal to one
+    process, each stage's shard group on one host."""
+    from tests.distributed.accelerate_scenarios import reference as acc_reference
+    from tests.distributed.test_accelerate import LAYOUT, assert_matches
+
+    if (why := unavailable()) is not None:
+        pytest.skip(why)
+    case = {"id": "acc-launch", "layout": LAYOUT, "validate": True}
+    params = {"cases": [dict(case)], "init_process_group": False}
+    with TwoLinks() as links:
+        codes = run_agents(
+            "accelerate_scenarios.run_cases", params, tmp_path, links=links, timeout=420,
+            launcher="accelerate",
+        )  # fmt: skip
+    log = (tmp_path / "agent0.log").read_text()
+    assert codes == [0, 0], f"{codes}\n{log[-3000:]}"
+    got = [r["acc-launch"] for r in _read(tmp_path, 4)]
+    assert_matches(got, acc_reference(**case))
+    for line in ("pp rank 0 dp_shard groups: ranks [0, 1] on nodeA",
+                 "pp rank 1 dp_shard groups: ranks [2, 3] on nodeB"):  # fmt: skip
+        assert line in log, log[-3000:]
