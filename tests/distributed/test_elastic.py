@@ -142,3 +142,39 @@ def test_accelerate_launch_one_task_per_host_trains_like_one_process(tmp_path: P
     for line in ("pp rank 0 dp_shard groups: ranks [0, 1] on nodeA",
                  "pp rank 1 dp_shard groups: ranks [2, 3] on nodeB"):  # fmt: skip
         assert line in log, log[-3000:]
+
+
+def test_hf_trainer_under_accelerate_launch_one_task_per_host_trains_like_one_process(
+    tmp_path: Path,
+) -> None:
+    """`ZeroPPTrainer` (pp 2 x dp_shard 2, padded rows, clipping, accumulation 2) started by
+    `accelerate launch` once per emulated host: loss, learning rate and gradient norm per logged
+    step and the saved weights equal to the plain Trainer in one process."""
+    from tests.distributed.launch import launch
+    from tests.distributed.test_trainer import (
+        CLIPPED,
+        ONE,
+        PP,
+        _assert_same_training,
+        _assert_same_weights,
+    )
+
+    if (why := unavailable()) is not None:
+        pytest.skip(why)
+    script = {"rows": "padded", "args": CLIPPED}
+    case = {"id": "trainer", "plugin": PP, "script": script}
+    params = {"cases": [case], "out_dir": str(tmp_path / "four")}
+    with TwoLinks() as links:
+        codes = run_agents(
+            "trainer_scenarios.run", params, tmp_path, links=links, timeout=480,
+            launcher="accelerate",
+        )  # fmt: skip
+    log = (tmp_path / "agent0.log").read_text()
+    assert codes == [0, 0], f"{codes}\n{log[-3000:]}"
+    got = _read(tmp_path, 4)[0]["trainer"]
+    one_case = {"id": "trainer", "plugin": None, "script": {**script, **ONE}}
+    params = {"cases": [one_case], "out_dir": str(tmp_path / "one")}
+    one = launch(1, "trainer_scenarios.run", params, tmp_path / "one", timeout=480)[0]
+    _assert_same_training(got, one["trainer"])
+    _assert_same_weights(got, one["trainer"])
+    assert "pp rank 0 dp_shard groups: ranks [0, 1] on nodeA" in log, log[-3000:]
