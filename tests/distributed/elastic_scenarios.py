@@ -71,14 +71,18 @@ class LoseNode(pl.Callback):
             os._exit(1)
 
 
-def shrink(out: str, pp_size: int, kill_step: int, kill_host: str = "nodeB") -> dict[str, Any]:
+def shrink(
+    out: str, pp_size: int, kill_step: int, kill_host: str = "nodeB", fixed_rows: int | None = None
+) -> dict[str, Any]:
+    """`fixed_rows`: the script a user writes without thinking of the restart, each rank's
+    rows fixed (the global batch halves with the world): its resume must be refused."""
     # resume_scenarios reads WORLD_SIZE at import: a worker's module, not the test's
     from tests.distributed.resume_scenarios import Record, _full
 
     attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
     world, local = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
     dp = max(world // pp_size, 1)  # a pipeline that does not fit is the strategy's to refuse
-    rows = GLOBAL_ROWS // dp
+    rows = GLOBAL_ROWS // dp if fixed_rows is None else fixed_rows
     last = ModelCheckpoint(dirpath=Path(out), save_last=True, every_n_train_steps=1)
     record = Record()
     callbacks: list[pl.Callback] = [record, last]

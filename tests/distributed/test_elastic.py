@@ -95,6 +95,23 @@ def test_a_pipeline_that_does_not_fit_the_smaller_world_is_refused_on_every_rank
         assert "the world has 2 processes" in error and "restart" in error, error
 
 
+def test_a_script_keeping_its_per_rank_batch_is_refused_at_the_resume(tmp_path: Path) -> None:
+    """Each rank's rows fixed at 4: on the restarted world the global batch would be 4 rows, not
+    the checkpoint's 8, and skipping the epoch's trained batches would skip other rows."""
+    if (why := unavailable()) is not None:
+        pytest.skip(why)
+    params = {"out": str(tmp_path / "ckpt"), "pp_size": 2, "kill_step": KILL_STEP, "fixed_rows": 4}
+    codes = run_agents("elastic_scenarios.shrink", params, tmp_path, timeout=600)
+    assert codes[0] not in (0, "timeout"), codes
+    logs = worker_logs(tmp_path, 0, attempt=1)
+    assert sorted(logs) == [0, 1], logs.keys()
+    for local, text in logs.items():
+        error = next((ln for ln in text.splitlines() if "global batch of 8 rows" in ln), None)
+        assert error is not None, (local, text[-3000:])
+        print(f"nodeA local rank {local}: {error}")
+        assert "this run's global batch is 4 rows" in error, error
+
+
 def test_torchrun_c10d_rendezvous_across_emulated_hosts_trains_like_one_process(
     tmp_path: Path,
 ) -> None:
