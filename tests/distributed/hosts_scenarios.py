@@ -53,7 +53,7 @@ def _train(id: str, layout: dict[str, Any], steps: int, rank_numbered: bool = Fa
     assert placement is not None
     opt = torch.optim.SGD(engine.parameters(), lr=0.5)
     traffic = NodeTraffic(engine.dims.mesh, config.node_size, placement.hosts)
-    losses, sent = [], {}
+    losses, sent, first_step_done = [], {}, 0.0
     for step, (x, y) in enumerate(make_batches(steps)):
         rows = _rows(engine, GLOBAL_BATCH)
         with CommCounter(traffic) as comm:
@@ -63,6 +63,8 @@ def _train(id: str, layout: dict[str, Any], steps: int, rank_numbered: bool = Fa
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))
+        if step == 0:  # wall-clock time (the launchers' time to first step, bench_hosts.py)
+            first_step_done = time.time()
     mesh = engine.dims.mesh.mesh
     groups = mesh.reshape(-1, mesh.shape[-1]).tolist()
     partition = engine._plus.partition_mesh if engine._plus is not None else None
@@ -76,6 +78,7 @@ def _train(id: str, layout: dict[str, Any], steps: int, rank_numbered: bool = Fa
         "order": list(placement.order),
         "lines": placement_lines(engine.dims),
         "sent": sent,
+        "first_step_done": first_step_done,
     }
 
 

@@ -115,6 +115,19 @@ def test_a_torchrun_restart_sharing_its_store_is_refused() -> None:
     launch.check_restart({})  # not under torchrun
 
 
+def test_a_layout_that_does_not_fit_a_restarted_elastic_world_says_why(monkeypatch) -> None:
+    from lightning_zeropp.core import ZeroPPConfig
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    with pytest.raises(ValueError, match=r"restart 1 of an elastic job .* world of 2 processes: "
+                       r"pp_size x dp_replicate_size x cp_size = 4 ranks do not fit it"):  # fmt: skip
+        ZeroPPConfig(pp_size=4).resolve(2)
+    with pytest.raises(ValueError, match="its fixed sizes do not match it. Leave dp_shard_size"):
+        ZeroPPConfig(pp_size=2, dp_shard_size=2).resolve(2)
+    assert ZeroPPConfig(pp_size=2).resolve(2).dp_shard_size == 1  # unset: it follows the world
+    assert launch.restart_note(2, 4, {}) == ""  # a first attempt, or not under torchrun
+
+
 def test_joining_a_group_that_never_forms_ends_the_process_with_a_reason() -> None:
     # The module alone (standard library only): importing the package would take seconds.
     code = (

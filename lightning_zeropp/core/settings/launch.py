@@ -27,7 +27,7 @@ import threading
 import warnings
 from collections.abc import Iterator, Mapping
 
-__all__ = ["check_port_free", "check_restart", "check_timeout", "join_deadline"]
+__all__ = ["check_port_free", "check_restart", "check_timeout", "join_deadline", "restart_note"]
 
 _SHARE_VAR = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
@@ -87,6 +87,30 @@ def check_restart(environ: Mapping[str, str] | None = None) -> None:
             f"sharing torchrun's rendezvous store fails to form its process group: {fix}.",
             stacklevel=2,
         )
+
+
+def restart_note(world_size: int, fixed: int, environ: Mapping[str, str] | None = None) -> str:
+    """What a layout that does not fit the world says on top under an elastic restart: a job
+    that lost nodes restarts on a smaller world (torchrun `--nnodes MIN:MAX`), where only the
+    sizes the world does not decide (`fixed`: pp x dp_replicate x cp) must still fit. Empty on a
+    first attempt or outside torchrun."""
+    environ = os.environ if environ is None else environ
+    restart = int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restart == 0:
+        return ""
+    does_not_fit = (
+        f"pp_size x dp_replicate_size x cp_size = {fixed} ranks do not fit it, so this job "
+        "cannot continue on fewer nodes"
+        if fixed > world_size
+        else "its fixed sizes do not match it"
+    )
+    return (
+        f" This is torchrun's restart {restart} of an elastic job (TORCHELASTIC_RESTART_COUNT), "
+        f"on a world of {world_size} processes: {does_not_fit}. Leave dp_shard_size unset (it "
+        "follows the world) and keep pp_size x dp_replicate_size x cp_size within the smallest "
+        "world the job may restart on (the --nnodes minimum x --nproc-per-node), or restart "
+        "with more nodes."
+    )
 
 
 @contextlib.contextmanager

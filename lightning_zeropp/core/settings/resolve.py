@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lightning_zeropp.core.settings.launch import restart_note
 from lightning_zeropp.core.settings.placement import (
     SPLIT_BACKWARD_SCHEDULES,
     schedule_style,
@@ -148,7 +149,8 @@ def _resolve_sizes(cfg: Any, world_size: int) -> None:
             ("pp_size", "dp_replicate_size", "dp_shard_size", "cp_size"),
             f"pp_size ({cfg.pp_size}) x dp_replicate_size ({cfg.dp_replicate_size}) x "
             f"dp_shard_size ({cfg.dp_shard_size}){cp} = {product}, but the world has "
-            f"{world_size} processes; choose sizes whose product is the number of processes.",
+            f"{world_size} processes; choose sizes whose product is the number of processes."
+            + restart_note(world_size, cfg.pp_size * cfg.dp_replicate_size * cfg.cp_size),
         )
     _check_context(cfg)
 
