@@ -33,6 +33,12 @@ def test_the_settings_resolve_and_refuse_by_name():
     env = {"ZEROPP_OFFLOAD_ACTIVATIONS": "auto", "ZEROPP_RECOMPUTE_RANKS": "0,1"}
     config = config_from_env(env)
     assert (config.offload_activations, config.recompute_ranks) == ("auto", [0, 1])
+    assert config_from_env({"ZEROPP_OFFLOAD_ACTIVATIONS": "0,2"}).offload_activations == [0, 2]
+    assert config_from_env({"ZEROPP_OFFLOAD_ACTIVATIONS": "1"}).offload_activations is True
+    layout = ZeroPPConfig(pp_size=4, offload_activations=[2, 0]).resolve(4)
+    assert layout.offload_ranks() == [0, 2] and layout.offloads(2) and not layout.offloads(1)
+    with pytest.raises(ValueError, match=r"offload_activations=\[4\] names pipeline ranks"):
+        ZeroPPConfig(pp_size=4, offload_activations=[4]).resolve(4)
 
 
 def test_in_flight_falls_down_the_pipeline_under_1f1b_only():

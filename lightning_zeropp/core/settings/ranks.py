@@ -35,8 +35,10 @@ def in_flight(schedule: str, pp: int, v: int, m: int, rank: int) -> int:
     return min(m * v, (v - 1) * pp + 2 * (pp - 1 - rank) + 1)
 
 
-def offload_ranks(policy: str, schedule: str, pp: int, v: int, m: int) -> list[int]:
-    """Pipeline ranks whose stages offload under `policy` ("off", "on", "auto")."""
+def offload_ranks(policy: str | list[int], schedule: str, pp: int, v: int, m: int) -> list[int]:
+    """Pipeline ranks whose stages offload under `policy` ("off", "on", "auto", or the ranks)."""
+    if isinstance(policy, list):
+        return policy
     if policy == "on":
         return list(range(pp))
     if policy == "off":
@@ -52,9 +54,13 @@ def stage_rank(schedule: str, stage: int, pp: int) -> int:
 
 
 def resolve_rank_policies(cfg: Any) -> None:
-    """`offload_activations` to one of OFFLOAD and `recompute_ranks` checked (in place; after
-    the sizes, the schedule and `activation_checkpointing` are resolved)."""
+    """`offload_activations` to one of OFFLOAD (or a list of pipeline ranks) and
+    `recompute_ranks` checked (in place; after the sizes, the schedule and
+    `activation_checkpointing` are resolved)."""
     value = cfg.offload_activations
+    if isinstance(value, list | tuple):
+        cfg.offload_activations = _ranks("offload_activations", value, cfg.pp_size)
+        value = "on"  # checked
     policy = ("on" if value else "off") if isinstance(value, bool) else str(value).lower()
     if policy not in OFFLOAD:
         raise setting_error(
@@ -62,27 +68,12 @@ def resolve_rank_policies(cfg: Any) -> None:
             f"offload_activations={value!r} is unknown; use True/False or one of {OFFLOAD} "
             "('auto': the pipeline ranks holding the most micro-batches in flight).",
         )
-    cfg.offload_activations = policy
+    if not isinstance(cfg.offload_activations, list):
+        cfg.offload_activations = policy
     ranks = cfg.recompute_ranks
     if ranks is None:
         return
-    items = ranks.split(",") if isinstance(ranks, str) else ranks
-    try:
-        parsed = sorted({int(r) for r in items if not isinstance(r, bool) and str(r).strip()})
-        if len(parsed) != len([r for r in items if str(r).strip()]):
-            raise ValueError
-    except (TypeError, ValueError):
-        raise setting_error(
-            "recompute_ranks",
-            f"recompute_ranks={ranks!r} must be a list of distinct pipeline ranks, e.g. [0, 1].",
-        ) from None
-    bad = [r for r in parsed if not 0 <= r < cfg.pp_size]
-    if bad:
-        raise setting_error(
-            ("recompute_ranks", "pp_size"),
-            f"recompute_ranks={ranks!r} names pipeline ranks {bad} outside 0..{cfg.pp_size - 1} "
-            f"(pp_size={cfg.pp_size}); name ranks below pp_size.",
-        )
+    parsed = _ranks("recompute_ranks", ranks, cfg.pp_size)
     if cfg.activation_checkpointing == "none":
         raise setting_error(
             ("recompute_ranks", "activation_checkpointing"),
@@ -91,3 +82,24 @@ def resolve_rank_policies(cfg: Any) -> None:
             "'except_last') to recompute on those ranks, or leave recompute_ranks unset.",
         )
     cfg.recompute_ranks = parsed
+
+
+def _ranks(name: str, ranks: Any, pp: int) -> list[int]:
+    """A list of distinct pipeline ranks below `pp`, from a list or "0,1"; else an error."""
+    items = ranks.split(",") if isinstance(ranks, str) else list(ranks)
+    try:
+        parsed = sorted({int(r) for r in items if not isinstance(r, bool) and str(r).strip()})
+        if len(parsed) != len([r for r in items if str(r).strip()]):
+            raise ValueError
+    except (TypeError, ValueError):
+        raise setting_error(
+            name, f"{name}={ranks!r} must be a list of distinct pipeline ranks, e.g. [0, 1]."
+        ) from None
+    bad = [r for r in parsed if not 0 <= r < pp]
+    if bad:
+        raise setting_error(
+            (name, "pp_size"),
+            f"{name}={ranks!r} names pipeline ranks {bad} outside 0..{pp - 1} "
+            f"(pp_size={pp}); name ranks below pp_size.",
+        )
+    return parsed

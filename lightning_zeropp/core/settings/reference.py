@@ -62,7 +62,7 @@ SETTINGS_REFERENCE: dict[str, tuple[str, str]] = {
     ),
     "offload_activations": (
         "False",
-        'saved activations to host memory in forward, back in backward: `True` / `"on"` (every pipeline rank), `"auto"` (the ranks holding the most micro-batches in flight: the first half under 1F1B); bit-identical ([offload](offload.md))',
+        'saved activations to host memory in forward, back in backward: `True` / `"on"` (every pipeline rank), `"auto"` (the ranks holding the most micro-batches in flight: the first half under 1F1B), or a list of pipeline ranks; bit-identical ([offload](offload.md))',
     ),
     "reshard_after_forward": (
         "False under PP, True without",

@@ -53,7 +53,7 @@ class ZeroPPLayout:
     reduce_dtype: torch.dtype | None
     activation_checkpointing: str
     recompute_ranks: list[int] | None
-    offload_activations: str
+    offload_activations: str | list[int]
     reshard_after_forward: bool
     split_points: list[int] | None
     unit_size: int | None
