@@ -26,8 +26,9 @@ CASES = [
     # split backward: the input-gradient task and the weight-gradient task both unpack
     {"id": "pp2-dp2-zbv-on", "layout": {"pp_size": 2, "dp_shard_size": 2, "schedule": "zbv",
                                         "num_microbatches": 4, "offload_activations": True}},
-    {"id": "pp4-zeropp-auto", "layout": {"pp_size": 4, "schedule": "zeropp",
-                                         "num_microbatches": 8, "offload_activations": "auto"}},
+    # pipeline ranks named (as the planner names them)
+    {"id": "pp4-zeropp-ranks", "layout": {"pp_size": 4, "schedule": "zeropp",
+                                          "num_microbatches": 8, "offload_activations": [0, 2]}},
     # recompute on pipeline rank 0 only, offload on rank 1 only ("auto" under pp 2)
     {"id": "pp2-dp2-interleaved-recompute0", "layout": {
         "pp_size": 2, "dp_shard_size": 2, "schedule": "interleaved_1f1b", "num_microbatches": 4,
