@@ -97,7 +97,7 @@ class _HostCopies:
             kept = _KEEP[-1](tensor) if _KEEP else tensor
             return ("kept", kept)
         host, event = self._to_host(tensor)
-        nbytes = host.numel() * host.element_size()
+        nbytes = host.untyped_storage().nbytes()
         self.stats._add(nbytes)
         weakref.finalize(host, self.stats._drop, nbytes)  # freed with autograd's saved copy
         return ("host", tensor.device, host, event)
@@ -113,13 +113,23 @@ class _HostCopies:
         return host.to(device, non_blocking=True)
 
     def _to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        # The copy keeps the tensor's strides: a compiled backward checks its saved tensors'
+        # strides (a view into a wider tensor, as attention's q of a fused qkv, would come back
+        # contiguous from a plain clone); a view's gaps are allocated with it.
+        host = torch.empty_strided(
+            tensor.size(),
+            tensor.stride(),
+            dtype=tensor.dtype,
+            device="cpu",
+            pin_memory=tensor.device.type == "cuda",
+        )
         if tensor.device.type != "cuda":
-            return tensor.detach().clone(), None
+            host.copy_(tensor.detach())
+            return host, None
         if self._stream is None:
             self._stream = torch.cuda.Stream(tensor.device)
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the tensor is written
-        host = torch.empty_like(tensor, device="cpu", pin_memory=True)
         with torch.cuda.stream(stream):
             host.copy_(tensor.detach(), non_blocking=True)
         tensor.record_stream(stream)  # its memory is not reused before the copy is done
