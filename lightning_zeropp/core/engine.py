@@ -145,6 +145,7 @@ class ZeroPPEngine(EngineReports):
             self._meta, example_args, example_kwargs, init, load_from,
         )  # fmt: skip
         self._call_inputs, self._plus, self._tied = built.call_inputs, built.plus, built.tied
+        self.offload = built.offload  # what the activation offload moved to host (or None)
         self.module: nn.Module = built.module
         self._stage_modules = built.modules
         # Schedules built for new batch shapes, and the time it took (reported by the fronts).

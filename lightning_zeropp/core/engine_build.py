@@ -25,6 +25,7 @@ from lightning_zeropp.core.settings.placement import (
 from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 from lightning_zeropp.core.shard.compile import compile_blocks
 from lightning_zeropp.core.shard.fsdp import apply_activation_checkpointing, shard_stage
+from lightning_zeropp.core.shard.offload import OffloadStats, apply_activation_offload
 from lightning_zeropp.core.shard.plus import Plus
 from lightning_zeropp.core.split.blocks import BlockPlan, find_blocks, plan_blocks
 from lightning_zeropp.core.split.call_plan import CallInputs
@@ -131,6 +132,7 @@ class Built:
     tied: TiedWeights
     call_inputs: CallInputs | None  # split="call" stages take the model inputs on every rank
     plus: Plus  # ZeRO++'s groups
+    offload: OffloadStats | None = None  # what the activation offload moved (None: no stage does)
 
 
 def build_stages(
@@ -170,15 +172,20 @@ def build_stages(
     if num_stages == 1:
         flatten_outputs(modules[0])  # call stages flatten their own outputs
     plus = Plus.build(dims.mesh, config)  # ZeRO++'s groups: every rank, in one order
+    offload = OffloadStats() if any(config.offloads(s) for s in stage_ids) else None
     for stage_id, module in zip(stage_ids, modules, strict=True):
         blocks = plan.stage_blocks(stage_id) if plan is not None else []
         _prepare_stage(module, stage_id, blocks, config, dims, device, meta, plus)
+        if offload is not None and config.offloads(stage_id):
+            # Around the whole stage (its checkpointed blocks inside), inside FSDP's hooks:
+            # gathered weights are parameters and are not copied.
+            apply_activation_offload(module, device, offload)
     tied_weights = TiedWeights(tied, list(zip(stage_ids, modules, strict=True)), dims)
     merged = merge_stage_modules(modules)
     if meta or load_from is not None:
         source = Source(init or default_init(model), load_from, model, init is not None)
         fill_values(modules, merged, device, meta, source, tied_weights)
-    return Built(modules, merged, tied_weights, call_inputs, plus)
+    return Built(modules, merged, tied_weights, call_inputs, plus, offload)
 
 
 def rank_describer(mesh: Any, style: Any, config: ZeroPPLayout) -> Callable[[int], str]:

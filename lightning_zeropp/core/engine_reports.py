@@ -14,6 +14,7 @@ from torch import nn
 from lightning_zeropp.core.measure.comm import PLUS_AXES, flatten_summary
 from lightning_zeropp.core.measure.memory import format_report, measure
 from lightning_zeropp.core.mesh import ParallelDims
+from lightning_zeropp.core.shard.offload import OffloadStats
 
 __all__ = ["EngineReports"]
 
@@ -29,6 +30,7 @@ class EngineReports:
     module: nn.Module
     _gathered_peak: int | None  # measured in the first training step
     _activation_peak: int | None  # the same step's
+    offload: OffloadStats | None  # bytes the activation offload moved (None: this rank does not)
 
     def comm_metrics(self, prefix: str = "comm") -> dict[str, float]:
         """The last training step's collectives as flat metrics, averaged over every rank.
@@ -57,13 +59,24 @@ class EngineReports:
         """The most bytes saved for backward at once (weights excluded) in the first step."""
         return self._activation_peak
 
+    @property
+    def host_activation_peak(self) -> int | None:
+        """The most saved-activation bytes this rank held in host memory at once so far (an
+        offloading rank; None otherwise): what `activation_peak` no longer counts."""
+        return None if self.offload is None else self.offload.peak
+
     def memory_report(
         self, optimizers: Sequence[torch.optim.Optimizer] = (), title: str = "now"
     ) -> str:
         """Collective: every rank's parameter, gradient and optimizer-state bytes and measured
         peaks (`core.measure.memory`), one line per rank, the same text on every rank."""
         mine = measure(
-            self.module, optimizers, self.device, self._gathered_peak, self._activation_peak
+            self.module,
+            optimizers,
+            self.device,
+            self._gathered_peak,
+            self._activation_peak,
+            self.host_activation_peak,
         )
         return format_report(mine, title)
 

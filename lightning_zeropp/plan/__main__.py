@@ -254,6 +254,10 @@ def describe(settings: dict[str, Any]) -> str:
         text += f", split at {s['split_points']}"
     if s.get("activation_checkpointing", "none") != "none":
         text += f", recompute {s['activation_checkpointing']}"
+        if s.get("recompute_ranks") is not None:
+            text += f" on pp ranks {s['recompute_ranks']}"
+    if s.get("offload_activations") not in (None, False, "off"):
+        text += f", offload activations {s['offload_activations']}"
     return text
 
 

@@ -21,6 +21,12 @@ part of each sequence, plus the gathered keys and values and the mask its attent
 Recomputation: a recomputing stage's blocks save their inputs only (counted with the engine's
 own checkpoint wrapping); while one block runs backward it holds its activations again
 (`recompute_transients`), which saved-tensor tracking does not see and the peak adds.
+Recomputation and offload are chosen per pipeline rank (`recompute_ranks`,
+`offload_activations`): `recomputes(stage)` and `offloads(stage)` say which.
+
+Offload (`core.shard.offload`): an offloading stage's saved bytes live in host memory from its F
+to its B or W; on the device it holds one micro-batch's bytes while a backward task of it runs
+(copied back, as the memory report does not see), which the peak adds.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from lightning_zeropp.plan.profile import Part, micro_batch_rows
 
 __all__ = [
     "activation_peaks",
+    "host_activation_peaks",
     "recompute_transients",
     "stage_activation_bytes",
     "stage_parts",
@@ -108,6 +115,7 @@ def schedule_key(config: ZeroPPLayout) -> tuple:
     return (
         config.schedule, config.pp_size, config.num_chunks, config.num_microbatches,
         config.unit_size, config.split_backward, config.activation_checkpointing,
+        tuple(config.recompute_ranks or ()),
         config.grad_reduce, config.reshard_after_forward, hpz_size(config),
     )  # fmt: skip
 
@@ -240,15 +248,43 @@ def activation_peaks(
     if cfg.pp_size == 1 and cfg.num_stages == 1:
         return {0: per_stage[0] + extra[0]}  # micro-batches run one after another
     peaks = {}
+    host = [cfg.offloads(s) for s in range(cfg.num_stages)]
     for rank, order in task_orders(cfg).items():
         live = peak = 0
         for kind, stage, _ in order:
+            held = 0 if host[stage] else per_stage[stage]  # offloaded: on the host meanwhile
             if kind == "F":
-                live += per_stage[stage]
+                live += held
             elif kind in "BI":  # a recomputing block's activations exist again for a moment
                 peak = max(peak, live + extra[stage])
+            if kind in "BIW" and host[stage]:  # copied back for the task, freed after it
+                peak = max(peak, live + per_stage[stage] + extra[stage])
             if kind in "BW":  # I keeps the graph for its W
-                live -= per_stage[stage]
+                live -= held
             peak = max(peak, live)
         peaks[rank] = peak
     return peaks
+
+
+def host_activation_peaks(
+    model: nn.Module,
+    config: ZeroPPConfig | ZeroPPLayout,
+    world_size: int,
+    global_batch: int,
+    seq_len: int,
+) -> dict[int, int]:
+    """Each pipeline rank's most saved-activation bytes held in host memory at once (0 where it
+    does not offload): what `activation_peaks` moved off the device."""
+    config = settle(model, config, seq_len, world_size)
+    cfg = config.resolve(world_size)
+    rows = micro_batch_rows(global_batch, cfg.dp_size, cfg.num_microbatches)
+    per_stage = stage_activation_bytes(model, cfg, rows, seq_len)
+    out = {}
+    for rank, order in task_orders(cfg).items():
+        live = peak = 0
+        for kind, stage, _ in order:
+            moved = per_stage[stage] if cfg.offloads(stage) else 0
+            live += moved if kind == "F" else -moved if kind in "BW" else 0
+            peak = max(peak, live)
+        out[rank] = peak
+    return out

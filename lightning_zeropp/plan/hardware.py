@@ -79,6 +79,9 @@ class Hardware:
     # the node (NCCL runs a ring per adapter); gloo runs one ring (1).
     rings: int | None = None
 
+    # The host link (PCIe) bytes/s per rank, each direction: what activation offload moves over
+    # (`bandwidth_GBps.host` in a cluster file); None: not given, offload is not priced.
+    host_Bps: float | None = None
     # Measured (latency, bytes/s) per hop of "all_gather", "reduce_scatter" and "p2p", used for
     # every group instead of the link figures (one machine's gloo, whose collectives run well
     # below its point-to-point rate).
@@ -132,7 +135,7 @@ class Hardware:
     @classmethod
     def from_cluster(cls, cluster: Mapping[str, Any], dtype: str = "bf16") -> Hardware:
         """From a `conf/cluster/` mapping: `devices` per node, `bandwidth_GBps` (intra_node,
-        inter_node), and its `planner` block (`peak_tflops` by dtype, `efficiency`,
+        inter_node, and host: the host link activation offload uses), and its `planner` block (`peak_tflops` by dtype, `efficiency`,
         `memory_GiB`, `memory_bandwidth_GBps`, `latency_us`, `unit_overhead_us`); `dtype` is the
         compute dtype."""
         name = cluster.get("name")
@@ -167,6 +170,7 @@ class Hardware:
             peak_flops_per_s=peak_flops,
             memory_bytes=int(float(memory) * 2**30 * usable) if memory else None,
             dtype=dtype,
+            host_Bps=float(bandwidth["host"]) * GB if bandwidth.get("host") else None,
         )
 
 

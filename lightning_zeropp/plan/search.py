@@ -4,7 +4,9 @@ step time.
 A layout is pp x dp_replicate x dp_shard x cp (context parallelism, a CP group inside a node:
 `plan.context`), a schedule (FSDP alone when pp is 1; 1F1B, interleaved
 1F1B, ZB-V, ZeroPP with its chunks v and unit U), a micro-batch count and recomputation; the
-compute and reduce dtypes and the optimizer are the caller's (`base`). Memory per rank
+compute and reduce dtypes and the optimizer are the caller's (`base`). A layout over the memory
+on some pipeline ranks only is offered again recomputing, or offloading, there only
+(`plan.per_rank`). Memory per rank
 (`rank_memory`) is the planner's model state, gathered weights and activations (with a
 recomputing block's transient) plus the unsharded gradients FSDP holds until their
 reduce-scatter (`gradient_buffers`) and what ZeRO++ holds (`plan.plus`: hpZ's copy, qgZ's
@@ -35,6 +37,7 @@ from lightning_zeropp.plan.activations import activation_peaks
 from lightning_zeropp.plan.cut import settle, with_cut
 from lightning_zeropp.plan.hardware import Hardware
 from lightning_zeropp.plan.memory import predict_memory, stage_parameter_shapes, stage_units
+from lightning_zeropp.plan.per_rank import per_rank_variants
 from lightning_zeropp.plan.plus import plus_memory
 from lightning_zeropp.plan.programs import programs_for
 from lightning_zeropp.plan.steptime import StepTimePlan, predict_range, price
@@ -250,6 +253,7 @@ def search(
     layouts: Sequence[dict[str, Any]] | None = None,
     compiled: bool | None = None,
     cut: str = "balanced",
+    per_rank: bool | None = None,
 ) -> list[Candidate]:
     """The `top` fastest layouts whose every rank fits `hardware.memory_bytes` (all of them
     when it is None), fastest first. `layouts` replaces the enumerated space. `compiled` and
@@ -258,7 +262,12 @@ def search(
 
     `cut`: how a layout without `split_points` is cut into stages (`plan.cut`): "balanced" (the
     engine's default, by cost; a layout whose balanced cut does not fit is priced with the
-    parameter cut instead) or "even" (by parameters); the cut is in each candidate's settings."""
+    parameter cut instead) or "even" (by parameters); the cut is in each candidate's settings.
+
+    `per_rank` (default: on for the enumerated space, off for given `layouts`): a layout over
+    the memory on some pipeline ranks only is also priced recomputing, or offloading, on those
+    ranks only (`plan.per_rank`)."""
+    per_rank = layouts is None if per_rank is None else per_rank
     num_blocks = len(find_blocks(model)[1])
     space = (
         layouts
@@ -297,6 +306,20 @@ def search(
             )
         )  # fmt: skip
         if hardware.memory_bytes is not None and memory > hardware.memory_bytes:
+            # recompute or offload on the ranks over the budget only (`plan.per_rank`)
+            variants = (
+                per_rank_variants(
+                    model, settings, world_size, global_batch, seq_len, hardware, optimizer
+                )
+                if per_rank
+                else []
+            )
+            for variant, fits in variants:
+                plan = price(
+                    model, ZeroPPConfig(**variant), world_size, global_batch, seq_len, hardware,
+                    optimizer=optimizer, **modes,
+                ).plan()  # fmt: skip
+                bisect.insort(ranked, (plan.step_s, fits, i, Candidate(variant, fits, plan)))
             even = with_cut(model, {**settings, "split_points": None}, seq_len, "even", world_size)
             if cut == "even" or even == settings:
                 continue

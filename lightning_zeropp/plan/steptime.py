@@ -41,7 +41,7 @@ from lightning_zeropp.plan.activations import stage_parts
 from lightning_zeropp.plan.comm import padded_shard
 from lightning_zeropp.plan.context import fsdp_view, kv_bytes, rank_profile
 from lightning_zeropp.plan.cut import settle
-from lightning_zeropp.plan.hardware import Hardware, compile_mode
+from lightning_zeropp.plan.hardware import SPLIT_BACKWARD, Hardware, compile_mode
 from lightning_zeropp.plan.memory import StageUnits, predict_memory, stage_ranges, stage_units
 from lightning_zeropp.plan.plus import unit_traffic
 from lightning_zeropp.plan.profile import micro_batch_rows
@@ -246,7 +246,8 @@ def stage_costs(
     flops = stage_flops(model, cfg, rows, seq_len)
     style = schedule_style(cfg.schedule)
     where = {s: rank_of_stage(style, s, cfg.pp_size) for s in range(cfg.num_stages)}
-    boundary = [part.output for part in stage_parts(model, cfg, rows, seq_len)]
+    parts = stage_parts(model, cfg, rows, seq_len)
+    boundary = [part.output for part in parts]
     group = cfg.dp_size * cfg.cp_size  # ranks of one pipeline rank
     attend = _context_seconds(model, cfg, rows, seq_len, hardware)
     costs = []
@@ -255,6 +256,8 @@ def stage_costs(
             seconds = list(unit_seconds[s])
         else:
             seconds = _unit_seconds(flops[s], hardware, stage_seconds[s] if stage_seconds else None)
+        if cfg.offloads(s):
+            seconds = _offloaded(seconds, parts[s].saved, cfg, hardware)
         gather, gather_node, reduce = _collective_seconds(stage, fsdp_view(cfg), hardware, where[s])
         nxt = where.get(s + 1, where[s])
         lat, link = hardware.hop("p2p", *sorted((where[s] * group, nxt * group)))
@@ -276,6 +279,28 @@ def stage_costs(
             )
         )
     return costs, where, flops
+
+
+def _offloaded(
+    seconds: list[tuple[float, float]], saved: int, cfg: ZeroPPLayout, hardware: Hardware
+) -> list[tuple[float, float]]:
+    """A stage's unit seconds with its activations offloaded (`core.shard.offload`): the copy to
+    host runs on its own stream, exposed only where it outlasts the forward; the copy back runs
+    on the compute stream (not prefetched) in each backward task that reads them: once in a
+    full backward, twice (I and W) in a split one."""
+    if hardware.host_Bps is None:
+        raise ValueError(
+            f"offload_activations={cfg.offload_activations!r} is priced over the host link, but "
+            "the hardware gives none: add bandwidth_GBps.host (GB/s per GPU each direction, "
+            "e.g. 50 for PCIe Gen5 x16) to the cluster file, or Hardware(host_Bps=...)."
+        )
+    move = saved / hardware.host_Bps
+    reads = 2 if cfg.split_backward or cfg.schedule in SPLIT_BACKWARD else 1
+    exposed = max(0.0, move - sum(f for f, _ in seconds))
+    out = list(seconds)
+    out[-1] = (out[-1][0] + exposed, out[-1][1])
+    out[0] = (out[0][0], out[0][1] + reads * move)
+    return out
 
 
 def _unit_seconds(

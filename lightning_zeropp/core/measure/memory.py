@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_zeropp.core._torch_private import unsharded_parameter_bytes, view_base
 from lightning_zeropp.core.shard.fsdp import local_shard
+from lightning_zeropp.core.shard.offload import keep_observer
 
 __all__ = [
     "GatheredPeak",
@@ -46,6 +47,8 @@ class RankMemory:
     activation_peak: int | None  # most bytes saved for backward at once (weights excluded)
     peak: int  # the device allocator's peak on a GPU, the process's peak resident set on CPU
     peak_kind: str  # "device" or "host"
+    # most saved-activation bytes held in host memory at once (offloading ranks; None: none)
+    host_activation_peak: int | None = None
 
 
 def host_peak_bytes() -> int:
@@ -85,6 +88,7 @@ def measure(
     device: torch.device,
     gathered_peak: int | None = None,
     activation_peak: int | None = None,
+    host_activation_peak: int | None = None,
 ) -> RankMemory:
     """This rank's figures (no communication)."""
     params = list(module.parameters())
@@ -106,6 +110,7 @@ def measure(
         activation_peak,
         peak,
         kind,
+        host_activation_peak,
     )
 
 
@@ -119,6 +124,8 @@ def format_report(mine: RankMemory, title: str) -> str:
     for m in everyone:
         gathered = "-" if m["gathered_peak"] is None else _mib(m["gathered_peak"])
         saved = "-" if m["activation_peak"] is None else _mib(m["activation_peak"])
+        if m.get("host_activation_peak") is not None:  # an offloading rank: the device's share
+            saved += f" (+ {_mib(m['host_activation_peak'])} offloaded to host)"
         lines.append(
             f"  rank {m['rank']}: parameters {_mib(m['parameters'])}, gradients "
             f"{_mib(m['gradients'])}, optimizer state {_mib(m['optimizer'])}, gathered weights "
@@ -163,6 +170,8 @@ class SavedActivations:
 
     Trackers nest without hiding each other (autograd applies only the innermost saved-tensor
     hooks): the outermost installs the hooks, and every active tracker sees each saved tensor.
+    Activation offload's hooks (`core.shard.offload`) shadow these inside an offloading stage:
+    they hand over what they keep on the device, so `peak` is the device's share.
     """
 
     _active: list[SavedActivations] = []
@@ -173,19 +182,23 @@ class SavedActivations:
         self.live = 0
         self.peak = 0
         self._hooks: Any = None
+        self._observer: Any = None
 
     def __enter__(self) -> SavedActivations:
         if not SavedActivations._active:
             self._hooks = torch.autograd.graph.saved_tensors_hooks(_pack_for_all, lambda t: t)
             self._hooks.__enter__()
+            self._observer = keep_observer(_pack_for_all)
+            self._observer.__enter__()
         SavedActivations._active.append(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
         SavedActivations._active.remove(self)
         if self._hooks is not None:
+            self._observer.__exit__(*exc)
             self._hooks.__exit__(*exc)
-            self._hooks = None
+            self._hooks = self._observer = None
 
     def _saved(self, key: int, nbytes: int, alias: torch.Tensor) -> None:
         if key not in self._live:

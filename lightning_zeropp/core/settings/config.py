@@ -62,6 +62,13 @@ class ZeroPPConfig:
     "except_last" (every block except those of the last stage, whose activations are consumed
     right after they are made: ZeroPP's policy). Recomputed stages run a full backward.
 
+    `offload_activations`: the stages' saved activations copied to host memory in forward and
+    back in backward (False / "off", True / "on": every pipeline rank, "auto": the ranks holding
+    more micro-batches in flight than the mean under the schedule, the first half under 1F1B; or
+    a list of pipeline ranks, as the planner chooses them);
+    `recompute_ranks`: the pipeline ranks whose stages recompute as `activation_checkpointing`
+    says (None: every rank) (`core.settings.ranks`, `core.shard.offload`).
+
     `nonfinite`: a NaN or inf training loss raises on every rank naming the step and the stage
     ("raise", default) or drops that step's gradients on every rank ("skip"); `core.step.nonfinite`.
 
@@ -93,6 +100,8 @@ class ZeroPPConfig:
     param_dtype: torch.dtype | str | None = None
     reduce_dtype: torch.dtype | str | None = None
     activation_checkpointing: bool | str = False
+    recompute_ranks: list[int] | None = None
+    offload_activations: bool | str | list[int] = False
     reshard_after_forward: bool | None = None
     split_points: list[int] | None = field(default=None)
     unit_size: int | None = None

@@ -73,10 +73,21 @@ def _int_list(var: str, raw: str) -> list[int]:
         ) from None
 
 
+def _bool_str_or_list(var: str, raw: str) -> bool | str | list[int]:
+    """A boolean, a named policy, or pipeline ranks (ZEROPP_OFFLOAD_ACTIVATIONS=0,1; one rank
+    with a comma, `2,`: a lone 0 or 1 is a boolean)."""
+    value = raw.strip().lower()
+    if value[:1].isdigit() and value not in _TRUE + _FALSE:
+        return _int_list(var, value)
+    return _bool_or_str(var, value)
+
+
 def _parser(hint: Any) -> Callable[[str, str], Any]:
     """How a variable's text becomes a field's value, from the field's type."""
     args = set(typing.get_args(hint)) or {hint}
     args.discard(type(None))
+    if list[int] in args and bool in args:
+        return _bool_str_or_list
     if list[int] in args:
         return _int_list
     if bool in args:

@@ -56,6 +56,14 @@ SETTINGS_REFERENCE: dict[str, tuple[str, str]] = {
         "False",
         'recompute blocks in backward: `True` / `"all"`, or `"except_last"` (all but the last stage)',
     ),
+    "recompute_ranks": (
+        "None (every rank)",
+        "the pipeline ranks whose stages recompute as `activation_checkpointing` says (the planner chooses them per rank: [offload](offload.md))",
+    ),
+    "offload_activations": (
+        "False",
+        'saved activations to host memory in forward, back in backward: `True` / `"on"` (every pipeline rank), `"auto"` (the ranks holding the most micro-batches in flight: the first half under 1F1B), or a list of pipeline ranks; bit-identical ([offload](offload.md))',
+    ),
     "reshard_after_forward": (
         "False under PP, True without",
         "free gathered weights after forward (gather again for backward)",

@@ -24,6 +24,7 @@ from lightning_zeropp.core.settings.placement import (
     splits_backward,
 )
 from lightning_zeropp.core.settings.plus import resolve_plus
+from lightning_zeropp.core.settings.ranks import offload_ranks, resolve_rank_policies, stage_rank
 from lightning_zeropp.core.settings.values import (
     GRAD_REDUCE,
     NONFINITE,
@@ -56,6 +57,8 @@ class ZeroPPLayout:
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
     activation_checkpointing: str
+    recompute_ranks: list[int] | None
+    offload_activations: str | list[int]
     reshard_after_forward: bool
     split_points: list[int] | None
     unit_size: int | None
@@ -86,7 +89,24 @@ class ZeroPPLayout:
     def recomputes(self, stage: int) -> bool:
         """Whether stage `stage` recomputes its blocks' activations in backward."""
         policy = self.activation_checkpointing
+        ranks = self.recompute_ranks
+        if ranks is not None and stage_rank(self.schedule, stage, self.pp_size) not in ranks:
+            return False
         return policy == "all" or (policy == "except_last" and stage != self.num_stages - 1)
+
+    def offloads(self, stage: int) -> bool:
+        """Whether stage `stage` keeps its saved activations in host memory until backward."""
+        return stage_rank(self.schedule, stage, self.pp_size) in self.offload_ranks()
+
+    def offload_ranks(self) -> list[int]:
+        """The pipeline ranks that offload their activations (`core.settings.ranks`)."""
+        return offload_ranks(
+            self.offload_activations,
+            self.schedule,
+            self.pp_size,
+            self.num_chunks,
+            self.num_microbatches,
+        )
 
     def resolve(self, world_size: int, node_size: int | None = None) -> ZeroPPLayout:
         """Already resolved: itself, for the world it was resolved for."""
@@ -121,6 +141,7 @@ def resolve_config(
     _resolve_schedule(cfg)
     _resolve_policies(cfg)
     resolve_plus(cfg, world_size)
+    resolve_rank_policies(cfg)
     return ZeroPPLayout(world_size=world_size, **vars(cfg))
 
 

@@ -1,0 +1,96 @@
+"""Activation offload leaves the numbers bit-identical and moves the offloading ranks' saved
+activations off the device's count; per-rank recompute touches only the ranks it names.
+
+One launch of 4 gloo ranks runs every case twice, with its offload setting and with offload off,
+from the same model and batches (`offload_scenarios.pairs`): losses and every parameter must be
+exactly equal. On CPU the device and the host are one memory, so what is checked is the
+accounting: the memory report's activation peak (what stays on the device) drops on the
+offloading ranks, the host peak counts what moved, nothing stays on the host after a step, and
+the other ranks' figures are those of the run without offload.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_zeropp.core import ZeroPPConfig
+from tests.distributed.launch import launch
+
+pytestmark = pytest.mark.distributed
+
+CASES = [
+    # 1F1B: ranks 0 and 1 hold 4 and 3 micro-batches in flight, ranks 2 and 3 hold 2 and 1
+    {"id": "pp4-1f1b-auto", "layout": {"pp_size": 4, "num_microbatches": 4,
+                                       "offload_activations": "auto"}},
+    # split backward: the input-gradient task and the weight-gradient task both unpack
+    {"id": "pp2-dp2-zbv-on", "layout": {"pp_size": 2, "dp_shard_size": 2, "schedule": "zbv",
+                                        "num_microbatches": 4, "offload_activations": True}},
+    # pipeline ranks named (as the planner names them)
+    {"id": "pp4-zeropp-ranks", "layout": {"pp_size": 4, "schedule": "zeropp",
+                                          "num_microbatches": 8, "offload_activations": [0, 2]}},
+    # recompute on pipeline rank 0 only, offload on rank 1 only ("auto" under pp 2)
+    {"id": "pp2-dp2-interleaved-recompute0", "layout": {
+        "pp_size": 2, "dp_shard_size": 2, "schedule": "interleaved_1f1b", "num_microbatches": 4,
+        "activation_checkpointing": True, "recompute_ranks": [0], "offload_activations": "auto"}},
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("offload")
+    return launch(4, "offload_scenarios.pairs", {"cases": CASES}, out, timeout=600)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
+def test_offload_is_bit_identical(results, case):
+    for rank, result in enumerate(results):
+        on, off = result[case["id"]]["on"], result[case["id"]]["off"]
+        assert on["losses"] == off["losses"], f"rank {rank}: losses differ"
+        assert on["params"].keys() == off["params"].keys()
+        for name, value in on["params"].items():
+            assert torch.equal(value, off["params"][name]), f"rank {rank}: {name} differs"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
+def test_offloading_ranks_hold_less_on_the_device(results, case):
+    cfg = ZeroPPConfig(**case["layout"]).resolve(4)
+    offloading = cfg.offload_ranks()
+    assert offloading, "every case offloads somewhere"
+    for result in results:
+        on, off = result[case["id"]]["on"], result[case["id"]]["off"]
+        assert off["host_peak"] is None and off["moved"] is None
+        if on["pp_rank"] in offloading:
+            assert on["moved"] > 0 and on["host_peak"] > 0
+            assert on["host_live"] == 0, "the host copies are freed with the graph"
+            # what moved is no longer the device's: the device-resident peak drops
+            assert on["activation_peak"] < off["activation_peak"] / 2, (on, off)
+            assert "offloaded to host" in on["report"]
+        else:
+            assert on["host_peak"] is None
+            assert on["activation_peak"] == off["activation_peak"]
+
+
+def test_auto_offloads_the_ranks_holding_the_most():
+    assert ZeroPPConfig(pp_size=4, num_microbatches=4, offload_activations="auto").resolve(
+        4
+    ).offload_ranks() == [0, 1]
+    assert (
+        ZeroPPConfig(pp_size=2, schedule="zbv", offload_activations="auto")
+        .resolve(2)
+        .offload_ranks()
+        == []
+    )
+
+
+def test_recompute_ranks_recompute_only_there(results):
+    case = CASES[3]
+    runs = [r[case["id"]]["off"] for r in results]
+    peaks = {run["pp_rank"]: run["activation_peak"] for run in runs}
+    base = {**case["layout"], "recompute_ranks": None}
+    cfg = ZeroPPConfig(**base).resolve(4)
+    assert all(cfg.recomputes(s) for s in range(cfg.num_stages))
+    cfg = ZeroPPConfig(**case["layout"]).resolve(4)
+    assert [cfg.recomputes(s) for s in range(cfg.num_stages)] == [True, False, True, False]
+    # rank 0's blocks recompute (they save their inputs only), rank 1's keep everything
+    assert peaks[0] < peaks[1], peaks
