@@ -240,11 +240,19 @@ def _resolved(settings: RunSettings, world_size: int) -> ZeroPPLayout:
     """The layout for the world; a world of one process gets the launch commands that start
     several (the usual cause of a layout that does not fit)."""
     try:
-        return settings.resolve(world_size)
+        layout = settings.resolve(world_size)
     except ValueError as err:
         if world_size != 1:
             raise
         raise setting_error(fields_of(err), f"{err}{_ONE_PROCESS}") from err
+    if layout.cp_size > 1:  # the token weighting below divides by data-parallel ranks only
+        raise setting_error(
+            "cp_size",
+            f"cp_size={layout.cp_size}: context parallelism runs through the Lightning front and "
+            "the core ZeroPPEngine so far; the Accelerate and Trainer fronts do not run it yet. "
+            "Set cp_size=1 here, or use ZeroPPStrategy.",
+        )
+    return layout
 
 
 # `accelerate launch --cpu` starts one process whatever --num_processes says (its CPU launcher

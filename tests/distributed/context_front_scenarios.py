@@ -1,0 +1,75 @@
+"""Context parallelism (cp_size > 1) through the fronts, on gloo ranks: a Lightning `Trainer`
+with the bundled LitGPT, an Accelerate run_clm-style loop and `ZeroPPTrainer` with an HF Llama
+on right-padded rows. Each reports what one process is compared with."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_zeropp import ZeroPPStrategy
+from lightning_zeropp.models.lit_gpt import LitGPT
+from tests.distributed.common import GLOBAL_BATCH, MAX_NORM, MODEL, make_batches, make_model
+from tests.distributed.lightning_scenarios import Record, _full
+
+# Read once: Lightning's cluster environment deletes WORLD_SIZE when a Trainer tears down.
+_WORLD_SIZE = int(os.environ["WORLD_SIZE"])
+
+
+def _dp(layout: dict[str, Any]) -> int:
+    return _WORLD_SIZE // (layout.get("pp_size", 1) * layout.get("cp_size", 1))
+
+
+def _gpt_loader(steps: int, dp: int) -> DataLoader:
+    batches = make_batches(steps)
+    x = torch.cat([b[0] for b in batches])
+    y = torch.cat([b[1] for b in batches])
+    return DataLoader(
+        TensorDataset(x, y), batch_size=GLOBAL_BATCH // dp, shuffle=False, drop_last=True
+    )
+
+
+def lightning_fit(layout: dict[str, Any], steps: int = 3, split: str = "call") -> dict[str, Any]:
+    """The unmodified bundled LitGPT through `Trainer(strategy=ZeroPPStrategy(cp_size=...))`:
+    AdamW, clipping by norm, then a validation pass and predictions."""
+    strategy = ZeroPPStrategy(split=split, **layout)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=_WORLD_SIZE,
+        strategy=strategy,
+        max_steps=steps,
+        gradient_clip_val=MAX_NORM,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        deterministic=True,
+    )
+    dp = _dp(layout)
+    micro = GLOBAL_BATCH // dp // layout.get("num_microbatches", layout.get("pp_size", 1))
+    module = LitGPT(MODEL, micro_batch_size=micro, optimizer="adamw", lr=1e-3)
+    module.model.load_state_dict(make_model(0).state_dict())
+    record = Record()
+    trainer.callbacks.append(record)
+    trainer.fit(module, _gpt_loader(steps, dp))
+    val = trainer.validate(module, _gpt_loader(steps, dp), verbose=False)
+    params = {n: _full(p) for n, p in module.model.named_parameters()}
+    return {
+        "logged": record.logged,
+        "returned": record.returned,
+        "params": params,
+        "val_loss": float(val[0]["val_loss"]),
+    }
+
+
+def run(lightning: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every front's cases in one launch."""
+    out: dict[str, Any] = {}
+    for case in lightning:
+        out[case["id"]] = lightning_fit(case["layout"])
+    return out
