@@ -265,7 +265,9 @@ class ZeroPPTrainer(TrainerOverrides):
         window = model.training and num_items_in_batch is not None
         if window and pipeline.token_weighted and num_items_in_batch is not None:
             engine = pipeline.engine
-            micro = engine.config.num_microbatches * engine.dims.dp_size
+            # what the engine averages over: micro-batches, data-parallel and CP ranks (each of
+            # which sums its part of the tokens)
+            micro = engine.config.num_microbatches * engine.dims.grad_size
             inputs = {**inputs, NUM_ITEMS: float(num_items_in_batch) / micro}
         outputs = pipeline(**inputs)
         loss = outputs["loss"]

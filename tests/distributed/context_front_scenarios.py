@@ -67,9 +67,17 @@ def lightning_fit(layout: dict[str, Any], steps: int = 3, split: str = "call") -
     }
 
 
-def run(lightning: list[dict[str, Any]]) -> dict[str, Any]:
-    """Every front's cases in one launch."""
+def run(
+    lightning: list[dict[str, Any]],
+    accelerate: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """Every front's cases in one launch: the Accelerate loop's first (Accelerate makes the
+    process group; the Lightning Trainer then uses it)."""
+    from tests.distributed import clm_scenarios
+
     out: dict[str, Any] = {}
+    if accelerate:
+        out |= clm_scenarios.run(accelerate)
     for case in lightning:
         out[case["id"]] = lightning_fit(case["layout"])
     return out

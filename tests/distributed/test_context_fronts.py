@@ -20,11 +20,54 @@ LIGHTNING = [
 ]
 
 
+# run_clm's loop under ZeroPPAccelerator: right-padded rows (padded to a multiple of 2 x cp),
+# clipping, a warm-up + cosine schedule, and run_clm's eval (gather_for_metrics of each
+# process's loss); one process trains on the 4 processes' per-device batches at once
+PAD = {"pad_to_multiple_of": 4}
+ONE = {"per_device_train_batch_size": 8, "per_device_eval_batch_size": 2}
+ACCELERATE = [
+    {"id": "accelerate-llama-pp2-cp2", "args": PAD,
+     "plugin": {"pp_size": 2, "cp_size": 2, "num_microbatches": 2}},
+]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: Any) -> list[dict[str, Any]]:
+def launched(tmp_path_factory: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     out = tmp_path_factory.mktemp("context_fronts")
-    params = {"lightning": [dict(c) for c in LIGHTNING]}
-    return launch(4, "context_front_scenarios.run", params, out, timeout=900)
+    params = {
+        "lightning": [dict(c) for c in LIGHTNING],
+        "accelerate": [dict(c) for c in ACCELERATE],
+        "init_process_group": False,
+    }
+    four = launch(4, "context_front_scenarios.run", params, out / "four", timeout=900)
+    refs = [{"id": c["id"], "args": {**c["args"], **ONE}} for c in ACCELERATE]
+    params = {"cases": refs, "init_process_group": False}
+    one = launch(1, "clm_scenarios.run", params, out / "one", timeout=600)
+    return four, one[0]
+
+
+@pytest.fixture(scope="module")
+def results(launched: Any) -> list[dict[str, Any]]:
+    return launched[0]
+
+
+@pytest.mark.parametrize("case", ACCELERATE, ids=lambda c: c["id"])
+def test_accelerate_run_clm_loop_on_padded_rows_matches_one_process(launched, case):
+    four, one = launched
+    ref = one[case["id"]]
+    for rank, r in enumerate(four):
+        got = r[case["id"]]
+        assert got["batches"] == ref["batches"]
+        _close(got["loss"], ref["loss"], f"rank {rank} losses")
+        _close(got["lr"], ref["lr"], f"rank {rank} learning rates")
+        _close(got["norm"], ref["norm"], f"rank {rank} clip norms")
+        _close(got["eval_loss"], ref["eval_loss"], f"rank {rank} eval loss")
+        assert sorted(got["eval_ids"]) == sorted(ref["eval_ids"])  # every sample once
+    assert min(ref["norm"]) > 0.5  # clipping active: it guards the gradient scale
+    params = four[0][case["id"]]["params"]  # the whole model lands on the main process
+    assert params.keys() == ref["params"].keys()
+    for name, want in ref["params"].items():
+        _close(params[name], want, name)
 
 
 def _close(got: Any, want: Any, what: str) -> None:
