@@ -70,14 +70,18 @@ def lightning_fit(layout: dict[str, Any], steps: int = 3, split: str = "call") -
 def run(
     lightning: list[dict[str, Any]],
     accelerate: list[dict[str, Any]] | None = None,
+    trainer: list[dict[str, Any]] | None = None,
+    out_dir: str = "",
 ) -> dict[str, Any]:
-    """Every front's cases in one launch: the Accelerate loop's first (Accelerate makes the
-    process group; the Lightning Trainer then uses it)."""
-    from tests.distributed import clm_scenarios
+    """Every front's cases in one launch: Accelerate's first (Accelerate makes the process
+    group; the Lightning Trainer then uses it)."""
+    from tests.distributed import clm_scenarios, trainer_scenarios
 
     out: dict[str, Any] = {}
     if accelerate:
         out |= clm_scenarios.run(accelerate)
+    if trainer:
+        out |= trainer_scenarios.run(trainer, out_dir)
     for case in lightning:
         out[case["id"]] = lightning_fit(case["layout"])
     return out

@@ -31,18 +31,42 @@ ACCELERATE = [
 ]  # fmt: skip
 
 
+# ZeroPPTrainer on right-padded rows (lengths padded to multiples of 8 by seq_buckets),
+# clipped, accumulating 2 batches, evaluated at steps 2 and 4 (token accuracy from the gathered
+# logits), then predict(); one process trains on the global batch of 8 rows
+TRAINER = [
+    {"id": "trainer-llama-pp2-cp2",
+     "plugin": {"pp_size": 2, "cp_size": 2, "num_microbatches": 2, "seq_buckets": 8},
+     "script": {"rows": "padded", "predict": True,
+                "args": {"max_grad_norm": 0.3, "gradient_accumulation_steps": 2,
+                         "eval_strategy": "steps", "eval_steps": 2}}},
+]  # fmt: skip
+TRAINER_ONE = {"per_device_train_batch_size": 8, "per_device_eval_batch_size": 8}
+
+
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     out = tmp_path_factory.mktemp("context_fronts")
     params = {
         "lightning": [dict(c) for c in LIGHTNING],
         "accelerate": [dict(c) for c in ACCELERATE],
+        "trainer": [dict(c) for c in TRAINER],
+        "out_dir": str(out / "four"),
         "init_process_group": False,
     }
     four = launch(4, "context_front_scenarios.run", params, out / "four", timeout=900)
     refs = [{"id": c["id"], "args": {**c["args"], **ONE}} for c in ACCELERATE]
-    params = {"cases": refs, "init_process_group": False}
-    one = launch(1, "clm_scenarios.run", params, out / "one", timeout=600)
+    trainer_refs = [
+        {"id": c["id"], "plugin": None, "script": {**c["script"], **TRAINER_ONE}} for c in TRAINER
+    ]
+    params = {
+        "lightning": [],
+        "accelerate": refs,
+        "trainer": trainer_refs,
+        "out_dir": str(out / "one"),
+        "init_process_group": False,
+    }
+    one = launch(1, "context_front_scenarios.run", params, out / "one", timeout=600)
     return four, one[0]
 
 
@@ -106,3 +130,29 @@ def _val_reference(params: dict[str, torch.Tensor], batches: list[Any]) -> float
     with torch.no_grad():
         losses = [float(lm_loss(model(x), y)) for x, y in batches]
     return sum(losses) / len(losses)
+
+
+@pytest.mark.parametrize("case", TRAINER, ids=lambda c: c["id"])
+def test_zeropp_trainer_on_padded_rows_matches_one_process(launched, case):
+    four, one = launched
+    ref = one[case["id"]]
+    got = four[0][case["id"]]
+    steps = [log for log in got["logs"] if "loss" in log]
+    want = [log for log in ref["logs"] if "loss" in log]
+    assert len(steps) == len(want) == 4
+    for a, b in zip(steps, want, strict=True):
+        _close(a["loss"], b["loss"], "logged loss")
+        _close(a["grad_norm"], b["grad_norm"], "grad norm")
+        _close(a["learning_rate"], b["learning_rate"], "learning rate")
+    assert min(b["grad_norm"] for b in want) > 0.3  # clipping acts
+    evals = [log for log in got["logs"] if "eval_loss" in log]
+    want_evals = [log for log in ref["logs"] if "eval_loss" in log]
+    assert len(evals) == len(want_evals) == 2  # steps 2 and 4
+    for a, b in zip(evals, want_evals, strict=True):
+        _close(a["eval_loss"], b["eval_loss"], "eval loss")
+        # from the logits gathered back into whole sequences, in DDP's process order
+        _close(a["eval_accuracy"], b["eval_accuracy"], "eval token accuracy")
+    _close(got["predict_metrics"]["test_loss"], ref["predict_metrics"]["test_loss"], "predict")
+    assert got["weights"].keys() == ref["weights"].keys()
+    for name, value in ref["weights"].items():
+        _close(got["weights"][name], value, name)
