@@ -63,7 +63,9 @@ def build_engine(
         # A plain HF model: padded batches' losses are token means over the global batch, as in
         # one process; tokens counted by the model's own loss rule, its loss calls watched.
         watch = LossWatch(net, rule)
-        runner.adapter = GlobalTokenCount(rule, watch, _summed(dims, device), dims.dp_size)
+        count = _summed(dims, device)
+        context = config.cp_size > 1
+        runner.adapter = GlobalTokenCount(rule, watch, count, dims.dp_size, net, context)
     disable_kv_cache(net)  # plain HF models: a stage returns tensors only
     example_args, example_kwargs = _example(runner, module, trainer, config, split, to_device)
     whole = meta_copy(net)  # before sharding: a single stage is sharded in place

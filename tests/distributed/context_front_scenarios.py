@@ -72,6 +72,8 @@ def run(
     accelerate: list[dict[str, Any]] | None = None,
     trainer: list[dict[str, Any]] | None = None,
     out_dir: str = "",
+    hf_lightning: list[dict[str, Any]] | None = None,
+    devices: int = 4,
 ) -> dict[str, Any]:
     """Every front's cases in one launch: Accelerate's first (Accelerate makes the process
     group; the Lightning Trainer then uses it)."""
@@ -84,4 +86,10 @@ def run(
         out |= trainer_scenarios.run(trainer, out_dir)
     for case in lightning:
         out[case["id"]] = lightning_fit(case["layout"])
+    from tests.distributed import hf_lightning_scenarios
+
+    for case in hf_lightning or ():  # an HF model's own loss from labels, in a LightningModule
+        out[case["id"]] = hf_lightning_scenarios.run(
+            "llama", case["strategy"], devices, validate=True, pad_to_multiple_of=4
+        )
     return out

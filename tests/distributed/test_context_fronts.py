@@ -41,6 +41,12 @@ TRAINER = [
                 "args": {"max_grad_norm": 0.3, "gradient_accumulation_steps": 2,
                          "eval_strategy": "steps", "eval_steps": 2}}},
 ]  # fmt: skip
+# a LightningModule calling an HF Llama with labels= on right-padded rows (its own loss,
+# computed on the whole sequences' logits under CP), then validated
+HF_LIGHTNING = [
+    {"id": "lightning-hf-llama-pp2-cp2",
+     "strategy": {"pp_size": 2, "cp_size": 2, "num_microbatches": 2, "split": "call"}},
+]  # fmt: skip
 TRAINER_ONE = {"per_device_train_batch_size": 8, "per_device_eval_batch_size": 8}
 
 
@@ -51,6 +57,7 @@ def launched(tmp_path_factory: Any) -> tuple[list[dict[str, Any]], dict[str, Any
         "lightning": [dict(c) for c in LIGHTNING],
         "accelerate": [dict(c) for c in ACCELERATE],
         "trainer": [dict(c) for c in TRAINER],
+        "hf_lightning": [dict(c) for c in HF_LIGHTNING],
         "out_dir": str(out / "four"),
         "init_process_group": False,
     }
@@ -63,6 +70,8 @@ def launched(tmp_path_factory: Any) -> tuple[list[dict[str, Any]], dict[str, Any
         "lightning": [],
         "accelerate": refs,
         "trainer": trainer_refs,
+        "hf_lightning": [{"id": c["id"], "strategy": None} for c in HF_LIGHTNING],
+        "devices": 1,
         "out_dir": str(out / "one"),
         "init_process_group": False,
     }
@@ -156,3 +165,16 @@ def test_zeropp_trainer_on_padded_rows_matches_one_process(launched, case):
     assert got["weights"].keys() == ref["weights"].keys()
     for name, value in ref["weights"].items():
         _close(got["weights"][name], value, name)
+
+
+@pytest.mark.parametrize("case", HF_LIGHTNING, ids=lambda c: c["id"])
+def test_lightning_module_with_an_hf_llama_on_padded_rows_matches_one_process(launched, case):
+    four, one = launched
+    ref = one[case["id"]]
+    for rank, r in enumerate(four):
+        _close(r[case["id"]]["losses"], ref["losses"], f"rank {rank} logged losses")
+        _close(r[case["id"]]["val_loss"], ref["val_loss"], f"rank {rank} validation loss")
+    params = four[0][case["id"]]["params"]
+    assert params.keys() == ref["params"].keys()
+    for name, want in ref["params"].items():
+        _close(params[name], want, name)

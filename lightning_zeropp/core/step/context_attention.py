@@ -76,7 +76,8 @@ def whole_sequences(output: Any, split: ContextSplit, group: dist.ProcessGroup) 
     def whole(value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == local:
             moved = value.movedim(1, -2)
-            return gather_sequence(moved, group, split.order).movedim(-2, 1)
+            # contiguous, as a model's own output is (losses `.view` their logits)
+            return gather_sequence(moved, group, split.order).movedim(-2, 1).contiguous()
         return value
 
     return tree_map(whole, output)
