@@ -33,6 +33,13 @@ def _gpt_loader(steps: int, dp: int) -> DataLoader:
     )
 
 
+class _PredictingGPT(LitGPT):
+    """The bundled LitGPT with a `predict_step` returning its logits (a user's one line)."""
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
+
 def lightning_fit(layout: dict[str, Any], steps: int = 3, split: str = "call") -> dict[str, Any]:
     """The unmodified bundled LitGPT through `Trainer(strategy=ZeroPPStrategy(cp_size=...))`:
     AdamW, clipping by norm, then a validation pass and predictions."""
@@ -52,14 +59,16 @@ def lightning_fit(layout: dict[str, Any], steps: int = 3, split: str = "call") -
     )
     dp = _dp(layout)
     micro = GLOBAL_BATCH // dp // layout.get("num_microbatches", layout.get("pp_size", 1))
-    module = LitGPT(MODEL, micro_batch_size=micro, optimizer="adamw", lr=1e-3)
+    module = _PredictingGPT(MODEL, micro_batch_size=micro, optimizer="adamw", lr=1e-3)
     module.model.load_state_dict(make_model(0).state_dict())
     record = Record()
     trainer.callbacks.append(record)
     trainer.fit(module, _gpt_loader(steps, dp))
     val = trainer.validate(module, _gpt_loader(steps, dp), verbose=False)
     params = {n: _full(p) for n, p in module.model.named_parameters()}
+    predicted = trainer.predict(module, _gpt_loader(1, dp))
     return {
+        "predictions": torch.cat([p.detach() for p in predicted]),
         "logged": record.logged,
         "returned": record.returned,
         "params": params,

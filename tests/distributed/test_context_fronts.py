@@ -128,8 +128,13 @@ def test_lightning_trainer_with_an_unmodified_module_matches_one_process(results
         _close(params[name], want, name)
     assert max(ref["norms"]) > 0.3  # clipping really scaled the gradients
     val = _val_reference(ref["params"], make_batches(3))
+    model = make_model()
+    model.load_state_dict(ref["params"])
+    with torch.no_grad():  # predict_step's logits: whole sequences, on every rank
+        logits = model(make_batches(1)[0][0])
     for rank, r in enumerate(results):
         _close(r[case["id"]]["val_loss"], val, f"rank {rank} validation loss")
+        _close(r[case["id"]]["predictions"], logits, f"rank {rank} predictions")
 
 
 def _val_reference(params: dict[str, torch.Tensor], batches: list[Any]) -> float:
