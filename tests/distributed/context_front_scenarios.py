@@ -83,6 +83,7 @@ def run(
     out_dir: str = "",
     hf_lightning: list[dict[str, Any]] | None = None,
     devices: int = 4,
+    across: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Every front's cases in one launch: Accelerate's first (Accelerate makes the process
     group; the Lightning Trainer then uses it)."""
@@ -93,6 +94,13 @@ def run(
         out |= clm_scenarios.run(accelerate)
     if trainer:
         out |= trainer_scenarios.run(trainer, out_dir)
+    for case in across or ():  # 2 updates and save_state under one cp, the rest under another
+        save_to = os.path.join(out_dir, case["id"])
+        first = {"args": {**case["args"], "stop_after": 2}, "save_to": save_to}
+        clm_scenarios.run([{**first, "id": "first", "plugin": case["saved"]}])
+        again = {**case["args"], "resume_from": save_to, "resumed_updates": 2, "init_seed": 7}
+        resumed = {"id": case["id"], "plugin": case["resumed"], "args": again}
+        out |= clm_scenarios.run([resumed])
     for case in lightning:
         out[case["id"]] = lightning_fit(case["layout"])
     from tests.distributed import hf_lightning_scenarios

@@ -50,6 +50,16 @@ HF_LIGHTNING = [
 TRAINER_ONE = {"per_device_train_batch_size": 8, "per_device_eval_batch_size": 8}
 
 
+# run_clm's save_state after 2 updates at pp 2 x cp 2, load_state and the last 2 updates at
+# pp 2 x dp_shard 2 (cp 1), and the reverse: the continuation is the uninterrupted run's
+CP2 = {"pp_size": 2, "cp_size": 2, "num_microbatches": 2}
+CP1 = {"pp_size": 2, "dp_shard_size": 2, "num_microbatches": 2}
+ACROSS = [
+    {"id": "resume-cp2-at-cp1", "args": PAD, "saved": CP2, "resumed": CP1},
+    {"id": "resume-cp1-at-cp2", "args": PAD, "saved": CP1, "resumed": CP2},
+]
+
+
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     out = tmp_path_factory.mktemp("context_fronts")
@@ -58,6 +68,7 @@ def launched(tmp_path_factory: Any) -> tuple[list[dict[str, Any]], dict[str, Any
         "accelerate": [dict(c) for c in ACCELERATE],
         "trainer": [dict(c) for c in TRAINER],
         "hf_lightning": [dict(c) for c in HF_LIGHTNING],
+        "across": [dict(c) for c in ACROSS],
         "out_dir": str(out / "four"),
         "init_process_group": False,
     }
@@ -190,5 +201,16 @@ def test_lightning_module_with_an_hf_llama_on_padded_rows_matches_one_process(la
         _close(r[case["id"]]["val_loss"], ref["val_loss"], f"rank {rank} validation loss")
     params = four[0][case["id"]]["params"]
     assert params.keys() == ref["params"].keys()
+    for name, want in ref["params"].items():
+        _close(params[name], want, name)
+
+
+@pytest.mark.parametrize("case", ACROSS, ids=lambda c: c["id"])
+def test_a_checkpoint_resumes_under_another_cp_size(launched, case):
+    four, one = launched
+    ref = one[ACCELERATE[0]["id"]]  # the same loop and rows, uninterrupted, in one process
+    for rank, r in enumerate(four):
+        _close(r[case["id"]]["loss"], ref["loss"][2:], f"rank {rank} resumed losses")
+    params = four[0][case["id"]]["params"]
     for name, want in ref["params"].items():
         _close(params[name], want, name)
