@@ -54,6 +54,7 @@ from lightning_zeropp.accelerate.shares import (
     owners_only,
     process_order,
     share,
+    share_of,
 )
 from lightning_zeropp.accelerate.steps import NUM_ITEMS, PipelineModel
 from lightning_zeropp.core.settings import launch
@@ -173,7 +174,7 @@ class ZeroPPAccelerator(Accelerator):
         self._rows = rows
         holder.append(pipeline)
         self.pipeline, self._skeleton = pipeline, skeleton
-        self._order = process_order(engine.dims.pp_rank, engine.dims.dp_rank)
+        self._order = process_order(share_of(engine.dims)[1], engine.dims.dp_rank)
         prepared: dict[int, Any] = {id(model): pipeline, id(optimizer): opt}
         if loaders:
             prepared[id(loaders[0])] = self._track(loader)
@@ -209,7 +210,7 @@ class ZeroPPAccelerator(Accelerator):
             return super().gather(tensor)
         full = super().gather(recursively_apply(self._share, tensor))
         world, rows = self.num_processes, self.pipeline.given_rows
-        pp = self.pipeline.engine.config.pp_size
+        pp = share_of(self.pipeline.engine.dims)[0]  # processes per data-parallel rank
 
         def arranged(t: torch.Tensor) -> torch.Tensor:
             ordered = in_process_order(t, world, self._order)
@@ -232,7 +233,7 @@ class ZeroPPAccelerator(Accelerator):
             return super().gather_for_metrics(input_data)  # through gather, then truncated
         everyone: list[Any] = [None] * self.num_processes
         dist.all_gather_object(everyone, self._share(input_data))
-        rows, pp = self.pipeline.given_rows, self.pipeline.engine.config.pp_size
+        rows, pp = self.pipeline.given_rows, share_of(self.pipeline.engine.dims)[0]
         whole_rows = rows is not None and rows % pp and _length(input_data) == rows
         order = self._order[::pp] if whole_rows else self._order  # each pipeline's rows once
         data = [x for r in order for x in everyone[r]]
@@ -244,7 +245,7 @@ class ZeroPPAccelerator(Accelerator):
     def _share(self, value: Any) -> Any:
         assert self.pipeline is not None
         dims = self.pipeline.engine.dims
-        return share(value, self.pipeline.given_rows, dims.config.pp_size, dims.pp_rank)
+        return share(value, self.pipeline.given_rows, *share_of(dims))
 
     # ------------------------------------------------------------------------- state
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kw: Any):

@@ -108,7 +108,8 @@ def prepare_pipeline(
         unpack: `fn(batch) -> (model_args, model_kwargs, target)`; default: `(inputs, targets)`
             or `{"input_ids", "labels", **model_kwargs}`.
         per_process_batches: the loader's batch size is per process, as under DDP (what
-            `ZeroPPAccelerator` uses): each data-parallel rank reads `pp_size` batches' rows at
+            `ZeroPPAccelerator` uses): each data-parallel rank reads `pp_size` (x `cp_size`)
+            batches' rows at
             once, so a step trains on `batch_size x num_processes` rows, the loader has DDP's
             length and the scheduler steps `num_processes` times per update (Accelerate's
             convention). Default: the batch size is per data-parallel rank, and the scheduler
@@ -133,7 +134,8 @@ def prepare_pipeline(
     dp_size = config.dp_size
     if train_dl is not None:
         if per_process_batches and not accelerator.split_batches:
-            train_dl = widen_loader(train_dl, config.pp_size)
+            # a data-parallel rank's processes: its pipeline's, each CP rank reading all rows
+            train_dl = widen_loader(train_dl, config.pp_size * config.cp_size)
         fills = accelerator.even_batches and split != "trace"
         check_loader(train_dl, accelerator.split_batches, dp_size, config.num_microbatches, fills)
     if example_args is None and example_kwargs is None and config.num_stages > 1:
@@ -168,7 +170,7 @@ def prepare_pipeline(
     accelerator.print(core.memory_report(title="at setup"))  # collective: every rank measures
     core.report_memory_after_first_update([new_opt], accelerator.print)
     engine = ZeroPPAccelerateEngine(accelerator, core, new_opt, unpack)
-    engine.batch_factor = config.pp_size if per_process_batches else 1
+    engine.batch_factor = config.pp_size * config.cp_size if per_process_batches else 1
 
     # 3. Accelerate's side. The optimizer is wrapped as `prepare` would wrap it, but not
     # registered: save_state would write rank 0's shard of it and load_state would load that shard

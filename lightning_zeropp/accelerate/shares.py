@@ -26,12 +26,21 @@ import torch.distributed as dist
 
 __all__ = [
     "eval_microbatches_by_share",
+    "share_of",
     "in_process_order",
     "owners_only",
     "process_order",
     "share",
     "share_losses",
 ]
+
+
+def share_of(dims: Any) -> tuple[int, int]:
+    """`(shares, index)`: how many processes read one data-parallel rank's batch (its pipeline's
+    `pp_size`, times `cp_size` under context parallelism: every CP rank reads the whole rows)
+    and this process's place among them (pipeline rank, then CP rank), as DDP numbers them."""
+    cp = dims.config.cp_size
+    return dims.config.pp_size * cp, dims.pp_rank * cp + dims.cp_rank
 
 
 def process_order(pp_rank: int, dp_rank: int) -> list[int]:

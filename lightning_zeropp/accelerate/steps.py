@@ -26,7 +26,11 @@ from torch import nn
 from lightning_zeropp.accelerate.engine import ZeroPPAccelerateEngine
 from lightning_zeropp.accelerate.last_loss import LastStageLoss, run_with_loss
 from lightning_zeropp.accelerate.preempt import Stopper
-from lightning_zeropp.accelerate.shares import eval_microbatches_by_share, share_losses
+from lightning_zeropp.accelerate.shares import (
+    eval_microbatches_by_share,
+    share_losses,
+    share_of,
+)
 from lightning_zeropp.accelerate.weighting import weigh_tokens
 from lightning_zeropp.core.schedule.build import eval_microbatches
 from lightning_zeropp.core.step.failure import guarded
@@ -173,6 +177,7 @@ class PipelineModel(nn.Module):
             raise self.stopper.stopped(err, self.engine.core.failures.description) from None
 
     def _forward(self, args: Any, kwargs: dict[str, Any]) -> PipelineOutput:
+        self._check_context()
         if self.last_loss is not None:
             if args:
                 raise ValueError(
@@ -208,7 +213,9 @@ class PipelineModel(nn.Module):
         self.rows = _rows(args, kwargs)
         kwargs = self._weighted(kwargs, target, core.config.num_microbatches, training=True)
         with self._counting(), armed(self.chunked):
-            loss, grads = core.train_step_deferred(*args, target=target, **kwargs)
+            loss, grads = core.train_step_deferred(
+                *args, target=self._context_target(target), **kwargs
+            )
         if self.stopper is not None:
             self.stopper.batches += 1
         leaf = loss.detach().clone().requires_grad_()
@@ -226,7 +233,8 @@ class PipelineModel(nn.Module):
         self.rows = rows = _rows(args, kwargs)
         self._items = None
         # Micro-batches inside one process's share each: the loss is the share's (`shares`).
-        by_share = eval_microbatches_by_share(rows, cfg.num_microbatches, cfg.pp_size)
+        shares = share_of(core.dims)[0]
+        by_share = eval_microbatches_by_share(rows, cfg.num_microbatches, shares)
         micro = by_share or eval_microbatches(rows, cfg.num_microbatches)
         scale, chosen = None, False
         if target is None and self.token_weighted:
@@ -243,7 +251,9 @@ class PipelineModel(nn.Module):
             with self._counting() if target is not None else contextlib.nullcontext():
                 loss = core.eval_step(
                     *args,
-                    target=target if target is not None else _any_tensor(args, kwargs),
+                    target=self._context_target(target)
+                    if target is not None
+                    else _any_tensor(args, kwargs),
                     microbatches=micro,
                     **kwargs,
                 )
@@ -254,7 +264,7 @@ class PipelineModel(nn.Module):
                 assert loss is not None  # a step with a target has a loss
                 # Each micro-batch's loss is its token sum over the caller's count: the model
                 # called on these rows returns their sum over it, not the micro-batches' mean.
-                loss = loss * (micro // cfg.pp_size if by_share is not None else micro)
+                loss = loss * (micro // shares if by_share is not None else micro)
         finally:
             self._captured = self._losses = None
         out = PipelineOutput()
@@ -270,19 +280,24 @@ class PipelineModel(nn.Module):
         """This process's share of the batch's loss (`shares`): from the last stage's micro-batch
         losses, each share's, sent to the pipeline's other ranks."""
         core = self.engine.core
-        pp = core.config.pp_size
-        values = torch.zeros(pp, device=core.device)
+        shares, index = share_of(core.dims)
+        values = torch.zeros(shares, device=core.device)
         if self._losses:  # the last stage
             tokens = None
             if scale is not None and self.rule is not None:
                 pre = kwargs.get("shift_labels")
                 tokens = self.rule.counts(
-                    target, pp, pre if isinstance(pre, torch.Tensor) else None
+                    target, shares, pre if isinstance(pre, torch.Tensor) else None
                 )
-            values = share_losses(self._losses, pp, scale, tokens).to(core.device)
-        if pp > 1:
+            losses = self._losses
+            if core.dims.cp_group is not None:  # each CP rank's losses sum its part's tokens
+                stacked = torch.stack(losses)
+                dist.all_reduce(stacked, group=core.dims.cp_group)
+                losses = list(stacked)
+            values = share_losses(losses, shares, scale, tokens).to(core.device)
+        if core.config.pp_size > 1:
             dist.broadcast(values, group=core.dims.pp_group, group_src=core.last_pp_rank)
-        return values[core.dims.pp_rank]
+        return values[index]
 
     # ---------------------------------------------------------------- the engine's loss
     def loss_fn(self, output: Any, target: torch.Tensor) -> torch.Tensor:
@@ -294,7 +309,8 @@ class PipelineModel(nn.Module):
             )
             if logits is None and isinstance(output, torch.Tensor) and output.dim() > 0:
                 logits = output
-            self._captured.append(logits)
+            # whole sequences under context parallelism, on every CP rank alike
+            self._captured.append(self.engine.core.whole_sequences(logits))
         if self._last_step is not None:  # a last-stage loss (`use_loss`): never armed
             return self._last_step(output, target)
         if self.chunked:
@@ -302,7 +318,8 @@ class PipelineModel(nn.Module):
         loss = loss_of(output)
         if self.watch is not None and self._items is not None and loss is not None:
             # the forward's loss as its token sum over the count, or refused (`fronts.loss_rule`)
-            loss = self.watch.settle(loss, target, self._items, self._divisor)
+            shifted = self.engine.config.cp_size > 1  # `_context_target`
+            loss = self.watch.settle(loss, target, self._items, self._divisor, shifted)
         if self._losses is not None and loss is not None:
             self._losses.append(loss.detach())
         if loss is None:
@@ -322,6 +339,37 @@ class PipelineModel(nn.Module):
         if self._last_step is not None:
             return self._last_step.probe(output, target)
         return self.loss_fn(output, target)
+
+    # ---------------------------------------------------------------- context parallelism
+    def _check_context(self) -> None:
+        """Under context parallelism each CP rank's forward sees its part of every sequence:
+        the model's own loss must sum that part's tokens over a count the front gives
+        (`num_items_in_batch`, HF causal LMs); a loss that cannot be weighed so is refused."""
+        cp = self.engine.config.cp_size
+        if cp == 1:
+            return
+        if self.last_loss is not None:
+            raise ValueError(
+                f"use_loss(...) with cp_size={cp}: a last-stage loss is not run under context "
+                "parallelism yet. Drop use_loss (the model's own loss from labels=... is), or "
+                "set cp_size=1."
+            )
+        if self.rule is None or self.rule.pre_shift is None:
+            raise ValueError(
+                f"{type(self.original).__name__} cannot run under context parallelism "
+                f"(cp_size={cp}) in this front: its loss must take num_items_in_batch and "
+                "shift_labels (an HF causal LM's loss_function does), since each CP rank holds "
+                "part of every sequence. Use an HF causal LM, prepare_pipeline(..., loss_fn=...), "
+                "or set cp_size=1."
+            )
+
+    def _context_target(self, target: torch.Tensor | None) -> torch.Tensor | None:
+        """The loss's target under context parallelism: the labels shifted on the whole
+        sequence (each position's own target, what the core hands the model as
+        `shift_labels`), so each CP rank's part is its positions' targets."""
+        if target is None or self.engine.config.cp_size == 1 or target.dim() < 2:
+            return target
+        return torch.cat([target[:, 1:], torch.full_like(target[:, :1], -100)], 1)
 
     # ---------------------------------------------------------------- token weighting
     def _weighted(

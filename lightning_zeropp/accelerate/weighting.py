@@ -4,7 +4,7 @@ tokens, as one process computes it over the whole batch.
 The engine averages what the loss returns over micro-batches and data-parallel ranks. For a model
 whose forward takes HF's `num_items_in_batch` (every HF causal LM does) the front passes it the
 global batch's labelled tokens, counted by the model's own rule (`fronts.hf_loss.token_rule`),
-divided by the micro-batch and data-parallel counts the engine averages over: each micro-batch's
+divided by the micro-batch, data-parallel (and CP) counts the engine averages over: each micro-batch's
 loss is then its token sum over the global count, and the average is the global token mean. For
 other models the loss is the mean of micro-batch means, which equals the global mean only when
 every micro-batch holds as many labelled tokens: a batch where they differ is refused.
@@ -60,7 +60,9 @@ def weigh_tokens(
         dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
         dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
     if rule is not None:
-        own = float(total) / (micro * dims.dp_size)
+        # Under context parallelism each CP rank's loss sums its part of the tokens, and the
+        # engine averages over CP ranks too: the count is divided by them as well.
+        own = float(total) / (micro * dims.dp_size * dims.config.cp_size)
         if given is not None:
             # A shift_labels batch is not settled: its loss_function call is the model's own.
             return kwargs, (float(given) if pre is None else None), own or None

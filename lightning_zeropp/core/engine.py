@@ -45,7 +45,7 @@ from lightning_zeropp.core.step.agree import agree, check_replicas, model_layout
 from lightning_zeropp.core.step.batch import ShapeGuard
 from lightning_zeropp.core.step.chunked_loss import set_loss_chunk
 from lightning_zeropp.core.step.context import ContextSplit, attention_refusal
-from lightning_zeropp.core.step.context_attention import ContextAttention
+from lightning_zeropp.core.step.context_attention import ContextAttention, whole_sequences
 from lightning_zeropp.core.step.failure import FailureBoard, describe_rank, guarded
 from lightning_zeropp.core.step.grads import StepGrads, average_whole_grads, clip_grad_norm_
 from lightning_zeropp.core.step.loss import LossFn, StepLoss, broadcast_loss
@@ -138,7 +138,9 @@ class ZeroPPEngine(EngineReports):
         # takes activations): under the others, models compute their loss from whole logits.
         # Schedules that split backward into input- and weight-gradient tasks find the head's
         # gathered weight freed when a chunk is recomputed: whole logits there too (for now).
-        chunks = self.split == "call" and not cfg.split_backward
+        # Under context parallelism a loss the model computes itself would cover this rank's
+        # part of the sequence only: whole logits, which a front gathers (`whole_sequences`).
+        chunks = self.split == "call" and not cfg.split_backward and cfg.cp_size == 1
         set_loss_chunk(cfg.loss_chunk if chunks else 0)
         built = build_stages(
             model, cfg, self.plan, self.stage_ids, self.split, self.dims, self.device,
@@ -362,6 +364,15 @@ class ZeroPPEngine(EngineReports):
             return args, kwargs
         split_args, split_kwargs, _ = self._context.split(args or (), kwargs or {}, None)
         return split_args, split_kwargs
+
+    def whole_sequences(self, output: Any) -> Any:
+        """The last stage's `output` for one micro-batch with each tensor of this CP rank's
+        part of the sequence (dim 1) gathered into whole sequences in order, as one process
+        computes them (`core.step.context_attention.whole_sequences`; a front's loss from it
+        is then the same on every CP rank); `output` itself without context parallelism."""
+        if self._context is None or self.dims.cp_group is None:
+            return output
+        return whole_sequences(output, self._context, self.dims.cp_group)
 
     def restore_output(self, output: Any) -> Any:
         """The last stage's output as the model returns it (an HF `ModelOutput`, a dict), from

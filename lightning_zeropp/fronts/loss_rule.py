@@ -144,14 +144,22 @@ class LossWatch:
         return float(token_counts(read, 1, self.rule.shift).sum()), items
 
     def settle(
-        self, loss: torch.Tensor, labels: torch.Tensor, items: float, divisor: float | None = None
+        self,
+        loss: torch.Tensor,
+        labels: torch.Tensor,
+        items: float,
+        divisor: float | None = None,
+        shifted: bool = False,
     ) -> torch.Tensor:
         """The micro-batch's loss (computed on `labels`, its forward given `num_items_in_batch=
         items`) as its token sum over one divisor: as returned when the forward's loss was its
         `loss_function` with `items`; a counted mean rescaled to its sum over `divisor` (default
-        `items`: the count one process's call would divide by); else a `ValueError`."""
+        `items`: the count one process's call would divide by); else a `ValueError`.
+        `shifted`: `labels` are already each position's target (context parallelism's part of
+        the labels shifted on the whole sequence, what the forward got as `shift_labels`)."""
         seen, self._last = self._last, None
-        want = float(self.rule.counts(labels, 1).sum())
+        counted_labels = token_counts(labels, 1, 0) if shifted else self.rule.counts(labels, 1)
+        want = float(counted_labels.sum())
         divided = seen is not None and seen[1] is not None and math.isclose(seen[1], items)
         if divided and seen is not None and seen[0] == want:
             self.honoured = True

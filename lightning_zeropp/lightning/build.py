@@ -63,7 +63,9 @@ def build_engine(
         # A plain HF model: padded batches' losses are token means over the global batch, as in
         # one process; tokens counted by the model's own loss rule, its loss calls watched.
         watch = LossWatch(net, rule)
-        runner.adapter = GlobalTokenCount(rule, watch, _summed(dims, device), dims.dp_size)
+        count = _summed(dims, device)
+        context = config.cp_size > 1
+        runner.adapter = GlobalTokenCount(rule, watch, count, dims.dp_size, net, context)
     disable_kv_cache(net)  # plain HF models: a stage returns tensors only
     example_args, example_kwargs = _example(runner, module, trainer, config, split, to_device)
     whole = meta_copy(net)  # before sharding: a single stage is sharded in place
@@ -129,12 +131,16 @@ def _summed(dims: ParallelDims, device: torch.device) -> Callable[[torch.Tensor]
 
 
 def data_parallel_group(dims: ParallelDims) -> dist.ProcessGroup | None:
-    """The group of every data-parallel rank at this rank's pipeline position (None for one):
+    """The group of every data-parallel rank at this rank's pipeline (and CP) position (None
+    for one):
     where logged values are reduced (`sync_dist=True`). Collective: every rank calls it."""
     groups = dims.dp_groups
     if len(groups) <= 1:
         return groups[0] if groups else None
-    pp_size = dims.config.pp_size
-    ranks = dims.mesh.mesh.reshape(pp_size, -1).tolist()  # (pp, dp coordinate) -> global rank
+    pp_size, cp_size = dims.config.pp_size, dims.config.cp_size
+    # (pp, cp, dp coordinate) -> global rank: the CP ranks of a replica hold the same values
+    # (the step sees whole sequences), so a logged sum is over data-parallel ranks only
+    grid = dims.mesh.mesh if cp_size > 1 else dims.mesh.mesh.unsqueeze(-1)
+    ranks = grid.movedim(-1, 1).reshape(pp_size * cp_size, -1).tolist()
     mine, _ = dist.new_subgroups_by_enumeration(ranks, timeout=world_timeout())
     return mine

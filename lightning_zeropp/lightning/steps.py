@@ -212,6 +212,12 @@ class StepRunner:
         assert step is not None
         m = next(i for i, part in enumerate(step.parts) if int(part[0]) == int(rows[0]))
         args, kwargs = step.calls[m]
+        # Under context parallelism the step continues with whole sequences, on every CP rank
+        # alike: it reads its targets from the batch as one process does (`whole_sequences`).
+        assert self.engine is not None
+        if self.engine.config.cp_size > 1:
+            _check_not_a_loss(output)
+            output = self.engine.whole_sequences(output)
         returned = self.adapter.stage_output(output, args, kwargs)
         with self.recorder.microbatch(step.watches[m]):
             event = step.steps[m].resume(returned)
@@ -330,6 +336,18 @@ _SECOND_CALL = (
     "ZeroPPStrategy the pipeline runs the network once per micro-batch and the step receives "
     "that output; call it once per step, or put both calls inside the network's own forward."
 )
+
+
+def _check_not_a_loss(output: Any) -> None:
+    """Under context parallelism the network runs on each CP rank's part of the sequence: a
+    loss it computes itself (a scalar output) would cover that part only."""
+    if isinstance(output, torch.Tensor) and output.dim() == 0:
+        raise ValueError(
+            "under context parallelism (cp_size > 1) the network returned a scalar (a loss it "
+            "computed itself, e.g. model(x, targets=y)): it would cover this rank's part of each "
+            "sequence only. Return the logits from the network and compute the loss in the step "
+            "(the step sees whole sequences), or set cp_size=1."
+        )
 
 
 def _call_step(fn: Callable[..., Any], batch: Any) -> Any:

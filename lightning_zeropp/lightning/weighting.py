@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from lightning_zeropp.fronts.hf_loss import NUM_ITEMS as NUM_ITEMS_HF
 from lightning_zeropp.fronts.hf_loss import TokenRule
 from lightning_zeropp.fronts.loss_rule import CountedMeans, LossWatch, TokenCountAdapter
 
@@ -78,8 +79,46 @@ class GlobalTokenCount(TokenCountAdapter):
         watch: LossWatch | None,
         count: Callable[[torch.Tensor], torch.Tensor],
         ranks: int,
+        model: Any = None,
+        context: bool = False,
     ) -> None:
         super().__init__(rule, watch, count, ranks)
+        # Under context parallelism each CP rank's forward holds part of every sequence: the
+        # labels stay out of the stages, and the model's own loss_function runs on the whole
+        # sequences' logits the step continues with (the same on every CP rank).
+        self.model, self.context = model, context
+
+    def stage_inputs(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        args, kwargs = super().stage_inputs(args, kwargs)
+        if not self.context:
+            return args, kwargs
+        if "shift_labels" in kwargs:
+            raise ValueError(
+                "under context parallelism (cp_size > 1) the step passes shift_labels to the HF "
+                "model; pass labels=... (shifted on the whole sequence by the model's loss)."
+            )
+        return args, {k: v for k, v in kwargs.items() if k not in ("labels", NUM_ITEMS_HF)}
+
+    def stage_output(self, output: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        labels = kwargs.get("labels")
+        if self.context and isinstance(labels, torch.Tensor) and self._items is not None:
+            logits = output.get("logits") if hasattr(output, "get") else None
+            if not isinstance(logits, torch.Tensor):
+                raise ValueError(
+                    f"{type(self.model).__name__} returned no logits: under context "
+                    "parallelism its loss is computed from the whole sequences' logits."
+                )
+            config = self.model.config
+            loss = self.model.loss_function(
+                logits=logits,
+                labels=labels,
+                vocab_size=config.vocab_size,
+                **{NUM_ITEMS_HF: self._items},
+            )
+            output["loss"] = loss
+        return super().stage_output(output, args, kwargs)
 
     def idle(self) -> None:
         """This rank skips the step: it still joins the others' count (with none)."""

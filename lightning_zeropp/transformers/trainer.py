@@ -39,6 +39,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from lightning_zeropp.accelerate.accelerator import ZeroPPAccelerator
 from lightning_zeropp.accelerate.preempt import agree_at_end
 from lightning_zeropp.accelerate.settings import ZeroPPPlugin
+from lightning_zeropp.accelerate.shares import share_of
 from lightning_zeropp.accelerate.steps import NUM_ITEMS, PipelineModel
 from lightning_zeropp.core.step.preempt import Preemption
 from lightning_zeropp.fronts.optim import retarget_scheduler
@@ -265,7 +266,9 @@ class ZeroPPTrainer(TrainerOverrides):
         window = model.training and num_items_in_batch is not None
         if window and pipeline.token_weighted and num_items_in_batch is not None:
             engine = pipeline.engine
-            micro = engine.config.num_microbatches * engine.dims.dp_size
+            # what the engine averages over: micro-batches, data-parallel and CP ranks (each of
+            # which sums its part of the tokens)
+            micro = engine.config.num_microbatches * engine.dims.grad_size
             inputs = {**inputs, NUM_ITEMS: float(num_items_in_batch) / micro}
         outputs = pipeline(**inputs)
         loss = outputs["loss"]
@@ -324,11 +327,14 @@ class ZeroPPTrainer(TrainerOverrides):
             inputs = again
             items = float(num_items_in_batch(self, [inputs], pipeline.engine.device))
         outputs = pipeline(**{**inputs, NUM_ITEMS: items})
-        shared = pipeline.rows is not None and pipeline.rows % pipeline.engine.config.pp_size == 0
+        shares = share_of(pipeline.engine.dims)[0]  # processes reading one rank's rows
+        shared = pipeline.rows is not None and pipeline.rows % shares == 0
         if shared:
             loss = outputs["loss"] * dist.get_world_size()
         else:  # this data-parallel rank's token sum over the global count: summed, the mean
-            loss = summed_over_data_parallel(outputs["loss"], pipeline)
+            # (the engine's mean ran over CP ranks too, each summing its part of the tokens)
+            cp = pipeline.engine.config.cp_size
+            loss = summed_over_data_parallel(outputs["loss"], pipeline) * cp
         return (loss, outputs) if return_outputs else loss
 
     def prediction_step(

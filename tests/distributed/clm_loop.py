@@ -9,6 +9,7 @@ process, or DDP) and under `ZeroPPAccelerator`: the only lines that differ are i
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -87,6 +88,7 @@ class Args:
     stop_after: int | None = None  # updates, then save_state(save_to) and stop
     resume_from: str | None = None  # load_state, then skip the batches already trained on
     resumed_updates: int = 0  # how many updates the saved run made (run_clm reads the dir name)
+    pad_to_multiple_of: int = 1  # the collator's (context parallelism splits 2 x cp_size chunks)
 
 
 class Texts(Dataset):
@@ -104,10 +106,10 @@ class Texts(Dataset):
         return {"input_ids": self.rows[i]}
 
 
-def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Right padding to the longest row, padding masked out of the loss (-100), as HF's
-    `DataCollatorForLanguageModeling(mlm=False)` pads."""
-    longest = max(len(s["input_ids"]) for s in samples)
+def collate(samples: list[dict[str, torch.Tensor]], multiple: int = 1) -> dict[str, torch.Tensor]:
+    """Right padding to the longest row (rounded up to `multiple`), padding masked out of the
+    loss (-100), as HF's `DataCollatorForLanguageModeling(mlm=False, pad_to_multiple_of=...)`."""
+    longest = -(-max(len(s["input_ids"]) for s in samples) // multiple) * multiple
     ids = torch.zeros(len(samples), longest, dtype=torch.long)
     mask = torch.zeros(len(samples), longest, dtype=torch.long)
     for row, s in enumerate(samples):
@@ -206,15 +208,16 @@ def train(
     ]
     optimizer = torch.optim.AdamW(groups, lr=args.learning_rate)
     g = torch.Generator().manual_seed(args.seed)
+    padded = functools.partial(collate, multiple=args.pad_to_multiple_of)
     train_dataloader = DataLoader(
         Texts(args.train_rows, 1),
         shuffle=True,
-        collate_fn=collate,
+        collate_fn=padded,
         batch_size=args.per_device_train_batch_size,
         generator=g,
     )
     eval_dataloader = DataLoader(
-        Texts(args.eval_rows, 2), collate_fn=collate, batch_size=args.per_device_eval_batch_size
+        Texts(args.eval_rows, 2), collate_fn=padded, batch_size=args.per_device_eval_batch_size
     )
     # run_clm sizes the scheduler from the unprepared loader, in per-process steps.
     num_update_steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)

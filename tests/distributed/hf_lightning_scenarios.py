@@ -3,6 +3,7 @@ batches through `ZeroPPStrategy` and in one process."""
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -73,8 +74,9 @@ def run(
     id: str = "",  # noqa: A002 - the case's name, ignored here
     lora: bool = False,
     validate: bool = False,
+    pad_to_multiple_of: int = 1,
 ) -> dict[str, Any]:
-    """4 steps of 8 padded rows; `catch`: report an error as {"error": ...} (the benchmark);
+    """4 steps of 8 padded rows (lengths rounded up to `pad_to_multiple_of`); `catch`: report an error as {"error": ...} (the benchmark);
     `validate`: then `trainer.validate` on 2 batches of 8 other rows (`val_loss`, the model's
     own loss logged by `validation_step`)."""
     if catch:
@@ -83,7 +85,8 @@ def run(
         except Exception as err:
             return {"error": f"{type(err).__name__}: {err}"}
     torch.manual_seed(0)
-    loader = DataLoader(Texts(32, 1), batch_size=8, collate_fn=collate)  # 4 steps, same order
+    padded = functools.partial(collate, multiple=pad_to_multiple_of)
+    loader = DataLoader(Texts(32, 1), batch_size=8, collate_fn=padded)  # 4 steps, same order
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=devices,
@@ -101,7 +104,7 @@ def run(
     trainer.fit(module, loader)
     val_loss = None
     if validate:
-        rows = DataLoader(Texts(16, 2), batch_size=8, collate_fn=collate)
+        rows = DataLoader(Texts(16, 2), batch_size=8, collate_fn=padded)
         val_loss = trainer.validate(module, rows, verbose=False)[0]["val_loss"]
     if strategy:
         params = trainer.strategy.full_state_dict()

@@ -47,9 +47,8 @@ def test_bad_cp_settings_name_the_value_and_fix(settings, world, message):
     assert message in str(err.value)
 
 
-def test_the_fronts_refuse_cp_until_they_weigh_tokens_under_it():
-    with pytest.raises(ValueError, match="runs through the core ZeroPPEngine only so far"):
-        merge_settings({"cp_size": 2}, environ={}).resolve(4)
+def test_the_fronts_settings_take_cp():
+    assert merge_settings({"cp_size": 2}, environ={}).resolve(4).cp_size == 2
 
 
 def test_each_rank_holds_chunks_r_and_2cp_minus_1_minus_r():

@@ -55,16 +55,7 @@ class RunSettings:
     def resolve(self, world_size: int) -> ZeroPPLayout:
         """The layout for `world_size` processes; a bad value set by a variable names it."""
         try:
-            layout = self.config.resolve(world_size, self.node_size)
-            if layout.cp_size > 1:
-                # the fronts' token weighting and data sharding are not yet CP-aware
-                raise setting_error(
-                    "cp_size",
-                    f"cp_size={layout.cp_size}: context parallelism runs through the core "
-                    "ZeroPPEngine only so far; the Lightning, Accelerate and Trainer fronts do "
-                    "not run it yet. Set cp_size=1 here, or drive ZeroPPEngine directly.",
-                )
-            return layout
+            return self.config.resolve(world_size, self.node_size)
         except ValueError as err:
             named = [f"{self.from_env[f]} ({f})" for f in fields_of(err) if f in self.from_env]
             if not named:

@@ -26,9 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from lightning_zeropp.core._torch_private import tree_map
 from lightning_zeropp.core.step.context import ContextSplit
 
-__all__ = ["ContextAttention", "gather_sequence"]
+__all__ = ["ContextAttention", "gather_sequence", "whole_sequences"]
 
 _aten = torch.ops.aten
 
@@ -62,6 +63,24 @@ class _GatherSequence(torch.autograd.Function):
 def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, order: torch.Tensor) -> torch.Tensor:
     """Every CP rank's `x` along dim -2 in global sequence order (differentiable)."""
     return _GatherSequence.apply(x, group, order.to(x.device))
+
+
+def whole_sequences(output: Any, split: ContextSplit, group: dist.ProcessGroup) -> Any:
+    """`output` with every tensor whose dim 1 is this rank's part of the sequence gathered over
+    the CP group into whole sequences, in order (differentiable). A loss the front then computes
+    from it is the same on every CP rank, and the backward's reduce-scatter sums the CP ranks'
+    equal gradients, which the engine's mean over CP ranks divides back: one process's
+    gradient."""
+    local = split.local_length
+
+    def whole(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == local:
+            moved = value.movedim(1, -2)
+            # contiguous, as a model's own output is (losses `.view` their logits)
+            return gather_sequence(moved, group, split.order).movedim(-2, 1).contiguous()
+        return value
+
+    return tree_map(whole, output)
 
 
 class ContextAttention(TorchFunctionMode):

@@ -236,8 +236,10 @@ def _on_rank0(path: Path, write: Callable[[Path], None]) -> Path:
 
 
 def _is_leader(dims: ParallelDims) -> bool:
-    """The first data-parallel rank of its stage (the one that keeps gathered copies)."""
-    return all(dims.mesh.get_local_rank(axis) == 0 for axis in ("dp_replicate", "dp_shard"))
+    """The first data-parallel (and CP) rank of its stage (the one that keeps gathered
+    copies): under context parallelism the stage's weights are sharded over the CP ranks too."""
+    axes = ("dp_replicate", "dp_shard") + (("cp",) if dims.config.cp_size > 1 else ())
+    return all(dims.mesh.get_local_rank(axis) == 0 for axis in axes)
 
 
 def _full_cpu(value: torch.Tensor, keep: bool) -> torch.Tensor | None:

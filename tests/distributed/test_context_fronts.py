@@ -1,0 +1,216 @@
+"""Context parallelism (cp_size > 1) through each front reproduces one process: loss at every
+step (returned and logged), every parameter after clipping, and the validation loss, within 1e-5,
+on 4 gloo ranks in one launch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.distributed.common import lm_loss, make_batches, make_model, reference, sampler_batches
+from tests.distributed.conftest import merged_params
+from tests.distributed.launch import launch
+
+pytestmark = pytest.mark.distributed
+
+LIGHTNING = [
+    {"id": "lightning-gpt-pp2-cp2", "layout": {"pp_size": 2, "cp_size": 2, "num_microbatches": 2}},
+]
+
+
+# run_clm's loop under ZeroPPAccelerator: right-padded rows (padded to a multiple of 2 x cp),
+# clipping, a warm-up + cosine schedule, and run_clm's eval (gather_for_metrics of each
+# process's loss); one process trains on the 4 processes' per-device batches at once
+PAD = {"pad_to_multiple_of": 4}
+ONE = {"per_device_train_batch_size": 8, "per_device_eval_batch_size": 2}
+ACCELERATE = [
+    {"id": "accelerate-llama-pp2-cp2", "args": PAD,
+     "plugin": {"pp_size": 2, "cp_size": 2, "num_microbatches": 2}},
+]  # fmt: skip
+
+
+# ZeroPPTrainer on right-padded rows (lengths padded to multiples of 8 by seq_buckets),
+# clipped, accumulating 2 batches, evaluated at steps 2 and 4 (token accuracy from the gathered
+# logits), then predict(); one process trains on the global batch of 8 rows
+TRAINER = [
+    {"id": "trainer-llama-pp2-cp2",
+     "plugin": {"pp_size": 2, "cp_size": 2, "num_microbatches": 2, "seq_buckets": 8},
+     "script": {"rows": "padded", "predict": True,
+                "args": {"max_grad_norm": 0.3, "gradient_accumulation_steps": 2,
+                         "eval_strategy": "steps", "eval_steps": 2}}},
+]  # fmt: skip
+# a LightningModule calling an HF Llama with labels= on right-padded rows (its own loss,
+# computed on the whole sequences' logits under CP), then validated
+HF_LIGHTNING = [
+    {"id": "lightning-hf-llama-pp2-cp2",
+     "strategy": {"pp_size": 2, "cp_size": 2, "num_microbatches": 2, "split": "call"}},
+]  # fmt: skip
+TRAINER_ONE = {"per_device_train_batch_size": 8, "per_device_eval_batch_size": 8}
+
+
+# run_clm's save_state after 2 updates at pp 2 x cp 2, load_state and the last 2 updates at
+# pp 2 x dp_shard 2 (cp 1), and the reverse: the continuation is the uninterrupted run's
+CP2 = {"pp_size": 2, "cp_size": 2, "num_microbatches": 2}
+CP1 = {"pp_size": 2, "dp_shard_size": 2, "num_microbatches": 2}
+ACROSS = [
+    {"id": "resume-cp2-at-cp1", "args": PAD, "saved": CP2, "resumed": CP1},
+    {"id": "resume-cp1-at-cp2", "args": PAD, "saved": CP1, "resumed": CP2},
+]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    out = tmp_path_factory.mktemp("context_fronts")
+    params = {
+        "lightning": [dict(c) for c in LIGHTNING],
+        "accelerate": [dict(c) for c in ACCELERATE],
+        "trainer": [dict(c) for c in TRAINER],
+        "hf_lightning": [dict(c) for c in HF_LIGHTNING],
+        "across": [dict(c) for c in ACROSS],
+        "out_dir": str(out / "four"),
+        "init_process_group": False,
+    }
+    four = launch(4, "context_front_scenarios.run", params, out / "four", timeout=900)
+    refs = [{"id": c["id"], "args": {**c["args"], **ONE}} for c in ACCELERATE]
+    trainer_refs = [
+        {"id": c["id"], "plugin": None, "script": {**c["script"], **TRAINER_ONE}} for c in TRAINER
+    ]
+    params = {
+        "lightning": [],
+        "accelerate": refs,
+        "trainer": trainer_refs,
+        "hf_lightning": [{"id": c["id"], "strategy": None} for c in HF_LIGHTNING],
+        "devices": 1,
+        "out_dir": str(out / "one"),
+        "init_process_group": False,
+    }
+    one = launch(1, "context_front_scenarios.run", params, out / "one", timeout=600)
+    return four, one[0]
+
+
+@pytest.fixture(scope="module")
+def results(launched: Any) -> list[dict[str, Any]]:
+    return launched[0]
+
+
+@pytest.mark.parametrize("case", ACCELERATE, ids=lambda c: c["id"])
+def test_accelerate_run_clm_loop_on_padded_rows_matches_one_process(launched, case):
+    four, one = launched
+    ref = one[case["id"]]
+    for rank, r in enumerate(four):
+        got = r[case["id"]]
+        assert got["batches"] == ref["batches"]
+        _close(got["loss"], ref["loss"], f"rank {rank} losses")
+        _close(got["lr"], ref["lr"], f"rank {rank} learning rates")
+        _close(got["norm"], ref["norm"], f"rank {rank} clip norms")
+        _close(got["eval_loss"], ref["eval_loss"], f"rank {rank} eval loss")
+        assert sorted(got["eval_ids"]) == sorted(ref["eval_ids"])  # every sample once
+    assert min(ref["norm"]) > 0.5  # clipping active: it guards the gradient scale
+    params = four[0][case["id"]]["params"]  # the whole model lands on the main process
+    assert params.keys() == ref["params"].keys()
+    for name, want in ref["params"].items():
+        _close(params[name], want, name)
+
+
+def _close(got: Any, want: Any, what: str) -> None:
+    torch.testing.assert_close(
+        torch.as_tensor(got, dtype=torch.float64),
+        torch.as_tensor(want, dtype=torch.float64),
+        rtol=0,
+        atol=1e-5,
+        msg=lambda m: f"{what}: {m}",
+    )
+
+
+@pytest.mark.parametrize("case", LIGHTNING, ids=lambda c: c["id"])
+def test_lightning_trainer_with_an_unmodified_module_matches_one_process(results, case):
+    # Lightning's DistributedSampler shuffles the training rows (seeded by epoch): one
+    # permutation split over the data-parallel ranks, read alike by the CP ranks of each.
+    ref = reference("adamw", True, 3, batches=sampler_batches(3))
+    for rank, r in enumerate(results):
+        got = r[case["id"]]
+        _close(got["returned"], ref["losses"], f"rank {rank} returned losses")
+        _close(got["logged"], ref["losses"], f"rank {rank} logged losses")
+    params = merged_params(results, case["id"])
+    assert params.keys() == ref["params"].keys()
+    for name, want in ref["params"].items():
+        _close(params[name], want, name)
+    assert max(ref["norms"]) > 0.3  # clipping really scaled the gradients
+    val = _val_reference(ref["params"], make_batches(3))
+    model = make_model()
+    model.load_state_dict(ref["params"])
+    with torch.no_grad():  # predict_step's logits: whole sequences, on every rank
+        logits = model(make_batches(1)[0][0])
+    for rank, r in enumerate(results):
+        _close(r[case["id"]]["val_loss"], val, f"rank {rank} validation loss")
+        _close(r[case["id"]]["predictions"], logits, f"rank {rank} predictions")
+
+
+def _val_reference(params: dict[str, torch.Tensor], batches: list[Any]) -> float:
+    """The trained model's mean loss over the validation batches (unshuffled), one process."""
+    model = make_model()
+    model.load_state_dict(params)
+    with torch.no_grad():
+        losses = [float(lm_loss(model(x), y)) for x, y in batches]
+    return sum(losses) / len(losses)
+
+
+@pytest.mark.parametrize("case", TRAINER, ids=lambda c: c["id"])
+def test_zeropp_trainer_on_padded_rows_matches_one_process(launched, case):
+    four, one = launched
+    ref = one[case["id"]]
+    got = four[0][case["id"]]
+    steps = [log for log in got["logs"] if "loss" in log]
+    want = [log for log in ref["logs"] if "loss" in log]
+    assert len(steps) == len(want) == 4
+    for a, b in zip(steps, want, strict=True):
+        _close(a["loss"], b["loss"], "logged loss")
+        _close(a["grad_norm"], b["grad_norm"], "grad norm")
+        _close(a["learning_rate"], b["learning_rate"], "learning rate")
+    assert min(b["grad_norm"] for b in want) > 0.3  # clipping acts
+    evals = [log for log in got["logs"] if "eval_loss" in log]
+    want_evals = [log for log in ref["logs"] if "eval_loss" in log]
+    assert len(evals) == len(want_evals) == 2  # steps 2 and 4
+    for a, b in zip(evals, want_evals, strict=True):
+        _close(a["eval_loss"], b["eval_loss"], "eval loss")
+        # from the logits gathered back into whole sequences, in DDP's process order
+        _close(a["eval_accuracy"], b["eval_accuracy"], "eval token accuracy")
+    _close(got["predict_metrics"]["test_loss"], ref["predict_metrics"]["test_loss"], "predict")
+    # predict()'s logits: whole sequences in order, every row once, at each row's real tokens
+    # (the padding to buckets differs from one process's padding to the longest row)
+    from tests.distributed.trainer_script import texts
+
+    rows = texts(16, 2, False)  # the script's evaluation rows
+    assert len(got["predictions"]) == len(ref["predictions"]) == len(rows)
+    for i, row in enumerate(rows):
+        n = len(row["input_ids"])
+        _close(got["predictions"][i, :n], ref["predictions"][i, :n], f"predictions row {i}")
+    assert got["weights"].keys() == ref["weights"].keys()
+    for name, value in ref["weights"].items():
+        _close(got["weights"][name], value, name)
+
+
+@pytest.mark.parametrize("case", HF_LIGHTNING, ids=lambda c: c["id"])
+def test_lightning_module_with_an_hf_llama_on_padded_rows_matches_one_process(launched, case):
+    four, one = launched
+    ref = one[case["id"]]
+    for rank, r in enumerate(four):
+        _close(r[case["id"]]["losses"], ref["losses"], f"rank {rank} logged losses")
+        _close(r[case["id"]]["val_loss"], ref["val_loss"], f"rank {rank} validation loss")
+    params = four[0][case["id"]]["params"]
+    assert params.keys() == ref["params"].keys()
+    for name, want in ref["params"].items():
+        _close(params[name], want, name)
+
+
+@pytest.mark.parametrize("case", ACROSS, ids=lambda c: c["id"])
+def test_a_checkpoint_resumes_under_another_cp_size(launched, case):
+    four, one = launched
+    ref = one[ACCELERATE[0]["id"]]  # the same loop and rows, uninterrupted, in one process
+    for rank, r in enumerate(four):
+        _close(r[case["id"]]["loss"], ref["loss"][2:], f"rank {rank} resumed losses")
+    params = four[0][case["id"]]["params"]
+    for name, want in ref["params"].items():
+        _close(params[name], want, name)

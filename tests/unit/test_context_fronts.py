@@ -1,0 +1,58 @@
+"""What the fronts refuse and compute under context parallelism (cp_size > 1), in one process:
+a Lightning network's own loss refused, the Accelerate front's refusals, its target shifted on the
+whole sequence, and each process's share of a data-parallel rank's rows (pp x cp processes)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lightning_zeropp.accelerate.shares import share_of
+from lightning_zeropp.accelerate.steps import PipelineModel
+from lightning_zeropp.fronts.hf_loss import TokenRule
+from lightning_zeropp.lightning.steps import _check_not_a_loss
+
+
+def test_a_lightning_network_computing_its_own_loss_is_refused_under_cp():
+    with pytest.raises(ValueError, match="the network returned a scalar"):
+        _check_not_a_loss(torch.tensor(1.0))
+    _check_not_a_loss(torch.zeros(2, 4, 8))  # logits: gathered, the step computes the loss
+
+
+def _pipeline(cp: int, last_loss: object = None, rule: TokenRule | None = None) -> object:
+    engine = SimpleNamespace(config=SimpleNamespace(cp_size=cp))
+    return SimpleNamespace(
+        engine=engine, last_loss=last_loss, rule=rule, original=torch.nn.Linear(1, 1)
+    )
+
+
+def test_the_accelerate_front_refuses_what_it_cannot_weigh_under_cp():
+    causal = TokenRule(shift=1, pre_shift=0)
+    PipelineModel._check_context(_pipeline(1, last_loss=object()))  # no CP: anything goes
+    PipelineModel._check_context(_pipeline(2, rule=causal))  # an HF causal LM's loss
+    with pytest.raises(ValueError, match=r"use_loss\(...\) with cp_size=2"):
+        PipelineModel._check_context(_pipeline(2, last_loss=object(), rule=causal))
+    with pytest.raises(ValueError, match="its loss must take num_items_in_batch and shift_labels"):
+        PipelineModel._check_context(_pipeline(2, rule=TokenRule(shift=1, pre_shift=None)))
+    with pytest.raises(ValueError, match="Linear cannot run under context parallelism"):
+        PipelineModel._check_context(_pipeline(2, rule=None))
+
+
+def test_the_accelerate_target_is_shifted_on_the_whole_sequence_under_cp():
+    labels = torch.tensor([[5, 6, 7, -100]])
+    assert PipelineModel._context_target(_pipeline(1), labels) is labels
+    shifted = PipelineModel._context_target(_pipeline(2), labels)
+    assert shifted.tolist() == [[6, 7, -100, -100]]
+
+
+@pytest.mark.parametrize(
+    ("pp", "cp", "pp_rank", "cp_rank", "want"),
+    [(2, 1, 1, 0, (2, 1)), (2, 2, 0, 1, (4, 1)), (2, 2, 1, 0, (4, 2)), (1, 2, 0, 1, (2, 1))],
+)
+def test_each_process_of_a_data_parallel_rank_has_its_share(pp, cp, pp_rank, cp_rank, want):
+    dims = SimpleNamespace(
+        config=SimpleNamespace(pp_size=pp, cp_size=cp), pp_rank=pp_rank, cp_rank=cp_rank
+    )
+    assert share_of(dims) == want
