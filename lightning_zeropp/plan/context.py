@@ -5,11 +5,12 @@ sequence two of its `2 cp` chunks (chunks r and 2 cp - 1 - r: under a causal mas
 attends over as many query-key pairs), and runs each `scaled_dot_product_attention` call as this
 rank's queries against every rank's keys and values: K and V all-gathered along the sequence in
 the forward, their gradients reduce-scattered in the backward, with the causal mask over global
-positions built as a (local queries x all keys) mask on each call. So one CP rank:
+positions built as a (local queries x all keys) mask once per micro-batch (every layer's call
+shares it). So one CP rank:
 
 - saves for backward what the model saves at `seq_len / cp` tokens, except that each attention
-  call keeps the gathered K and V (the whole sequence, K/V heads only) and its mask (in the
-  query's dtype: torch's kernels turn a boolean mask into an additive one);
+  call keeps the gathered K and V (the whole sequence, K/V heads only), and the first call of a
+  micro-batch its mask (additive, in the query's dtype), which the later calls share;
 - computes 1/cp of the model's FLOPs (its queries against all keys: the load balance makes the
   ranks equal);
 - per attention call and micro-batch, all-gathers its K and V (ring: (cp - 1) hops of its own
@@ -62,13 +63,16 @@ def check_length(seq_len: int, cp: int) -> None:
 class _MetaContext(TorchFunctionMode):
     """On the meta device, each fused attention call as the runtime's CP attention runs it: the
     local queries against keys and values of `cp` times the local length (new tensors, as the
-    gather makes them), under a (queries x keys) mask in the query's dtype. Records each call's
-    local K + V bytes (what this rank hands to the two all-gathers)."""
+    gather makes them), under a (queries x keys) mask in the query's dtype: one tensor for every
+    call given the same mask of the model's (or none), as the runtime shares it over the layers
+    of a micro-batch. Records each call's local K + V bytes (what this rank hands to the two
+    all-gathers)."""
 
     def __init__(self, cp: int) -> None:
         super().__init__()
         self.cp = cp
         self.kv: list[int] = []
+        self._last: tuple[tuple[Any, ...], torch.Tensor] | None = None  # the micro-batch's mask
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict | None = None
@@ -83,11 +87,15 @@ class _MetaContext(TorchFunctionMode):
                         device=t.device, requires_grad=t.requires_grad)
             for t in (key, value)
         ]  # fmt: skip
-        if is_causal or kwargs.get("attn_mask") is not None:
-            length = gathered[0].shape[-2]
-            kwargs["attn_mask"] = torch.empty(
-                (query.shape[-2], length), dtype=query.dtype, device=query.device
-            )
+        source = kwargs.get("attn_mask")
+        if is_causal or source is not None:
+            shape = (query.shape[-2], gathered[0].shape[-2])
+            made_from = (source, shape, query.dtype, query.device)
+            last = self._last
+            if last is None or last[0][0] is not source or last[0][1:] != made_from[1:]:
+                last = made_from, torch.empty(shape, dtype=query.dtype, device=query.device)
+                self._last = last
+            kwargs["attn_mask"] = last[1]
         return func(query, *gathered, dropout_p, False, **kwargs)
 
 

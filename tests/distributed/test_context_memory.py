@@ -3,8 +3,9 @@
 that grows with the rank's tokens is 1/cp of cp 1's.
 
 What the runtime's attention keeps on top (`core.step.context_attention`: K and V gathered over
-the whole sequence, and a (L/cp x L) mask per call) is counted by the planner and taken out
-before comparing with 1/cp; the whole peaks' ratios are printed (the bench reports them)."""
+the whole sequence per call, and one (L/cp x L) mask per micro-batch, which every layer's call
+shares) is counted by the planner and taken out before comparing with 1/cp; the whole peaks'
+ratios are printed (the bench reports them)."""
 
 from __future__ import annotations
 
@@ -28,13 +29,14 @@ def peaks(tmp_path_factory: Any) -> list[dict[str, Any]]:
 
 def _attention_terms(cp: int) -> int:
     """What one rank's attention calls keep beyond its tokens' share: per layer, K and V of the
-    whole sequence and the (LENGTH/cp x LENGTH) mask, fp32 (a model of dim 256, 2 layers)."""
+    whole sequence; and one (LENGTH/cp x LENGTH) mask that every layer's call shares, fp32 (a
+    model of dim 256, 2 layers)."""
     if cp == 1:
         return 0
     from tests.distributed.context_memory_scenarios import model_config
 
     cfg = model_config(LENGTH)
-    return cfg.num_layers * (2 * LENGTH * cfg.dim * 4 + (LENGTH // cp) * LENGTH * 4)
+    return cfg.num_layers * 2 * LENGTH * cfg.dim * 4 + (LENGTH // cp) * LENGTH * 4
 
 
 @pytest.mark.parametrize("cp", CPS)

@@ -104,3 +104,28 @@ def test_batches_it_cannot_split_are_refused(args, kwargs, message):
     with pytest.raises(ValueError) as err:
         ContextSplit(2, 0, _Ids()).split(args, kwargs, None)
     assert message in str(err.value)
+
+
+def test_one_attention_mask_serves_every_layer_of_a_micro_batch():
+    # The (local queries x all keys) mask is saved for backward by each SDPA call: one tensor
+    # per micro-batch, not one per layer. Additive in the query's dtype, as torch's kernels
+    # would convert a boolean one anew on every call.
+    from lightning_zeropp.core.step.context_attention import ContextAttention
+
+    split = ContextSplit(2, 1, _Ids())
+    split.set_length(8)  # rank 1 of 2: global positions 2, 3, 4, 5
+    attention = ContextAttention(split, None)  # type: ignore[arg-type]
+    query = torch.zeros(1, 2, 4, 3)
+    causal = attention._mask(None, True, query)
+    assert causal is not None and causal.dtype == query.dtype
+    allowed = split.positions[:, None] >= torch.arange(8)[None, :]
+    assert torch.equal(causal, torch.zeros(4, 8).masked_fill(~allowed, float("-inf")))
+    assert attention._mask(None, True, query) is causal  # the next layer's call
+    own = torch.ones(1, 1, 4, 8, dtype=torch.bool)  # the model's own: the same object per layer
+    own[..., 0] = False
+    both = attention._mask(own, True, query)
+    assert both is not causal and attention._mask(own, True, query) is both
+    assert torch.equal(both, causal.masked_fill(~own, float("-inf")))
+    assert attention._mask(own.clone(), True, query) is not both  # the next micro-batch's
+    split.set_length(16)  # a new length: new positions, a new mask
+    assert attention._mask(None, True, torch.zeros(1, 2, 8, 3)).shape == (8, 16)

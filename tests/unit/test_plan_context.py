@@ -32,30 +32,31 @@ def _hardware(memory: int | None = None) -> Hardware:
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-def test_a_cp_rank_saves_its_part_of_the_sequence_plus_the_gathered_keys_values_and_mask(cp):
+def test_a_cp_rank_saves_its_part_of_the_sequence_plus_the_gathered_keys_values_and_a_mask(cp):
     model = _model()
     whole, mine = profile_model(model, 1, SEQ, None), rank_profile(model, 1, SEQ, None, cp)
     local = profile_model(model, 1, SEQ // cp, None)  # the model at its part of the sequence
     # outside the blocks (embeddings, head, loss) every tensor is per token (a scalar aside)
     assert mine.before.saved * cp == whole.before.saved
     assert mine.after.saved * cp == pytest.approx(whole.after.saved, abs=4 * cp)
-    # a block: its part, plus K and V of the whole sequence (fp32) and a (SEQ/cp x SEQ) mask
-    extra = 2 * SEQ * DIM * 4 + (SEQ // cp) * SEQ * 4
-    for block, part in zip(mine.blocks, local.blocks, strict=True):
-        assert block.saved == part.saved + extra
+    # a block: its part, plus K and V of the whole sequence (fp32); the first block also the
+    # (SEQ/cp x SEQ) mask, which the later blocks share (one per micro-batch, not per layer)
+    kv, mask = 2 * SEQ * DIM * 4, (SEQ // cp) * SEQ * 4
+    for i, (block, part) in enumerate(zip(mine.blocks, local.blocks, strict=True)):
+        assert block.saved == part.saved + kv + (mask if i == 0 else 0)
     # and 1/cp of the FLOPs (the load balance gives each rank as many query-key pairs)
     assert sum(b.flops for b in mine.blocks) * cp == pytest.approx(
         sum(b.flops for b in whole.blocks), rel=1e-12
     )
 
 
-def test_activations_halve_with_cp_2_but_for_the_gathered_keys_values_and_masks():
+def test_activations_halve_with_cp_2_but_for_the_gathered_keys_values_and_the_mask():
     seq, dim, layers = 512, 256, 2
     model = _model(seq=seq, dim=dim, layers=layers)
     config = {"pp_size": 1, "num_microbatches": 1, "node_size": 2}
     one = rank_memory(model, ZeroPPConfig(dp_shard_size=2, **config), 2, 2, seq)[0]
     two = rank_memory(model, ZeroPPConfig(dp_shard_size=1, cp_size=2, **config), 2, 1, seq)[0]
-    attention = layers * (2 * seq * dim * 4 + (seq // 2) * seq * 4)  # K, V whole; the mask
+    attention = layers * 2 * seq * dim * 4 + (seq // 2) * seq * 4  # K, V whole; one mask
     assert two["activations"] - attention == pytest.approx(one["activations"] / 2, rel=1e-3)
     assert two["activations"] < 0.75 * one["activations"]
     assert two["model_state"] == one["model_state"]  # sharded over dp_shard x cp alike

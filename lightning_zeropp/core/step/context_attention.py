@@ -91,6 +91,12 @@ class ContextAttention(TorchFunctionMode):
         self.split, self.group = split, group
         self.calls = 0  # attention calls taken over (a model with none is refused)
         self._paused = False
+        # The last call's mask and what it was made from (kept: their ids cannot be reused).
+        self._last: tuple[tuple[Any, ...], torch.Tensor | None] | None = None
+
+    def __exit__(self, *exc: Any) -> None:
+        self._last = None  # a step's mask is not held past it
+        super().__exit__(*exc)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -165,33 +171,33 @@ class ContextAttention(TorchFunctionMode):
                 f"{key.shape[-2]} keys where this rank holds {local} of the {length} tokens; "
                 "set cp_size=1 for this model."
             )
-        mask = attn_mask
-        if mask is not None and not is_causal and _local_causal(mask, local):
-            # a causal mask the model built over its own chunk (a traced HF stage does): the
-            # causal mask over global positions is meant
-            mask, is_causal = None, True
-        if mask is not None and mask.shape[-1] != length:  # before the gathers: no rank waits
-            raise ValueError(
-                f"context parallelism needs an attention mask over all {length} keys; the "
-                f"model gave one of shape {tuple(mask.shape)} (its own {local} keys only). "
-                "Pass the padding as a (batch, sequence) attention_mask and let the model "
-                "use is_causal, or set cp_size=1."
-            )
+        mask = self._mask(attn_mask, is_causal, query)  # before the gathers: no rank waits
         key = gather_sequence(key, self.group, split.order)
         value = gather_sequence(value, self.group, split.order)
-        if is_causal:
-            q_pos = split.positions.to(query.device)
-            causal = q_pos[:, None] >= torch.arange(length, device=query.device)[None, :]
-            if mask is None:
-                mask = causal
-            elif mask.dtype == torch.bool:
-                mask = mask & causal
-            else:
-                mask = mask.masked_fill(~causal, float("-inf"))
         return F.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, dropout_p=dropout_p, scale=scale,
             enable_gqa=enable_gqa,
         )  # fmt: skip
+
+    def _mask(
+        self, attn_mask: torch.Tensor | None, is_causal: bool, query: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The mask a call runs under: the causal mask over this rank's global positions and
+        all keys, combined with the model's own. One tensor per micro-batch: every layer's call
+        gets the same model mask (or none), so the first call's mask serves the rest, and SDPA
+        saves one for backward rather than one per layer. Additive, in the query's dtype: a
+        boolean mask would be converted to one by torch's kernels anew on every call."""
+        split = self.split
+        made_from = (
+            split.positions, attn_mask, is_causal, query.device, query.dtype,
+            torch.is_inference_mode_enabled(),  # an inference tensor cannot be saved later
+        )  # fmt: skip
+        last = self._last
+        if last is not None and all(map(_same, last[0], made_from)):
+            return last[1]
+        mask = _call_mask(attn_mask, is_causal, query, split.positions, split.length)
+        self._last = made_from, mask
+        return mask
 
     def _global_index(self, index: Any, weight: Any) -> Any:
         """A position index `arange(T_local)` (1-D, or one row) into a table of at least the
@@ -228,6 +234,55 @@ class ContextAttention(TorchFunctionMode):
             ):
                 return table.index_select(dim, split.positions.to(table.device))
         return plain() if plain is not None else table[key]
+
+
+def _call_mask(
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    query: torch.Tensor,
+    positions: torch.Tensor,
+    length: int,
+) -> torch.Tensor | None:
+    """The (local queries x all `length` keys) mask of a call, additive in the query's dtype,
+    from the model's own and the causal mask over the queries' global `positions`."""
+    local = positions.shape[0]
+    mask = attn_mask
+    if mask is not None and not is_causal and _local_causal(mask, local):
+        # a causal mask the model built over its own chunk (a traced HF stage does): the
+        # causal mask over global positions is meant
+        mask, is_causal = None, True
+    if mask is not None and mask.shape[-1] != length:
+        raise ValueError(
+            f"context parallelism needs an attention mask over all {length} keys; the "
+            f"model gave one of shape {tuple(mask.shape)} (its own {local} keys only). "
+            "Pass the padding as a (batch, sequence) attention_mask and let the model "
+            "use is_causal, or set cp_size=1."
+        )
+    if mask is not None and mask.dtype == torch.bool:
+        mask = _additive(mask, query.dtype)
+    if is_causal:
+        q_pos = positions.to(query.device)
+        causal = q_pos[:, None] >= torch.arange(length, device=query.device)[None, :]
+        if mask is None:
+            mask = _additive(causal, query.dtype)
+        else:
+            mask = mask.masked_fill(~causal, float("-inf"))
+    if mask is not None and mask.dtype != query.dtype:
+        mask = mask.to(query.dtype)
+    return mask
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Tensors by identity (the same mask object), anything else by value."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return a is b
+    return bool(a == b)
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as torch's kernels read it: 0 where True, -inf where False."""
+    zeros = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return zeros.masked_fill(~allowed, float("-inf"))
 
 
 def _local_causal(mask: torch.Tensor, local: int) -> bool:
