@@ -189,7 +189,7 @@ class ZeroPPTrainer(TrainerOverrides):
         loss = self._last_stage_loss()
         if loss is not None:
             pipeline.use_loss(loss[0], shift=loss[1])
-        release_weights(self.model)
+        release_weights(self.model, kept=pipeline.engine.module)
         self._pipeline = self.model_wrapped = pipeline
         if pipeline.stopper is not None:  # on SIGTERM: the Trainer's own checkpoint and step
             pipeline.stopper.saver = self._save_on_sigterm
@@ -466,19 +466,27 @@ def causal_lm(model: nn.Module) -> bool:
     return inner._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
 
 
-def release_weights(model: nn.Module) -> None:
+def release_weights(model: nn.Module, kept: nn.Module | None = None) -> None:
     """Move `model`'s parameters to the meta device, in place (tied ones stay tied): its
-    weights were copied into the stages, which train; the model's would go stale."""
+    weights were copied into the stages, which train; the model's would go stale.
+
+    `kept`: the pipeline's modules. What they hold is no copy but the trained weights (a
+    single stage is the model itself, sharded in place), so it stays, and its modules' state
+    dicts stay readable (the pipeline's checkpoints and `save_model` read them)."""
+    held = {id(p) for p in kept.parameters()} if kept is not None else set()
+    in_pipeline = {id(m) for m in kept.modules()} if kept is not None else set()
     released: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, param in list(module._parameters.items()):
-            if param is None or param.device.type == "meta":
+            if param is None or param.device.type == "meta" or id(param) in held:
                 continue
             if id(param) not in released:
                 meta = torch.empty_like(param, device="meta")
                 released[id(param)] = nn.Parameter(meta, requires_grad=param.requires_grad)
             module._parameters[name] = released[id(param)]
     for module in model.modules():  # the model, and the HF model inside a PeftModel
+        if id(module) in in_pipeline:
+            continue
         if module is model or callable(getattr(module, "save_pretrained", None)):
             module.register_state_dict_pre_hook(_refuse_released)
 

@@ -89,6 +89,8 @@ BERT_ACCUM = {
     **BERT,
     "args": {"optim": "sgd", "learning_rate": 0.5, "gradient_accumulation_steps": 2},
 }
+PP1 = {"rows": "padded", "args": {**CLIPPED, **EVAL}}
+PP1_LAYOUT = {"pp_size": 1, "dp_shard_size": 2, "dp_replicate_size": 2}
 CASES = [
     # equal rows: the plain Trainer's DDP is exact there, and runs in the same launch.
     # evaluate() before train() here, eval_on_start there: the plain Trainer under DDP trains
@@ -116,6 +118,10 @@ CASES = [
     # sum over the whole window's count (the Trainer's num_items_in_batch)
     {"id": "bert-accum", "plugin": PP, "script": BERT_ACCUM},
     {"id": "qwen2-moe", "plugin": PP, "script": QWEN2_MOE},
+    # one stage (pure sharded data parallelism, 2 shards x 2 replicas): the stage is the model
+    # passed in, sharded in place. Before: "FSDP parameters should be materialized from meta
+    # device ... [None, None, None]" (the Trainer released that model's weights to meta)
+    {"id": "pp1", "plugin": PP1_LAYOUT, "script": PP1},
     {
         "id": "packed",
         "plugin": {"pp_size": 2, "num_microbatches": 3},
@@ -138,7 +144,7 @@ ONE = {"per_device_train_batch_size": 8, "per_device_eval_batch_size": 8}
 REFERENCES = [
     {"id": case["id"], "plugin": None, "script": {**case["script"], **case.get("one", ONE)}}
     for case in CASES
-    if case["id"] in ("padded", "lora", "packed", "bert", "bert-accum", "qwen2-moe")
+    if case["id"] in ("padded", "lora", "packed", "bert", "bert-accum", "qwen2-moe", "pp1")
 ]
 
 
@@ -304,6 +310,19 @@ def test_mixture_of_experts_matches_one_process(runs):
     four, one = runs
     _assert_same_training(four[0]["qwen2-moe"], one["qwen2-moe"])
     _assert_same_weights(four[0]["qwen2-moe"], one["qwen2-moe"])
+
+
+def test_one_stage_matches_one_process(runs):
+    """pp_size=1 under ZeroPPTrainer: losses, norms, evaluation and the saved weights."""
+    four, one = runs
+    got, ref = four[0]["pp1"], one["pp1"]
+    assert got["layout"]["pp_size"] == 1
+    _assert_same_training(got, ref)
+    _assert_same_weights(got, ref)
+    evals = [log["eval_loss"] for log in got["logs"] if "eval_loss" in log]
+    want = [log["eval_loss"] for log in ref["logs"] if "eval_loss" in log]
+    assert len(evals) == len(want) == 2
+    assert evals == pytest.approx(want, abs=1e-5)
 
 
 def test_a_resume_from_a_checkpoint_with_planted_code_runs_nothing(runs):
