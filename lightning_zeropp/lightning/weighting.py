@@ -91,6 +91,14 @@ class GlobalTokenCount(TokenCountAdapter):
     def stage_inputs(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if self.context and NUM_ITEMS_HF in kwargs:
+            # the step's own count would leave the loss to the model on each CP rank's part of
+            # the sequences, which has none to give: refused (every rank runs the same call)
+            raise ValueError(
+                f"under context parallelism (cp_size > 1) the step passes {NUM_ITEMS_HF}= to the "
+                "HF model; pass labels=... only: each CP rank holds part of every sequence, so "
+                "the library counts the global batch's labelled tokens itself."
+            )
         args, kwargs = super().stage_inputs(args, kwargs)
         if not self.context:
             return args, kwargs

@@ -13,12 +13,29 @@ from lightning_zeropp.accelerate.shares import share_of
 from lightning_zeropp.accelerate.steps import PipelineModel
 from lightning_zeropp.fronts.hf_loss import TokenRule
 from lightning_zeropp.lightning.steps import _check_not_a_loss
+from lightning_zeropp.lightning.weighting import GlobalTokenCount
 
 
 def test_a_lightning_network_computing_its_own_loss_is_refused_under_cp():
     with pytest.raises(ValueError, match="the network returned a scalar"):
         _check_not_a_loss(torch.tensor(1.0))
     _check_not_a_loss(torch.zeros(2, 4, 8))  # logits: gathered, the step computes the loss
+
+
+def test_a_lightning_step_giving_its_own_token_count_is_refused_under_cp():
+    """Under CP the labels stay out of the stages and the library runs the model's loss on the
+    whole sequences with the global count; a count the step passes would have left the output
+    without a loss (found in review): refused instead."""
+    labels = torch.tensor([[1, 2, -100]])
+    adapter = GlobalTokenCount(TokenRule(1), None, lambda t: t, 1, context=True)
+    with pytest.raises(ValueError, match="num_items_in_batch= to the HF model; pass labels"):
+        adapter.stage_inputs((), {"labels": labels, "num_items_in_batch": 2})
+    _, kwargs = adapter.stage_inputs((), {"labels": labels})
+    assert "labels" not in kwargs and "num_items_in_batch" not in kwargs
+    plain = GlobalTokenCount(TokenRule(1), None, lambda t: t, 1, context=False)
+    assert (
+        plain.stage_inputs((), {"labels": labels, "num_items_in_batch": 2})[1]["labels"] is labels
+    )
 
 
 def _pipeline(cp: int, last_loss: object = None, rule: TokenRule | None = None) -> object:

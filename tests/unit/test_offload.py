@@ -141,3 +141,21 @@ def test_compiled_blocks_with_offload_are_bit_identical():
     assert losses_on == losses_off
     assert all(torch.equal(params_on[n], params_off[n]) for n in params_off)
     assert on.offload is not None and on.offload.moved > 0
+
+
+def test_an_expanded_tensor_saved_for_backward_is_kept_where_it_is():
+    """An expanded (stride 0) tensor saved for backward, as SDPA's memory-efficient kernel saves
+    its broadcast mask on CUDA, cannot be copied into a host tensor of its strides (found in
+    review; the CPU kernels save none): it stays on the device, and gradients are unchanged."""
+
+    class Scale(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            mask = torch.ones(1, x.shape[1]).expand_as(x)  # saved by mul, stride 0 in dim 0
+            return (x * mask).sum()
+
+    x = torch.randn(4, 3, requires_grad=True)
+    module, stats = Scale(), OffloadStats()
+    apply_activation_offload(module, torch.device("cpu"), stats)
+    module(x).backward()
+    assert torch.equal(x.grad, torch.ones(4, 3))
+    assert stats.tensors == 0  # x itself is a leaf the caller holds; the mask was kept

@@ -90,6 +90,10 @@ class _HostCopies:
             return False  # weights: FSDP frees and gathers them
         if type(tensor) is not torch.Tensor:
             return False  # a subclass (DTensor) is kept whole
+        if any(st == 0 and n > 1 for st, n in zip(tensor.stride(), tensor.shape, strict=True)):
+            # an expanded tensor (SDPA's memory-efficient kernel saves its broadcast mask so):
+            # a copy keeping its strides cannot be written, and it holds little memory itself
+            return False
         return tensor.device.type == self.device.type
 
     def pack(self, tensor: torch.Tensor) -> Any:
