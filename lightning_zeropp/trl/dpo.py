@@ -42,7 +42,6 @@ from torch import nn
 from torch.utils.data import DataLoader
 from trl import DPOConfig, DPOTrainer
 
-from lightning_zeropp.accelerate.steps import NUM_ITEMS
 from lightning_zeropp.transformers.counts import summed_over_data_parallel
 from lightning_zeropp.transformers.trainer import ZeroPPTrainer
 
@@ -253,12 +252,8 @@ class ZeroPPDPOTrainer(ZeroPPTrainer, DPOTrainer):
             )
         local = torch.tensor(float(pairs), device=engine.device)
         total = float(summed_over_data_parallel(local, pipeline).item())
-        batch = {k: v for k, v in inputs.items() if k != NUM_ITEMS}
-        batch[NUM_ITEMS] = total / (micro * engine.dims.dp_size)
-        outputs = pipeline(**batch)
-        self._record_metrics(outputs.metrics, inputs, model.training)
-        loss = outputs["loss"]
-        return (loss, outputs) if return_outputs else loss
+        # the Trainer's last-stage step: the pair count per micro-batch and data-parallel rank
+        return self._last_stage_step(pipeline, model, inputs, return_outputs, total)
 
     def _record_metrics(
         self, metrics: dict[str, float], inputs: dict[str, Any], training: bool
