@@ -1,8 +1,13 @@
-"""Shared fixtures: launch a batch of cases once per world size, compare each case separately."""
+"""Shared fixtures: launch a batch of cases once per world size, compare each case separately.
+
+A launch runs the cases its module's selected tests check: a case wrapped in `slow_case` (a sweep
+row, left to bench/slow_tests.py for time) is launched only when a test parametrized with it runs,
+so marking a case slow takes its cost out of CI, not only its assertions.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -13,17 +18,77 @@ from tests.distributed.common import GLOBAL_BATCH, reference
 from tests.distributed.launch import launch
 
 
+def slow_case(*values: Any) -> Any:
+    """A parametrization entry marked slow: `slow_case(case)` or `slow_case(world, case)`, with the
+    case dict's "id" as the test id."""
+    case = next(v for v in values if isinstance(v, dict) and "id" in v)
+    return pytest.param(
+        *values, marks=pytest.mark.slow, id=case["id"] if len(values) == 1 else None
+    )
+
+
+def case_of(entry: Any) -> dict[str, Any]:
+    """The case dict of a parametrization entry (a dict, a (world, case) tuple, or a
+    `pytest.param` of either)."""
+    values = entry.values if hasattr(entry, "values") and hasattr(entry, "marks") else entry
+    values = values if isinstance(values, tuple) else (values,)
+    return next(v for v in values if isinstance(v, dict) and "id" in v)
+
+
+def _is_slow(entry: Any) -> bool:
+    return any(m.name == "slow" for m in getattr(entry, "marks", ()))
+
+
+def selected_cases(request: Any, entries: Iterable[Any]) -> list[dict[str, Any]]:
+    """The cases of `entries` a launch must run in this session: every plain one (other tests of
+    the module may read it), and a slow one only if a selected test is parametrized with it."""
+    chosen = {
+        case_of(v)["id"]
+        for item in request.session.items
+        if item.module is request.module and hasattr(item, "callspec")
+        for v in item.callspec.params.values()
+        if isinstance(v, dict) and "id" in v
+    }
+    return [case_of(e) for e in entries if not _is_slow(e) or case_of(e)["id"] in chosen]
+
+
+def by_world(cases_by_world: dict[int, list[Any]]) -> list[Any]:
+    """The `("world", "case")` parametrization of a `{world: [case or slow_case(case)]}` table,
+    each with the id `w{world}-{case id}` and its case's marks."""
+    return [
+        pytest.param(world, case_of(e), id=f"w{world}-{case_of(e)['id']}", marks=_marks(e))
+        for world, entries in cases_by_world.items()
+        for e in entries
+    ]
+
+
+def _marks(entry: Any) -> tuple[Any, ...]:
+    return tuple(getattr(entry, "marks", ()))
+
+
 def core_results_by_world(
-    tmp_path_factory: Any, cases_by_world: dict[int, list[dict[str, Any]]], name: str
+    tmp_path_factory: Any,
+    cases_by_world: dict[int, list[Any]],
+    name: str,
+    request: Any = None,
 ) -> Callable[[int], list[Any]]:
-    """Run each world size's core cases in one launch, on first use, and remember the results."""
+    """Run each world size's core cases in one launch, on first use, and remember the results.
+
+    With `request` (the module fixture's), a world's launch runs only its `selected_cases`."""
     cache: dict[int, list[Any]] = {}
 
     def get(world: int) -> list[Any]:
         if world not in cache:
             out = tmp_path_factory.mktemp(f"{name}{world}")
-            params = {"cases": cases_by_world[world]}
-            cache[world] = launch(world, "core_scenarios.parity", params, out, timeout=600)
+            entries = cases_by_world[world]
+            cases = (
+                [case_of(e) for e in entries]
+                if request is None
+                else selected_cases(request, entries)
+            )
+            cache[world] = launch(
+                world, "core_scenarios.parity", {"cases": cases}, out, timeout=600
+            )
         return cache[world]
 
     return get

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.distributed.conftest import case_of, selected_cases, slow_case
 from tests.distributed.launch import launch
 
 pytestmark = pytest.mark.distributed
@@ -37,7 +38,7 @@ CASES = [
     # micro-batch's mean is rescaled to its share of the accumulation window's token mean
     {"id": "bert-acc2", "plugin": PP, "args": {"family": "bert", "gradient_accumulation_steps": 2}},
     {"id": "llama-zeropp", "plugin": {**PP, "schedule": "ZeroPP"}},
-    {"id": "pp4", "plugin": {"pp_size": 4, "num_microbatches": 4}},
+    slow_case({"id": "pp4", "plugin": {"pp_size": 4, "num_microbatches": 4}}),
     # built under init_empty_weights(); each rank reads its shards of the initial weights from
     # an HF directory (the same weights the one-process run builds)
     {
@@ -47,11 +48,13 @@ CASES = [
     },
     # PEFT LoRA adapters (init_lora_weights=False) on the attention and MLP projections
     {"id": "llama-lora", "plugin": PP, "args": {"lora": True, "max_grad_norm": 0.3}},
-    {
-        "id": "llama-empty-load-zeropp",
-        "plugin": {**PP, "schedule": "ZeroPP", "load_from": "<initial>"},
-        "args": {"empty_init": True},
-    },
+    slow_case(
+        {
+            "id": "llama-empty-load-zeropp",
+            "plugin": {**PP, "schedule": "ZeroPP", "load_from": "<initial>"},
+            "args": {"empty_init": True},
+        }
+    ),
 ]
 # The family sweep: run_clm without clipping (a wrong gradient scale would show), a short last
 # eval batch (10 rows, 8 per step), each tied weight's copies compared after every update (they
@@ -69,13 +72,14 @@ def _sweep(family: str, tied: bool, **extra) -> dict:
 SWEEP_CASES = [
     _sweep("llama", True, args=EXPORTS),
     _sweep("gpt2", True, args=EXPORTS),  # learned positions; its loss_type is None
-    _sweep("gemma2", True),  # scaled embedding, soft-capping, masks alternating by layer
-    _sweep("opt", True),  # learned positions offset by 2, a projection-free OPT
+    # scaled embedding, soft-capping, masks alternating by layer
+    slow_case(_sweep("gemma2", True)),
+    slow_case(_sweep("opt", True)),  # learned positions offset by 2, a projection-free OPT
     # mixture of experts at pp 2 x dp 2 (router logits off: see ROUTER): its (1, hidden)
     # shared_expert_gate shards empty on the second data-parallel rank, whose empty shards all
     # sit at address 0; the export took them for one tied tensor and its all-gathers no longer
     # lined up (gloo: "64 vs 32" bytes) (`core.weights.export._first_names`)
-    _sweep("qwen2_moe", False),
+    slow_case(_sweep("qwen2_moe", False)),
     # no training: run_clm's eval alone, compared with DDP's and one process's
     {"id": "eval-only", "plugin": PP, "args": {"num_train_epochs": 0, "eval_rows": 10}},
 ]
@@ -165,10 +169,11 @@ def _outputs_in(case: dict, out: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("clm")
-    pipe, one = _launch(out, _with_initial_weights([*CASES, *SWEEP_CASES, ROUTER, REFUSED], out))
-    ddp_cases = [{"id": "ddp"}, {"id": "ddp-eval", "args": SWEEP_CASES[-1]["args"]}]
+    cases = [*selected_cases(request, CASES + SWEEP_CASES), ROUTER, REFUSED]
+    pipe, one = _launch(out, _with_initial_weights(cases, out))
+    ddp_cases = [{"id": "ddp"}, {"id": "ddp-eval", "args": case_of(SWEEP_CASES[-1])["args"]}]
     ddp = launch(
         4, "clm_scenarios.run", {"cases": ddp_cases, "init_process_group": False}, out / "ddp"
     )
@@ -202,7 +207,9 @@ def _assert_matches(pipe: list[dict], one: dict, case: dict) -> None:
         torch.testing.assert_close(params[name], value, rtol=0, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("case", CASES + SWEEP_CASES, ids=[c["id"] for c in CASES + SWEEP_CASES])
+@pytest.mark.parametrize(
+    "case", CASES + SWEEP_CASES, ids=[case_of(c)["id"] for c in CASES + SWEEP_CASES]
+)
 def test_matches_one_process(runs, case):
     pipe, one, _, _ = runs
     _assert_matches(pipe, one, case)
@@ -235,7 +242,7 @@ def test_moe_router_logits_are_refused_on_every_rank(runs):
         assert "output_router_logits" in error, f"rank {rank}: {error}"
 
 
-@pytest.mark.parametrize("case", SWEEP_CASES[:2], ids=[c["id"] for c in SWEEP_CASES[:2]])
+@pytest.mark.parametrize("case", SWEEP_CASES[:2], ids=[case_of(c)["id"] for c in SWEEP_CASES[:2]])
 def test_tied_export_reloads_tied(runs, case):
     """run_clm's closing `unwrap_model(model).save_pretrained(...)` and `save_model` of a tied
     model: one process reloads it tied, with the trained weights."""

@@ -14,8 +14,10 @@ import torch
 from tests.distributed.common import BIG_HEAD, make_model, reference
 from tests.distributed.conftest import (
     assert_matches_reference,
+    by_world,
     core_results_by_world,
     merged_params,
+    slow_case,
 )
 from tests.distributed.launch import launch
 
@@ -79,7 +81,9 @@ CASES = {
             schedule="interleaved_1f1b",
             num_microbatches=4,
         ),
-        _case("pp4-zbv", pp_size=4, schedule="zbv", num_microbatches=4),
+        # ZB-V at pp 4 and at pp 2 x dp 2 with the parameter cut: the cost cut below runs the
+        # same schedule in CI
+        slow_case(_case("pp4-zbv", pp_size=4, schedule="zbv", num_microbatches=4)),
         _case("dp_replicate2-dp_shard2-adamw", "adamw", dp_replicate_size=2, dp_shard_size=2),
         # the head and loss cost ~3 blocks, and rank 0 of the V holds them and the embedding:
         # stages cut by cost (the default) move blocks off it
@@ -92,13 +96,15 @@ CASES = {
             num_microbatches=4,
             model="big_head",
         ),
-        _case(
-            "pp2-dp_shard2-zbv-adamw",
-            "adamw",
-            pp_size=2,
-            dp_shard_size=2,
-            schedule="zbv",
-            num_microbatches=2,
+        slow_case(
+            _case(
+                "pp2-dp_shard2-zbv-adamw",
+                "adamw",
+                pp_size=2,
+                dp_shard_size=2,
+                schedule="zbv",
+                num_microbatches=2,
+            )
         ),
     ],
     8: [
@@ -112,7 +118,7 @@ CASES = {
         ),
     ],
 }
-ALL = [(world, case) for world, cases in CASES.items() for case in cases]
+ALL = by_world(CASES)
 # More 8-rank layouts: 8 processes on 2 cores are the suite's slowest launch, so CI runs one
 # (pipeline x HSDP, all three axes); bench/slow_tests.py runs these.
 SLOW_CASES = {
@@ -146,11 +152,11 @@ SLOW = [(world, case) for world, cases in SLOW_CASES.items() for case in cases]
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return core_results_by_world(tmp_path_factory, CASES, "core")
+def results(request, tmp_path_factory):
+    return core_results_by_world(tmp_path_factory, CASES, "core", request)
 
 
-@pytest.mark.parametrize(("world", "case"), ALL, ids=[f"w{w}-{c['id']}" for w, c in ALL])
+@pytest.mark.parametrize(("world", "case"), ALL)
 def test_layout_matches_single_process(results, world, case):
     ref = None
     if case.get("model") == "big_head":
