@@ -41,14 +41,16 @@ def _is_slow(entry: Any) -> bool:
 
 def selected_cases(request: Any, entries: Iterable[Any]) -> list[dict[str, Any]]:
     """The cases of `entries` a launch must run in this session: every plain one (other tests of
-    the module may read it), and a slow one only if a selected test is parametrized with it."""
-    chosen = {
-        case_of(v)["id"]
-        for item in request.session.items
-        if item.module is request.module and hasattr(item, "callspec")
-        for v in item.callspec.params.values()
-        if isinstance(v, dict) and "id" in v
-    }
+    the module may read it), and a slow one only if a selected test is parametrized with it or
+    names it (`@pytest.mark.cases("id", ...)`)."""
+    chosen = set()
+    for item in request.session.items:
+        if item.module is not request.module:
+            continue
+        params = item.callspec.params.values() if hasattr(item, "callspec") else ()
+        chosen |= {v["id"] for v in params if isinstance(v, dict) and "id" in v}
+        for mark in item.iter_markers("cases"):
+            chosen |= set(mark.args)
     return [case_of(e) for e in entries if not _is_slow(e) or case_of(e)["id"] in chosen]
 
 

@@ -152,6 +152,7 @@ def test_bad_setting_fails_on_every_rank(tmp_path):
         assert "ZEROPP_PP_SIZE=3 (pp_size)" in log
 
 
+@pytest.mark.slow  # torchrun runs in CI through the Accelerate recipe (test_recipes.py)
 def test_torchrun_with_settings_from_environment(tmp_path):
     """A real launcher: `python -m torch.distributed.run`, layout from ZEROPP_* variables."""
     case = {"id": "env-adamw-sequential-clip", "layout": None}

@@ -100,6 +100,7 @@ def test_lightning_recipe_runs_with_overrides(tmp_path: Path):
     assert 1.0 < summary["val_perplexity"] < 300 and 0 <= summary["val_token_accuracy"] <= 1
 
 
+@pytest.mark.slow  # a third recipe run from fresh interpreters; the two others stay in CI
 def test_lightning_recipe_trains_an_hf_llama_under_zeropp_plus_in_bf16(tmp_path: Path):
     """`model=llama_tiny parallel=zeropp_plus` (bf16 weights, INT8 gathers, INT4 gradients): an
     HF model that asks for a traced split is cut by its calls instead, since its traced float32
