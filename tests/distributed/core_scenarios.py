@@ -33,7 +33,7 @@ def _train(
     optimizer: str = "sgd",
     clip: bool = False,
     steps: int = 3,
-    split: str = "trace",
+    split: str = "call",
     global_batch: int = GLOBAL_BATCH,
     count_comms: bool = False,
     model: str = "gpt",

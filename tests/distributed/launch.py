@@ -3,7 +3,8 @@
 Ranks are forked from a server that has already imported torch, Lightning, Accelerate and
 transformers (`zygote`): a launch then costs no import time per rank. They are still separate
 processes with their own process groups; `LZPP_TESTS_FRESH_PROCESSES=1` starts each rank as a
-fresh interpreter instead.
+fresh interpreter instead. `LZPP_TESTS_PROFILE=1` has each rank write the CPU-time profile of its
+scenario (`profile{rank}.prof` beside its log; read it with `pstats`): where a slow launch spends.
 """
 
 from __future__ import annotations

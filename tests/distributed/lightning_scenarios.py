@@ -66,7 +66,7 @@ def fit(
     optimizer: str = "sgd",
     clip: bool = False,
     steps: int = 3,
-    split: str = "trace",
+    split: str = "auto",
     accumulate: int = 1,
     save_to: str | None = None,
     resume_from: str | None = None,

@@ -21,6 +21,7 @@ CASES = [
     {
         "id": "pp2-dps2-1f1b-clip",
         "layout": {"pp_size": 2, "dp_shard_size": 2, "num_microbatches": 4},
+        "split": "trace",  # the others take the default ("auto": a call split for LitGPT)
         "clip": True,
         "validate": True,
     },

@@ -32,8 +32,16 @@ def main() -> None:
     torch.set_num_threads(1)
     if params.pop("init_process_group", True):
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    result = fn(**params)
     rank = int(os.environ["RANK"])
+    if os.environ.get("LZPP_TESTS_PROFILE") == "1":  # where a launch spends its CPU time
+        import cProfile
+        import time
+
+        profile = cProfile.Profile(time.process_time)
+        result = profile.runcall(fn, **params)
+        profile.dump_stats(out_dir / f"profile{rank}.prof")
+    else:
+        result = fn(**params)
     torch.save(result, out_dir / f"result{rank}.pt")
     if dist.is_initialized():
         dist.destroy_process_group()
