@@ -96,8 +96,24 @@ def test_every_config_composes_and_validates(choice):
     OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
 
 
-@pytest.mark.parametrize("cluster", options("cluster"))
-@pytest.mark.parametrize("parallel", options("parallel"))
+def _recipe_cluster_pairs() -> list:
+    """Every (parallel, cluster) pair; the planner's search over the multi-node clusters
+    (parallel=auto: seconds to tens of seconds each) is left to bench/slow_tests.py."""
+    return [
+        pytest.param(
+            parallel,
+            cluster,
+            id=f"{parallel}-{cluster}",
+            marks=[pytest.mark.slow]
+            if parallel == "auto" and "x8" in cluster and cluster != "h100_1x8"
+            else [],
+        )
+        for parallel in options("parallel")
+        for cluster in options("cluster")
+    ]
+
+
+@pytest.mark.parametrize(("parallel", "cluster"), _recipe_cluster_pairs())
 def test_every_parallel_recipe_fits_every_cluster(parallel, cluster):
     overrides = [f"parallel={parallel}", f"cluster={cluster}"]
     if parallel == "auto":  # the bundled 8-block model: 4 rows a rank leaves the planner room
