@@ -17,7 +17,13 @@ import pytest
 import torch
 
 from tests.distributed.common import make_batches, reference, sampler_batches
-from tests.distributed.conftest import assert_matches_reference, merged_params
+from tests.distributed.conftest import (
+    assert_matches_reference,
+    case_of,
+    merged_params,
+    selected_cases,
+    slow_case,
+)
 from tests.distributed.hf_scenarios import make_hf_model, reference_loss
 from tests.distributed.launch import launch
 
@@ -27,8 +33,10 @@ LAYOUT = {"pp_size": 2, "dp_shard_size": 2, "num_microbatches": 4}
 CASES = [
     # the model's own loss through `labels=` (targets pre-shifted, passed as shift_labels too)
     {"id": "llama-labels", "family": "llama", "loss": "labels", "validate": True},
-    # cross-entropy from `.logits` in the step, AdamW
-    {"id": "mistral-logits-adamw", "family": "mistral", "loss": "logits", "optimizer": "adamw"},
+    # cross-entropy from `.logits` in the step, AdamW (a Llama-shaped family: the slow run)
+    slow_case(
+        {"id": "mistral-logits-adamw", "family": "mistral", "loss": "logits", "optimizer": "adamw"}
+    ),
     # HF's own convention, `model(input_ids=x, labels=x).loss`, shifted inside HF's loss; two
     # stages per rank (4 in all), so stage 0's rotary cos/sin and mask are relayed
     {
@@ -42,10 +50,13 @@ STEPS = 3
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> tuple[list, Path]:
+def run(request, tmp_path_factory) -> tuple[list, Path]:
     """All cases in one launch (imports and process group start once)."""
     root = tmp_path_factory.mktemp("hf")
-    cases = [{"layout": LAYOUT, **c, "export_to": str(root / "export" / c["id"])} for c in CASES]
+    cases = [
+        {"layout": LAYOUT, **c, "export_to": str(root / "export" / c["id"])}
+        for c in selected_cases(request, CASES)
+    ]
     params = {"cases": cases, "init_process_group": False}
     return launch(4, "hf_scenarios.fit_cases", params, root / "logs", timeout=300), root
 
@@ -56,7 +67,7 @@ def _reference(case: dict) -> dict:
 
 @functools.cache
 def _reference_of(case_id: str) -> dict:
-    case = next(c for c in CASES if c["id"] == case_id)
+    case = next(case_of(c) for c in CASES if case_of(c)["id"] == case_id)
     return reference(
         case.get("optimizer", "sgd"),
         False,
@@ -67,7 +78,7 @@ def _reference_of(case_id: str) -> dict:
     )
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[case_of(c)["id"] for c in CASES])
 def test_hf_fit_matches_single_process(run, case):
     results, _ = run
     ref = _reference(case)
@@ -94,7 +105,7 @@ def test_hf_validation_runs_forward_only_schedule(run):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[case_of(c)["id"] for c in CASES])
 def test_hf_export_reloads_with_from_pretrained(run, case):
     from transformers import AutoModelForCausalLM
 
