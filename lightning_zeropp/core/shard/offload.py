@@ -137,8 +137,8 @@ def _ready(tensor: torch.Tensor, event: Any) -> torch.Tensor:
     return tensor
 
 
-def _bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 class _Copy:
@@ -146,6 +146,7 @@ class _Copy:
 
     def __init__(self, source: torch.UntypedStorage, version: int, host: torch.Tensor) -> None:
         self.source = weakref.ref(source)
+        self.device = source.device  # where it comes back to (cuda:N, as the tensor was)
         self.version = version
         self.host = host
         self.event: Any = None
@@ -202,7 +203,7 @@ class _HostCopies:
             storage = _ready(copy.fetched, copy.fetch_event).untyped_storage()
         else:
             storage = self._fetch_now(copy)
-        empty = torch.empty(0, dtype=dtype, device=self.device)
+        empty = torch.empty(0, dtype=dtype, device=storage.device)
         return empty.set_(storage, offset, size, stride)
 
     def _fetch_now(self, copy: _Copy) -> torch.UntypedStorage:
@@ -212,8 +213,8 @@ class _HostCopies:
         if alive is not None:
             return alive
         if copy.event is not None:
-            torch.cuda.current_stream(self.device).wait_event(copy.event)
-        data = torch.empty_like(copy.host, device=self.device)
+            torch.cuda.current_stream(copy.device).wait_event(copy.event)
+        data = torch.empty_like(copy.host, device=copy.device)
         data.copy_(copy.host, non_blocking=copy.event is not None)
         self.stats.fetched_late += data.numel()
         copy.late = weakref.ref(data.untyped_storage())
@@ -228,15 +229,16 @@ class _HostCopies:
         for copy in reversed(copies):
             if copy.fetched is not None:
                 continue
-            back = functools.partial(self._device_copy, copy.host)
+            back = functools.partial(self._device_copy, copy.host, copy.device)
             copy.fetched, copy.fetch_event = self.to_device.run(back, None, copy.event)
             self.stats.fetched_ahead += copy.host.numel()
 
-    def _device_copy(self, host: torch.Tensor) -> torch.Tensor:
-        return torch.empty_like(host, device=self.device).copy_(host, non_blocking=True)
+    @staticmethod
+    def _device_copy(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        return torch.empty_like(host, device=device).copy_(host, non_blocking=True)
 
     def _to_host(self, storage: torch.UntypedStorage, version: int) -> _Copy:
-        source = _bytes(storage, self.device)
+        source = _bytes(storage)
         host = torch.empty(
             source.numel(),
             dtype=torch.uint8,
