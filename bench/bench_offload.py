@@ -98,6 +98,8 @@ def run_rank(out: Path) -> None:
             "device": engine.activation_peak,
             "host": engine.host_activation_peak,
             "pp_rank": engine.dims.pp_rank,
+            "copies": None if engine.offload is None else engine.offload.storages,
+            "saved": None if engine.offload is None else engine.offload.tensors,
         }
     rank = dist.get_rank()
     (out / f"rank{rank}.json").write_text(json.dumps(result))
@@ -125,7 +127,8 @@ def report(info: dict[str, Any], planned: list[dict[str, Any]], measured: list[A
         "Device-resident activation peak per pipeline rank (GiB), bf16, cut by cost, 4 pp "
         "micro-batches of one row; `auto` offloads the ranks holding more micro-batches in "
         "flight than the mean; host: what `auto` holds in host memory; step: predicted, with the "
-        "copies over a 50 GB/s host link (the copy back is not prefetched).",
+        "copies over a 50 GB/s host link (the copy back prefetched where the backward is one "
+        "task, 1F1B; copied back as read, in I and in W, where it is split, ZeroPP).",
         "",
         "| layout | offload | ranks offloading | device peak per rank (GiB) | host (auto) | step s |",
         "|---|---|---|---|---|---|",
@@ -145,15 +148,19 @@ def report(info: dict[str, Any], planned: list[dict[str, Any]], measured: list[A
             "## Measured: bundled GPT on 4 gloo ranks (CPU), pp 4 1F1B, 8 micro-batches",
             "",
             "The memory report's activation peak (the device's share, MiB) and what the offload "
-            "hooks held on the host; on CPU both are one memory: this checks the accounting.",
+            "hooks held on the host; on CPU both are one memory: this checks the accounting. "
+            "Host copies: one per storage and stage forward, against the saved tensors they "
+            "serve.",
             "",
-            "| pp rank | off: device | auto: device | auto: host | losses equal |",
-            "|---|---|---|---|---|",
+            "| pp rank | off: device | auto: device | auto: host | host copies / saved tensors "
+            "| losses equal |",
+            "|---|---|---|---|---|---|",
         ]
         for m in sorted(measured, key=lambda m: m["off"]["pp_rank"]):
             lines.append(
                 f"| {m['off']['pp_rank']} | {_mib(m['off']['device'])} | "
                 f"{_mib(m['auto']['device'])} | {_mib(m['auto']['host'])} | "
+                f"{m['auto'].get('copies') or '-'} / {m['auto'].get('saved') or '-'} | "
                 f"{m['off']['loss'] == m['auto']['loss']} |"
             )
     return "\n".join(lines) + "\n"

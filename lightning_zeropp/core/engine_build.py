@@ -178,8 +178,10 @@ def build_stages(
         _prepare_stage(module, stage_id, blocks, config, dims, device, meta, plus)
         if offload is not None and config.offloads(stage_id):
             # Around the whole stage (its checkpointed blocks inside), inside FSDP's hooks:
-            # gathered weights are parameters and are not copied.
-            apply_activation_offload(module, device, offload)
+            # gathered weights are parameters and are not copied. A split backward reads the
+            # saved tensors in two tasks: it copies back as it reads (no prefetch).
+            prefetch = not splits_backward(config.schedule, config.split_backward)
+            apply_activation_offload(module, device, offload, prefetch)
     tied_weights = TiedWeights(tied, list(zip(stage_ids, modules, strict=True)), dims)
     merged = merge_stage_modules(modules)
     if meta or load_from is not None:

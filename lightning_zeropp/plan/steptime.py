@@ -285,9 +285,10 @@ def _offloaded(
     seconds: list[tuple[float, float]], saved: int, cfg: ZeroPPLayout, hardware: Hardware
 ) -> list[tuple[float, float]]:
     """A stage's unit seconds with its activations offloaded (`core.shard.offload`): the copy to
-    host runs on its own stream, exposed only where it outlasts the forward; the copy back runs
-    on the compute stream (not prefetched) in each backward task that reads them: once in a
-    full backward, twice (I and W) in a split one."""
+    host runs on its own stream, exposed only where it outlasts the forward. The copy back:
+    where the backward is one task it starts with it, the last unit's share first
+    (`_prefetch_wait`), so only what the backward's compute cannot hide is added; a split
+    backward copies back on the compute stream in each task that reads (I and W), in full."""
     if hardware.host_Bps is None:
         raise ValueError(
             f"offload_activations={cfg.offload_activations!r} is priced over the host link, but "
@@ -295,12 +296,25 @@ def _offloaded(
             "e.g. 50 for PCIe Gen5 x16) to the cluster file, or Hardware(host_Bps=...)."
         )
     move = saved / hardware.host_Bps
-    reads = 2 if cfg.split_backward or cfg.schedule in SPLIT_BACKWARD else 1
+    split = cfg.split_backward or cfg.schedule in SPLIT_BACKWARD
     exposed = max(0.0, move - sum(f for f, _ in seconds))
+    back = 2 * move if split else _prefetch_wait(move, [b for _, b in seconds])
     out = list(seconds)
     out[-1] = (out[-1][0] + exposed, out[-1][1])
-    out[0] = (out[0][0], out[0][1] + reads * move)
+    out[0] = (out[0][0], out[0][1] + back)
     return out
+
+
+def _prefetch_wait(move: float, backward: list[float]) -> float:
+    """Seconds a backward of units `backward` (forward order) waits for a prefetch of `move`
+    seconds that starts with it, each unit's share (equal shares) copied in the order the
+    backward reads them, the last unit first: the backward's end minus its compute."""
+    share = move / len(backward)
+    copied = clock = 0.0
+    for seconds in reversed(backward):
+        copied += share
+        clock = max(clock, copied) + seconds
+    return clock - sum(backward)
 
 
 def _unit_seconds(

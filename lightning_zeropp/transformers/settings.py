@@ -139,14 +139,12 @@ def _checkpointing_problem(args: Any) -> str | None:
     odd = {}
     if kwargs.get("every_n_layers", 1) != 1:
         odd["every_n_layers"] = kwargs["every_n_layers"]
-    if kwargs.get("offload", False) is not False:
-        odd["offload"] = kwargs["offload"]
     if not odd:
         return None
     return (
         f"activation_checkpointing_kwargs={odd}: the pipeline recomputes each stage's blocks "
-        "itself (ZeroPPPlugin(activation_checkpointing=True or 'except_last')), every block and "
-        "without offloading. Drop these keys."
+        "itself (ZeroPPPlugin(activation_checkpointing=True or 'except_last')), every block. "
+        "Drop these keys."
     )
 
 
@@ -179,7 +177,9 @@ def plugin_for(plugin: ZeroPPPlugin | None, args: Any) -> ZeroPPPlugin:
     would patch the model's layers before the pipeline cuts them: it is turned off in `args`)."""
     plugin = plugin or ZeroPPPlugin()
     if _asks_checkpointing(args):
-        plugin = _with_checkpointing(plugin)
+        kwargs = dict(getattr(args, "activation_checkpointing_kwargs", None) or {})
+        kwargs.update(getattr(args, "gradient_checkpointing_kwargs", None) or {})
+        plugin = _with_checkpointing(plugin, bool(kwargs.get("offload", False)))
         args.activation_checkpointing = args.gradient_checkpointing = False
     if not args.bf16:
         return plugin
@@ -200,15 +200,24 @@ def plugin_for(plugin: ZeroPPPlugin | None, args: Any) -> ZeroPPPlugin:
     return mapped
 
 
-def _with_checkpointing(plugin: ZeroPPPlugin) -> ZeroPPPlugin:
-    """`plugin` recomputing every block, unless it already recomputes some ('except_last')."""
-    if plugin.run_settings().config.activation_checkpointing not in (False, "none", None):
+def _with_checkpointing(plugin: ZeroPPPlugin, offload: bool) -> ZeroPPPlugin:
+    """`plugin` recomputing every block, unless it already recomputes some ('except_last'), and
+    with `offload` (activation_checkpointing_kwargs={"offload": True}, the saved activations in
+    host memory) offloading every stage's (`offload_activations=True`, docs/offload.md), unless
+    it already says where."""
+    config = plugin.run_settings().config
+    change: dict[str, Any] = {}
+    if config.activation_checkpointing in (False, "none", None):
+        change["activation_checkpointing"] = True
+    if offload and config.offload_activations in (False, "off"):
+        change["offload_activations"] = True
+    if not change:
         return plugin
     mapped = copy.copy(plugin)
     if plugin.config is not None:
-        mapped.config = dataclasses.replace(plugin.config, activation_checkpointing=True)
+        mapped.config = dataclasses.replace(plugin.config, **change)
     else:
-        mapped.settings = {**plugin.settings, "activation_checkpointing": True}
+        mapped.settings = {**plugin.settings, **change}
     return mapped
 
 

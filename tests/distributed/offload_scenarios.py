@@ -50,5 +50,9 @@ def _run(layout: dict[str, Any], steps: int = 2) -> dict[str, Any]:
         "host_peak": engine.host_activation_peak,
         "moved": None if stats is None else stats.moved,
         "host_live": None if stats is None else stats.live,
+        "storages": None if stats is None else stats.storages,
+        "tensors": None if stats is None else stats.tensors,
+        "fetched_ahead": None if stats is None else stats.fetched_ahead,
+        "fetched_late": None if stats is None else stats.fetched_late,
         "report": report,
     }

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from lightning_zeropp.core import ZeroPPConfig
+from lightning_zeropp.core.settings.placement import splits_backward
+from lightning_zeropp.core.settings.ranks import stage_rank
 from tests.distributed.launch import launch
 
 pytestmark = pytest.mark.distributed
@@ -66,6 +68,18 @@ def test_offloading_ranks_hold_less_on_the_device(results, case):
             # what moved is no longer the device's: the device-resident peak drops
             assert on["activation_peak"] < off["activation_peak"] / 2, (on, off)
             assert "offloaded to host" in on["report"]
+            # one host copy per storage: q, k and v (views of the fused qkv) and an input read
+            # by several nodes are copied once (where blocks recompute, only the saved tensors
+            # outside them move: nothing shares a storage there)
+            stages = [s for s in range(cfg.num_stages)
+                      if stage_rank(cfg.schedule, s, cfg.pp_size) == on["pp_rank"]]  # fmt: skip
+            recomputes = any(cfg.recomputes(s) for s in stages)
+            assert on["storages"] <= on["tensors"] if recomputes else on["storages"] < on["tensors"]
+            if splits_backward(cfg.schedule, cfg.split_backward):  # I and W each read: no prefetch
+                assert on["fetched_ahead"] == 0 and on["fetched_late"] >= on["moved"], on
+            else:  # every copy read back had started as its backward started (torch's
+                # first-step metadata forward is copied and never read: not all was fetched)
+                assert on["fetched_late"] == 0 and 0 < on["fetched_ahead"] <= on["moved"], on
         else:
             assert on["host_peak"] is None
             assert on["activation_peak"] == off["activation_peak"]

@@ -92,3 +92,21 @@ def test_the_search_recomputes_or_offloads_on_the_ranks_over_the_memory_only():
     )
     assert sorted(map(repr, (c.settings for c in found))) == sorted(repr(s) for s, _ in variants)
     assert search(model, WORLD, BATCH, SEQ, _hardware(budget), layouts=[LAYOUT]) == []
+
+
+def test_a_prefetched_copy_back_costs_only_what_the_backward_cannot_hide():
+    from lightning_zeropp.plan.steptime import _offloaded, _prefetch_wait
+
+    # the last unit's share always waits; the rest hides behind the backward's compute
+    assert _prefetch_wait(1.0, [10.0] * 4) == pytest.approx(0.25)
+    # a copy longer than the compute: the backward ends when the last share arrives, plus the
+    # first unit's compute
+    assert _prefetch_wait(8.0, [1.0] * 4) == pytest.approx(8.0 + 1.0 - 4.0)
+    units = [(1.0, 2.0)] * 4
+    one_task = ZeroPPConfig(**LAYOUT, offload_activations=True).resolve(WORLD)
+    split = ZeroPPConfig(**{**LAYOUT, "schedule": "zbv", "split_points": None},
+                         offload_activations=True).resolve(WORLD)  # fmt: skip
+    hardware = _hardware(host=1.0)
+    full = [b for _, b in _offloaded(units, 4, one_task, hardware)]
+    assert sum(full) - 8.0 == pytest.approx(1.0)  # 4 s of copy behind 8 s of compute: 1 s waits
+    assert sum(b for _, b in _offloaded(units, 4, split, hardware)) - 8.0 == pytest.approx(8.0)

@@ -24,8 +24,11 @@ REFUSED = [
     ({"torch_compile": True}, "torch_compile"),
     # mapped onto the library's, except what it cannot do
     (
-        {"activation_checkpointing": True, "activation_checkpointing_kwargs": {"offload": True}},
-        "activation_checkpointing_kwargs={'offload': True}",
+        {
+            "activation_checkpointing": True,
+            "activation_checkpointing_kwargs": {"every_n_layers": 2},
+        },
+        "activation_checkpointing_kwargs={'every_n_layers': 2}",
     ),
     ({"auto_find_batch_size": True}, "auto_find_batch_size"),
     ({"neftune_noise_alpha": 5.0}, "neftune_noise_alpha"),
@@ -103,6 +106,21 @@ def test_gradient_checkpointing_is_the_librarys(tmp_path):
     args.gradient_checkpointing = args.activation_checkpointing = True
     kept = plugin_for(ZeroPPPlugin(pp_size=2, activation_checkpointing="except_last"), args)
     assert kept.run_settings().config.activation_checkpointing == "except_last"
+
+
+def test_checkpointing_with_offload_is_the_librarys_offload(tmp_path):
+    """Before: activation_checkpointing_kwargs={'offload': True} was refused; now every stage
+    also offloads its saved activations (`offload_activations=True`), unless the plugin says."""
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    args.activation_checkpointing, args.activation_checkpointing_kwargs = True, {"offload": True}
+    config = plugin_for(ZeroPPPlugin(pp_size=2), args).run_settings().config
+    assert config.activation_checkpointing is True and config.offload_activations is True
+    args.activation_checkpointing = True
+    ranks = plugin_for(ZeroPPPlugin(pp_size=2, offload_activations=[0]), args)
+    assert ranks.run_settings().config.offload_activations == [0]
+    args.activation_checkpointing, args.activation_checkpointing_kwargs = True, None
+    plain = plugin_for(ZeroPPPlugin(pp_size=2), args).run_settings().config
+    assert plain.offload_activations is False
 
 
 def test_bf16_is_fsdp_mixed_precision(tmp_path):
