@@ -31,14 +31,13 @@ from lightning_zeropp.core.measure.comm import CommCounter, mesh_axis_namer
 from lightning_zeropp.core.measure.memory import GatheredPeak, SavedActivations
 from lightning_zeropp.core.measure.planning import PlanningStats
 from lightning_zeropp.core.mesh import ParallelDims, build_mesh
-from lightning_zeropp.core.settings.config import ZeroPPConfig, ZeroPPLayout
 from lightning_zeropp.core.settings.env import check_batch_from_env
-from lightning_zeropp.core.settings.merge import launcher_node_size
 from lightning_zeropp.core.settings.placement import (
     rank_of_stage,
     schedule_style,
     stage_ids_for_rank,
 )
+from lightning_zeropp.core.settings.resolve import ZeroPPLayout, check_layout
 from lightning_zeropp.core.split.call_stages import restore_output
 from lightning_zeropp.core.split.methods import SplitMethod, resolve_split
 from lightning_zeropp.core.step.agree import agree, check_replicas, model_layout, settings_fields
@@ -63,7 +62,9 @@ class ZeroPPEngine(EngineReports):
         model: the whole model, unmodified: built as usual, or with its parameters on the meta
             device (`empty_parameters()`, Accelerate's `init_empty_weights()`), in which case
             each rank allocates its own shards only, filled from `load_from` or by `init`.
-        config: layout and schedule; resolved against the world size here.
+        layout: layout and schedule, resolved already for this world: a `ZeroPPLayout`, as a
+            front's door resolves it (`launch_layout(config)` in plain PyTorch code). The engine
+            resolves nothing and reads no launcher variable.
         loss_fn: `loss_fn(output, target_microbatch) -> scalar`, the mean over the micro-batch.
         split: "auto" (default: "call" unless the model names another), "call", "trace",
             "stack", or a callable; see `core.split`.
@@ -84,7 +85,7 @@ class ZeroPPEngine(EngineReports):
     def __init__(
         self,
         model: nn.Module,
-        config: ZeroPPConfig | ZeroPPLayout,
+        layout: ZeroPPLayout,
         *,
         loss_fn: LossFn,
         split: SplitMethod = "auto",
@@ -97,8 +98,7 @@ class ZeroPPEngine(EngineReports):
         init: InitFn | None = None,
         load_from: str | Path | None = None,
     ) -> None:
-        self.config = config.resolve(dist.get_world_size(), launcher_node_size())
-        cfg = self.config
+        self.config = cfg = check_layout(layout, dist.get_world_size())
         self.device = device or torch.device("cpu")
         self.num_stages = cfg.num_stages
         self._meta = has_meta(model)

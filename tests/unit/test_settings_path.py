@@ -29,8 +29,8 @@ from lightning_zeropp.accelerate import ZeroPPPlugin
 from lightning_zeropp.accelerate.build import _settings
 from lightning_zeropp.core.settings import env
 from lightning_zeropp.core.settings.config import ZeroPPConfig, ZeroPPLayout
-from lightning_zeropp.core.settings.merge import merge_settings
 from lightning_zeropp.core.settings.reference import SETTINGS_REFERENCE, settings_table
+from lightning_zeropp.fronts.settings import merge_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 FIELDS = [f.name for f in dataclasses.fields(ZeroPPConfig)]

@@ -4,7 +4,7 @@
 every setting against the others, raising a `ValueError` that names the bad
 value, the fix, and the settings it concerns. It is pure: no environment variable is read (the
 fronts read the launcher's node size and the `ZEROPP_*` variables themselves, in
-`core.settings.merge`). The result is frozen and fully typed, so the engine, the planner and the
+`fronts.settings`). The result is frozen and fully typed, so the engine, the planner and the
 fronts read sizes and policies without checking for None.
 """
 
@@ -37,7 +37,7 @@ from lightning_zeropp.core.settings.values import (
 if TYPE_CHECKING:
     from lightning_zeropp.core.settings.config import ZeroPPConfig
 
-__all__ = ["ZeroPPLayout", "resolve_config"]
+__all__ = ["ZeroPPLayout", "check_layout", "resolve_config"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,7 +109,8 @@ class ZeroPPLayout:
         )
 
     def resolve(self, world_size: int, node_size: int | None = None) -> ZeroPPLayout:
-        """Already resolved: itself, for the world it was resolved for."""
+        """Already resolved: itself, for the world it was resolved for (`node_size` was
+        decided when it was resolved)."""
         if world_size != self.world_size:
             raise setting_error(
                 ("pp_size", "dp_replicate_size", "dp_shard_size", "cp_size"),
@@ -126,6 +127,20 @@ class ZeroPPLayout:
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         values.pop("world_size")
         return values
+
+
+def check_layout(layout: object, world_size: int) -> ZeroPPLayout:
+    """`layout` if it is a `ZeroPPLayout` resolved for `world_size` processes; a config that was
+    not resolved is refused, naming the call that resolves it (the core resolves nothing: the
+    world and the launcher's ranks per node are known at a front's door)."""
+    if not isinstance(layout, ZeroPPLayout):
+        raise TypeError(
+            f"ZeroPPEngine takes a resolved ZeroPPLayout, got {type(layout).__name__}: resolve the "
+            "config for the launched world first, `ZeroPPEngine(model, "
+            "lightning_zeropp.launch_layout(config), ...)` (reads the world size and the "
+            "launcher's LOCAL_WORLD_SIZE), or `config.resolve(world_size, node_size)`."
+        )
+    return layout.resolve(world_size)
 
 
 def resolve_config(
