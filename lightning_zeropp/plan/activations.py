@@ -158,8 +158,7 @@ def _lowered(config: ZeroPPLayout) -> dict[int, list[Any]]:
         )
         plans[r] = lower(
             order,
-            # resolve() checked grad_reduce against GRAD_REDUCE; the layout's field is a plain str
-            reduce_points(order, u, config.grad_reduce),  # type: ignore[arg-type]
+            reduce_points(order, u, config.grad_reduce),
             keep_node_copy=hpz_size(config) is not None,
         )
     return plans

@@ -107,6 +107,11 @@ def rank_memory(
     return out
 
 
+def _layout(settings: dict[str, Any], world_size: int) -> ZeroPPLayout:
+    """A candidate's settings resolved, once: the planner's entries take the layout as it is."""
+    return ZeroPPConfig(**settings).resolve(world_size)
+
+
 def gradient_buffers(model: nn.Module, cfg: ZeroPPLayout) -> dict[int, int]:
     """Per pipeline rank, the most unsharded gradient bytes FSDP holds at once in a step (a
     resolved config): a stage's buffer lives from its first gradient task (B or W) until the
@@ -289,7 +294,7 @@ def search(
     priced = []
     for i, settings in enumerate(space):
         costs = price(
-            model, ZeroPPConfig(**settings), world_size, global_batch, seq_len, hardware,
+            model, _layout(settings, world_size), world_size, global_batch, seq_len, hardware,
             optimizer=optimizer, **modes,
         )  # fmt: skip
         priced.append((costs.lower_bound(), i, settings, costs))
@@ -301,8 +306,7 @@ def search(
         memory = max(
             r["total"]
             for r in rank_memory(
-                model, ZeroPPConfig(**settings), world_size, global_batch, seq_len, optimizer,
-                device,
+                model, costs.cfg, world_size, global_batch, seq_len, optimizer, device
             )
         )  # fmt: skip
         if hardware.memory_bytes is not None and memory > hardware.memory_bytes:
@@ -325,14 +329,13 @@ def search(
                 continue
             settings = even  # within memory: the parameter cut, if it fits where this did not
             costs = price(
-                model, ZeroPPConfig(**settings), world_size, global_batch, seq_len, hardware,
+                model, _layout(settings, world_size), world_size, global_batch, seq_len, hardware,
                 optimizer=optimizer, **modes,
             )  # fmt: skip
             memory = max(
                 r["total"]
                 for r in rank_memory(
-                    model, ZeroPPConfig(**settings), world_size, global_batch, seq_len,
-                    optimizer, device,
+                    model, costs.cfg, world_size, global_batch, seq_len, optimizer, device
                 )
             )  # fmt: skip
             if memory > hardware.memory_bytes:

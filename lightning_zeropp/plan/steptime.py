@@ -206,12 +206,13 @@ def predict_range(
 ) -> tuple[StepTimePlan, StepTimePlan]:
     """The slow and the fast end of a prediction: `predict_step_time` at the low and the high
     end of the hardware's efficiency range (the same plan twice without one)."""
-    return tuple(  # type: ignore[return-value]
+    slow, fast = (
         predict_step_time(
             model, config, world_size, global_batch, seq_len, hardware, bound=bound, **kwargs
         )
         for bound in ("low", "high")
     )
+    return slow, fast
 
 
 def optimizer_time(

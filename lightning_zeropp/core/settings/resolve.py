@@ -29,6 +29,7 @@ from lightning_zeropp.core.settings.values import (
     GRAD_REDUCE,
     NONFINITE,
     RECOMPUTE,
+    GradReduce,
     parse_dtype,
     schedule_name,
     setting_error,
@@ -63,7 +64,7 @@ class ZeroPPLayout:
     split_points: list[int] | None
     unit_size: int | None
     split_backward: bool
-    grad_reduce: str
+    grad_reduce: GradReduce
     nonfinite: str
     quantized_weights: str | None
     hpz_partition_size: int | None
