@@ -15,7 +15,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
-from lightning_zeropp.core.settings.resolve import ZeroPPLayout
+from lightning_zeropp.core.settings.layout import ZeroPPLayout
 from lightning_zeropp.core.weights.materialize import empty_parameters, init_weights
 from lightning_zeropp.fronts.settings import launch_layout
 

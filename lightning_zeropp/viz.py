@@ -28,7 +28,7 @@ from lightning_zeropp.core.measure.timeline import Interval, Timeline, bubble_fr
 from lightning_zeropp.core.schedule.build import zeropp_orders, zeropp_plans
 from lightning_zeropp.core.schedule.zeropp import DURATIONS, bubble_formula, simulate
 from lightning_zeropp.core.settings.config import ZeroPPConfig
-from lightning_zeropp.core.settings.resolve import ZeroPPLayout
+from lightning_zeropp.core.settings.layout import ZeroPPLayout
 
 __all__ = ["planned_timelines", "draw_gantt", "write_chrome_trace", "main"]
 

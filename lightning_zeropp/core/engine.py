@@ -33,12 +33,12 @@ from lightning_zeropp.core.measure.memory import GatheredPeak, SavedActivations
 from lightning_zeropp.core.measure.planning import PlanningStats
 from lightning_zeropp.core.mesh import ParallelDims, build_mesh
 from lightning_zeropp.core.settings.env import check_batch_from_env
+from lightning_zeropp.core.settings.layout import ZeroPPLayout, check_layout
 from lightning_zeropp.core.settings.placement import (
     rank_of_stage,
     schedule_style,
     stage_ids_for_rank,
 )
-from lightning_zeropp.core.settings.resolve import ZeroPPLayout, check_layout
 from lightning_zeropp.core.split.call_stages import restore_output
 from lightning_zeropp.core.split.methods import SplitMethod, resolve_split
 from lightning_zeropp.core.step.agree import agree, check_replicas, model_layout, settings_fields

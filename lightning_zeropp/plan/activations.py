@@ -38,8 +38,8 @@ from typing import Any
 from torch import nn
 
 from lightning_zeropp.core.settings.config import ZeroPPConfig
+from lightning_zeropp.core.settings.layout import ZeroPPLayout
 from lightning_zeropp.core.settings.placement import stage_ids_for_rank
-from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 from lightning_zeropp.plan.context import rank_profile
 from lightning_zeropp.plan.cut import settle
 from lightning_zeropp.plan.memory import _stage_ranges, stage_ranges

@@ -27,7 +27,7 @@ from lightning_zeropp.core.settings.placement import (
 from lightning_zeropp.core.settings.plus import hpz_size
 
 if TYPE_CHECKING:
-    from lightning_zeropp.core.settings.resolve import ZeroPPLayout
+    from lightning_zeropp.core.settings.layout import ZeroPPLayout
 
 __all__ = [
     "SCHEDULES",

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lightning_zeropp.core.settings.resolve import ZeroPPLayout, resolve_config
+from lightning_zeropp.core.settings.layout import ZeroPPLayout
+from lightning_zeropp.core.settings.resolve import resolve_config
 from lightning_zeropp.core.settings.values import (
     GRAD_REDUCE,
     NONFINITE,
