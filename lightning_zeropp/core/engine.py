@@ -28,8 +28,6 @@ from lightning_zeropp.core.engine_build import (
 from lightning_zeropp.core.engine_context import EngineContext
 from lightning_zeropp.core.engine_reports import EngineReports
 from lightning_zeropp.core.engine_schedules import Schedules
-from lightning_zeropp.core.measure.comm import CommCounter, mesh_axis_namer
-from lightning_zeropp.core.measure.memory import GatheredPeak, SavedActivations
 from lightning_zeropp.core.measure.planning import PlanningStats
 from lightning_zeropp.core.mesh import ParallelDims, build_mesh
 from lightning_zeropp.core.settings.env import check_batch_from_env
@@ -169,7 +167,6 @@ class ZeroPPEngine:
         self.nonfinite = NonFiniteWatch(
             self._stage_modules, self.stage_ids, self.num_stages, self.device, cfg.nonfinite
         )
-        self._axis_namer = mesh_axis_namer(self.dims.mesh)
         # What the engine reports besides the loss; the training step records into it.
         self.reports = EngineReports(self.dims, self.device, self.module, self.offload, count_comms)
 
@@ -217,22 +214,13 @@ class ZeroPPEngine:
         earlier = StepGrads(self.parameters())  # the runtime divides every .grad present
         losses: list[torch.Tensor] = []
         inputs, kw = self._stage_inputs(args, kwargs)
-        reports = self.reports
-        counter = CommCounter(self._axis_namer) if reports.count_comms else None
+        # Collectives counted; the first step measures the peaks of the memory report.
+        measures = self.reports.step_measures(self._stage_modules)
         self.nonfinite.start()
-        # The first step measures the gathered-weight and activation peaks of the memory report.
-        first = reports.gathered_peak is None
-        probe = GatheredPeak(self._stage_modules) if first else None
-        saved = SavedActivations() if first else None
-        with (
-            self.failures.guard(),
-            counter or contextlib.nullcontext(),
-            probe or contextlib.nullcontext(),
-            saved or contextlib.nullcontext(),
-        ):
+        with self.failures.guard(), measures:
             with self._attention or contextlib.nullcontext():
                 schedule.step(*inputs, target=target, losses=losses, return_outputs=False, **kw)
-            if first and self._attention is not None:
+            if measures.first and self._attention is not None:
                 self._attention.check_taken(self.device)
             # This step's gradients only: `earlier` holds earlier accumulation steps' ones.
             average_whole_grads(self.parameters(), self.dims.grad_groups, self.dims.grad_size)
@@ -243,10 +231,7 @@ class ZeroPPEngine:
                 p.grad = None
         grads = StepGrads(self.parameters())
         earlier.apply()
-        if probe is not None and saved is not None:
-            reports.gathered_peak, reports.activation_peak = probe.peak, saved.peak
-        if counter is not None:
-            reports.last_comms = counter.summary()
+        self.reports.record(measures)
         return loss, grads
 
     @torch.no_grad()

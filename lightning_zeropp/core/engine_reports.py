@@ -8,6 +8,7 @@ engine's own report methods and properties hand over to it.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,12 +16,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_zeropp.core.measure.comm import PLUS_AXES, flatten_summary
-from lightning_zeropp.core.measure.memory import format_report, measure
+from lightning_zeropp.core.measure.comm import (
+    PLUS_AXES,
+    CommCounter,
+    flatten_summary,
+    mesh_axis_namer,
+)
+from lightning_zeropp.core.measure.memory import (
+    GatheredPeak,
+    SavedActivations,
+    format_report,
+    measure,
+)
 from lightning_zeropp.core.mesh import ParallelDims
 from lightning_zeropp.core.shard.offload import OffloadStats
 
-__all__ = ["EngineReports"]
+__all__ = ["EngineReports", "StepMeasures"]
 
 
 class EngineReports:
@@ -45,6 +56,22 @@ class EngineReports:
         # at once (weights excluded), in the first training step (None before it).
         self.gathered_peak: int | None = None
         self.activation_peak: int | None = None
+        self._axis_namer = mesh_axis_namer(dims.mesh)
+
+    def step_measures(self, stages: Sequence[nn.Module]) -> StepMeasures:
+        """What one training step over `stages` measures: its collectives when `count_comms`
+        is on, and in the first step the peaks of the memory report; `record` keeps them."""
+        counter = CommCounter(self._axis_namer) if self.count_comms else None
+        first = self.gathered_peak is None
+        return StepMeasures(counter, GatheredPeak(stages) if first else None, first)
+
+    def record(self, measures: StepMeasures) -> None:
+        """Keep what a step measured (after it completed)."""
+        if measures.gathered is not None and measures.saved is not None:
+            self.gathered_peak = measures.gathered.peak
+            self.activation_peak = measures.saved.peak
+        if measures.counter is not None:
+            self.last_comms = measures.counter.summary()
 
     def comm_metrics(self, prefix: str = "comm") -> dict[str, float]:
         """The last training step's collectives as flat metrics, averaged over every rank.
@@ -97,3 +124,23 @@ class EngineReports:
             emit(self.memory_report(optimizers, "after the first update"))
 
         handles.extend(opt.register_step_post_hook(after_step) for opt in optimizers)
+
+
+class StepMeasures(contextlib.ExitStack):
+    """The measures one training step runs under (entered around the step, in this order):
+    the collectives counted (`counter`), and in the first step (`first`) the gathered-weight
+    and saved-activation peaks (`gathered`, `saved`)."""
+
+    def __init__(
+        self, counter: CommCounter | None, gathered: GatheredPeak | None, first: bool
+    ) -> None:
+        super().__init__()
+        self.counter, self.gathered, self.first = counter, gathered, first
+        self.saved = SavedActivations() if first else None
+
+    def __enter__(self) -> StepMeasures:
+        super().__enter__()
+        for part in (self.counter, self.gathered, self.saved):
+            if part is not None:
+                self.enter_context(part)
+        return self
