@@ -50,6 +50,7 @@ def run_rank(row: str, steps: int, warmup: int, out: Path) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
+    from lightning_zeropp import launch_layout
     from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
     from lightning_zeropp.core._torch_private import set_compile_threads
     from lightning_zeropp.core.shard.compile import compile_stats
@@ -68,7 +69,11 @@ def run_rank(row: str, steps: int, warmup: int, out: Path) -> None:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
     engine = ZeroPPEngine(
-        GPT(GPTConfig(**MODEL)), config, loss_fn=loss_fn, split="call", example_args=example
+        GPT(GPTConfig(**MODEL)),
+        launch_layout(config),
+        loss_fn=loss_fn,
+        split="call",
+        example_args=example,
     )
     opt = torch.optim.AdamW(engine.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1)

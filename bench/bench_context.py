@@ -84,13 +84,14 @@ def _one(cp: int, length: int, steps: int, config: Any, loss_fn: Any) -> dict[st
     import torch
     import torch.distributed as dist
 
+    from lightning_zeropp import launch_layout
     from lightning_zeropp.core.engine import ZeroPPEngine
     from lightning_zeropp.core.measure.memory import SavedActivations
     from lightning_zeropp.models import GPT, GPTConfig
 
     cfg = GPTConfig(seq_len=length, **MODEL)
     torch.manual_seed(0)
-    engine = ZeroPPEngine(GPT(cfg), config, loss_fn=loss_fn, split="stack")
+    engine = ZeroPPEngine(GPT(cfg), launch_layout(config), loss_fn=loss_fn, split="stack")
     opt = torch.optim.AdamW(engine.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (1, length + 1), generator=gen)

@@ -141,6 +141,7 @@ def run_rank(row: str, steps: int, warmup: int, block_s: float, head_s: float, o
     import torch.nn.functional as F
     from emulated_device import BlockCost, EmulatedDevice, emulate_blocks, install
 
+    from lightning_zeropp import launch_layout
     from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
 
     torch.set_num_threads(1)
@@ -156,7 +157,7 @@ def run_rank(row: str, steps: int, warmup: int, block_s: float, head_s: float, o
     )
     example = (torch.zeros(1, STANDIN["seq_len"], dtype=torch.long),)
     engine = ZeroPPEngine(
-        model, config, split="stack", example_args=example,
+        model, launch_layout(config), split="stack", example_args=example,
         loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()),
     )  # fmt: skip
     gen = torch.Generator().manual_seed(1)

@@ -111,6 +111,7 @@ def run_rank(row: str, steps: int, warmup: int, forward_s: float, out: Path) -> 
     import torch.nn.functional as F
     from emulated_device import BlockCost, EmulatedDevice, emulate_blocks, install
 
+    from lightning_zeropp import launch_layout
     from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
     from lightning_zeropp.models import GPT, GPTConfig
 
@@ -127,7 +128,7 @@ def run_rank(row: str, steps: int, warmup: int, forward_s: float, out: Path) -> 
     emulate_blocks(list(model.blocks), [cost] * len(model.blocks), device)
     example = (torch.zeros(1, cfg.seq_len, dtype=torch.long),)
     engine = ZeroPPEngine(
-        model, config, split="stack", example_args=example,
+        model, launch_layout(config), split="stack", example_args=example,
         loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()),
     )  # fmt: skip
     per = config.num_microbatches  # rows per data-parallel rank: one per micro-batch

@@ -171,6 +171,7 @@ def _core(x: Any, y: Any, clock: harness.StepClock) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
+    from lightning_zeropp import launch_layout
     from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
     from lightning_zeropp.models import GPT, GPTConfig
 
@@ -181,7 +182,9 @@ def _core(x: Any, y: Any, clock: harness.StepClock) -> None:
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
-    engine = ZeroPPEngine(model, ZeroPPConfig(**LAYOUT), loss_fn=loss_fn, split="stack")
+    engine = ZeroPPEngine(
+        model, launch_layout(ZeroPPConfig(**LAYOUT)), loss_fn=loss_fn, split="stack"
+    )
     del model
     optimizer = torch.optim.AdamW(engine.parameters(), lr=LR, eps=1e-6, weight_decay=0.1)
     rows = slice(

@@ -55,6 +55,7 @@ def run_rank(row: str, steps: int, warmup: int, out: Path) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.distributed.tensor import DTensor
 
+    from lightning_zeropp import launch_layout
     from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
     from lightning_zeropp.core.measure.comm import CommCounter, mesh_axis_namer
     from lightning_zeropp.models import GPT, GPTConfig
@@ -93,7 +94,9 @@ def run_rank(row: str, steps: int, warmup: int, out: Path) -> None:
         example = (torch.zeros(micro, cfg.seq_len, dtype=torch.long),)
         # "stack" (GPT keeps its blocks in one ModuleList) gives each stage the same layers as the
         # default "trace", without ~25 s of torch.export per row on this machine.
-        engine = ZeroPPEngine(model, config, loss_fn=loss_fn, split="stack", example_args=example)
+        engine = ZeroPPEngine(
+            model, launch_layout(config), loss_fn=loss_fn, split="stack", example_args=example
+        )
         dp_rank = engine.dims.dp_rank
         params = list(engine.parameters())
         namer = mesh_axis_namer(engine.dims.mesh)

@@ -108,6 +108,7 @@ def worker(row: str, out: Path, weights: str, cap: int) -> None:
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
+    from lightning_zeropp import launch_layout
     from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
     from lightning_zeropp.core.measure.memory import host_peak_bytes
     from lightning_zeropp.core.shard.fsdp import local_shard
@@ -134,7 +135,9 @@ def worker(row: str, out: Path, weights: str, cap: int) -> None:
     cfg = ZeroPPConfig(**LAYOUTS[shape]).resolve(WORLD)
     micro = ROWS // cfg.dp_size // cfg.num_microbatches
     example = (torch.zeros(micro, SEQ, dtype=torch.long),)
-    engine = ZeroPPEngine(model, cfg, loss_fn=loss_fn, example_args=example, load_from=load_from)
+    engine = ZeroPPEngine(
+        model, launch_layout(cfg), loss_fn=loss_fn, example_args=example, load_from=load_from
+    )
     del model
     setup_s = time.monotonic() - start
     at_setup = _rss()

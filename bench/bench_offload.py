@@ -76,6 +76,7 @@ def run_rank(out: Path) -> None:
     import torch
     import torch.distributed as dist
 
+    from lightning_zeropp import launch_layout
     from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
     from lightning_zeropp.models import GPT, GPTConfig
 
@@ -91,7 +92,7 @@ def run_rank(out: Path) -> None:
         def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
 
-        engine = ZeroPPEngine(model, config, loss_fn=loss_fn, example_args=(x[:2],))
+        engine = ZeroPPEngine(model, launch_layout(config), loss_fn=loss_fn, example_args=(x[:2],))
         loss = engine.train_step(x, target=x.roll(-1, 1))
         result[policy] = {
             "loss": loss.item(),

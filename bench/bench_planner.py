@@ -80,6 +80,7 @@ def train_rank(row: str, steps: int, warmup: int, out: Path) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
+    from lightning_zeropp import launch_layout
     from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
     from lightning_zeropp.core.measure.timeline import StepRecorder
     from lightning_zeropp.models import GPT, GPTConfig
@@ -99,7 +100,7 @@ def train_rank(row: str, steps: int, warmup: int, out: Path) -> None:
     example = (torch.zeros(micro, cfg.seq_len, dtype=torch.long),)
     engine = ZeroPPEngine(
         GPT(cfg),
-        config,
+        launch_layout(config),
         loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()),
         split="stack",
         example_args=example,

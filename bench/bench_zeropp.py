@@ -148,6 +148,7 @@ def _loss_fn(logits: Any, targets: Any) -> Any:
 def _engine_job(layout: dict[str, Any], world: int) -> dict[str, Any]:
     import torch
 
+    from lightning_zeropp import launch_layout
     from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
     from lightning_zeropp.core.measure.comm import mesh_axis_namer
     from lightning_zeropp.core.measure.timeline import StepRecorder
@@ -158,7 +159,11 @@ def _engine_job(layout: dict[str, Any], world: int) -> dict[str, Any]:
     micro = GLOBAL_BATCH // config.dp_size // config.num_microbatches
     example = (torch.zeros(micro, MODEL["seq_len"], dtype=torch.long),)
     engine = ZeroPPEngine(
-        GPT(GPTConfig(**MODEL)), config, loss_fn=_loss_fn, split="stack", example_args=example
+        GPT(GPTConfig(**MODEL)),
+        launch_layout(config),
+        loss_fn=_loss_fn,
+        split="stack",
+        example_args=example,
     )
     return {
         "params": list(engine.parameters()),

@@ -63,6 +63,7 @@ def run_rank(row: str, steps: int, warmup: int, out: Path) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
+    from lightning_zeropp import launch_layout
     from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
     from lightning_zeropp.core.measure.comm import CommCounter
     from lightning_zeropp.core.measure.traffic import NodeTraffic
@@ -80,7 +81,11 @@ def run_rank(row: str, steps: int, warmup: int, out: Path) -> None:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
 
     engine = ZeroPPEngine(
-        GPT(GPTConfig(**MODEL)), config, loss_fn=loss_fn, split="stack", example_args=example
+        GPT(GPTConfig(**MODEL)),
+        launch_layout(config),
+        loss_fn=loss_fn,
+        split="stack",
+        example_args=example,
     )
     opt = torch.optim.AdamW(engine.parameters(), lr=1e-3)
     tokens = MarkovLanguage(MODEL["vocab_size"]).sample(GLOBAL_BATCH * (MODEL["seq_len"] + 1), 1)

@@ -50,6 +50,7 @@ def run_rank(row: str, steps: int, out: Path) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
+    from lightning_zeropp import launch_layout
     from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
     from lightning_zeropp.models import GPT, GPTConfig
     from lightning_zeropp.models.data import TokenDataset
@@ -64,7 +65,7 @@ def run_rank(row: str, steps: int, out: Path) -> None:
     def loss_fn(logits: Any, y: Any) -> Any:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
-    engine = ZeroPPEngine(model, config, loss_fn=loss_fn)
+    engine = ZeroPPEngine(model, launch_layout(config), loss_fn=loss_fn)
     opt = torch.optim.AdamW(engine.parameters(), lr=LR, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, WARMUP, steps))
     data = TokenDataset.markov(steps * GLOBAL_BATCH, SEQ)

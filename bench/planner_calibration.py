@@ -65,6 +65,7 @@ def overhead_rank(out: Path) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
+    from lightning_zeropp import launch_layout
     from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
     from lightning_zeropp.models import GPT, GPTConfig
 
@@ -78,7 +79,7 @@ def overhead_rank(out: Path) -> None:
         torch.manual_seed(0)
         config = ZeroPPConfig(dp_shard_size=1, num_microbatches=m, reshard_after_forward=False)
         engine = ZeroPPEngine(
-            GPT(GPTConfig(**MODEL)), config, split="stack",
+            GPT(GPTConfig(**MODEL)), launch_layout(config), split="stack",
             loss_fn=lambda logits, t: F.cross_entropy(logits.flatten(0, 1), t.flatten()),
         )  # fmt: skip
         rows = x[: m * 1], y[: m * 1]  # one row per micro-batch

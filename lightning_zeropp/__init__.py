@@ -15,8 +15,9 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
-from lightning_zeropp.core.settings.resolve import ZeroPPLayout
+from lightning_zeropp.core.settings.layout import ZeroPPLayout
 from lightning_zeropp.core.weights.materialize import empty_parameters, init_weights
+from lightning_zeropp.fronts.settings import launch_layout
 
 if TYPE_CHECKING:
     from lightning_zeropp.lightning import ZeroPPStrategy, full_parameter, grad_norm, param_norm
@@ -30,6 +31,7 @@ __all__ = [
     "full_parameter",
     "grad_norm",
     "init_weights",
+    "launch_layout",
     "param_norm",
 ]
 

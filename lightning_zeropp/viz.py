@@ -28,7 +28,7 @@ from lightning_zeropp.core.measure.timeline import Interval, Timeline, bubble_fr
 from lightning_zeropp.core.schedule.build import zeropp_orders, zeropp_plans
 from lightning_zeropp.core.schedule.zeropp import DURATIONS, bubble_formula, simulate
 from lightning_zeropp.core.settings.config import ZeroPPConfig
-from lightning_zeropp.core.settings.resolve import ZeroPPLayout
+from lightning_zeropp.core.settings.layout import ZeroPPLayout
 
 __all__ = ["planned_timelines", "draw_gantt", "write_chrome_trace", "main"]
 
@@ -250,6 +250,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         split_backward=not args.no_split_backward,
     )
     config = ZeroPPConfig(**layout).resolve(args.pp * args.dp_shard)
+    assert config.unit_size is not None  # schedule="zeropp" resolves one
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"pp={config.pp_size} v={config.num_chunks} M={config.num_microbatches} U={config.unit_size}"
     planned = planned_timelines(config)
@@ -260,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "bubble_formula_no_split": bubble_formula(
             config.pp_size,
             config.num_chunks,
-            config.unit_size,  # type: ignore[arg-type]
+            config.unit_size,
         ),
     }
     if not args.plan_only:

@@ -43,7 +43,6 @@ from lightning_zeropp.accelerate.optim import PipelineScheduler
 from lightning_zeropp.core.engine import LossFn, ZeroPPEngine
 from lightning_zeropp.core.measure.layout import describe_layout
 from lightning_zeropp.core.settings.config import ZeroPPConfig, ZeroPPLayout
-from lightning_zeropp.core.settings.merge import RunSettings, merge_settings
 from lightning_zeropp.core.settings.values import fields_of, setting_error
 from lightning_zeropp.core.split.methods import SplitMethod
 from lightning_zeropp.core.step.failure import guarded
@@ -56,6 +55,7 @@ from lightning_zeropp.fronts.optim import (
     rebuild_optimizer,
     retarget_scheduler,
 )
+from lightning_zeropp.fronts.settings import RunSettings, merge_settings
 
 __all__ = ["prepare_pipeline"]
 

@@ -36,7 +36,7 @@ from accelerate.utils.other import TORCH_SAFE_GLOBALS
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_zeropp.core.settings.resolve import ZeroPPLayout
+from lightning_zeropp.core.settings.layout import ZeroPPLayout
 from lightning_zeropp.core.step import resumed_rows
 from lightning_zeropp.core.weights import checkpoint as ckpt
 from lightning_zeropp.core.weights import checksum, commit, trust

@@ -24,7 +24,7 @@ from lightning_zeropp.accelerate.checkpointing import CHECKPOINT_DIR
 from lightning_zeropp.accelerate.data import Unpack, check_loader, shard_loader, widen_loader
 from lightning_zeropp.core.engine import ZeroPPEngine
 from lightning_zeropp.core.mesh import ParallelDims
-from lightning_zeropp.core.settings.resolve import ZeroPPLayout
+from lightning_zeropp.core.settings.layout import ZeroPPLayout
 
 __all__ = ["CHECKPOINT_DIR", "ZeroPPAccelerateEngine"]
 

@@ -2,7 +2,7 @@
 
 Like `FullyShardedDataParallelPlugin`, whose unset fields come from `FSDP_*` variables that
 `accelerate launch` exports, every setting left unset here comes from its `ZEROPP_*` variable,
-then from `ZeroPPConfig`'s defaults: the one path every front takes (`core.settings.merge`).
+then from `ZeroPPConfig`'s defaults: the one path every front takes (`fronts.settings`).
 Settings are `ZeroPPConfig`'s fields (`pp_size=2`, `schedule="interleaved_1f1b"`, ...); a
 misspelt one fails at construction, with the closest name.
 """
@@ -13,15 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from lightning_zeropp.core.settings.config import ZeroPPConfig
-from lightning_zeropp.core.settings.merge import (
+from lightning_zeropp.core.split.methods import SplitMethod
+from lightning_zeropp.core.weights.materialize import InitFn
+from lightning_zeropp.fronts.packing import SeqBuckets, check_buckets
+from lightning_zeropp.fronts.settings import (
     RunSettings,
     check_names,
     merge_settings,
     takes_settings,
 )
-from lightning_zeropp.core.split.methods import SplitMethod
-from lightning_zeropp.core.weights.materialize import InitFn
-from lightning_zeropp.fronts.packing import SeqBuckets, check_buckets
 
 __all__ = ["ZeroPPPlugin"]
 

@@ -10,7 +10,7 @@ the step's mean loss back.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +25,13 @@ from lightning_zeropp.core.engine_build import (
     rank_describer,
     settle_split,
 )
+from lightning_zeropp.core.engine_context import EngineContext
 from lightning_zeropp.core.engine_reports import EngineReports
 from lightning_zeropp.core.engine_schedules import Schedules
-from lightning_zeropp.core.measure.comm import CommCounter, mesh_axis_namer
-from lightning_zeropp.core.measure.memory import GatheredPeak, SavedActivations
 from lightning_zeropp.core.measure.planning import PlanningStats
 from lightning_zeropp.core.mesh import ParallelDims, build_mesh
-from lightning_zeropp.core.settings.config import ZeroPPConfig, ZeroPPLayout
 from lightning_zeropp.core.settings.env import check_batch_from_env
-from lightning_zeropp.core.settings.merge import launcher_node_size
+from lightning_zeropp.core.settings.layout import ZeroPPLayout, check_layout
 from lightning_zeropp.core.settings.placement import (
     rank_of_stage,
     schedule_style,
@@ -44,8 +42,6 @@ from lightning_zeropp.core.split.methods import SplitMethod, resolve_split
 from lightning_zeropp.core.step.agree import agree, check_replicas, model_layout, settings_fields
 from lightning_zeropp.core.step.batch import ShapeGuard
 from lightning_zeropp.core.step.chunked_loss import set_loss_chunk
-from lightning_zeropp.core.step.context import ContextSplit, attention_refusal
-from lightning_zeropp.core.step.context_attention import ContextAttention, whole_sequences
 from lightning_zeropp.core.step.failure import FailureBoard, describe_rank, guarded
 from lightning_zeropp.core.step.grads import StepGrads, average_whole_grads, clip_grad_norm_
 from lightning_zeropp.core.step.loss import LossFn, StepLoss, broadcast_loss
@@ -56,14 +52,16 @@ from lightning_zeropp.core.weights.materialize import InitFn, has_meta
 __all__ = ["ZeroPPEngine", "LossFn"]
 
 
-class ZeroPPEngine(EngineReports):
+class ZeroPPEngine:
     """This rank's pipeline stages of `model`, sharded, and the schedule that runs them.
 
     Args:
         model: the whole model, unmodified: built as usual, or with its parameters on the meta
             device (`empty_parameters()`, Accelerate's `init_empty_weights()`), in which case
             each rank allocates its own shards only, filled from `load_from` or by `init`.
-        config: layout and schedule; resolved against the world size here.
+        layout: layout and schedule, resolved already for this world: a `ZeroPPLayout`, as a
+            front's door resolves it (`launch_layout(config)` in plain PyTorch code). The engine
+            resolves nothing and reads no launcher variable.
         loss_fn: `loss_fn(output, target_microbatch) -> scalar`, the mean over the micro-batch.
         split: "auto" (default: "call" unless the model names another), "call", "trace",
             "stack", or a callable; see `core.split`.
@@ -84,7 +82,7 @@ class ZeroPPEngine(EngineReports):
     def __init__(
         self,
         model: nn.Module,
-        config: ZeroPPConfig | ZeroPPLayout,
+        layout: ZeroPPLayout,
         *,
         loss_fn: LossFn,
         split: SplitMethod = "auto",
@@ -97,8 +95,7 @@ class ZeroPPEngine(EngineReports):
         init: InitFn | None = None,
         load_from: str | Path | None = None,
     ) -> None:
-        self.config = config.resolve(dist.get_world_size(), launcher_node_size())
-        cfg = self.config
+        self.config = cfg = check_layout(layout, dist.get_world_size())
         self.device = device or torch.device("cpu")
         self.num_stages = cfg.num_stages
         self._meta = has_meta(model)
@@ -113,18 +110,12 @@ class ZeroPPEngine(EngineReports):
                 cfg, split=self.split, check_batch=check, **model_layout(model, self.plan)
             )
         )
-        self._context: ContextSplit | None = None
+        self._context: EngineContext | None = None
         if cfg.cp_size > 1:  # refused on every rank alike, before the mesh's collectives
-            if (refusal := attention_refusal(model)) is not None:
-                raise ValueError(refusal)
-            self._context = ContextSplit(cfg.cp_size, 0, model)
-            example_args, example_kwargs = self._context_example(example_args, example_kwargs)
+            self._context = EngineContext(cfg.cp_size, model)
+            example_args, example_kwargs = self._context.example(example_args, example_kwargs)
         self.dims: ParallelDims = dims or build_mesh(cfg, self.device.type, self.device)
-        self._attention: ContextAttention | None = None
-        if self._context is not None:
-            self._context.set_rank(self.dims.cp_rank)
-            assert self.dims.cp_group is not None  # cp_size > 1
-            self._attention = ContextAttention(self._context, self.dims.cp_group)
+        self._attention = self._context.bind(self.dims) if self._context is not None else None
         # Every stage of a pipeline steps on its first stage's batch (random collators).
         pp = self.dims.pp_group if cfg.pp_size > 1 else None
         self.batches = BatchSharer(pp, self.device, check, self.failures.guard)
@@ -176,12 +167,8 @@ class ZeroPPEngine(EngineReports):
         self.nonfinite = NonFiniteWatch(
             self._stage_modules, self.stage_ids, self.num_stages, self.device, cfg.nonfinite
         )
-        self.count_comms = count_comms
-        self._axis_namer = mesh_axis_namer(self.dims.mesh)
-        # {kind: {axis: {"count", "bytes"}}} of the last train_step, when count_comms is on
-        self.last_comms: dict[str, dict[str, dict[str, int]]] | None = None
-        self._gathered_peak: int | None = None  # measured in the first training step
-        self._activation_peak: int | None = None  # the same step's
+        # What the engine reports besides the loss; the training step records into it.
+        self.reports = EngineReports(self.dims, self.device, self.module, self.offload, count_comms)
 
     # ------------------------------------------------------------------ set-up
     def _check_replicas_once(self) -> None:
@@ -227,21 +214,13 @@ class ZeroPPEngine(EngineReports):
         earlier = StepGrads(self.parameters())  # the runtime divides every .grad present
         losses: list[torch.Tensor] = []
         inputs, kw = self._stage_inputs(args, kwargs)
-        counter = CommCounter(self._axis_namer) if self.count_comms else None
+        # Collectives counted; the first step measures the peaks of the memory report.
+        measures = self.reports.step_measures(self._stage_modules)
         self.nonfinite.start()
-        # The first step measures the gathered-weight and activation peaks of the memory report.
-        first = self._gathered_peak is None
-        probe = GatheredPeak(self._stage_modules) if first else None
-        saved = SavedActivations() if first else None
-        with (
-            self.failures.guard(),
-            counter or contextlib.nullcontext(),
-            probe or contextlib.nullcontext(),
-            saved or contextlib.nullcontext(),
-        ):
+        with self.failures.guard(), measures:
             with self._attention or contextlib.nullcontext():
                 schedule.step(*inputs, target=target, losses=losses, return_outputs=False, **kw)
-            if first and self._attention is not None:
+            if measures.first and self._attention is not None:
                 self._attention.check_taken(self.device)
             # This step's gradients only: `earlier` holds earlier accumulation steps' ones.
             average_whole_grads(self.parameters(), self.dims.grad_groups, self.dims.grad_size)
@@ -252,10 +231,7 @@ class ZeroPPEngine(EngineReports):
                 p.grad = None
         grads = StepGrads(self.parameters())
         earlier.apply()
-        if probe is not None and saved is not None:
-            self._gathered_peak, self._activation_peak = probe.peak, saved.peak
-        if counter is not None:
-            self.last_comms = counter.summary()
+        self.reports.record(measures)
         return loss, grads
 
     @torch.no_grad()
@@ -310,6 +286,52 @@ class ZeroPPEngine(EngineReports):
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()
 
+    # ------------------------------------------------------------------ reports (`self.reports`)
+    @property
+    def count_comms(self) -> bool:
+        """Whether every training step's collectives are counted (`last_comms`, `comm_metrics`)."""
+        return self.reports.count_comms
+
+    @count_comms.setter
+    def count_comms(self, on: bool) -> None:
+        self.reports.count_comms = on
+
+    @property
+    def last_comms(self) -> dict[str, dict[str, dict[str, int]]] | None:
+        """{kind: {axis: {"count", "bytes"}}} of the last train_step, when count_comms is on."""
+        return self.reports.last_comms
+
+    @property
+    def gathered_peak(self) -> int | None:
+        """The most unsharded weight bytes this rank held at once in its first training step."""
+        return self.reports.gathered_peak
+
+    @property
+    def activation_peak(self) -> int | None:
+        """The most bytes saved for backward at once (weights excluded) in the first step."""
+        return self.reports.activation_peak
+
+    @property
+    def host_activation_peak(self) -> int | None:
+        """`EngineReports.host_activation_peak`: saved-activation bytes held in host memory."""
+        return self.reports.host_activation_peak
+
+    def comm_metrics(self, prefix: str = "comm") -> dict[str, float]:
+        """`EngineReports.comm_metrics`: the last step's collectives as flat metrics (collective)."""
+        return self.reports.comm_metrics(prefix)
+
+    def memory_report(
+        self, optimizers: Sequence[torch.optim.Optimizer] = (), title: str = "now"
+    ) -> str:
+        """`EngineReports.memory_report`: every rank's memory, one line each (collective)."""
+        return self.reports.memory_report(optimizers, title)
+
+    def report_memory_after_first_update(
+        self, optimizers: Sequence[torch.optim.Optimizer], emit: Callable[[str], None]
+    ) -> None:
+        """`EngineReports.report_memory_after_first_update`: `emit` the memory report once."""
+        self.reports.report_memory_after_first_update(optimizers, emit)
+
     # ------------------------------------------------------------------ internals
     def _stage_inputs(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -345,34 +367,17 @@ class ZeroPPEngine(EngineReports):
     def _split_context(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, skip: bool
     ) -> tuple[tuple[Any, ...], dict[str, Any], Any, ValueError | None]:
-        """This CP rank's part of the batch (`core.step.context`), or the batch as given and
-        what is wrong with it (raised on every rank by the step's agreement)."""
+        """This CP rank's part of the batch (`EngineContext.batch`), or the batch as given."""
         if self._context is None or skip:
             return args, kwargs, target, None
-        try:
-            return (*self._context.split(args, kwargs, target), None)
-        except ValueError as err:
-            return args, kwargs, target, err
-
-    def _context_example(
-        self, args: tuple[Any, ...] | None, kwargs: dict[str, Any] | None
-    ) -> tuple[tuple[Any, ...] | None, dict[str, Any] | None]:
-        """The example micro-batch as one CP rank's part (shapes are what the split methods
-        read); a bad sequence length is refused here, at setup, on every rank."""
-        assert self._context is not None
-        if args is None and kwargs is None:
-            return args, kwargs
-        split_args, split_kwargs, _ = self._context.split(args or (), kwargs or {}, None)
-        return split_args, split_kwargs
+        return self._context.batch(args, kwargs, target)
 
     def whole_sequences(self, output: Any) -> Any:
         """The last stage's `output` for one micro-batch with each tensor of this CP rank's
         part of the sequence (dim 1) gathered into whole sequences in order, as one process
         computes them (`core.step.context_attention.whole_sequences`; a front's loss from it
         is then the same on every CP rank); `output` itself without context parallelism."""
-        if self._context is None or self.dims.cp_group is None:
-            return output
-        return whole_sequences(output, self._context, self.dims.cp_group)
+        return output if self._context is None else self._context.whole_sequences(output)
 
     def restore_output(self, output: Any) -> Any:
         """The last stage's output as the model returns it (an HF `ModelOutput`, a dict), from

@@ -17,12 +17,12 @@ import torch
 from torch import nn
 
 from lightning_zeropp.core.mesh import ParallelDims, mesh_coordinates
+from lightning_zeropp.core.settings.layout import ZeroPPLayout
 from lightning_zeropp.core.settings.placement import (
     schedule_style,
     splits_backward,
     stage_ids_for_rank,
 )
-from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 from lightning_zeropp.core.shard.compile import compile_blocks
 from lightning_zeropp.core.shard.fsdp import apply_activation_checkpointing, shard_stage
 from lightning_zeropp.core.shard.offload import OffloadStats, apply_activation_offload

@@ -1,9 +1,14 @@
 """What `ZeroPPEngine` reports besides the loss: the last step's collectives as metrics, and
 memory (bytes held per rank, the first step's measured peaks), from `core.measure`.
+
+The engine holds one `EngineReports` (`engine.reports`), built over its mesh, device and stages,
+and its training step records into it (the collectives counted, the first step's peaks); the
+engine's own report methods and properties hand over to it.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -11,26 +16,62 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_zeropp.core.measure.comm import PLUS_AXES, flatten_summary
-from lightning_zeropp.core.measure.memory import format_report, measure
+from lightning_zeropp.core.measure.comm import (
+    PLUS_AXES,
+    CommCounter,
+    flatten_summary,
+    mesh_axis_namer,
+)
+from lightning_zeropp.core.measure.memory import (
+    GatheredPeak,
+    SavedActivations,
+    format_report,
+    measure,
+)
 from lightning_zeropp.core.mesh import ParallelDims
 from lightning_zeropp.core.shard.offload import OffloadStats
 
-__all__ = ["EngineReports"]
+__all__ = ["EngineReports", "StepMeasures"]
 
 
 class EngineReports:
-    """`ZeroPPEngine`'s reports, over the state the engine keeps (declared here)."""
+    """`ZeroPPEngine`'s reports over this rank's stages (`module`) on `dims`' mesh.
 
-    count_comms: bool
-    # {kind: {axis: {"count", "bytes"}}} of the last train_step, when count_comms is on
-    last_comms: dict[str, dict[str, dict[str, int]]] | None
-    dims: ParallelDims
-    device: torch.device
-    module: nn.Module
-    _gathered_peak: int | None  # measured in the first training step
-    _activation_peak: int | None  # the same step's
-    offload: OffloadStats | None  # bytes the activation offload moved (None: this rank does not)
+    `offload`: the bytes the activation offload moved (None: this rank does not offload);
+    `count_comms`: the engine counts every training step's collectives into `last_comms`."""
+
+    def __init__(
+        self,
+        dims: ParallelDims,
+        device: torch.device,
+        module: nn.Module,
+        offload: OffloadStats | None,
+        count_comms: bool,
+    ) -> None:
+        self.dims, self.device, self.module, self.offload = dims, device, module, offload
+        self.count_comms = count_comms
+        # {kind: {axis: {"count", "bytes"}}} of the last train_step, when count_comms is on
+        self.last_comms: dict[str, dict[str, dict[str, int]]] | None = None
+        # The most unsharded weight bytes held at once, and the most bytes saved for backward
+        # at once (weights excluded), in the first training step (None before it).
+        self.gathered_peak: int | None = None
+        self.activation_peak: int | None = None
+        self._axis_namer = mesh_axis_namer(dims.mesh)
+
+    def step_measures(self, stages: Sequence[nn.Module]) -> StepMeasures:
+        """What one training step over `stages` measures: its collectives when `count_comms`
+        is on, and in the first step the peaks of the memory report; `record` keeps them."""
+        counter = CommCounter(self._axis_namer) if self.count_comms else None
+        first = self.gathered_peak is None
+        return StepMeasures(counter, GatheredPeak(stages) if first else None, first)
+
+    def record(self, measures: StepMeasures) -> None:
+        """Keep what a step measured (after it completed)."""
+        if measures.gathered is not None and measures.saved is not None:
+            self.gathered_peak = measures.gathered.peak
+            self.activation_peak = measures.saved.peak
+        if measures.counter is not None:
+            self.last_comms = measures.counter.summary()
 
     def comm_metrics(self, prefix: str = "comm") -> dict[str, float]:
         """The last training step's collectives as flat metrics, averaged over every rank.
@@ -50,16 +91,6 @@ class EngineReports:
         return {k: float(v) for k, v in zip(flat, values.tolist(), strict=True) if v}
 
     @property
-    def gathered_peak(self) -> int | None:
-        """The most unsharded weight bytes this rank held at once in its first training step."""
-        return self._gathered_peak
-
-    @property
-    def activation_peak(self) -> int | None:
-        """The most bytes saved for backward at once (weights excluded) in the first step."""
-        return self._activation_peak
-
-    @property
     def host_activation_peak(self) -> int | None:
         """The most saved-activation bytes this rank held in host memory at once so far (an
         offloading rank; None otherwise): what `activation_peak` no longer counts."""
@@ -74,8 +105,8 @@ class EngineReports:
             self.module,
             optimizers,
             self.device,
-            self._gathered_peak,
-            self._activation_peak,
+            self.gathered_peak,
+            self.activation_peak,
             self.host_activation_peak,
         )
         return format_report(mine, title)
@@ -93,3 +124,23 @@ class EngineReports:
             emit(self.memory_report(optimizers, "after the first update"))
 
         handles.extend(opt.register_step_post_hook(after_step) for opt in optimizers)
+
+
+class StepMeasures(contextlib.ExitStack):
+    """The measures one training step runs under (entered around the step, in this order):
+    the collectives counted (`counter`), and in the first step (`first`) the gathered-weight
+    and saved-activation peaks (`gathered`, `saved`)."""
+
+    def __init__(
+        self, counter: CommCounter | None, gathered: GatheredPeak | None, first: bool
+    ) -> None:
+        super().__init__()
+        self.counter, self.gathered, self.first = counter, gathered, first
+        self.saved = SavedActivations() if first else None
+
+    def __enter__(self) -> StepMeasures:
+        super().__enter__()
+        for part in (self.counter, self.gathered, self.saved):
+            if part is not None:
+                self.enter_context(part)
+        return self

@@ -20,7 +20,7 @@ from lightning_zeropp.core.measure.planning import PlanningStats
 from lightning_zeropp.core.mesh import ParallelDims
 from lightning_zeropp.core.schedule.build import build_eval_schedule, build_schedule
 from lightning_zeropp.core.schedule.runtime import LeanStage
-from lightning_zeropp.core.settings.resolve import ZeroPPLayout
+from lightning_zeropp.core.settings.layout import ZeroPPLayout
 from lightning_zeropp.core.step.batch import (
     ShapeGuard,
     agree_on_step,

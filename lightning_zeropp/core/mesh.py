@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from lightning_zeropp.core._torch_private import flatten_mesh, group_timeout, mesh_group_options
 from lightning_zeropp.core.hosts import Placement, check_node_size, gather_placement
 from lightning_zeropp.core.links import check_links, link_pairs
-from lightning_zeropp.core.settings.resolve import ZeroPPLayout
+from lightning_zeropp.core.settings.layout import ZeroPPLayout
 
 __all__ = [
     "ParallelDims",

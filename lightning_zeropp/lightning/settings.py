@@ -1,6 +1,6 @@
 """The settings of `ZeroPPStrategy`: its keyword arguments merged over the `ZEROPP_*` variables.
 
-The strategy's settings take the one path every front takes (`core.settings.merge`): arguments
+The strategy's settings take the one path every front takes (`fronts.settings`): arguments
 given in code over the `ZEROPP_*` variables over `ZeroPPConfig`'s defaults; the layout is resolved
 at setup, when the world size is known. Checked at construction, on every rank.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_zeropp.core.settings.merge import RunSettings, merge_settings
 from lightning_zeropp.core.split.methods import SplitMethod, check_split
+from lightning_zeropp.fronts.settings import RunSettings, merge_settings
 
 __all__ = ["strategy_settings"]
 

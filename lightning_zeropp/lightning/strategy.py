@@ -38,7 +38,6 @@ from lightning_zeropp.core.engine import ZeroPPEngine
 from lightning_zeropp.core.mesh import ParallelDims, build_mesh
 from lightning_zeropp.core.settings import launch
 from lightning_zeropp.core.settings.config import ZeroPPConfig, ZeroPPLayout
-from lightning_zeropp.core.settings.merge import takes_settings
 from lightning_zeropp.core.split.methods import SplitMethod
 from lightning_zeropp.core.step.agree import agree, settings_fields
 from lightning_zeropp.core.step.failure import failure_guard, guarded
@@ -47,6 +46,7 @@ from lightning_zeropp.core.weights import checkpoint as ckpt
 from lightning_zeropp.core.weights import commit, export, trust
 from lightning_zeropp.core.weights.async_checkpoint import AsyncCheckpointer
 from lightning_zeropp.core.weights.materialize import InitFn, empty_parameters
+from lightning_zeropp.fronts.settings import takes_settings
 from lightning_zeropp.lightning import checkpointing, data, hooks, preempt
 from lightning_zeropp.lightning.build import build_engine
 from lightning_zeropp.lightning.precision import ZeroPPPrecision
@@ -64,7 +64,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
     `dp_replicate_size`, `num_microbatches`, `schedule`, `num_chunks`, `param_dtype`, ... (see
     `ZeroPPConfig` and the settings page, docs/settings.md). One left out (None) takes its `ZEROPP_*`
     variable when set, else `ZeroPPConfig`'s default; one given wins over its variable, as in
-    every front (`core.settings.merge`); a misspelt one is a `TypeError` naming the closest. Plus:
+    every front (`fronts.settings`); a misspelt one is a `TypeError` naming the closest. Plus:
         split: "auto" (default: "call" unless the model names another), "call" (the network's
             own forward cut at its block calls; input shapes are read from the first batch, or
             from `example_input_array` if set), "trace" (torch.export; one micro-batch of fixed

@@ -38,8 +38,8 @@ from typing import Any
 from torch import nn
 
 from lightning_zeropp.core.settings.config import ZeroPPConfig
+from lightning_zeropp.core.settings.layout import ZeroPPLayout
 from lightning_zeropp.core.settings.placement import stage_ids_for_rank
-from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 from lightning_zeropp.plan.context import rank_profile
 from lightning_zeropp.plan.cut import settle
 from lightning_zeropp.plan.memory import _stage_ranges, stage_ranges
@@ -158,8 +158,7 @@ def _lowered(config: ZeroPPLayout) -> dict[int, list[Any]]:
         )
         plans[r] = lower(
             order,
-            # resolve() checked grad_reduce against GRAD_REDUCE; the layout's field is a plain str
-            reduce_points(order, u, config.grad_reduce),  # type: ignore[arg-type]
+            reduce_points(order, u, config.grad_reduce),
             keep_node_copy=hpz_size(config) is not None,
         )
     return plans

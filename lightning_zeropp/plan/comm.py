@@ -33,12 +33,12 @@ import math
 from torch import nn
 
 from lightning_zeropp.core.settings.config import ZeroPPConfig
+from lightning_zeropp.core.settings.layout import ZeroPPLayout
 from lightning_zeropp.core.settings.placement import (
     rank_of_stage,
     schedule_style,
     stage_ids_for_rank,
 )
-from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 from lightning_zeropp.plan.activations import stage_parts
 from lightning_zeropp.plan.context import fsdp_view, kv_bytes
 from lightning_zeropp.plan.memory import stage_units

@@ -36,7 +36,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_zeropp.core._torch_private import is_fused_attention
-from lightning_zeropp.core.settings.resolve import ZeroPPLayout
+from lightning_zeropp.core.settings.layout import ZeroPPLayout
 from lightning_zeropp.plan.profile import ModelProfile, lm_loss, profile_model
 
 __all__ = ["check_length", "fsdp_view", "kv_bytes", "rank_profile", "search_by_cp"]

@@ -28,12 +28,12 @@ import torch
 from torch import nn
 
 from lightning_zeropp.core.settings.config import ZeroPPConfig
+from lightning_zeropp.core.settings.layout import ZeroPPLayout
 from lightning_zeropp.core.settings.placement import (
     rank_of_stage,
     schedule_style,
     stage_ids_for_rank,
 )
-from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 from lightning_zeropp.core.split.blocks import find_blocks
 from lightning_zeropp.plan.activations import task_orders
 from lightning_zeropp.plan.hardware import Hardware

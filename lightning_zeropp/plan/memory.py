@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from lightning_zeropp.core.settings.config import ZeroPPConfig
+from lightning_zeropp.core.settings.layout import ZeroPPLayout
 from lightning_zeropp.core.settings.placement import schedule_style, stage_ids_for_rank
-from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 from lightning_zeropp.core.split.blocks import find_blocks, plan_blocks
 from lightning_zeropp.core.split.methods import split_model
 from lightning_zeropp.plan.context import fsdp_view

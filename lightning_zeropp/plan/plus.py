@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_zeropp.core.settings.layout import ZeroPPLayout
 from lightning_zeropp.core.settings.plus import hpz_size
-from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 
 __all__ = ["UnitTraffic", "plus_memory", "unit_traffic"]
 

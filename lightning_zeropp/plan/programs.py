@@ -10,8 +10,8 @@ and the traffic count (`plan.comm`) counts them, so both read this module, not e
 
 from __future__ import annotations
 
+from lightning_zeropp.core.settings.layout import ZeroPPLayout
 from lightning_zeropp.core.settings.plus import hpz_size
-from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 from lightning_zeropp.plan.activations import schedule_key, task_orders, zeropp_plans
 from lightning_zeropp.plan.simulate import Op
 

@@ -29,9 +29,9 @@ import torch
 from torch import nn
 
 from lightning_zeropp.core.settings.config import ZeroPPConfig
+from lightning_zeropp.core.settings.layout import ZeroPPLayout
 from lightning_zeropp.core.settings.placement import schedule_style, stage_ids_for_rank
 from lightning_zeropp.core.settings.plus import hpz_size
-from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 from lightning_zeropp.core.split.blocks import find_blocks
 from lightning_zeropp.plan.activations import activation_peaks
 from lightning_zeropp.plan.cut import settle, with_cut
@@ -105,6 +105,11 @@ def rank_memory(
         entry["total"] = sum(entry.values())
         out.append(entry)
     return out
+
+
+def _layout(settings: dict[str, Any], world_size: int) -> ZeroPPLayout:
+    """A candidate's settings resolved, once: the planner's entries take the layout as it is."""
+    return ZeroPPConfig(**settings).resolve(world_size)
 
 
 def gradient_buffers(model: nn.Module, cfg: ZeroPPLayout) -> dict[int, int]:
@@ -289,7 +294,7 @@ def search(
     priced = []
     for i, settings in enumerate(space):
         costs = price(
-            model, ZeroPPConfig(**settings), world_size, global_batch, seq_len, hardware,
+            model, _layout(settings, world_size), world_size, global_batch, seq_len, hardware,
             optimizer=optimizer, **modes,
         )  # fmt: skip
         priced.append((costs.lower_bound(), i, settings, costs))
@@ -301,8 +306,7 @@ def search(
         memory = max(
             r["total"]
             for r in rank_memory(
-                model, ZeroPPConfig(**settings), world_size, global_batch, seq_len, optimizer,
-                device,
+                model, costs.cfg, world_size, global_batch, seq_len, optimizer, device
             )
         )  # fmt: skip
         if hardware.memory_bytes is not None and memory > hardware.memory_bytes:
@@ -325,14 +329,13 @@ def search(
                 continue
             settings = even  # within memory: the parameter cut, if it fits where this did not
             costs = price(
-                model, ZeroPPConfig(**settings), world_size, global_batch, seq_len, hardware,
+                model, _layout(settings, world_size), world_size, global_batch, seq_len, hardware,
                 optimizer=optimizer, **modes,
             )  # fmt: skip
             memory = max(
                 r["total"]
                 for r in rank_memory(
-                    model, ZeroPPConfig(**settings), world_size, global_batch, seq_len,
-                    optimizer, device,
+                    model, costs.cfg, world_size, global_batch, seq_len, optimizer, device
                 )
             )  # fmt: skip
             if memory > hardware.memory_bytes:

@@ -34,9 +34,9 @@ import torch
 from torch import nn
 
 from lightning_zeropp.core.settings.config import ZeroPPConfig
+from lightning_zeropp.core.settings.layout import ZeroPPLayout
 from lightning_zeropp.core.settings.placement import rank_of_stage, schedule_style
 from lightning_zeropp.core.settings.plus import hpz_size
-from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 from lightning_zeropp.plan.activations import stage_parts
 from lightning_zeropp.plan.comm import padded_shard
 from lightning_zeropp.plan.context import fsdp_view, kv_bytes, rank_profile
@@ -206,12 +206,13 @@ def predict_range(
 ) -> tuple[StepTimePlan, StepTimePlan]:
     """The slow and the fast end of a prediction: `predict_step_time` at the low and the high
     end of the hardware's efficiency range (the same plan twice without one)."""
-    return tuple(  # type: ignore[return-value]
+    slow, fast = (
         predict_step_time(
             model, config, world_size, global_batch, seq_len, hardware, bound=bound, **kwargs
         )
         for bound in ("low", "high")
     )
+    return slow, fast
 
 
 def optimizer_time(

@@ -109,6 +109,7 @@ def capped_train(weights: str, cap: int, steps: int) -> dict[str, Any]:
     train `steps` SGD steps recording its gradients' shard sums before each update."""
     from transformers import AutoModelForCausalLM
 
+    from lightning_zeropp import launch_layout
     from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
     from lightning_zeropp.core._torch_private import local_chunk
     from lightning_zeropp.core.weights.materialize import empty_parameters
@@ -124,7 +125,9 @@ def capped_train(weights: str, cap: int, steps: int) -> dict[str, Any]:
         model = AutoModelForCausalLM.from_config(llama_config(SHAPE_1_4B))
     micro = ROWS // config.dp_size // config.num_microbatches
     example = (torch.zeros(micro, SEQ, dtype=torch.long),)
-    engine = ZeroPPEngine(model, config, loss_fn=loss_fn, example_args=example, load_from=weights)
+    engine = ZeroPPEngine(
+        model, launch_layout(config), loss_fn=loss_fn, example_args=example, load_from=weights
+    )
     del model
     opt = torch.optim.SGD(engine.parameters(), lr=LR)
     per = ROWS // engine.dims.dp_size

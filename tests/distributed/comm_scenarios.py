@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 
+from lightning_zeropp import launch_layout
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
 from lightning_zeropp.core.measure.comm import CommCounter, mesh_axis_namer
 from lightning_zeropp.models import GPT, GPTConfig
@@ -28,7 +29,7 @@ def engine_step(layout: dict[str, Any]) -> dict[str, Any]:
     micro = GLOBAL_BATCH // config.dp_size // config.num_microbatches
     example = (torch.zeros(micro, MODEL.seq_len, dtype=torch.long),)
     torch.manual_seed(0)
-    engine = ZeroPPEngine(GPT(MODEL), config, loss_fn=_loss, example_args=example)
+    engine = ZeroPPEngine(GPT(MODEL), launch_layout(config), loss_fn=_loss, example_args=example)
     per_rank = GLOBAL_BATCH // config.dp_size
     rows = slice(engine.dims.dp_rank * per_rank, (engine.dims.dp_rank + 1) * per_rank)
     g = torch.Generator().manual_seed(1)

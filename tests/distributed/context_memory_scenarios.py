@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lightning_zeropp import launch_layout
 from lightning_zeropp.core.engine import ZeroPPEngine
 from lightning_zeropp.core.measure.memory import SavedActivations
 from lightning_zeropp.core.settings.config import ZeroPPConfig
@@ -31,7 +32,7 @@ def _measure(cp: int, length: int) -> dict[str, int]:
     config = ZeroPPConfig(pp_size=1, dp_shard_size=world // cp, cp_size=cp, num_microbatches=1)
     cfg = model_config(length)
     torch.manual_seed(0)
-    engine = ZeroPPEngine(GPT(cfg), config, loss_fn=_loss, split="stack")
+    engine = ZeroPPEngine(GPT(cfg), launch_layout(config), loss_fn=_loss, split="stack")
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, cfg.vocab_size, (1, length), generator=g)  # this data group's row
     engine.train_step(x, target=x)  # the first step runs the pipeline's setup too

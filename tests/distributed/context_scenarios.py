@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_zeropp import launch_layout
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
 from lightning_zeropp.models.gpt import Block, GPTConfig
 from lightning_zeropp.models.hf import build_causal_lm
@@ -108,7 +109,7 @@ def _train_table(id: str, layout: dict[str, Any], steps: int = 3) -> dict[str, A
     config = ZeroPPConfig(**layout).resolve(dist.get_world_size())
     micro = GLOBAL_BATCH // config.dp_size // config.num_microbatches
     example = (torch.zeros(micro, MODEL.seq_len, dtype=torch.long),)
-    engine = ZeroPPEngine(TableLM(), config, loss_fn=lm_loss, example_args=example)
+    engine = ZeroPPEngine(TableLM(), launch_layout(config), loss_fn=lm_loss, example_args=example)
     opt = make_optimizer("adamw", engine.parameters())
     losses = []
     for x, y in make_batches(steps):
@@ -147,7 +148,9 @@ def _train_llama(id: str, layout: dict[str, Any], labels: bool, steps: int = 3) 
 
     example = inputs(padded_batches(1)[0], slice(0, micro), 1.0)
     loss_fn = hf_loss if labels else own_loss
-    engine = ZeroPPEngine(make_llama(), config, loss_fn=loss_fn, example_kwargs=example)
+    engine = ZeroPPEngine(
+        make_llama(), launch_layout(config), loss_fn=loss_fn, example_kwargs=example
+    )
     opt = make_optimizer("adamw", engine.parameters())
     losses = []
     for b in padded_batches(steps):
@@ -168,7 +171,9 @@ def _gpt_engine(seq: int | None, **layout: Any) -> ZeroPPEngine:
     example = (torch.zeros(2, seq, dtype=torch.long),) if seq else None
     split = "call" if seq else "stack"  # the stack split needs no example: checked at the step
     config = ZeroPPConfig(**layout)
-    return ZeroPPEngine(make_model(), config, loss_fn=lm_loss, example_args=example, split=split)
+    return ZeroPPEngine(
+        make_model(), launch_layout(config), loss_fn=lm_loss, example_args=example, split=split
+    )
 
 
 def _attempt_length_at_setup() -> None:
@@ -186,7 +191,7 @@ def _attempt_cp_not_dividing() -> None:
 
 
 def _attempt_eager_attention() -> None:
-    ZeroPPEngine(make_llama("eager"), ZeroPPConfig(cp_size=2), loss_fn=lm_loss)
+    ZeroPPEngine(make_llama("eager"), launch_layout(ZeroPPConfig(cp_size=2)), loss_fn=lm_loss)
 
 
 def _attempt_left_padding() -> None:
@@ -194,7 +199,12 @@ def _attempt_left_padding() -> None:
     mask = torch.ones_like(x)
     mask[0, :3] = 0
     example = {"input_ids": x, "attention_mask": mask}
-    ZeroPPEngine(make_llama(), ZeroPPConfig(cp_size=2), loss_fn=lm_loss, example_kwargs=example)
+    ZeroPPEngine(
+        make_llama(),
+        launch_layout(ZeroPPConfig(cp_size=2)),
+        loss_fn=lm_loss,
+        example_kwargs=example,
+    )
 
 
 class _NoAttention(nn.Module):
@@ -216,7 +226,10 @@ class _NoAttention(nn.Module):
 def _attempt_no_attention() -> None:
     x = torch.zeros(2, 16, dtype=torch.long)
     engine = ZeroPPEngine(
-        _NoAttention(), ZeroPPConfig(pp_size=1, cp_size=2), loss_fn=lm_loss, example_args=(x,)
+        _NoAttention(),
+        launch_layout(ZeroPPConfig(pp_size=1, cp_size=2)),
+        loss_fn=lm_loss,
+        example_args=(x,),
     )
     engine.train_step(x, target=x)
 

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from lightning_zeropp import launch_layout
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
 from lightning_zeropp.core.measure.comm import CommCounter, mesh_axis_namer
 from tests.distributed.common import (
@@ -43,7 +44,9 @@ def _train(
     example = (torch.zeros(micro, MODEL.seq_len, dtype=torch.long),)
     method = _stage_builder if split == "callable" else split
     net = make_model(config=BIG_HEAD) if model == "big_head" else make_model()
-    engine = ZeroPPEngine(net, config, loss_fn=lm_loss, split=method, example_args=example)
+    engine = ZeroPPEngine(
+        net, launch_layout(config), loss_fn=lm_loss, split=method, example_args=example
+    )
     opt = make_optimizer(optimizer, engine.parameters())
     losses, norms, comms = [], [], []
     for x, y in make_batches(steps, global_batch=global_batch):

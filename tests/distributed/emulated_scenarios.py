@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_zeropp import launch_layout
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
 from tests.distributed.common import MODEL, lm_loss, make_batches, make_model
 
@@ -34,7 +35,7 @@ def steps(layouts: list[dict[str, Any]], forward_s: float) -> list[dict[str, Any
         emulate_blocks(list(model.blocks), costs, device)
         micro = 16 // config.dp_size // config.num_microbatches
         example = (torch.zeros(micro, MODEL.seq_len, dtype=torch.long),)
-        engine = ZeroPPEngine(model, config, loss_fn=lm_loss, example_args=example)
+        engine = ZeroPPEngine(model, launch_layout(config), loss_fn=lm_loss, example_args=example)
         ((x, y),) = make_batches(1)
         runs = []  # (start, end, busy seconds, spans) of each recorded step
         with install(device):

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_zeropp import ZeroPPConfig, ZeroPPEngine, ZeroPPStrategy
+from lightning_zeropp import ZeroPPConfig, ZeroPPEngine, ZeroPPStrategy, launch_layout
 from lightning_zeropp.models import GPT
 from lightning_zeropp.models.lit_gpt import LitGPT
 from tests.distributed.common import MODEL, lm_loss, make_model
@@ -31,7 +31,7 @@ def _engine(model: nn.Module | None = None, split: str = "auto", **layout: Any) 
     example = (torch.zeros(2, MODEL.seq_len, dtype=torch.long),)
     return ZeroPPEngine(
         model or make_model(),
-        ZeroPPConfig(**layout),
+        launch_layout(ZeroPPConfig(**layout)),
         loss_fn=lm_loss,
         example_args=example,
         split=split,
@@ -122,7 +122,9 @@ def _tied_weights_traced() -> None:
 
 
 def _trace_without_example() -> None:
-    ZeroPPEngine(make_model(), ZeroPPConfig(pp_size=2), loss_fn=lm_loss, split="trace")
+    ZeroPPEngine(
+        make_model(), launch_layout(ZeroPPConfig(pp_size=2)), loss_fn=lm_loss, split="trace"
+    )
 
 
 # ------------------------------------------------------------------ Lightning: settings
@@ -312,7 +314,9 @@ def _load_from_a_deeper_model(work_dir: Path) -> None:
     save_checkpoint(path, GPT(dataclasses.replace(MODEL, num_layers=10)), [], {})
     example = (torch.zeros(2, MODEL.seq_len, dtype=torch.long),)
     config = ZeroPPConfig(pp_size=2, dp_shard_size=2)
-    ZeroPPEngine(make_model(), config, loss_fn=lm_loss, example_args=example, load_from=path)
+    ZeroPPEngine(
+        make_model(), launch_layout(config), loss_fn=lm_loss, example_args=example, load_from=path
+    )
 
 
 # ------------------------------------------------------------------ ranks that disagree

@@ -95,6 +95,7 @@ def engine_step_fails(schedule: str) -> dict[str, Any]:
 
     Reports the happy path too: the store keys step 0 added (none expected) and the guard's cost.
     """
+    from lightning_zeropp import launch_layout
     from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
     from tests.distributed.common import MODEL, lm_loss, make_batches, make_model
 
@@ -110,7 +111,9 @@ def engine_step_fails(schedule: str) -> dict[str, Any]:
 
     config = ZeroPPConfig(pp_size=2, dp_shard_size=2, num_microbatches=4, schedule=schedule)
     example = (torch.zeros(2, MODEL.seq_len, dtype=torch.long),)
-    engine = ZeroPPEngine(make_model(), config, loss_fn=loss_fn, example_args=example)
+    engine = ZeroPPEngine(
+        make_model(), launch_layout(config), loss_fn=loss_fn, example_args=example
+    )
     board = FailureBoard(describe_rank(engine.dims.mesh, engine.stage_ids), grace_s=60.0)
     store = default_store()
     batches = make_batches(2)
@@ -185,13 +188,16 @@ def lost_rank(how: str, victim: int, timeout_s: float, out_dir: str, child: bool
     rank = int(os.environ["RANK"])
     if rank == victim and not child:
         return _keep_victim(dict(how=how, victim=victim, timeout_s=timeout_s, out_dir=out_dir))
+    from lightning_zeropp import launch_layout
     from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
     from tests.distributed.common import MODEL, lm_loss, make_batches, make_model
 
     _init_gloo(timeout_s)
     config = ZeroPPConfig(pp_size=2, dp_shard_size=2, num_microbatches=4)
     example = (torch.zeros(2, MODEL.seq_len, dtype=torch.long),)
-    engine = ZeroPPEngine(make_model(), config, loss_fn=lm_loss, example_args=example)
+    engine = ZeroPPEngine(
+        make_model(), launch_layout(config), loss_fn=lm_loss, example_args=example
+    )
     forwards, step = 0, 0
 
     def lose(*_: Any) -> None:  # a forward pre-hook on the victim's last module

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_zeropp import launch_layout
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
 from lightning_zeropp.core.shard.compile import compile_stats
 from tests.distributed.common import MODEL, lm_loss, make_batches, make_model, make_optimizer
@@ -40,7 +41,12 @@ def _train(device: torch.device, layout: dict[str, Any], steps: int = 3) -> dict
     micro = 16 // config.num_microbatches
     example = (torch.zeros(micro, MODEL.seq_len, dtype=torch.long, device=device),)
     engine = ZeroPPEngine(
-        make_model(), config, loss_fn=lm_loss, split="call", example_args=example, device=device
+        make_model(),
+        launch_layout(config),
+        loss_fn=lm_loss,
+        split="call",
+        example_args=example,
+        device=device,
     )
     opt = make_optimizer("adamw", engine.parameters())
     losses = []

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import lightning_zeropp.core.mesh as mesh_module
+from lightning_zeropp import launch_layout
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
 from lightning_zeropp.core._torch_private import default_store
 from lightning_zeropp.core.hosts import Placement, this_host
@@ -46,7 +47,9 @@ def _train(id: str, layout: dict[str, Any], steps: int, rank_numbered: bool = Fa
 
         mesh_module.gather_placement = as_numbered
     try:
-        engine = ZeroPPEngine(make_model(), config, loss_fn=lm_loss, example_args=example)
+        engine = ZeroPPEngine(
+            make_model(), launch_layout(config), loss_fn=lm_loss, example_args=example
+        )
     finally:
         mesh_module.gather_placement = original
     placement = engine.dims.placement
@@ -106,7 +109,7 @@ def cut_link(layout: dict[str, Any], device: str, timeout_s: float) -> dict[str,
         micro = GLOBAL_BATCH // config.dp_size // config.num_microbatches
         example = (torch.zeros(micro, MODEL.seq_len, dtype=torch.long),)
         with failure_guard():
-            ZeroPPEngine(make_model(), config, loss_fn=lm_loss, example_args=example)
+            ZeroPPEngine(make_model(), launch_layout(config), loss_fn=lm_loss, example_args=example)
     except Exception as err:  # what the user sees: the error and its causes
         error, cause = f"{type(err).__name__}: {err}", err.__cause__
         while cause is not None:
@@ -161,7 +164,7 @@ def refused(layout: dict[str, Any]) -> dict[str, Any]:
     micro = GLOBAL_BATCH // config.dp_size // config.num_microbatches
     example = (torch.zeros(micro, MODEL.seq_len, dtype=torch.long),)
     try:
-        ZeroPPEngine(make_model(), config, loss_fn=lm_loss, example_args=example)
+        ZeroPPEngine(make_model(), launch_layout(config), loss_fn=lm_loss, example_args=example)
     except Exception as err:
         return {"host": this_host(), "error": f"{type(err).__name__}: {err}"}
     return {"host": this_host(), "error": None}

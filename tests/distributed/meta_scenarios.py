@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_zeropp import launch_layout
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
 from lightning_zeropp.core.weights.checkpoint import save_checkpoint
 from lightning_zeropp.core.weights.materialize import empty_parameters, init_weights
@@ -82,7 +83,9 @@ def _run(
     loss_fn = lm_loss if model == "gpt" else llama_loss
     micro = GLOBAL_BATCH // config.dp_size // config.num_microbatches
     example = (torch.zeros(micro, MODEL.seq_len, dtype=torch.long),)
-    engine = ZeroPPEngine(net, config, loss_fn=loss_fn, example_args=example, load_from=load_from)
+    engine = ZeroPPEngine(
+        net, launch_layout(config), loss_fn=loss_fn, example_args=example, load_from=load_from
+    )
     initial = {n: _full(p) for n, p in engine.module.named_parameters()}
     local = sum(_local(p).numel() for p in engine.parameters())
     if save_dcp:  # the initial weights, for a case of another layout to load

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_zeropp import ZeroPPConfig, ZeroPPEngine, ZeroPPStrategy
+from lightning_zeropp import ZeroPPConfig, ZeroPPEngine, ZeroPPStrategy, launch_layout
 from lightning_zeropp.metrics import CausalLMMetrics
 from lightning_zeropp.models.lit_gpt import LitGPT
 from tests.distributed.common import GLOBAL_BATCH, MODEL, make_batches, make_model
@@ -75,7 +75,9 @@ def engine_eval(layout: dict[str, Any]) -> dict[str, float]:
     config = ZeroPPConfig(**layout).resolve(dist.get_world_size())
     per_rank = GLOBAL_BATCH // config.dp_size
     example = (torch.zeros(per_rank // config.num_microbatches, MODEL.seq_len, dtype=torch.long),)
-    engine = ZeroPPEngine(make_model(0), config, loss_fn=loss_fn, example_args=example)
+    engine = ZeroPPEngine(
+        make_model(0), launch_layout(config), loss_fn=loss_fn, example_args=example
+    )
     engine.module.eval()
     x, y = rows()
     lo = engine.dims.dp_rank * per_rank

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_zeropp import launch_layout
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
 from tests.distributed.common import lm_loss, make_optimizer, reference
 
@@ -126,7 +127,9 @@ def _train_aux() -> dict[str, Any]:
     micro = GLOBAL_BATCH // config.dp_size // config.num_microbatches
     example = (torch.zeros(micro, SEQ, dtype=torch.long),)
     model = make_aux_model()
-    engine = ZeroPPEngine(model, config, loss_fn=aux_loss, split="call", example_args=example)
+    engine = ZeroPPEngine(
+        model, launch_layout(config), loss_fn=aux_loss, split="call", example_args=example
+    )
     opt = make_optimizer("adamw", engine.parameters())
     per_rank = GLOBAL_BATCH // engine.dims.dp_size
     rows = slice(engine.dims.dp_rank * per_rank, (engine.dims.dp_rank + 1) * per_rank)
@@ -157,7 +160,9 @@ def _train(optimizer: str) -> dict[str, Any]:
     config = ZeroPPConfig(pp_size=2, num_microbatches=2).resolve(4)
     micro = GLOBAL_BATCH // config.dp_size // config.num_microbatches
     example = (torch.zeros(micro, SEQ, dtype=torch.long),)
-    engine = ZeroPPEngine(make_model(), config, loss_fn=lm_loss, split="call", example_args=example)
+    engine = ZeroPPEngine(
+        make_model(), launch_layout(config), loss_fn=lm_loss, split="call", example_args=example
+    )
     opt = make_optimizer(optimizer, engine.parameters())
     per_rank = GLOBAL_BATCH // engine.dims.dp_size
     rows = slice(engine.dims.dp_rank * per_rank, (engine.dims.dp_rank + 1) * per_rank)

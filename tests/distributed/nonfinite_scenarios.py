@@ -24,6 +24,7 @@ def run(cause: str, nonfinite: str = "raise", steps: int = 3) -> dict[str, Any]:
     """`steps` SGD steps; at step BAD_STEP a NaN enters through `cause`:
     "weights" (a weight of pipeline stage 1 turns NaN), "loss" (the loss function returns NaN)
     or "none"."""
+    from lightning_zeropp import launch_layout
     from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
 
     step = 0
@@ -34,7 +35,9 @@ def run(cause: str, nonfinite: str = "raise", steps: int = 3) -> dict[str, Any]:
 
     config = ZeroPPConfig(**LAYOUT, nonfinite=nonfinite)
     example = (torch.zeros(2, MODEL.seq_len, dtype=torch.long),)
-    engine = ZeroPPEngine(make_model(), config, loss_fn=loss_fn, example_args=example)
+    engine = ZeroPPEngine(
+        make_model(), launch_layout(config), loss_fn=loss_fn, example_args=example
+    )
     opt = make_optimizer("sgd", engine.parameters())
     rows = slice(engine.dims.dp_rank * 8, engine.dims.dp_rank * 8 + 8)
     out: dict[str, Any] = {"losses": [], "error": None}

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from lightning_zeropp import launch_layout
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
 from tests.distributed.common import (
     GLOBAL_BATCH,
@@ -32,7 +33,9 @@ def _run(layout: dict[str, Any], steps: int = 2) -> dict[str, Any]:
     config = ZeroPPConfig(**layout).resolve(torch.distributed.get_world_size())
     micro = GLOBAL_BATCH // config.dp_size // config.num_microbatches
     example = (torch.zeros(micro, MODEL.seq_len, dtype=torch.long),)
-    engine = ZeroPPEngine(make_model(), config, loss_fn=lm_loss, split="call", example_args=example)
+    engine = ZeroPPEngine(
+        make_model(), launch_layout(config), loss_fn=lm_loss, split="call", example_args=example
+    )
     opt = make_optimizer("adamw", engine.parameters())
     losses = []
     for x, y in make_batches(steps, global_batch=GLOBAL_BATCH):

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_zeropp import launch_layout
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
 from lightning_zeropp.core._torch_private import unsharded_gradient_bytes
 from lightning_zeropp.core.measure.comm import CommCounter, mesh_axis_namer
@@ -42,11 +43,11 @@ def measure(layouts: list[dict[str, Any]], optimizer: str = "adamw") -> list[dic
             rows = GLOBAL_BATCH // config.dp_size // config.num_microbatches
             example = (torch.zeros(rows, MODEL.seq_len, dtype=torch.long),)
             engine = ZeroPPEngine(
-                build_causal_lm("llama", **LLAMA), config, loss_fn=hf_loss, split="call",
+                build_causal_lm("llama", **LLAMA), launch_layout(config), loss_fn=hf_loss, split="call",
                 example_args=example,
             )  # fmt: skip
         else:
-            engine = ZeroPPEngine(GPT(MODEL), config, loss_fn=lm_loss, split="stack")
+            engine = ZeroPPEngine(GPT(MODEL), launch_layout(config), loss_fn=lm_loss, split="stack")
         params = list(engine.parameters())
         opt = (
             torch.optim.AdamW(params, lr=1e-3)

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
+from lightning_zeropp import launch_layout
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
 from lightning_zeropp.core._torch_private import fsdp_unit_shards, offload_policies
 from lightning_zeropp.core.measure.comm import CommCounter
@@ -25,7 +26,9 @@ def _train(layout: dict[str, Any], steps: int, lr: float) -> dict[str, Any]:
     config = ZeroPPConfig(**layout).resolve(dist.get_world_size())
     micro = GLOBAL_BATCH // config.dp_size // config.num_microbatches
     example = (torch.zeros(micro, MODEL.seq_len, dtype=torch.long),)
-    engine = ZeroPPEngine(make_model(), config, loss_fn=lm_loss, example_args=example)
+    engine = ZeroPPEngine(
+        make_model(), launch_layout(config), loss_fn=lm_loss, example_args=example
+    )
     opt = torch.optim.SGD(engine.parameters(), lr=lr)
     traffic = NodeTraffic(engine.dims.mesh, config.node_size)
     losses, summary = [], {}

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_zeropp import launch_layout
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
 
 VOCAB, DIM, SEQ, BATCH = 32, 16, 8, 16
@@ -56,7 +57,7 @@ def train(layout: dict[str, Any], steps: int = 2) -> dict[str, Any]:
     torch.manual_seed(0)
     rows = BATCH // config.dp_size
     example = (torch.zeros(rows // config.num_microbatches, SEQ, dtype=torch.long),)
-    engine = ZeroPPEngine(PostNorm(), config, loss_fn=loss_fn, example_args=example)
+    engine = ZeroPPEngine(PostNorm(), launch_layout(config), loss_fn=loss_fn, example_args=example)
     opt = torch.optim.SGD(list(engine.parameters()), lr=0.5)
     mine = slice(engine.dims.dp_rank * rows, (engine.dims.dp_rank + 1) * rows)
     losses = []

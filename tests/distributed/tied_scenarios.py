@@ -80,6 +80,7 @@ def engine_cases(cases: list[dict[str, Any]], checkpoint: dict[str, Any]) -> dic
 
 
 def _engine(family: str, layout: dict[str, Any], split: str = "call", seed: int = 0) -> Any:
+    from lightning_zeropp import launch_layout
     from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
 
     config = ZeroPPConfig(**layout).resolve(torch.distributed.get_world_size())
@@ -91,7 +92,12 @@ def _engine(family: str, layout: dict[str, Any], split: str = "call", seed: int 
         loss_fn, kwargs = (lambda out, labels: out.loss), {"labels": ids}
     model = make_tied(family, seed)
     return ZeroPPEngine(
-        model, config, loss_fn=loss_fn, split=split, example_args=(ids,), example_kwargs=kwargs
+        model,
+        launch_layout(config),
+        loss_fn=loss_fn,
+        split=split,
+        example_args=(ids,),
+        example_kwargs=kwargs,
     )
 
 

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from lightning_zeropp import launch_layout
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
 from lightning_zeropp.core.measure.comm import CommCounter, mesh_axis_namer
 from lightning_zeropp.core.measure.timeline import StepRecorder
@@ -16,7 +17,9 @@ def record(layout: dict[str, Any], global_batch: int = 16) -> dict[str, Any]:
     config = ZeroPPConfig(**layout).resolve(torch.distributed.get_world_size())
     micro = global_batch // config.dp_size // config.num_microbatches
     example = (torch.zeros(micro, MODEL.seq_len, dtype=torch.long),)
-    engine = ZeroPPEngine(make_model(), config, loss_fn=lm_loss, example_args=example)
+    engine = ZeroPPEngine(
+        make_model(), launch_layout(config), loss_fn=lm_loss, example_args=example
+    )
     per = global_batch // config.dp_size
     rows = slice(engine.dims.dp_rank * per, (engine.dims.dp_rank + 1) * per)
     (x, y), (x2, y2) = make_batches(2, global_batch=global_batch)

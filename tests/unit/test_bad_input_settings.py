@@ -101,6 +101,7 @@ def test_core_step_mistakes_are_named(group):
     import torch
     import torch.nn.functional as F
 
+    from lightning_zeropp import launch_layout
     from lightning_zeropp.core.engine import ZeroPPEngine
     from lightning_zeropp.models import GPT, GPTConfig
 
@@ -108,7 +109,7 @@ def test_core_step_mistakes_are_named(group):
     per_token = lambda logits, y: F.cross_entropy(  # noqa: E731
         logits.flatten(0, 1), y.flatten(), reduction="none"
     )
-    engine = ZeroPPEngine(model, ZeroPPConfig(num_microbatches=2), loss_fn=per_token)
+    engine = ZeroPPEngine(model, launch_layout(ZeroPPConfig(num_microbatches=2)), loss_fn=per_token)
     x = torch.zeros(4, 8, dtype=torch.long)
     with pytest.raises(ValueError, match=r"loss_fn returned \(16,\); it must return one scalar"):
         engine.train_step(x, target=x)
@@ -120,6 +121,7 @@ def test_a_traced_split_of_a_meta_model_is_refused(group):
     """Interleaved stages on one rank (two stages): a meta model cannot be traced."""
     import torch
 
+    from lightning_zeropp import launch_layout
     from lightning_zeropp.core.engine import ZeroPPEngine
     from lightning_zeropp.core.weights.materialize import empty_parameters
     from lightning_zeropp.models import GPT, GPTConfig
@@ -129,4 +131,6 @@ def test_a_traced_split_of_a_meta_model_is_refused(group):
     config = ZeroPPConfig(schedule="interleaved_1f1b", num_chunks=2, num_microbatches=2)
     example = (torch.zeros(1, 8, dtype=torch.long),)
     with pytest.raises(ValueError, match=r"split='trace' cannot cut a model whose parameters"):
-        ZeroPPEngine(model, config, loss_fn=print, split="trace", example_args=example)
+        ZeroPPEngine(
+            model, launch_layout(config), loss_fn=print, split="trace", example_args=example
+        )

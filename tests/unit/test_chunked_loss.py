@@ -93,6 +93,7 @@ def _first_step_activation_peak(chunk: int) -> int:
     """The bundled GPT's first training step through the engine on one process (its only stage
     is the last): the activation peak its memory report prints. Vocabulary 8k, 1k tokens (a larger
     head only takes longer: the logits dominate either way)."""
+    from lightning_zeropp import launch_layout
     from lightning_zeropp.core.engine import ZeroPPEngine
 
     torch.manual_seed(0)
@@ -100,7 +101,7 @@ def _first_step_activation_peak(chunk: int) -> int:
     model = GPT(cfg)
     loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lambda out, _target: out  # noqa: E731
     config = ZeroPPConfig(pp_size=1, num_microbatches=1, loss_chunk=chunk)
-    engine = ZeroPPEngine(model, config, loss_fn=loss_of)
+    engine = ZeroPPEngine(model, launch_layout(config), loss_fn=loss_of)
     x = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len))
     y = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len))
     engine.train_step(x, y, target=y)

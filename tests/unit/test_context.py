@@ -9,8 +9,8 @@ from torch import nn
 
 from lightning_zeropp.core.settings.config import ZeroPPConfig
 from lightning_zeropp.core.settings.env import config_from_env
-from lightning_zeropp.core.settings.merge import merge_settings
 from lightning_zeropp.core.step.context import ContextSplit
+from lightning_zeropp.fronts.settings import merge_settings
 
 
 class _Ids(nn.Module):

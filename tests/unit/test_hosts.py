@@ -109,7 +109,7 @@ def test_a_node_size_that_is_not_the_hosts_is_refused_where_zeropp_plus_uses_it(
 
 
 def test_the_launchers_node_size_under_srun():
-    from lightning_zeropp.core.settings.merge import launcher_node_size
+    from lightning_zeropp.fronts.settings import launcher_node_size
 
     assert launcher_node_size({"LOCAL_WORLD_SIZE": "4", "SLURM_NTASKS_PER_NODE": "2"}) == 4
     assert launcher_node_size({"SLURM_NTASKS_PER_NODE": "2"}) == 2  # srun sets no LOCAL_*

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_zeropp import launch_layout
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
 from lightning_zeropp.core.measure.memory import SavedActivations
 from lightning_zeropp.core.settings.env import config_from_env
@@ -115,7 +116,9 @@ def _engine_run(
     config = ZeroPPConfig(num_microbatches=2, offload_activations=offload, compile=compile)
     config = config.resolve(1)
     example = (torch.zeros(4, MODEL.seq_len, dtype=torch.long),)
-    engine = ZeroPPEngine(make_model(), config, loss_fn=lm_loss, example_args=example)
+    engine = ZeroPPEngine(
+        make_model(), launch_layout(config), loss_fn=lm_loss, example_args=example
+    )
     opt = torch.optim.AdamW(engine.parameters(), lr=1e-2, eps=1e-6)
     losses = []
     for x, y in make_batches(2, global_batch=8):

@@ -6,7 +6,7 @@ import pytest
 
 from lightning_zeropp.core.measure.traffic import _share
 from lightning_zeropp.core.settings.config import ZeroPPConfig, ZeroPPLayout
-from lightning_zeropp.core.settings.merge import merge_settings
+from lightning_zeropp.fronts.settings import merge_settings
 
 
 def _resolve(world: int = 8, **settings) -> ZeroPPLayout:

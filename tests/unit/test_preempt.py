@@ -30,7 +30,7 @@ def test_the_handler_records_sigterm_and_the_stop_exits_143_naming_it() -> None:
 
 def test_save_on_sigterm_is_a_checked_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     from lightning_zeropp.core.settings.config import ZeroPPConfig
-    from lightning_zeropp.core.settings.merge import merge_settings
+    from lightning_zeropp.fronts.settings import merge_settings
 
     assert ZeroPPConfig(save_on_sigterm=True).resolve(2).save_on_sigterm is True
     with pytest.raises(ValueError, match="save_on_sigterm='yes' must be True or False"):

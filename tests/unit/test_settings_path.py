@@ -3,7 +3,8 @@
 Adding a setting to ZeroPP means writing it in four places, which this test checks for every
 field of `ZeroPPConfig`:
 1. the field of `ZeroPPConfig` (`core/settings/config.py`), the request a user writes;
-2. its typed field in `ZeroPPLayout` and its check in `core/settings/resolve.py`;
+2. its typed field in `ZeroPPLayout` (`core/settings/layout.py`) and its check in
+   `core/settings/resolve.py`;
 3. its key, with the default and a comment, in `conf/parallel/base.yaml` (the recipes);
 4. its words (default and meaning) in `core/settings/reference.py`, from which the docs site
    renders the settings page.
@@ -29,8 +30,8 @@ from lightning_zeropp.accelerate import ZeroPPPlugin
 from lightning_zeropp.accelerate.build import _settings
 from lightning_zeropp.core.settings import env
 from lightning_zeropp.core.settings.config import ZeroPPConfig, ZeroPPLayout
-from lightning_zeropp.core.settings.merge import merge_settings
 from lightning_zeropp.core.settings.reference import SETTINGS_REFERENCE, settings_table
+from lightning_zeropp.fronts.settings import merge_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 FIELDS = [f.name for f in dataclasses.fields(ZeroPPConfig)]

@@ -13,6 +13,7 @@ pytestmark = pytest.mark.usefixtures("group", "one_thread")
 
 
 def test_a_model_without_blocks_trains_on_one_stage_as_one_process_does():
+    from lightning_zeropp import launch_layout
     from lightning_zeropp.core.engine import ZeroPPEngine
 
     torch.manual_seed(0)
@@ -22,7 +23,7 @@ def test_a_model_without_blocks_trains_on_one_stage_as_one_process_does():
     x, y = torch.randn(4, 4), torch.randn(4, 3)
     loss_fn = lambda out, target: nn.functional.mse_loss(out, target)  # noqa: E731
 
-    engine = ZeroPPEngine(model, ZeroPPConfig(num_microbatches=1), loss_fn=loss_fn)
+    engine = ZeroPPEngine(model, launch_layout(ZeroPPConfig(num_microbatches=1)), loss_fn=loss_fn)
     loss = engine.train_step(x, target=y)
     expected = loss_fn(reference(x), y)
     expected.backward()

@@ -76,7 +76,7 @@ def test_the_signature_carries_types_that_tools_need_not_resolve():
     read, so it dropped every setting and refused `--trainer.strategy.pp_size=2`."""
     import inspect
 
-    from lightning_zeropp.core.settings.merge import FIELDS
+    from lightning_zeropp.fronts.settings import FIELDS
 
     params = inspect.signature(ZeroPPStrategy.__init__).parameters
     strings = [n for n in FIELDS if isinstance(params[n].annotation, str)]

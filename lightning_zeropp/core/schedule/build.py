@@ -27,7 +27,7 @@ from lightning_zeropp.core.settings.placement import (
 from lightning_zeropp.core.settings.plus import hpz_size
 
 if TYPE_CHECKING:
-    from lightning_zeropp.core.settings.resolve import ZeroPPLayout
+    from lightning_zeropp.core.settings.layout import ZeroPPLayout
 
 __all__ = [
     "SCHEDULES",
@@ -93,8 +93,7 @@ def zeropp_plans(config: ZeroPPLayout) -> dict[int, list[Step]]:
     return {
         rank: lower(
             order,
-            # resolve() checked grad_reduce against GRAD_REDUCE; the layout's field is a plain str
-            reduce_points(order, config.unit_size, config.grad_reduce),  # type: ignore[arg-type]
+            reduce_points(order, config.unit_size, config.grad_reduce),
             keep_node_copy=hpz_size(config) is not None,
         )
         for rank, order in zeropp_orders(config).items()

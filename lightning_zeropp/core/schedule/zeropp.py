@@ -30,6 +30,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from lightning_zeropp.core.settings.values import GradReduce
+
 __all__ = [
     "Task",
     "units",
@@ -45,7 +47,6 @@ __all__ = [
 ]
 
 Kind = Literal["F", "B", "I", "W"]
-GradReduce = Literal["step", "unit", "microbatch"]
 
 # Relative task durations for planning pictures and bubble estimates: a backward costs about two
 # forwards, split evenly between the input and the weight gradient.

@@ -5,7 +5,7 @@ and checks everything a user can get wrong (`core.settings.resolve`), returning 
 typed `ZeroPPLayout` that the engine, the planner and the fronts read. Every rank resolves the same
 config before the first collective, so a bad setting fails everywhere at once instead of leaving
 some ranks waiting in a collective. Nothing here reads the environment: the fronts merge code
-arguments over `ZEROPP_*` variables first (`core.settings.merge`).
+arguments over `ZEROPP_*` variables first (`fronts.settings`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lightning_zeropp.core.settings.resolve import ZeroPPLayout, resolve_config
+from lightning_zeropp.core.settings.layout import ZeroPPLayout
+from lightning_zeropp.core.settings.resolve import resolve_config
 from lightning_zeropp.core.settings.values import (
     GRAD_REDUCE,
     NONFINITE,

@@ -5,7 +5,9 @@ the `ZEROPP_*` variable that set it). The ground floor of `settings/`: imports t
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 
@@ -13,6 +15,7 @@ from lightning_zeropp.core.settings.placement import SCHEDULE_ROWS, STYLES
 
 __all__ = [
     "GRAD_REDUCE",
+    "GradReduce",
     "NONFINITE",
     "RECOMPUTE",
     "fields_of",
@@ -23,7 +26,8 @@ __all__ = [
 
 RECOMPUTE = ("none", "all", "except_last")
 NONFINITE = ("raise", "skip")
-GRAD_REDUCE = ("step", "unit", "microbatch")
+GradReduce = Literal["step", "unit", "microbatch"]
+GRAD_REDUCE: tuple[GradReduce, ...] = typing.get_args(GradReduce)
 
 _DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,

@@ -34,8 +34,8 @@ from lightning_zeropp.core._torch_private import (
     post_forward_mesh,
 )
 from lightning_zeropp.core.mesh import build_partition_mesh, world_timeout
+from lightning_zeropp.core.settings.layout import ZeroPPLayout
 from lightning_zeropp.core.settings.plus import hpz_size
-from lightning_zeropp.core.settings.resolve import ZeroPPLayout
 from lightning_zeropp.core.shard.plus_comm import (
     HierarchicalReduceScatter,
     NodeGroups,

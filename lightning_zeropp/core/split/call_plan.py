@@ -31,12 +31,17 @@ from torch import nn
 
 from lightning_zeropp.core._torch_private import TreeSpec, tree_flatten, tree_map, tree_unflatten
 from lightning_zeropp.core.split.blocks import BlockPlan
+from lightning_zeropp.core.split.call_run import (
+    FIX,
+    BlockCall,
+    DryRun,
+    DryRunFailed,
+    dry_run,
+    outer_parts,
+)
 from lightning_zeropp.core.split.copies import meta_copy
-from lightning_zeropp.core.split.tags import Tagger
 
 __all__ = ["CallPlan", "CallInputs", "plan_calls", "meta_copy", "outer_parts"]
-
-_FIX = "use split='trace' (with an example micro-batch) or a split callable"
 
 
 @dataclass(frozen=True)
@@ -83,19 +88,6 @@ class CallInputs:
         return tree_unflatten(leaves, self.spec)
 
 
-def outer_parts(model: nn.Module, container: str) -> tuple[list[str], list[str]]:
-    """Beside the path to the block container: the modules with parameters (embeddings, norms,
-    heads) and the parameters held directly by the model or a module on that path."""
-    units, bare, parent, prefix = [], [], model, ""
-    for part in container.split(".") if container else []:
-        for name, child in parent.named_children():
-            if name != part and any(True for _ in child.parameters()):
-                units.append(prefix + name)
-        bare += [prefix + name for name, p in parent._parameters.items() if p is not None]
-        parent, prefix = parent.get_submodule(part), f"{prefix}{part}."
-    return units, bare
-
-
 def _to_meta(x: Any) -> Any:
     return torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x
 
@@ -115,8 +107,10 @@ def plan_calls(
         )
     example = (tuple(example_args or ()), dict(example_kwargs or {}))
     try:  # on the meta device first: no memory, no compute
-        return _dry_run(meta_copy(model), blocks, tree_map(_to_meta, example), model)
-    except _DryRunFailed as meta_err:
+        return _plan(
+            dry_run(meta_copy(model), blocks, tree_map(_to_meta, example), model), blocks, model
+        )
+    except DryRunFailed as meta_err:
         real = all(not t.is_meta for t in tree_flatten(example)[0] if isinstance(t, torch.Tensor))
         if not real:
             raise ValueError(str(meta_err)) from meta_err.__cause__
@@ -125,8 +119,10 @@ def plan_calls(
             # that values computed from the inputs alone can be read, and everything the
             # weights touch becomes meta.
             try:
-                return _dry_run(meta_copy(model), blocks, example, model, mixed=True)
-            except _DryRunFailed as err:
+                return _plan(
+                    dry_run(meta_copy(model), blocks, example, model, mixed=True), blocks, model
+                )
+            except DryRunFailed as err:
                 raise ValueError(str(err)) from err.__cause__
     # Some forwards read values (`.item()`, `torch.equal`) that meta tensors do not have: check on
     # the real model and example once, without gradients, where the weights are (the example
@@ -134,8 +130,10 @@ def plan_calls(
     # loaded with a `device_map` already sits on the accelerator).
     with torch.no_grad():
         try:
-            return _dry_run(model, blocks, _where_weights_are(model, example), model)
-        except _DryRunFailed as err:
+            return _plan(
+                dry_run(model, blocks, _where_weights_are(model, example), model), blocks, model
+            )
+        except DryRunFailed as err:
             raise ValueError(str(err)) from err.__cause__
 
 
@@ -149,124 +147,18 @@ def _where_weights_are(model: nn.Module, example: Any) -> Any:
     return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, example)
 
 
-class _DryRunFailed(Exception):
-    """The model's forward raised during the dry run."""
-
-
-def _dry_run(
-    skeleton: nn.Module,
-    blocks: BlockPlan,
-    example: tuple[tuple[Any, ...], dict[str, Any]],
-    model: nn.Module,
-    mixed: bool = False,
-) -> CallPlan:
-    args, kwargs = example
-    container = skeleton.get_submodule(blocks.container) if blocks.container else skeleton
-    block_list = [container.get_submodule(n) for n in blocks.names]
-    units, bare = outer_parts(skeleton, blocks.container)
-    tagger, calls, events = Tagger(mixed), [], list[tuple[str, Any]]()
-    handles = []
-
-    def block_pre(i: int) -> Callable[..., Any]:
-        def hook(module: nn.Module, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
-            sources = [tagger.of(t) for t in tree_flatten((a, kw))[0]]
-            calls.append([i, a, kw, None, sources])
-            events.append(("block", i))
-            tagger.after, tagger.started = None, True
-            clean = tree_map(lambda t: t.view_as(t) if isinstance(t, torch.Tensor) else t, (a, kw))
-            for t in tree_flatten(clean)[0]:
-                tagger.tags.pop(id(t), None)
-            tagger.inside = i
-            return clean
-
-        return hook
-
-    def block_post(i: int) -> Callable[..., Any]:
-        def hook(module: nn.Module, a: Any, kw: Any, out: Any) -> None:
-            calls[-1][3] = out
-            tagger.inside = None
-            if isinstance(out, (tuple, list)) and len(out) > 1:
-                # Each part on its own: the next block takes one, the others may be extras
-                # read after the blocks (decided by `_plan` once the chain is known).
-                for j, part in enumerate(out):
-                    tagger.tag(part, frozenset({("part", (i, j))}))
-            else:
-                tagger.tag(out, frozenset({("block", i)}))
-            tagger.after = i if i == len(block_list) - 1 else None
-
-        return hook
-
-    def unit_pre(name: str) -> Callable[..., Any]:
-        def hook(module: nn.Module, a: Any) -> None:
-            tagger.units.append(name)
-
-        return hook
-
-    def unit_post(name: str) -> Callable[..., Any]:
-        def hook(module: nn.Module, a: Any, out: Any) -> None:
-            tagger.units.remove(name)
-            events.append(("unit", name))
-            if tagger.after is None and not any(e[0] == "block" for e in events):
-                tagger.tag(out, frozenset({("unit", name)}))
-
-        return hook
-
-    for i, b in enumerate(block_list):
-        handles.append(b.register_forward_pre_hook(block_pre(i), with_kwargs=True))
-        handles.append(b.register_forward_hook(block_post(i), with_kwargs=True))
-    # A tied weight belongs to every unit using it (an HF tied head: the embedding and lm_head),
-    # each of which gets its own copy on its own stage (see core.tied).
-    owners: dict[int, tuple[str, ...]] = {}
-    for name in units:
-        for p in skeleton.get_submodule(name).parameters():
-            owners[id(p)] = (*owners.get(id(p), ()), name)
-    for name in units:
-        unit = skeleton.get_submodule(name)
-        handles.append(unit.register_forward_pre_hook(unit_pre(name)))
-        handles.append(unit.register_forward_hook(unit_post(name)))
-        for p in unit.parameters():
-            tagger.tag(p, frozenset({("param", owners[id(p)])}))
-    for name in bare:  # read where the model's own code reads them (see `Tagger.bare`)
-        tagger.add_bare(skeleton.get_parameter(name), name)
-    try:
-        with tagger:
-            out = skeleton(*args, **kwargs)
-            tagger.inside, tagger.after = None, len(block_list) - 1
-            final = tagger.of(out)
-    except Exception as err:
-        device = "meta" if any(p.is_meta for p in skeleton.parameters()) else "real"
-        raise _DryRunFailed(
-            f"could not check how {type(model).__name__} calls its blocks (a dry run on the "
-            f"{device} model failed: {type(err).__name__}: {err}); {_FIX}."
-        ) from err
-    finally:
-        for h in handles:
-            h.remove()
-    if tagger.leak is None and not {t for t in final if t[0] != "part"} <= {
-        ("block", len(block_list) - 1)
-    }:
-        tagger.leak = "the model's output depends on values other than its last block's output"
-    tagger.read_after |= {t for t in final if t[0] == "part"}
-    return _plan(blocks, units, calls, events, tagger, type(model).__name__)
-
-
-def _plan(
-    blocks: BlockPlan,
-    units: list[str],
-    calls: list[list[Any]],
-    events: list[tuple[str, Any]],
-    tagger: Tagger,
-    model_name: str,
-) -> CallPlan:
-    leak = tagger.leak
+def _plan(run: DryRun, blocks: BlockPlan, model: nn.Module) -> CallPlan:
+    """The plan from the dry run's record, or a refusal naming what breaks the chain."""
+    units, calls, events, tagger = run.units, run.calls, run.events, run.tagger
+    model_name, leak = type(model).__name__, tagger.leak
 
     def refuse(why: str) -> ValueError:
-        return ValueError(f"split='call' cannot pipeline {model_name}: {why}; {_FIX}.")
+        return ValueError(f"split='call' cannot pipeline {model_name}: {why}; {FIX}.")
 
-    if [c[0] for c in calls] != list(range(len(blocks.names))):
+    if [c.block for c in calls] != list(range(len(blocks.names))):
         raise refuse(
             f"its forward must call each block of '{blocks.container}' once, in order (it called "
-            f"{[blocks.names[c[0]] for c in calls]})"
+            f"{[blocks.names[c.block] for c in calls]})"
         )
     if leak is not None:
         raise refuse(leak)
@@ -284,7 +176,7 @@ def _plan(
         else:
             first.append(name)  # never called: it holds parameters, keep them somewhere
     first_params, last_params = _place_bare(tagger.bare_reads, refuse)
-    leaves, spec = tree_flatten((calls[0][1], calls[0][2]))
+    leaves, spec = tree_flatten((calls[0].args, calls[0].kwargs))
     hidden, out_index = _chain(calls, leaves, spec, refuse)
     aux = _extras(calls, tagger.read_after, out_index, refuse)
     others = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and i != hidden]
@@ -292,10 +184,10 @@ def _plan(
     # rotary tables, a constant) is the same on every stage, which holds the micro-batch: each
     # stage computes its own, so it may also be None for some batches (HF builds no mask for an
     # unpadded one). One that depends on an outer module's output or on a random draw is sent.
-    sources = calls[0][4]
+    sources = calls[0].sources
     local = tuple(i for i in others if not sources[i])
     slots = (hidden, *(i for i in others if sources[i]))
-    out = calls[0][3]
+    out = calls[0].out
     out_len = 1 if isinstance(out, torch.Tensor) else len(out)
     return CallPlan(
         blocks,
@@ -313,7 +205,7 @@ def _plan(
 
 
 def _extras(
-    calls: list[list[Any]], read: set[Any], out_index: int | None, refuse: Callable
+    calls: list[BlockCall], read: set[Any], out_index: int | None, refuse: Callable
 ) -> tuple[int, ...]:
     """The positions of the extra values of a block's return read after the blocks: any part
     but an earlier block's hidden state (which the next block took) may be; each must be a
@@ -326,11 +218,11 @@ def _extras(
                 "than through the blocks' arguments"
             )
     aux = tuple(sorted({j for _, (_, j) in read if j != out_index}))
-    for i, _, _, out, _ in calls:
-        odd = [j for j in aux if not isinstance(out[j], torch.Tensor)]
+    for call in calls:
+        odd = [j for j in aux if not isinstance(call.out[j], torch.Tensor)]
         if odd:
             raise refuse(
-                f"block {i} returns {type(out[odd[0]]).__name__} at position {odd[0]} of its "
+                f"block {call.block} returns {type(call.out[odd[0]]).__name__} at position {odd[0]} of its "
                 "return, which the forward reads after the blocks; each block's extra return "
                 "values (an auxiliary loss) must be tensors for split='call' to send them on"
             )
@@ -354,12 +246,13 @@ def _place_bare(
     return tuple(first), tuple(last)
 
 
-def _chain(calls: list[list[Any]], leaves: list[Any], spec: TreeSpec, refuse: Callable) -> Any:
+def _chain(calls: list[BlockCall], leaves: list[Any], spec: TreeSpec, refuse: Callable) -> Any:
     """Which leaf carries the previous block's output, and where that output sits in a return."""
     found: tuple[int, int | None] | None = None
-    for (_, a0, k0, out, src0), (_, a1, k1, _, src1) in zip(calls, calls[1:], strict=False):
-        prev, spec0 = tree_flatten((a0, k0))
-        now, spec1 = tree_flatten((a1, k1))
+    for call, then in zip(calls, calls[1:], strict=False):
+        out, src0, src1 = call.out, call.sources, then.sources
+        prev, spec0 = tree_flatten((call.args, call.kwargs))
+        now, spec1 = tree_flatten((then.args, then.kwargs))
         outs = [out] if isinstance(out, torch.Tensor) else list(out)
         picks = [
             (p, None if isinstance(out, torch.Tensor) else j)
@@ -382,7 +275,6 @@ def _chain(calls: list[list[Any]], leaves: list[Any], spec: TreeSpec, refuse: Ca
                 )
     if found is None:  # one block: its first tensor argument is the hidden state
         found = (next(p for p, x in enumerate(leaves) if isinstance(x, torch.Tensor)), None)
-        out = calls[0][3]
-        if not isinstance(out, torch.Tensor):
+        if not isinstance(calls[0].out, torch.Tensor):
             found = (found[0], 0)
     return found

@@ -1,4 +1,5 @@
-"""One settings path for every front: code arguments over `ZEROPP_*` variables over defaults.
+"""One settings path for every front: code arguments over `ZEROPP_*` variables over defaults,
+resolved once, at the front's door.
 
 `merge_settings(given, split=...)` is the only place a front combines what the user wrote in code
 (`ZeroPPStrategy(pp_size=2)`, `ZeroPPPlugin(schedule="zeropp")`, `prepare_pipeline(config=...)`)
@@ -7,6 +8,10 @@ launcher's `LOCAL_WORLD_SIZE`). One precedence: a setting given in code wins, on
 takes its variable, else `ZeroPPConfig`'s default; the split method likewise (`split=` in code,
 then `ZEROPP_SPLIT`, then "auto"). `RunSettings.resolve(world_size)` resolves the result and, when
 a bad value came from a variable, says which variable set it: the user never wrote it in code.
+
+Below a front's door only a resolved `ZeroPPLayout` passes: the core reads no launcher variable.
+`launch_layout(config)` is that door for plain PyTorch (a config resolved for the launched world
+and the launcher's ranks per node), what `ZeroPPEngine` takes.
 """
 
 from __future__ import annotations
@@ -20,15 +25,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed as dist
+
 from lightning_zeropp.core.settings import env
 from lightning_zeropp.core.settings.config import ZeroPPConfig
-from lightning_zeropp.core.settings.resolve import ZeroPPLayout
+from lightning_zeropp.core.settings.layout import ZeroPPLayout
 from lightning_zeropp.core.settings.values import fields_of, setting_error
 
 __all__ = [
     "FIELDS",
     "RunSettings",
     "check_names",
+    "launch_layout",
     "launcher_node_size",
     "merge_settings",
     "takes_settings",
@@ -132,6 +140,27 @@ def launcher_node_size(environ: Mapping[str, str] | None = None) -> int | None:
             f"{name}={raw!r} is not an integer; the launcher sets it to the processes "
             "per node (unset it, or set node_size=...)."
         ) from None
+
+
+def launch_layout(
+    config: ZeroPPConfig | ZeroPPLayout, world_size: int | None = None
+) -> ZeroPPLayout:
+    """`config` resolved for this launch: `world_size` processes (default: the default process
+    group's, which must be initialized), as many per node as the launcher says
+    (`LOCAL_WORLD_SIZE`, see `launcher_node_size`; `config.node_size` wins when set). A layout is
+    checked against the world and returned as it is. What plain-PyTorch code gives
+    `ZeroPPEngine`: `ZeroPPEngine(model, launch_layout(ZeroPPConfig(pp_size=2)), ...)`."""
+    if world_size is None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "launch_layout(config) resolves the config for the launched world, but no "
+                "process group is initialized: call torch.distributed.init_process_group() "
+                "first (under torchrun), or pass world_size=..."
+            )
+        world_size = dist.get_world_size()
+    if isinstance(config, ZeroPPLayout):  # its node size was decided when it was resolved
+        return config.resolve(world_size)
+    return config.resolve(world_size, launcher_node_size())
 
 
 def takes_settings(init: Callable[..., None]) -> Callable[..., None]:
