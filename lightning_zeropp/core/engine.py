@@ -124,6 +124,8 @@ class ZeroPPEngine:
             self.style, self.dims.pp_rank, cfg.pp_size, cfg.num_chunks
         )
         self.split = settle_split(model, split, self.split, cfg, self.plan, self._meta)
+        if self._context is not None:  # a traced graph keeps the example's mask form
+            self._context.split.traced = self.split == "trace" and self.num_stages > 1
         # The head and the loss in chunks wherever the model's code computes its loss so. Only
         # the call split hands the last stage the call's targets (a traced or pruned stage
         # takes activations): under the others, models compute their loss from whole logits.

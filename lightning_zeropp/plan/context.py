@@ -37,6 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_zeropp.core._torch_private import is_fused_attention
 from lightning_zeropp.core.settings.layout import ZeroPPLayout
+from lightning_zeropp.core.step.context_masks import call_mask
 from lightning_zeropp.plan.profile import ModelProfile, lm_loss, profile_model
 
 __all__ = ["check_length", "fsdp_view", "kv_bytes", "rank_profile", "search_by_cp"]
@@ -89,11 +90,16 @@ class _MetaContext(TorchFunctionMode):
         ]  # fmt: skip
         source = kwargs.get("attn_mask")
         if is_causal or source is not None:
-            shape = (query.shape[-2], gathered[0].shape[-2])
-            made_from = (source, shape, query.dtype, query.device)
+            local, length = query.shape[-2], gathered[0].shape[-2]
+            made_from = (source, (local, length), query.dtype, query.device)
             last = self._last
             if last is None or last[0][0] is not source or last[0][1:] != made_from[1:]:
-                last = made_from, torch.empty(shape, dtype=query.dtype, device=query.device)
+                # the runtime's own mask (`call_mask`), made on the meta device: its shape and
+                # dtype are what the runtime keeps
+                positions = torch.arange(local, device=query.device)
+                mask = call_mask(source, is_causal, query, positions, length)
+                assert mask is not None  # causal, or the model's own
+                last = made_from, mask
                 self._last = last
             kwargs["attn_mask"] = last[1]
         return func(query, *gathered, dropout_p, False, **kwargs)

@@ -76,6 +76,39 @@ def lightning_fit(layout: dict[str, Any], steps: int = 3, split: str = "call") -
     }
 
 
+def lightning_resumed(case: dict[str, Any], out_dir: str) -> dict[str, Any]:
+    """An epoch of 2 steps under `case["saved"]` and `trainer.save_checkpoint` (a sharded
+    folder), then `fit(ckpt_path=...)` under `case["resumed"]` from other initial weights for
+    the second epoch: the losses logged and the parameters after (the uninterrupted run's, one
+    process)."""
+    path = os.path.join(out_dir, case["id"] + ".ckpt")
+    out: dict[str, Any] = {}
+    for layout, seed, epochs, resume in (
+        (case["saved"], 0, 1, None),
+        (case["resumed"], 7, 2, path),
+    ):
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=_WORLD_SIZE, strategy=ZeroPPStrategy(split="call", **layout),
+            max_epochs=epochs, gradient_clip_val=MAX_NORM, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+            deterministic=True,
+        )  # fmt: skip
+        dp = _dp(layout)
+        micro = GLOBAL_BATCH // dp // layout.get("num_microbatches", layout.get("pp_size", 1))
+        module = LitGPT(MODEL, micro_batch_size=micro, optimizer="adamw", lr=1e-3)
+        module.model.load_state_dict(make_model(seed).state_dict())
+        record = Record()
+        trainer.callbacks.append(record)
+        trainer.fit(module, _gpt_loader(2, dp), ckpt_path=resume)
+        if resume is None:
+            trainer.save_checkpoint(path)
+        out = {
+            "logged": record.logged,
+            "params": {n: _full(p) for n, p in module.model.named_parameters()},
+        }
+    return out
+
+
 def run(
     lightning: list[dict[str, Any]],
     accelerate: list[dict[str, Any]] | None = None,
@@ -84,6 +117,7 @@ def run(
     hf_lightning: list[dict[str, Any]] | None = None,
     devices: int = 4,
     across: list[dict[str, Any]] | None = None,
+    lightning_across: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Every front's cases in one launch: Accelerate's first (Accelerate makes the process
     group; the Lightning Trainer then uses it)."""
@@ -103,6 +137,8 @@ def run(
         out |= clm_scenarios.run([resumed])
     for case in lightning:
         out[case["id"]] = lightning_fit(case["layout"])
+    for case in lightning_across or ():  # a sharded checkpoint resumed under another cp_size
+        out[case["id"]] = lightning_resumed(case, out_dir)
     from tests.distributed import hf_lightning_scenarios
 
     for case in hf_lightning or ():  # an HF model's own loss from labels, in a LightningModule

@@ -54,29 +54,48 @@ def make_llama(attn: str = "sdpa") -> nn.Module:
     return build_causal_lm("llama", seed=0, attn_implementation=attn, **LLAMA)
 
 
-def padded_batches(steps: int) -> list[dict[str, torch.Tensor]]:
-    """Right-padded rows (pad id 0, label -100 on the pads), the same every run."""
+DOCUMENTS = ((5, 7, 4), (16,), (3, 3, 10), (8, 8), (2, 14), (11, 5), (6, 6, 4), (1, 15))
+
+
+def padded_batches(steps: int, rows: str = "right") -> list[dict[str, torch.Tensor]]:
+    """The same batches every run: `rows="right"` or `"left"`: padded rows (pad id 0, label
+    -100 on the pads, an attention_mask); `"packed"`: documents packed into each row as
+    `DataCollatorWithFlattening` packs them (position_ids restarting per document, label -100
+    on each document's first token, no attention_mask)."""
     g = torch.Generator().manual_seed(3)
     out = []
     for _ in range(steps):
         x = torch.randint(1, MODEL.vocab_size, (GLOBAL_BATCH, MODEL.seq_len), generator=g)
-        mask = torch.zeros_like(x)
-        for row, n in enumerate(ROW_LENGTHS[:GLOBAL_BATCH]):
-            mask[row, :n] = 1
-        x = x * mask
-        labels = x.masked_fill(mask == 0, -100)
+        batch: dict[str, torch.Tensor] = {}
+        if rows == "packed":
+            docs = [DOCUMENTS[row % len(DOCUMENTS)] for row in range(GLOBAL_BATCH)]
+            positions = torch.stack([torch.cat([torch.arange(n) for n in d]) for d in docs])
+            labels = x.masked_fill(positions == 0, -100)
+            batch["position_ids"] = positions
+        else:
+            mask = torch.zeros_like(x)
+            for row, n in enumerate(ROW_LENGTHS[:GLOBAL_BATCH]):
+                mask[row, :n] = 1
+            mask = mask if rows == "right" else mask.flip(1)
+            x = x * mask
+            labels = x.masked_fill(mask == 0, -100)
+            batch["attention_mask"] = mask
         shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], 1)
-        out.append({"input_ids": x, "attention_mask": mask, "labels": labels, "shifted": shifted})
+        out.append({"input_ids": x, **batch, "labels": labels, "shifted": shifted})
     return out
 
 
-def llama_reference(steps: int = 3) -> dict[str, Any]:
+def _model_inputs(b: dict[str, torch.Tensor], rows: Any = slice(None)) -> dict[str, Any]:
+    return {k: b[k][rows] for k in ("input_ids", "attention_mask", "position_ids") if k in b}
+
+
+def llama_reference(steps: int = 3, rows: str = "right") -> dict[str, Any]:
     """One process: the mean over the global batch's labelled tokens, the HF way."""
     model = make_llama()
     opt = make_optimizer("adamw", model.parameters())
     losses = []
-    for b in padded_batches(steps):
-        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+    for b in padded_batches(steps, rows):
+        logits = model(**_model_inputs(b)).logits
         loss = F.cross_entropy(logits.flatten(0, 1), b["shifted"].flatten(), ignore_index=-100)
         loss.backward()
         opt.step()
@@ -120,7 +139,9 @@ def _train_table(id: str, layout: dict[str, Any], steps: int = 3) -> dict[str, A
     return {"losses": losses, "params": {n: _full(p) for n, p in engine.module.named_parameters()}}
 
 
-def _train_llama(id: str, layout: dict[str, Any], labels: bool, steps: int = 3) -> dict[str, Any]:
+def _train_llama(
+    id: str, layout: dict[str, Any], labels: bool, steps: int = 3, rows: str = "right"
+) -> dict[str, Any]:
     """`labels=False`: the loss is the engine's loss_fn over targets shifted by the test;
     `labels=True`: HF's own loss from a `labels` keyword (the engine shifts it on the whole
     sequence) with `num_items_in_batch`. Either divides the token sum by the global count per
@@ -140,24 +161,24 @@ def _train_llama(id: str, layout: dict[str, Any], labels: bool, steps: int = 3) 
 
     micro = GLOBAL_BATCH // config.dp_size // config.num_microbatches
 
-    def inputs(b: dict[str, torch.Tensor], rows: slice, count: float) -> dict[str, Any]:
-        kwargs = {"input_ids": b["input_ids"][rows], "attention_mask": b["attention_mask"][rows]}
+    def inputs(b: dict[str, torch.Tensor], part: slice, count: float) -> dict[str, Any]:
+        kwargs = _model_inputs(b, part)
         if labels:
-            kwargs |= {"labels": b["labels"][rows], "num_items_in_batch": count}
+            kwargs |= {"labels": b["labels"][part], "num_items_in_batch": count}
         return kwargs
 
-    example = inputs(padded_batches(1)[0], slice(0, micro), 1.0)
+    example = inputs(padded_batches(1, rows)[0], slice(0, micro), 1.0)
     loss_fn = hf_loss if labels else own_loss
     engine = ZeroPPEngine(
         make_llama(), launch_layout(config), loss_fn=loss_fn, example_kwargs=example
     )
     opt = make_optimizer("adamw", engine.parameters())
     losses = []
-    for b in padded_batches(steps):
+    for b in padded_batches(steps, rows):
         count = float((b["shifted"] != -100).sum()) / parts
-        rows = _rows(engine, GLOBAL_BATCH)
-        kwargs = inputs(b, rows, count)
-        target = b["shifted"][rows]
+        part = _rows(engine, GLOBAL_BATCH)
+        kwargs = inputs(b, part, count)
+        target = b["shifted"][part]
         losses.append(float(engine.train_step(target=target, **kwargs)))
         opt.step()
         opt.zero_grad()
@@ -194,17 +215,18 @@ def _attempt_eager_attention() -> None:
     ZeroPPEngine(make_llama("eager"), launch_layout(ZeroPPConfig(cp_size=2)), loss_fn=lm_loss)
 
 
-def _attempt_left_padding() -> None:
+def _attempt_left_padding_traced() -> None:
+    # a traced pipeline's graph takes the example's 2-D mask: left-padded rows, which need the
+    # 4-D mask over all keys, are refused at the step
     x = torch.ones(2, 16, dtype=torch.long)
-    mask = torch.ones_like(x)
-    mask[0, :3] = 0
-    example = {"input_ids": x, "attention_mask": mask}
-    ZeroPPEngine(
-        make_llama(),
-        launch_layout(ZeroPPConfig(cp_size=2)),
-        loss_fn=lm_loss,
-        example_kwargs=example,
+    right = {"input_ids": x, "attention_mask": torch.ones_like(x)}
+    config = ZeroPPConfig(pp_size=2, cp_size=2, num_microbatches=2)
+    engine = ZeroPPEngine(
+        make_llama(), launch_layout(config), loss_fn=lm_loss, example_kwargs=right
     )
+    left = torch.ones_like(x)
+    left[0, :3] = 0
+    engine.train_step(input_ids=x, attention_mask=left, target=x)
 
 
 class _NoAttention(nn.Module):
@@ -240,7 +262,7 @@ ATTEMPTS = {
     "cp_length_at_step": _attempt_length_at_step,
     "cp_not_dividing_the_world": _attempt_cp_not_dividing,
     "cp_eager_attention": _attempt_eager_attention,
-    "cp_left_padding": _attempt_left_padding,
+    "cp_left_padding_traced": _attempt_left_padding_traced,
 }
 
 

@@ -25,12 +25,29 @@ CASES = [
     _gpt("cp2-dp_shard2", pp_size=1, dp_shard_size=2, cp_size=2, num_microbatches=2),
     _gpt("pp2-cp2-1f1b", pp_size=2, dp_shard_size=1, cp_size=2, num_microbatches=4),
     _gpt("cp4", pp_size=1, dp_shard_size=1, cp_size=4, num_microbatches=2),
+    # ZeroPP's unit schedule and torch's zero-bubble one (both split backward): the K/V
+    # gathers' reduce-scatter runs in the input-gradient task, on every CP rank alike
+    _gpt("pp2-cp2-zeropp", pp_size=2, dp_shard_size=1, cp_size=2, num_microbatches=4,
+         schedule="zeropp"),
+    _gpt("pp2-cp2-zbv", pp_size=2, dp_shard_size=1, cp_size=2, num_microbatches=4,
+         schedule="zbv"),
+    # ZeRO++ over FSDP's shard group of dp_shard x cp = 4 ranks in nodes of 2: hpZ's
+    # partitions, and the custom all-gather and two-hop reduce-scatter at full precision
+    _gpt("cp2-dp_shard2-zeropp_plus", pp_size=1, dp_shard_size=2, cp_size=2,
+         num_microbatches=2, node_size=2, hpz_partition_size=2, quantized_weights="fp",
+         quantized_gradients="fp"),
     {"id": "table-pp2-cp2", "kind": "table", "layout": {"pp_size": 2, "cp_size": 2}},
     {"id": "table-cp4", "kind": "table", "layout": {"pp_size": 1, "cp_size": 4}},
     {"id": "llama-padded-cp2-dp_shard2", "kind": "llama", "labels": False,
      "layout": {"pp_size": 1, "dp_shard_size": 2, "cp_size": 2, "num_microbatches": 2}},
     {"id": "llama-padded-pp2-cp2", "kind": "llama", "labels": False,
      "layout": {"pp_size": 2, "cp_size": 2, "num_microbatches": 2}},
+    # left-padded rows (the pads never a key) and packed documents (position_ids restarting,
+    # no attention_mask, as DataCollatorWithFlattening): a 4-D mask over all keys
+    {"id": "llama-left-cp2-dp_shard2", "kind": "llama", "labels": False, "rows": "left",
+     "layout": {"pp_size": 1, "dp_shard_size": 2, "cp_size": 2, "num_microbatches": 2}},
+    {"id": "llama-packed-labels-cp4", "kind": "llama", "labels": True, "rows": "packed",
+     "layout": {"pp_size": 1, "cp_size": 4, "num_microbatches": 2}},
     # HF's own loss from `labels` (shifted by the engine on the whole sequence); a traced
     # pipeline cannot relay labels to its last stage, so one stage here
     {"id": "llama-padded-labels-cp4", "kind": "llama", "labels": True,
@@ -44,7 +61,9 @@ EXPECTED = {
     "cp_eager_attention": "attn_implementation='eager', which context parallelism (cp_size > 1) "
     "cannot run: CP attention takes over torch's scaled_dot_product_attention. Load the model "
     'with attn_implementation="sdpa"',
-    "cp_left_padding": "context parallelism takes right-padded rows only",
+    "cp_left_padding_traced": "context parallelism (cp_size > 1) takes left-padded rows, holes and "
+    "packed documents (position_ids restarting within a row) only through a forward taking "
+    "attention_mask that runs as called, and this model is traced into pipeline stages",
     "cp_no_attention": "context parallelism (cp_size > 1) found no call of torch's "
     "scaled_dot_product_attention in the model",
 }
@@ -76,10 +95,10 @@ def test_a_learned_table_read_by_slicing_keeps_global_positions(results, case):
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c["kind"] == "llama"], ids=lambda c: c["id"])
-def test_an_hf_llama_with_padded_rows_matches_one_process(results, case):
+def test_an_hf_llama_with_padded_or_packed_rows_matches_one_process(results, case):
     from tests.distributed.context_scenarios import llama_reference
 
-    ref = llama_reference()
+    ref = llama_reference(rows=case.get("rows", "right"))
     for rank, r in enumerate(_parity(results)):
         got = r[case["id"]]["losses"]
         torch.testing.assert_close(

@@ -58,6 +58,12 @@ ACROSS = [
     {"id": "resume-cp2-at-cp1", "args": PAD, "saved": CP2, "resumed": CP1},
     {"id": "resume-cp1-at-cp2", "args": PAD, "saved": CP1, "resumed": CP2},
 ]
+# Lightning: an epoch of 2 steps and trainer.save_checkpoint (a sharded folder) under one cp,
+# fit(ckpt_path=...) under the other for the second epoch
+LIGHTNING_ACROSS = [
+    {"id": "lightning-resume-cp2-at-cp1", "saved": CP2, "resumed": CP1},
+    {"id": "lightning-resume-cp1-at-cp2", "saved": CP1, "resumed": CP2},
+]
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +75,7 @@ def launched(tmp_path_factory: Any) -> tuple[list[dict[str, Any]], dict[str, Any
         "trainer": [dict(c) for c in TRAINER],
         "hf_lightning": [dict(c) for c in HF_LIGHTNING],
         "across": [dict(c) for c in ACROSS],
+        "lightning_across": [dict(c) for c in LIGHTNING_ACROSS],
         "out_dir": str(out / "four"),
         "init_process_group": False,
     }
@@ -212,5 +219,18 @@ def test_a_checkpoint_resumes_under_another_cp_size(launched, case):
     for rank, r in enumerate(four):
         _close(r[case["id"]]["loss"], ref["loss"][2:], f"rank {rank} resumed losses")
     params = four[0][case["id"]]["params"]
+    for name, want in ref["params"].items():
+        _close(params[name], want, name)
+
+
+@pytest.mark.parametrize("case", LIGHTNING_ACROSS, ids=lambda c: c["id"])
+def test_a_lightning_checkpoint_resumes_under_another_cp_size(results, case):
+    ref = reference(
+        "adamw", True, 4, batches=sampler_batches(2, epochs=2)
+    )  # uninterrupted, one process
+    for rank, r in enumerate(results):
+        _close(r[case["id"]]["logged"], ref["losses"][2:], f"rank {rank} resumed losses")
+    params = merged_params(results, case["id"])
+    assert params.keys() == ref["params"].keys()
     for name, want in ref["params"].items():
         _close(params[name], want, name)

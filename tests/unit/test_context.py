@@ -9,6 +9,7 @@ from torch import nn
 
 from lightning_zeropp.core.settings.config import ZeroPPConfig
 from lightning_zeropp.core.settings.env import config_from_env
+from lightning_zeropp.core.settings.plus import hpz_size
 from lightning_zeropp.core.step.context import ContextSplit
 from lightning_zeropp.fronts.settings import merge_settings
 
@@ -37,7 +38,11 @@ def test_cp_size_is_a_mesh_axis_of_the_world():
         ({"cp_size": 3}, 4, "cp_size=3 does not divide the world of 4 processes"),
         ({"cp_size": 0}, 4, "cp_size=0 must be a positive integer"),
         ({"cp_size": 2, "pp_size": 2, "dp_shard_size": 2}, 4, "x cp_size (2) = 8, but the world"),
-        ({"cp_size": 2, "quantized_weights": "int8"}, 4, "quantized_weights='int8' cannot be"),
+        (
+            {"cp_size": 2, "dp_shard_size": 2, "hpz_partition_size": 3, "node_size": 2},
+            4,
+            "hpz_partition_size=3 must divide dp_shard_size x cp_size = 2 x 2 and node_size=2",
+        ),
         ({"cp_size": 2, "compile": True}, 4, "compile=True cannot be combined with cp_size=2"),
     ],
 )
@@ -45,6 +50,18 @@ def test_bad_cp_settings_name_the_value_and_fix(settings, world, message):
     with pytest.raises(ValueError, match=None) as err:
         ZeroPPConfig(**settings).resolve(world)
     assert message in str(err.value)
+
+
+def test_zeropp_plus_acts_on_the_shard_group_of_dp_shard_times_cp():
+    # FSDP shards over dp_shard x cp: hpZ's partitions of 2 lie inside that group of 4 (over
+    # dp_shard alone, 2 ranks, hpZ would have been switched off as having nothing to do)
+    layout = ZeroPPConfig(
+        pp_size=1, dp_shard_size=2, cp_size=2, hpz_partition_size=2, node_size=2
+    ).resolve(4)
+    assert layout.hpz_partition_size == 2
+    assert hpz_size(layout) == 2
+    layout = ZeroPPConfig(cp_size=2, quantized_gradients="int8", node_size=2).resolve(8)
+    assert layout.quantized_gradients == "int8"
 
 
 def test_the_fronts_settings_take_cp():
@@ -84,8 +101,47 @@ def test_a_right_padded_mask_is_taken_out_and_others_refused():
         (torch.zeros(2, 8, dtype=torch.long),), {"attention_mask": mask}, None
     )
     assert kwargs["attention_mask"].tolist() == [[1] * 4] * 2  # ones: the pads are right
-    with pytest.raises(ValueError, match="right-padded rows only"):
+    # left padding needs a mask over all keys, which a forward without attention_mask cannot take
+    with pytest.raises(ValueError, match="takes no attention_mask; pad on the right"):
         split.split((torch.zeros(1, 8),), {"attention_mask": torch.tensor([[0] + [1] * 7])}, None)
+
+
+class _HFLike(nn.Module):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> None:
+        return None
+
+
+def _allowed(rows: list[list[int]]) -> list[list[list[list[bool]]]]:
+    """(1, 1, queries, 8) from each query's allowed keys."""
+    return [[[[k in keys for k in range(8)] for keys in rows]]]
+
+
+def test_left_padding_and_packed_rows_keep_their_meaning_as_a_mask_over_all_keys():
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    split = ContextSplit(2, 1, _HFLike())  # CP rank 1 of 2: global positions 2, 3, 4, 5
+    left = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]])
+    _, kw, _ = split.split((), {"input_ids": ids, "attention_mask": left}, None)
+    assert kw["attention_mask"].shape == (1, 1, 4, 8)  # HF takes a 4-D mask as given
+    # causal over the global positions, the pads never a key
+    assert kw["attention_mask"].tolist() == _allowed([[], [3], [3, 4], [3, 4, 5]])
+    assert kw["position_ids"].tolist() == [[2, 3, 4, 5]]
+    packed = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])  # two documents, no attention_mask
+    _, kw, _ = split.split((), {"input_ids": ids, "position_ids": packed}, None)
+    assert kw["attention_mask"].tolist() == _allowed([[0, 1, 2], [3], [3, 4], [3, 4, 5]])
+    assert kw["position_ids"].tolist() == [[2, 0, 1, 2]]  # each document's own positions
+    # with a 2-D mask, restarting positions are RoPE's only (HF's rule): causal and padding
+    _, kw, _ = split.split(
+        (), {"input_ids": ids, "position_ids": packed, "attention_mask": left}, None
+    )
+    assert kw["attention_mask"].tolist() == _allowed([[], [3], [3, 4], [3, 4, 5]])
+    split.traced = True  # a traced pipeline's graph was made with the example's mask form
+    with pytest.raises(ValueError, match="is traced into pipeline stages"):
+        split.split((), {"input_ids": ids, "position_ids": packed}, None)
 
 
 @pytest.mark.parametrize(
@@ -129,3 +185,16 @@ def test_one_attention_mask_serves_every_layer_of_a_micro_batch():
     assert attention._mask(own.clone(), True, query) is not both  # the next micro-batch's
     split.set_length(16)  # a new length: new positions, a new mask
     assert attention._mask(None, True, torch.zeros(1, 2, 8, 3)).shape == (8, 16)
+
+
+def test_whole_sequences_refuses_a_2d_output_as_wide_as_the_local_part():
+    # (batch, tokens) and (batch, classes) look alike when classes == this rank's tokens:
+    # refused, never gathered by a guess; per-token outputs have a feature dimension
+    from lightning_zeropp.core.step.context_attention import whole_sequences
+
+    split = ContextSplit(2, 0, _Ids())
+    split.set_length(8)  # 4 tokens on each rank
+    with pytest.raises(ValueError, match=r"shape \(3, 4\) whose dim 1 equals this rank's 4"):
+        whole_sequences({"scores": torch.zeros(3, 4)}, split, None)  # type: ignore[arg-type]
+    classes = torch.zeros(3, 10)
+    assert whole_sequences(classes, split, None) is classes  # type: ignore[arg-type]

@@ -23,7 +23,7 @@ from typing import Any
 
 from lightning_zeropp.core.settings.values import setting_error
 
-__all__ = ["WEIGHT_MODES", "GRADIENT_MODES", "resolve_plus", "hpz_size"]
+__all__ = ["WEIGHT_MODES", "GRADIENT_MODES", "resolve_plus", "hpz_size", "shard_group_size"]
 
 WEIGHT_MODES = (None, "fp", "bf16", "int8")
 GRADIENT_MODES = (None, "fp", "int8", "int4")
@@ -75,7 +75,21 @@ def resolve_plus(cfg: Any, world_size: int) -> None:
 def hpz_size(cfg: Any) -> int | None:
     """k when hpZ changes anything in a resolved config: on, and smaller than the shard group."""
     k = cfg.hpz_partition_size
-    return k if k is not None and k < (cfg.dp_shard_size or 1) else None
+    return k if k is not None and k < shard_group_size(cfg) else None
+
+
+def shard_group_size(cfg: Any) -> int:
+    """Ranks FSDP shards a stage's weights over: dp_shard, times cp under context parallelism
+    (its ranks hold one sequence's parts and share the weights' shards, as torchtitan does)."""
+    return (cfg.dp_shard_size or 1) * (getattr(cfg, "cp_size", 1) or 1)
+
+
+def _shard_name(cfg: Any) -> str:
+    """The shard group as a message names it."""
+    cp = getattr(cfg, "cp_size", 1) or 1
+    if cp > 1:
+        return f"dp_shard_size x cp_size = {cfg.dp_shard_size} x {cp}"
+    return f"dp_shard_size={cfg.dp_shard_size}"
 
 
 def _check_hpz(cfg: Any) -> None:
@@ -89,7 +103,7 @@ def _check_hpz(cfg: Any) -> None:
             "hpz_partition_size=1 would keep a whole copy of the weights on every rank after "
             "forward; that is reshard_after_forward=False. Use the node size (e.g. 8).",
         )
-    shard, node = cfg.dp_shard_size, cfg.node_size
+    shard, node = shard_group_size(cfg), cfg.node_size
     if k % shard == 0 and node % shard == 0:
         # The whole shard group already lies inside one node (or k is the group): backward
         # gathers cannot leave the node, so there is nothing for hpZ to do.
@@ -98,7 +112,7 @@ def _check_hpz(cfg: Any) -> None:
     if shard % k or node % k:
         raise setting_error(
             ("hpz_partition_size", "dp_shard_size", "node_size"),
-            f"hpz_partition_size={k} must divide dp_shard_size={shard} and node_size={node} "
+            f"hpz_partition_size={k} must divide {_shard_name(cfg)} and node_size={node} "
             "(its ranks must lie inside one node, or backward gathers would still cross nodes); "
             f"use hpz_partition_size={min(shard, node)} if that divides both.",
         )
@@ -122,10 +136,10 @@ def _check_gradients(cfg: Any) -> None:
             "cross-node step would not be quantized. Use dp_replicate_size=1 (ZeRO-3 over all "
             "data-parallel ranks, ZeRO++'s layout): the two-hop reduction then crosses nodes.",
         )
-    shard, node = cfg.dp_shard_size, cfg.node_size
+    shard, node = shard_group_size(cfg), cfg.node_size
     if shard % node and node % shard:
         raise setting_error(
             ("quantized_gradients", "dp_shard_size", "node_size"),
-            f"quantized_gradients needs the shard group (dp_shard_size={shard}) to hold whole "
+            f"quantized_gradients needs the shard group ({_shard_name(cfg)}) to hold whole "
             f"nodes or lie inside one (node_size={node}); choose sizes where one divides the other.",
         )

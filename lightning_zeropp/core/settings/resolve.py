@@ -87,15 +87,11 @@ def _resolve_sizes(cfg: Any, world_size: int) -> None:
 
 
 def _check_context(cfg: Any) -> None:
-    """Context parallelism is exact with these settings only; the others are refused by name."""
+    """Context parallelism runs with every setting but these, refused by name (ZeRO++'s act on
+    FSDP's shard group, dp_shard x cp, as they do on dp_shard alone)."""
     if cfg.cp_size == 1:
         return
-    unsupported = {
-        "quantized_weights": cfg.quantized_weights,
-        "hpz_partition_size": cfg.hpz_partition_size,
-        "quantized_gradients": cfg.quantized_gradients,
-        "compile": cfg.compile or None,
-    }
+    unsupported = {"compile": cfg.compile or None}
     for name, value in unsupported.items():
         if value is not None:
             raise setting_error(

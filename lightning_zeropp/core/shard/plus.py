@@ -35,7 +35,7 @@ from lightning_zeropp.core._torch_private import (
 )
 from lightning_zeropp.core.mesh import build_partition_mesh, world_timeout
 from lightning_zeropp.core.settings.layout import ZeroPPLayout
-from lightning_zeropp.core.settings.plus import hpz_size
+from lightning_zeropp.core.settings.plus import hpz_size, shard_group_size
 from lightning_zeropp.core.shard.plus_comm import (
     HierarchicalReduceScatter,
     NodeGroups,
@@ -63,10 +63,15 @@ class Plus:
         # Mesh positions, not rank numbers, are what lie in one node: the mesh holds the ranks
         # in host order (`core.hosts`), whatever order the launcher numbered them in.
         order = mesh.mesh.flatten().tolist()
-        if _custom_comms(config) and config.dp_shard_size > 1:
+        shard = shard_group_size(config)
+        if _custom_comms(config) and shard > 1:
             assert mesh.mesh_dim_names is not None  # the ZeroPP mesh names every axis
-            shard_axis = mesh.mesh_dim_names.index("dp_shard")
-            ranks = mesh.mesh.movedim(shard_axis, -1).reshape(-1, config.dp_shard_size)
+            # FSDP's shard groups: dp_shard (x cp, which varies fastest: under context
+            # parallelism weights are sharded over both axes flattened)
+            axes = [
+                mesh.mesh_dim_names.index(a) for a in ("dp_shard", "cp") if a in mesh.mesh_dim_names
+            ]
+            ranks = mesh.mesh.movedim(axes, list(range(-len(axes), 0))).reshape(-1, shard)
             position = {rank: i for i, rank in enumerate(order)}
             plus.groups = NodeGroups(ranks.tolist(), config.node_size, timeout, position)
         if plus.hpz_size is not None:

@@ -11,7 +11,8 @@ whole sequence before the split (HF's convention: the pair straddling a shard bo
 and given as `shift_labels` too, so an HF loss does not shift it again; a 2-D `attention_mask`
 whose rows are right-padded becomes a mask of ones (with causal attention no real token sees a
 later pad, and pads carry no label; HF would read global position_ids without a mask as packed
-documents), anything else is refused. Positions a model makes itself
+documents); left padding, holes and packed documents become the 4-D mask over all keys one
+process's model would build (`core.step.context_masks`). Positions a model makes itself
 (`torch.arange` into an embedding, a table sliced `[:T]`) are made global by
 `core.step.context_attention` while the stages run.
 """
@@ -23,6 +24,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from lightning_zeropp.core.step.context_masks import plain_rows, row_mask
 
 __all__ = ["ContextSplit", "attention_refusal"]
 
@@ -42,6 +45,8 @@ class ContextSplit:
         self.length = 0  # the global sequence length of the current batch
         self.positions = torch.zeros(0, dtype=torch.long)  # its local tokens' global positions
         self.order = torch.zeros(0, dtype=torch.long)  # gathered row of each global position
+        # set by the engine: its stages are traced (a graph made with the example's mask form)
+        self.traced = False
 
     # ------------------------------------------------------------------ positions
     def local_positions(self, rank: int, length: int) -> torch.Tensor:
@@ -98,16 +103,21 @@ class ContextSplit:
         out_args = tuple(self._split_value(a, length) for a in args)
         out_kwargs = {k: self._split_value(v, length) for k, v in kwargs.items()}
         mask = special.pop("attention_mask", None)
-        self._check_padding(mask)
+        self._check_mask_shape(mask)
         first = next(v for v in (*out_args, *out_kwargs.values()) if isinstance(v, torch.Tensor))
         rows, device = first.shape[0], first.device
         positions = special.get("position_ids")
         if positions is not None:
-            self._check_positions(positions, length)
             out_kwargs["position_ids"] = self.local(positions)
         elif self.takes_positions:
             out_kwargs["position_ids"] = self.positions.to(device).expand(rows, -1)
-        if mask is not None or (self.takes_mask and "position_ids" in out_kwargs):
+        if not plain_rows(mask, positions, length):
+            # left padding, holes or packed documents: the mask one process's model builds,
+            # over this rank's queries and all keys (`context_masks.row_mask`)
+            self._check_row_masks()
+            allowed = row_mask(mask, positions, self.positions, length)
+            out_kwargs["attention_mask"] = allowed.expand(rows, -1, -1, -1)  # rows of its own
+        elif mask is not None or (self.takes_mask and "position_ids" in out_kwargs):
             # A mask of ones, not none: HF reads position_ids that jump (chunks r and
             # 2 cp - 1 - r) without a mask as packed documents, and would mask across the jump.
             dtype = mask.dtype if mask is not None else torch.long
@@ -141,31 +151,26 @@ class ContextSplit:
             return self.local(value)
         return value
 
-    def _check_padding(self, mask: Any) -> None:
-        if mask is None:
-            return
-        if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+    def _check_mask_shape(self, mask: Any) -> None:
+        if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
             raise ValueError(
                 "context parallelism takes an attention_mask of shape (batch, sequence) only "
                 f"(got {type(mask).__name__} of shape {getattr(mask, 'shape', None)}); pass the "
                 "padding mask as (batch, sequence), or none."
             )
-        keep = mask.bool()
-        # right-padded: every row's ones come first, so its mask never rises again
-        if bool((keep[:, 1:] & ~keep[:, :-1]).any()):
-            raise ValueError(
-                "context parallelism takes right-padded rows only: this attention_mask has "
-                "a zero before a one in some row (left padding, or a hole); pad on the right "
-                "(tokenizer.padding_side = 'right') with label -100 on the pads."
-            )
 
-    def _check_positions(self, positions: Any, length: int) -> None:
-        ramp = torch.arange(length, device=positions.device).expand_as(positions)
-        if positions.shape[-1] != length or not torch.equal(positions, ramp):
+    def _check_row_masks(self) -> None:
+        """Rows whose mask is not causal over the whole sequence reach the model as the 4-D
+        mask HF models take as given: a model without an `attention_mask` argument (or a traced
+        pipeline, whose graph was made with the 2-D one) cannot take it."""
+        if not self.takes_mask or self.traced:
+            where = "is traced into pipeline stages" if self.traced else "takes no attention_mask"
             raise ValueError(
-                "context parallelism takes position_ids that count 0, 1, ... along each row "
-                "only; packed documents (position_ids restarting within a row) are not supported "
-                "under cp_size > 1 yet: pass one document per row, or set cp_size=1."
+                "context parallelism (cp_size > 1) takes left-padded rows, holes and packed "
+                "documents (position_ids restarting within a row) only through a forward taking "
+                f"attention_mask that runs as called, and this model {where}; pad on the "
+                "right (tokenizer.padding_side = 'right', label -100 on the pads) with one "
+                'document per row, use split="call" (or pp_size=1), or set cp_size=1.'
             )
 
 

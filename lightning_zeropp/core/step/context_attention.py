@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_zeropp.core._torch_private import tree_map
 from lightning_zeropp.core.step.context import ContextSplit
+from lightning_zeropp.core.step.context_masks import call_mask
 
 __all__ = ["ContextAttention", "gather_sequence", "whole_sequences"]
 
@@ -66,15 +67,27 @@ def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, order: torch.Tens
 
 
 def whole_sequences(output: Any, split: ContextSplit, group: dist.ProcessGroup) -> Any:
-    """`output` with every tensor whose dim 1 is this rank's part of the sequence gathered over
-    the CP group into whole sequences, in order (differentiable). A loss the front then computes
-    from it is the same on every CP rank, and the backward's reduce-scatter sums the CP ranks'
-    equal gradients, which the engine's mean over CP ranks divides back: one process's
-    gradient."""
+    """`output` with every per-token tensor, (batch, this rank's tokens, features...), gathered
+    over the CP group into whole sequences, in order (differentiable). A loss the front then
+    computes from it is the same on every CP rank, and the backward's reduce-scatter sums the
+    CP ranks' equal gradients, which the engine's mean over CP ranks divides back: one
+    process's gradient.
+
+    Per-token means three or more dimensions with dim 1 this rank's token count (logits, hidden
+    states). A 2-D tensor whose dim 1 equals that count is refused: (batch, tokens) and
+    (batch, classes) look alike there, and gathering one of them would be wrong."""
     local = split.local_length
 
     def whole(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == local:
+        if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] == local:
+            raise ValueError(
+                "under context parallelism (cp_size > 1) the network returned a 2-D tensor of "
+                f"shape {tuple(value.shape)} whose dim 1 equals this rank's {local} of the "
+                f"{split.length} tokens: the library cannot tell per-token values (batch, "
+                "tokens) from per-row features (batch, classes). Return per-token values with "
+                "a trailing feature dimension, (batch, tokens, 1), or set cp_size=1."
+            )
+        if isinstance(value, torch.Tensor) and value.dim() >= 3 and value.shape[1] == local:
             moved = value.movedim(1, -2)
             # contiguous, as a model's own output is (losses `.view` their logits)
             return gather_sequence(moved, group, split.order).movedim(-2, 1).contiguous()
@@ -115,7 +128,10 @@ class ContextAttention(TorchFunctionMode):
         first = args[0] if args else None
         if self._paused or (isinstance(first, torch.Tensor) and first.is_meta):
             # a call stage's pass over the parts another stage owns (on the meta device): shapes
-            # only, which the split keeps
+            # only, which the split keeps; a batch's mask over all keys (`context_masks.row_mask`)
+            # is cut to this rank's keys for it
+            if func is F.scaled_dot_product_attention:
+                kwargs = self._local_keys(args, kwargs)
             return func(*args, **kwargs)
         # the eager functions, and the aten ops a traced stage (split="trace") calls instead
         if (
@@ -136,6 +152,20 @@ class ContextAttention(TorchFunctionMode):
             key = (slice(None),) * dim + (slice(start, end, step),)
             return self._global_slice(args[0], key, lambda: func(*args, **kwargs))
         return func(*args, **kwargs)
+
+    def _local_keys(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """`kwargs` with a mask over all the sequence's keys cut to this rank's own (for a pass
+        whose keys are not gathered)."""
+        mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+        key = kwargs.get("key", args[1] if len(args) > 1 else None)
+        if (
+            isinstance(mask, torch.Tensor)
+            and isinstance(key, torch.Tensor)
+            and mask.shape[-1] == self.split.length != key.shape[-2]
+            and "attn_mask" in kwargs
+        ):
+            kwargs = {**kwargs, "attn_mask": self.split.local(mask, -1)}
+        return kwargs
 
     def check_taken(self, device: torch.device) -> None:
         """After the first step, on every rank: some stage's attention was taken over. A model
@@ -195,7 +225,7 @@ class ContextAttention(TorchFunctionMode):
         last = self._last
         if last is not None and all(map(_same, last[0], made_from)):
             return last[1]
-        mask = _call_mask(attn_mask, is_causal, query, split.positions, split.length)
+        mask = call_mask(attn_mask, is_causal, query, split.positions, split.length)
         self._last = made_from, mask
         return mask
 
@@ -236,62 +266,8 @@ class ContextAttention(TorchFunctionMode):
         return plain() if plain is not None else table[key]
 
 
-def _call_mask(
-    attn_mask: torch.Tensor | None,
-    is_causal: bool,
-    query: torch.Tensor,
-    positions: torch.Tensor,
-    length: int,
-) -> torch.Tensor | None:
-    """The (local queries x all `length` keys) mask of a call, additive in the query's dtype,
-    from the model's own and the causal mask over the queries' global `positions`."""
-    local = positions.shape[0]
-    mask = attn_mask
-    if mask is not None and not is_causal and _local_causal(mask, local):
-        # a causal mask the model built over its own chunk (a traced HF stage does): the
-        # causal mask over global positions is meant
-        mask, is_causal = None, True
-    if mask is not None and mask.shape[-1] != length:
-        raise ValueError(
-            f"context parallelism needs an attention mask over all {length} keys; the "
-            f"model gave one of shape {tuple(mask.shape)} (its own {local} keys only). "
-            "Pass the padding as a (batch, sequence) attention_mask and let the model "
-            "use is_causal, or set cp_size=1."
-        )
-    if mask is not None and mask.dtype == torch.bool:
-        mask = _additive(mask, query.dtype)
-    if is_causal:
-        q_pos = positions.to(query.device)
-        causal = q_pos[:, None] >= torch.arange(length, device=query.device)[None, :]
-        if mask is None:
-            mask = _additive(causal, query.dtype)
-        else:
-            mask = mask.masked_fill(~causal, float("-inf"))
-    if mask is not None and mask.dtype != query.dtype:
-        mask = mask.to(query.dtype)
-    return mask
-
-
 def _same(a: Any, b: Any) -> bool:
     """Tensors by identity (the same mask object), anything else by value."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return a is b
     return bool(a == b)
-
-
-def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean mask as torch's kernels read it: 0 where True, -inf where False."""
-    zeros = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    return zeros.masked_fill(~allowed, float("-inf"))
-
-
-def _local_causal(mask: torch.Tensor, local: int) -> bool:
-    """Whether `mask` is exactly the causal mask over `local` keys (bool: True where allowed;
-    additive: 0 where allowed, a large negative number elsewhere)."""
-    if mask.shape[-2:] != (local, local):
-        return False
-    tril = torch.ones(local, local, dtype=torch.bool, device=mask.device).tril()
-    if mask.dtype == torch.bool:
-        return torch.equal(mask, tril.expand_as(mask))
-    allowed = mask == 0
-    return torch.equal(allowed, tril.expand_as(mask)) and bool((mask[..., ~tril] < -1e4).all())
