@@ -17,11 +17,12 @@ library's last-stage loss (`core.step.last_loss`), in `dpo_loss`:
   `rewards/*`, `logps/*`, `logits/*`, `entropy` and `mean_token_accuracy` of the global batch
   (`num_tokens` summed over data-parallel ranks only).
 
-The reference log-probabilities are TRL's precomputed ones (`precompute_ref_log_probs=True`):
-TRL's reference pass runs in every process on the whole model before it is split (the same
-model, weights, collator and batches as one process's), over the whole dataset (no sharding, so
-no gathering); TRL's cache file of the results is not written. Refused at construction, on every rank: the reference model run each step
-(`precompute_ref_log_probs=False`), a separate `ref_model`, `loss_type`s other than "sigmoid",
+The reference log-probabilities are either TRL's precomputed ones (`precompute_ref_log_probs=True`:
+TRL's reference pass runs in every process on the whole model before it is split, over the whole
+dataset; TRL's cache file of the results is not written), or, `DPOConfig`'s default, the reference
+model TRL builds (the `ref_model` given, else the policy's path loaded) run forward-only each step
+through the policy's own pipeline with its weights swapped into the stages (`reference.py`).
+Refused at construction, on every rank: `sync_ref_model`, `loss_type`s other than "sigmoid",
 `ld_alpha`, `f_divergence_type` other than "reverse_kl", `use_weighting`, activation offloading,
 a PEFT model, an MoE auxiliary loss and an `eval_dataset`; `evaluate()` and `predict()` raise
 (not yet pipelined).
@@ -44,6 +45,8 @@ from trl import DPOConfig, DPOTrainer
 
 from lightning_zeropp.transformers.counts import summed_over_data_parallel
 from lightning_zeropp.transformers.trainer import ZeroPPTrainer
+from lightning_zeropp.trl.mode import follow_pipeline_mode
+from lightning_zeropp.trl.reference import FrozenReference, completion_logps, reference_logps
 
 __all__ = ["ZeroPPDPOTrainer", "dpo_loss", "paired_batch"]
 
@@ -71,6 +74,8 @@ def paired_batch(batch: dict[str, Any]) -> dict[str, Any]:
     if "ref_chosen_logps" in batch:
         ref = torch.stack([batch["ref_chosen_logps"], batch["ref_rejected_logps"]], dim=1)
         out["ref_logps"] = ref.reshape(-1)
+    else:  # filled by the reference forward of each step; here, so every call is alike
+        out["ref_logps"] = torch.zeros(2 * pairs)
     return out
 
 
@@ -89,8 +94,7 @@ def dpo_loss(
     target = labels[:, 1:]
     mask = completion_mask[:, 1:].bool()
     logp = logits.log_softmax(-1)
-    picked = logp.gather(-1, target.clamp(min=0)[..., None])[..., 0] * mask
-    logps = picked.sum(dim=1)
+    logps = completion_logps(output, labels, completion_mask)
     chosen, rejected = logps[0::2], logps[1::2]
     chosen_ratio = chosen - ref_logps[0::2]
     rejected_ratio = rejected - ref_logps[1::2]
@@ -124,16 +128,10 @@ def dpo_loss(
 def _refusals(args: Any, init: dict[str, Any]) -> list[str]:
     """What the pipelined DPO loss does not compute (yet), from the arguments alone."""
     found = []
-    if args is None or not args.precompute_ref_log_probs:
+    if args is not None and args.sync_ref_model:
         found.append(
-            "the reference model run each step (precompute_ref_log_probs=False, DPOConfig's "
-            "default) is not pipelined yet. Set DPOConfig(precompute_ref_log_probs=True): TRL "
-            "computes the reference log-probabilities once, before training."
-        )
-    if init.get("ref_model") is not None:
-        found.append(
-            "a separate ref_model is not supported yet. Pass ref_model=None: the reference is "
-            "the policy's initial weights, precomputed (precompute_ref_log_probs=True)."
+            "sync_ref_model=True (the reference moved towards the policy during training) is "
+            "not pipelined. Set sync_ref_model=False."
         )
     model = init.get("model")
     if init.get("peft_config") is not None or callable(getattr(model, "get_base_model", None)):
@@ -181,6 +179,18 @@ class ZeroPPDPOTrainer(ZeroPPTrainer, DPOTrainer):
             )
         collate = self.data_collator
         self.data_collator = lambda rows: paired_batch(collate(rows))
+        # The reference run each step: TRL's reference model (the ref_model given, else the
+        # policy's path loaded), kept as weights only until the pipeline's shards exist.
+        self._reference: FrozenReference | None = None
+        self._ref_state: dict[str, torch.Tensor] | None = None
+        if not self.precompute_ref_logps:
+            assert self.ref_model is not None  # TRL built one
+            self._ref_state = dict(self.accelerator.unwrap_model(self.ref_model).state_dict())
+            self.ref_model = None  # its weights live in _reference from the pipeline's build on
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        follow_pipeline_mode(self.model, self._pipeline)  # TRL picks train/eval off self.model
+        super().log(logs, start_time)
 
     def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
         """TRL's reference pass (`compute_ref_log_probs`, its collator, batch size and order) on
@@ -214,6 +224,10 @@ class ZeroPPDPOTrainer(ZeroPPTrainer, DPOTrainer):
             return dpo_loss(output, labels, num_items_in_batch, beta=beta, weight=weight, **rows)
 
         self._pipeline.use_loss(loss, shift=1, rows=_ROWS)
+        if self._ref_state is not None:
+            params = list(self._pipeline.engine.named_parameters())
+            self._reference = FrozenReference(params, self._ref_state)
+            self._ref_state = None
         return prepared
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
@@ -250,6 +264,9 @@ class ZeroPPDPOTrainer(ZeroPPTrainer, DPOTrainer):
                 "pp_size a multiple of num_microbatches (and drop a short last batch: "
                 "dataloader_drop_last=True)."
             )
+        if self._reference is not None:  # TRL's reference forward, through the pipeline
+            ref = reference_logps(pipeline, dict(inputs), self._reference)
+            inputs = {**inputs, "ref_logps": ref}
         local = torch.tensor(float(pairs), device=engine.device)
         total = float(summed_over_data_parallel(local, pipeline).item())
         # the Trainer's last-stage step: the pair count per micro-batch and data-parallel rank

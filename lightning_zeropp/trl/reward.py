@@ -34,6 +34,7 @@ from trl import RewardConfig, RewardTrainer
 
 from lightning_zeropp.transformers.counts import summed_over_data_parallel
 from lightning_zeropp.transformers.trainer import ZeroPPTrainer
+from lightning_zeropp.trl.mode import follow_pipeline_mode
 
 __all__ = ["ZeroPPRewardTrainer", "paired", "reward_loss"]
 
@@ -116,6 +117,10 @@ class ZeroPPRewardTrainer(ZeroPPTrainer, RewardTrainer):
 
     def predict(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(_NO_EVAL.format("predict()"))
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        follow_pipeline_mode(self.model, self._pipeline)  # TRL picks train/eval off self.model
+        super().log(logs, start_time)
 
     def _default_args(self) -> Any:
         return RewardConfig(output_dir="tmp_trainer")

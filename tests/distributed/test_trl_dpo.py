@@ -18,14 +18,24 @@ CASES = [
     {"id": "sigmoid", "plugin": PP, "batch": 2},
     # one pair per micro-batch, two batches per update
     {"id": "accumulated", "plugin": PP, "batch": 1, "accumulation": 2},
+    # DPOConfig's default: TRL's reference model (the policy's path loaded) run each step,
+    # here forward-only through the policy's pipeline with the reference's weights swapped in
+    {
+        "id": "per_step",
+        "plugin": PP,
+        "batch": 2,
+        "accumulation": 2,
+        "from_path": True,
+        "args": {"precompute_ref_log_probs": False},
+    },
 ]
 REFERENCES = [{**case, "plugin": None, "batch": 2 * case["batch"]} for case in CASES]
 REFUSED = [
     {"id": "hinge", "args": {"loss_type": ["hinge"]}, "want": "loss_type=['hinge']"},
     {
-        "id": "per_step_reference",
-        "args": {"precompute_ref_log_probs": False},
-        "want": "precompute_ref_log_probs=True",
+        "id": "sync_ref_model",
+        "args": {"precompute_ref_log_probs": False, "sync_ref_model": True},
+        "want": "sync_ref_model=True (the reference moved towards the policy",
     },
     {
         "id": "evaluate",
@@ -110,14 +120,19 @@ def test_dpo_matches_trl_in_one_process(runs, case):
 @pytest.mark.slow
 def test_dpo_pp2_dp2_matches_trl_in_one_process(tmp_path):
     """4 ranks, pp 2 x dp 2: the pair count, tokens and metrics summed over data-parallel
-    ranks."""
-    case = {"id": "dp2", "plugin": PP, "batch": 1}
-    four = launch(4, "trl_dpo_scenarios.run", {"cases": [case], "out_dir": str(tmp_path / "4")},
+    ranks; the per-step reference's weights cut into the data-parallel shards."""
+    cases = [
+        {"id": "dp2", "plugin": PP, "batch": 1},
+        {**CASES[-1], "id": "dp2_per_step", "batch": 1},
+    ]
+    four = launch(4, "trl_dpo_scenarios.run", {"cases": cases, "out_dir": str(tmp_path / "4")},
                   tmp_path / "4", timeout=600)  # fmt: skip
-    ref = {**case, "plugin": None, "batch": 4}
-    one = launch(1, "trl_dpo_scenarios.run", {"cases": [ref], "out_dir": str(tmp_path / "1")},
+    refs = [{**case, "plugin": None, "batch": 4} for case in cases]
+    one = launch(1, "trl_dpo_scenarios.run", {"cases": refs, "out_dir": str(tmp_path / "1")},
                  tmp_path / "1", timeout=600)  # fmt: skip
-    check_equal(four[0]["dp2"], one[0]["dp2"], [rank["dp2"] for rank in four])
+    for case in cases:
+        name = case["id"]
+        check_equal(four[0][name], one[0][name], [rank[name] for rank in four])
 
 
 @pytest.mark.parametrize("case", REFUSED, ids=[case["id"] for case in REFUSED])

@@ -49,6 +49,13 @@ def _trainer(case: dict[str, Any], folder: Path, recorder: Recorder) -> Any:
     model = AutoModelForCausalLM.from_config(
         AutoConfig.for_model("llama", **TINY, tie_word_embeddings=False)
     )
+    if case.get("from_path"):  # TRL loads its per-step reference model from the policy's path
+        distributed = torch.distributed.is_initialized()
+        if not distributed or torch.distributed.get_rank() == 0:
+            model.save_pretrained(folder / "initial")
+        if distributed:
+            torch.distributed.barrier()
+        model = AutoModelForCausalLM.from_pretrained(folder / "initial")
     args = DPOConfig(
         output_dir=str(folder),
         per_device_train_batch_size=case["batch"],
