@@ -15,7 +15,7 @@ pytest.importorskip("trl")
 
 PP = {"pp_size": 2, "num_microbatches": 2}
 CASES = [
-    {"id": "sigmoid", "plugin": PP, "batch": 2},
+    {"id": "sigmoid", "plugin": PP, "batch": 2, "eval": True},
     # one pair per micro-batch, two batches per update
     {"id": "accumulated", "plugin": PP, "batch": 1, "accumulation": 2},
     # DPOConfig's default: TRL's reference model (the policy's path loaded) run each step,
@@ -26,6 +26,7 @@ CASES = [
         "batch": 2,
         "accumulation": 2,
         "from_path": True,
+        "eval": True,
         "args": {"precompute_ref_log_probs": False},
     },
 ]
@@ -40,10 +41,9 @@ REFUSED = [
     {
         "id": "evaluate",
         "refused": "evaluate",
-        "args": {"max_steps": 1},
-        "want": "evaluation (an eval_dataset, evaluate(), predict()) is not pipelined",
+        "want": "evaluate(dataset) with precompute_ref_log_probs=True once the pipeline is built",
     },
-    {"id": "eval_dataset", "init": {"eval_dataset": "rows"}, "want": "Pass eval_dataset=None"},
+    {"id": "predict", "refused": "predict", "want": "predict() is not supported"},
     {"id": "lora", "init": {"peft_config": "lora"}, "want": "a PEFT model is not pipelined"},
     # 3 pairs per device x pp 2 = 6 pairs: 4 micro-batches would split a pair (the loader's
     # check of rows per micro-batch refuses it: a row of TRL's dataset is a pair)
@@ -103,6 +103,12 @@ def check_equal(got: dict, ref: dict, ranks: list[dict]) -> None:
         for key in METRICS:
             assert a[key] == pytest.approx(b[key], abs=1e-5), key
         assert a["num_tokens"] == b["num_tokens"]
+    evals = [log for log in got["logs"] if "eval_loss" in log]
+    want_evals = [log for log in ref["logs"] if "eval_loss" in log]
+    assert len(evals) == len(want_evals)
+    for a, b in zip(evals, want_evals, strict=True):  # TRL's eval loss and metrics
+        for key in set(b) - {"eval_runtime", "eval_samples_per_second", "eval_steps_per_second"}:
+            assert a[key] == pytest.approx(b[key], abs=1e-5), key
     for rank in ranks:
         assert [log for log in rank["logs"] if "loss" in log] == steps
     for name, value in ref["weights"].items():
