@@ -25,9 +25,11 @@ def refusals(args: Any, init: dict[str, Any]) -> list[str]:
     model = init.get("model")
     if init.get("peft_config") is not None or callable(getattr(model, "get_base_model", None)):
         found.append(
-            "a PEFT model is not pipelined yet (the split fails on the base model's forward "
-            "TRL patches with its fused LM head). Train the whole model (peft_config=None), or "
-            "use TRL's DPOTrainer."
+            "a PEFT model is not pipelined yet: a stage's call of the PeftModel reaches the "
+            "forward TRL patches onto the base model (its fused LM head), whose causal mask is "
+            "built from a meta tensor and fails, and TRL's reference is the adapters disabled, "
+            "which the stages do not do. Train the whole model (peft_config=None), or use TRL's "
+            "DPOTrainer."
         )
     if args is None:
         return found
