@@ -17,14 +17,16 @@ library's last-stage loss (`core.step.last_loss`), in `dpo_loss`:
   `rewards/*`, `logps/*`, `logits/*`, `entropy` and `mean_token_accuracy` of the global batch
   (`num_tokens` summed over data-parallel ranks only).
 
-The reference log-probabilities are TRL's precomputed ones (`precompute_ref_log_probs=True`):
-TRL's reference pass runs in every process on the whole model before it is split (the same
-model, weights, collator and batches as one process's), over the whole dataset (no sharding, so
-no gathering); TRL's cache file of the results is not written. Refused at construction, on every rank: the reference model run each step
-(`precompute_ref_log_probs=False`), a separate `ref_model`, `loss_type`s other than "sigmoid",
+The reference log-probabilities are either TRL's precomputed ones (`precompute_ref_log_probs=True`:
+TRL's reference pass runs in every process on the whole model before it is split, over the whole
+dataset; TRL's cache file of the results is not written), or, `DPOConfig`'s default, the reference
+model TRL builds (the `ref_model` given, else the policy's path loaded) run forward-only each step
+through the policy's own pipeline with its weights swapped into the stages (`reference.py`).
+Refused at construction, on every rank: `sync_ref_model`, `loss_type`s other than "sigmoid",
 `ld_alpha`, `f_divergence_type` other than "reverse_kl", `use_weighting`, activation offloading,
-a PEFT model, an MoE auxiliary loss and an `eval_dataset`; `evaluate()` and `predict()` raise
-(not yet pipelined).
+a PEFT model and an MoE auxiliary loss (`dpo_checks.py`); `predict()` raises (TRL's reads logits its
+fused head does not produce). Evaluation runs the same loss forward-only: every process gets
+the global eval batch's pair mean, TRL's metrics go to its "eval" set.
 
 Overridden TRL methods: `compute_loss` (the whole body), `_precompute_ref_logps` (the whole body), and,
 from `ZeroPPTrainer`, everything it overrides of the Trainer (its place first in the method order).
@@ -42,17 +44,18 @@ from torch import nn
 from torch.utils.data import DataLoader
 from trl import DPOConfig, DPOTrainer
 
+from lightning_zeropp.accelerate.steps import NUM_ITEMS
+from lightning_zeropp.core.schedule.build import eval_microbatches
 from lightning_zeropp.transformers.counts import summed_over_data_parallel
 from lightning_zeropp.transformers.trainer import ZeroPPTrainer
+from lightning_zeropp.trl.dpo_checks import NO_PREDICT, refusals
+from lightning_zeropp.trl.mode import follow_pipeline_mode
+from lightning_zeropp.trl.reference import FrozenReference, completion_logps, reference_logps
 
 __all__ = ["ZeroPPDPOTrainer", "dpo_loss", "paired_batch"]
 
 # The per-row tensors the last-stage loss reads besides the labels
 _ROWS = ("completion_mask", "ref_logps")
-_NO_EVAL = (
-    "ZeroPPDPOTrainer: evaluation (an eval_dataset, evaluate(), predict()) is not pipelined "
-    "yet: the DPO loss and its metrics are computed in training steps only."
-)
 
 
 def paired_batch(batch: dict[str, Any]) -> dict[str, Any]:
@@ -71,6 +74,8 @@ def paired_batch(batch: dict[str, Any]) -> dict[str, Any]:
     if "ref_chosen_logps" in batch:
         ref = torch.stack([batch["ref_chosen_logps"], batch["ref_rejected_logps"]], dim=1)
         out["ref_logps"] = ref.reshape(-1)
+    else:  # filled by the reference forward of each step; here, so every call is alike
+        out["ref_logps"] = torch.zeros(2 * pairs)
     return out
 
 
@@ -89,8 +94,7 @@ def dpo_loss(
     target = labels[:, 1:]
     mask = completion_mask[:, 1:].bool()
     logp = logits.log_softmax(-1)
-    picked = logp.gather(-1, target.clamp(min=0)[..., None])[..., 0] * mask
-    logps = picked.sum(dim=1)
+    logps = completion_logps(output, labels, completion_mask)
     chosen, rejected = logps[0::2], logps[1::2]
     chosen_ratio = chosen - ref_logps[0::2]
     rejected_ratio = rejected - ref_logps[1::2]
@@ -121,49 +125,6 @@ def dpo_loss(
     return loss, {k: v.detach().to(torch.float64) for k, v in metrics.items()}
 
 
-def _refusals(args: Any, init: dict[str, Any]) -> list[str]:
-    """What the pipelined DPO loss does not compute (yet), from the arguments alone."""
-    found = []
-    if args is None or not args.precompute_ref_log_probs:
-        found.append(
-            "the reference model run each step (precompute_ref_log_probs=False, DPOConfig's "
-            "default) is not pipelined yet. Set DPOConfig(precompute_ref_log_probs=True): TRL "
-            "computes the reference log-probabilities once, before training."
-        )
-    if init.get("ref_model") is not None:
-        found.append(
-            "a separate ref_model is not supported yet. Pass ref_model=None: the reference is "
-            "the policy's initial weights, precomputed (precompute_ref_log_probs=True)."
-        )
-    model = init.get("model")
-    if init.get("peft_config") is not None or callable(getattr(model, "get_base_model", None)):
-        found.append(
-            "a PEFT model is not pipelined yet (the split fails on the base model's forward "
-            "TRL patches with its fused LM head). Train the whole model (peft_config=None), or "
-            "use TRL's DPOTrainer."
-        )
-    if init.get("eval_dataset") is not None:
-        found.append(_NO_EVAL.removeprefix("ZeroPPDPOTrainer: ") + " Pass eval_dataset=None.")
-    if args is None:
-        return found
-    if list(args.loss_type) != ["sigmoid"]:
-        found.append(f"loss_type={args.loss_type!r} is not pipelined; use loss_type='sigmoid'.")
-    if args.ld_alpha is not None:
-        found.append(f"ld_alpha={args.ld_alpha!r} is not pipelined; set ld_alpha=None.")
-    if args.f_divergence_type != "reverse_kl":
-        found.append(
-            f"f_divergence_type={args.f_divergence_type!r} is not pipelined; use 'reverse_kl'."
-        )
-    if args.use_weighting:
-        found.append("use_weighting=True (WPO) is not pipelined; set use_weighting=False.")
-    if args.activation_offloading:
-        found.append(
-            "activation_offloading=True would hook the whole model's saved tensors, not the "
-            "pipeline's stages. Set activation_offloading=False."
-        )
-    return found
-
-
 class ZeroPPDPOTrainer(ZeroPPTrainer, DPOTrainer):
     """`trl.DPOTrainer(...)` pipelined over FSDP2: TRL's arguments plus `zeropp_plugin`."""
 
@@ -171,7 +132,7 @@ class ZeroPPDPOTrainer(ZeroPPTrainer, DPOTrainer):
 
     def __init__(self, *args: Any, zeropp_plugin: Any = None, **kwargs: Any) -> None:
         init = inspect.signature(DPOTrainer).bind(*args, **kwargs).arguments
-        for problem in _refusals(init.get("args"), init):
+        for problem in refusals(init.get("args"), init):
             raise ValueError(f"ZeroPPDPOTrainer: {problem}")
         super().__init__(*args, zeropp_plugin=zeropp_plugin, **kwargs)
         if self.aux_loss_enabled:
@@ -179,21 +140,43 @@ class ZeroPPDPOTrainer(ZeroPPTrainer, DPOTrainer):
                 "ZeroPPDPOTrainer: the MoE router's auxiliary loss (router_aux_loss_coef) is not "
                 "pipelined yet. Set router_aux_loss_coef=0.0."
             )
-        collate = self.data_collator
+        collate = self._trl_collator = self.data_collator  # TRL's (its reference pass's too)
         self.data_collator = lambda rows: paired_batch(collate(rows))
+        # The reference run each step: TRL's reference model (the ref_model given, else the
+        # policy's path loaded), kept as weights only until the pipeline's shards exist.
+        self._reference: FrozenReference | None = None
+        self._ref_state: dict[str, torch.Tensor] | None = None
+        if not self.precompute_ref_logps:
+            assert self.ref_model is not None  # TRL built one
+            self._ref_state = dict(self.accelerator.unwrap_model(self.ref_model).state_dict())
+            self.ref_model = None  # its weights live in _reference from the pipeline's build on
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        follow_pipeline_mode(self.model, self._pipeline)  # TRL picks train/eval off self.model
+        super().log(logs, start_time)
 
     def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
         """TRL's reference pass (`compute_ref_log_probs`, its collator, batch size and order) on
         the whole model before it is split, in every process over every row: nothing to shard,
         gather or exchange through TRL's cache file (a temporary file per process for a dataset
         built in memory)."""
+        if self._pipeline is not None:  # evaluate(dataset): TRL's pass needs the whole model
+            raise ValueError(
+                "ZeroPPDPOTrainer: evaluate(dataset) with precompute_ref_log_probs=True once the "
+                "pipeline is built: the model's weights moved into its stages, so TRL's reference "
+                "pass over the whole model cannot run. Pass the dataset as eval_dataset at "
+                "construction, or set precompute_ref_log_probs=False (the reference run each step)."
+            )
         if not isinstance(dataset, Dataset):
             raise ValueError(
                 "ZeroPPDPOTrainer: precompute_ref_log_probs=True needs a map-style Dataset, got "
                 f"{type(dataset).__name__} (as TRL's DPOTrainer)."
             )
         loader = DataLoader(
-            dataset, batch_size=batch_size, collate_fn=self.data_collator, shuffle=False
+            dataset,
+            batch_size=batch_size,
+            collate_fn=getattr(self, "_trl_collator", self.data_collator),
+            shuffle=False,
         )
         model = self.ref_model or self.model
         chosen, rejected = [], []
@@ -214,13 +197,14 @@ class ZeroPPDPOTrainer(ZeroPPTrainer, DPOTrainer):
             return dpo_loss(output, labels, num_items_in_batch, beta=beta, weight=weight, **rows)
 
         self._pipeline.use_loss(loss, shift=1, rows=_ROWS)
+        if self._ref_state is not None:
+            params = list(self._pipeline.engine.named_parameters())
+            self._reference = FrozenReference(params, self._ref_state)
+            self._ref_state = None
         return prepared
 
-    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
-        raise ValueError(_NO_EVAL)  # before TRL prepares a dataset on the released model
-
     def predict(self, *args: Any, **kwargs: Any) -> Any:
-        raise ValueError(_NO_EVAL)
+        raise ValueError(NO_PREDICT)
 
     def _last_stage_loss(self) -> tuple[Any, int] | None:
         return None  # DPO's own (`_build_pipeline`): TRL's DPO ignores compute_loss_func
@@ -235,23 +219,35 @@ class ZeroPPDPOTrainer(ZeroPPTrainer, DPOTrainer):
         """The pipeline's DPO loss of the global batch: its pair mean (TRL's), the metrics
         recorded on the way. The Trainer divides it by the accumulation steps (TRL's
         `loss_is_scaled_for_ga = False`), as for one process."""
-        if not model.training:  # evaluate(dataset), predict(): not silently another number
-            raise ValueError(_NO_EVAL)
         pipeline = self._pipeline
         assert pipeline is not None
         engine = pipeline.engine
         micro = engine.config.num_microbatches
         pairs = inputs["input_ids"].size(0) // 2
+        if not model.training:  # forward only: as many micro-batches as split the rows
+            micro = eval_microbatches(2 * pairs, micro)
         if pairs % micro != 0:
+            which = "train" if model.training else "eval"
             raise ValueError(
-                f"ZeroPPDPOTrainer: a batch of {pairs} pairs does not split into "
-                f"num_microbatches={micro} micro-batches of whole pairs (a pair's chosen and "
-                "rejected rows must meet in one micro-batch). Make per_device_train_batch_size x "
-                "pp_size a multiple of num_microbatches (and drop a short last batch: "
-                "dataloader_drop_last=True)."
+                f"ZeroPPDPOTrainer: a batch of {pairs} pairs does not split into {micro} "
+                "micro-batches of whole pairs (a pair's chosen and rejected rows must meet in one "
+                f"micro-batch). Make per_device_{which}_batch_size x pp_size a multiple of "
+                "num_microbatches (and drop a short last batch: dataloader_drop_last=True)."
             )
+        if self._reference is not None:  # TRL's reference forward, through the pipeline
+            ref = reference_logps(pipeline, dict(inputs), self._reference)
+            inputs = {**inputs, "ref_logps": ref}
         local = torch.tensor(float(pairs), device=engine.device)
         total = float(summed_over_data_parallel(local, pipeline).item())
+        if not model.training:  # evaluation: the global batch's pair mean on every process
+            inputs = {**inputs, NUM_ITEMS: total / (micro * engine.dims.dp_size)}
+            keep, pipeline.eval_logits = pipeline.eval_logits, False  # TRL's fused head has none
+            try:
+                outputs = pipeline(**inputs)
+            finally:
+                pipeline.eval_logits = keep
+            self._record_metrics(outputs.metrics, inputs, training=False)
+            return (outputs["loss"], outputs) if return_outputs else outputs["loss"]
         # the Trainer's last-stage step: the pair count per micro-batch and data-parallel rank
         return self._last_stage_step(pipeline, model, inputs, return_outputs, total)
 

@@ -18,8 +18,10 @@ pools each row's last non-pad token from `input_ids`: under `split="call"` every
 model's own forward on the micro-batch's inputs, so the last stage has them.
 
 Overridden TRL methods: `compute_loss` (the whole body), and, from `ZeroPPTrainer`, everything it
-overrides of the Trainer. Not supported, refused: evaluation (`evaluate`, `eval_dataset` with an
-evaluation strategy), a per-data-parallel-rank number of pairs that does not split into the
+overrides of the Trainer. Evaluation runs the same loss forward-only (in as many micro-batches,
+up to `num_microbatches`, as split the batch's rows): every process gets the global eval batch's
+pair mean, TRL's metrics go to its "eval" set. Refused: `predict()` (the rewards exist on the
+last stage only), a per-data-parallel-rank number of pairs that does not split into the
 micro-batches.
 """
 
@@ -32,16 +34,18 @@ import torch.distributed as dist
 from torch import nn
 from trl import RewardConfig, RewardTrainer
 
+from lightning_zeropp.core.schedule.build import eval_microbatches
 from lightning_zeropp.transformers.counts import summed_over_data_parallel
 from lightning_zeropp.transformers.trainer import ZeroPPTrainer
+from lightning_zeropp.trl.mode import follow_pipeline_mode
 
 __all__ = ["ZeroPPRewardTrainer", "paired", "reward_loss"]
 
 _MARGIN = "margin"  # TRL's per-pair margin column (DataCollatorForPreference)
-_NO_EVAL = (
-    "ZeroPPRewardTrainer: {} is not supported: evaluation is not pipelined for reward models "
-    "yet. Train with eval_strategy='no', then evaluate the saved model (trainer.save_model(dir)) "
-    "with TRL's RewardTrainer in one process."
+_NO_PREDICT = (
+    "ZeroPPRewardTrainer: predict() is not supported: the rewards exist on the last stage only, "
+    "one micro-batch at a time. Use evaluate() for the loss and TRL's metrics, or score with the "
+    "saved model (trainer.save_model(dir)) in one process."
 )
 
 
@@ -106,16 +110,15 @@ class ZeroPPRewardTrainer(ZeroPPTrainer, RewardTrainer):
     def __init__(self, *args: Any, zeropp_plugin: Any = None, **kwargs: Any) -> None:
         self._extremes: list[torch.Tensor] = []  # the last stage's (min, -max) per micro-batch
         self._tokens = torch.zeros((), dtype=torch.long)  # this rank's batch's attention mask
+        self._micro = 1  # micro-batches of the last call (a forward-only one may run fewer)
         super().__init__(*args, zeropp_plugin=zeropp_plugin, **kwargs)
-        strategy = getattr(self.args.eval_strategy, "value", self.args.eval_strategy)
-        if strategy != "no":
-            raise NotImplementedError(_NO_EVAL.format(f"eval_strategy={strategy!r}"))
-
-    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
-        raise NotImplementedError(_NO_EVAL.format("evaluate()"))
 
     def predict(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(_NO_EVAL.format("predict()"))
+        raise NotImplementedError(_NO_PREDICT)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        follow_pipeline_mode(self.model, self._pipeline)  # TRL picks train/eval off self.model
+        super().log(logs, start_time)
 
     def _default_args(self) -> Any:
         return RewardConfig(output_dir="tmp_trainer")
@@ -144,10 +147,11 @@ class ZeroPPRewardTrainer(ZeroPPTrainer, RewardTrainer):
         recorded on the way (`_record_metrics`)."""
         pipeline = self._pipeline
         assert pipeline is not None
-        if not model.training:
-            raise NotImplementedError(_NO_EVAL.format("an evaluation step"))
         micro = pipeline.engine.core.config.num_microbatches
         assert micro is not None
+        if not model.training:  # forward only: as many micro-batches as split the rows
+            micro = eval_microbatches(inputs["input_ids"].shape[0], micro)
+        self._micro = micro
         rows = paired(dict(inputs), micro)
         rows["labels"] = torch.ones(
             rows["input_ids"].shape[0], dtype=torch.long, device=rows["input_ids"].device
@@ -182,8 +186,7 @@ class ZeroPPRewardTrainer(ZeroPPTrainer, RewardTrainer):
         calls: torch's shape inference may call the loss once more, before them)."""
         assert self._pipeline is not None
         core, dims = self._pipeline.engine.core, self._pipeline.engine.dims
-        micro = core.config.num_microbatches
-        assert micro is not None
+        micro = self._micro
         values = torch.zeros(2, dtype=torch.float64, device=core.device)
         if self._extremes:
             values = torch.stack(self._extremes[-micro:]).amin(0).to(torch.float64)

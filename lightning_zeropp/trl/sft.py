@@ -26,6 +26,7 @@ from trl import SFTConfig, SFTTrainer
 
 from lightning_zeropp.transformers.counts import summed_over_data_parallel
 from lightning_zeropp.transformers.trainer import ZeroPPTrainer
+from lightning_zeropp.trl.mode import follow_pipeline_mode
 
 __all__ = ["ZeroPPSFTTrainer", "sft_metrics", "sft_loss"]
 
@@ -102,6 +103,10 @@ class ZeroPPSFTTrainer(ZeroPPTrainer, SFTTrainer):
                 "ZeroPPSFTTrainer: the MoE router's auxiliary loss (router_aux_loss_coef) is not "
                 "pipelined yet. Set router_aux_loss_coef=0.0."
             )
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        follow_pipeline_mode(self.model, self._pipeline)  # TRL picks train/eval off self.model
+        super().log(logs, start_time)
 
     def _default_args(self) -> Any:
         return SFTConfig(output_dir="tmp_trainer")

@@ -1,7 +1,7 @@
 """TRL's SFT script under `ZeroPPSFTTrainer` (pp 2, 2 gloo ranks) against TRL's own
 `SFTTrainer` in one process: loss and TRL's metrics (entropy, mean_token_accuracy, num_tokens)
-per logged step and the saved weights, with a completion-only loss over padded rows and with
-packed rows."""
+per logged step and the saved weights, with a completion-only loss over padded rows (and TRL's
+evaluation: eval_loss, eval_entropy, eval_mean_token_accuracy) and with packed rows."""
 
 from __future__ import annotations
 
@@ -15,7 +15,14 @@ pytest.importorskip("trl")
 
 PP = {"pp_size": 2, "num_microbatches": 2}
 CASES = [
-    {"id": "completion", "plugin": PP, "batch": 2, "args": {"completion_only_loss": True}},
+    # with TRL's evaluation after steps 2 and 3 (eval_loss, eval_entropy, ...)
+    {
+        "id": "completion",
+        "plugin": PP,
+        "batch": 2,
+        "eval": True,
+        "args": {"completion_only_loss": True, "eval_strategy": "steps", "eval_steps": 2},
+    },
     {"id": "packed", "plugin": PP, "batch": 2, "args": {"packing": True}},
 ]
 REFERENCES = [{**case, "plugin": None, "batch": 4} for case in CASES]
@@ -52,6 +59,13 @@ def test_sft_matches_trl_in_one_process(runs, case):
         for key in ("loss", "entropy", "mean_token_accuracy", "grad_norm"):
             assert a[key] == pytest.approx(b[key], abs=1e-5), key
         assert a["num_tokens"] == b["num_tokens"]
+    evals = [log for log in got["logs"] if "eval_loss" in log]
+    want_evals = [log for log in ref["logs"] if "eval_loss" in log]
+    assert len(evals) == len(want_evals) == (2 if case == "completion" else 0)
+    for a, b in zip(evals, want_evals, strict=True):
+        for key in ("eval_loss", "eval_entropy", "eval_mean_token_accuracy"):
+            assert a[key] == pytest.approx(b[key], abs=1e-5), key
+        assert a["eval_num_tokens"] == b["eval_num_tokens"]
     for rank in two:
         assert [log for log in rank[case]["logs"] if "loss" in log] == steps
     for name, value in ref["weights"].items():

@@ -15,25 +15,35 @@ pytest.importorskip("trl")
 
 PP = {"pp_size": 2, "num_microbatches": 2}
 CASES = [
-    {"id": "sigmoid", "plugin": PP, "batch": 2},
+    {"id": "sigmoid", "plugin": PP, "batch": 2, "eval": True},
     # one pair per micro-batch, two batches per update
     {"id": "accumulated", "plugin": PP, "batch": 1, "accumulation": 2},
+    # DPOConfig's default: TRL's reference model (the policy's path loaded) run each step,
+    # here forward-only through the policy's pipeline with the reference's weights swapped in
+    {
+        "id": "per_step",
+        "plugin": PP,
+        "batch": 2,
+        "accumulation": 2,
+        "from_path": True,
+        "eval": True,
+        "args": {"precompute_ref_log_probs": False},
+    },
 ]
 REFERENCES = [{**case, "plugin": None, "batch": 2 * case["batch"]} for case in CASES]
 REFUSED = [
     {"id": "hinge", "args": {"loss_type": ["hinge"]}, "want": "loss_type=['hinge']"},
     {
-        "id": "per_step_reference",
-        "args": {"precompute_ref_log_probs": False},
-        "want": "precompute_ref_log_probs=True",
+        "id": "sync_ref_model",
+        "args": {"precompute_ref_log_probs": False, "sync_ref_model": True},
+        "want": "sync_ref_model=True (the reference moved towards the policy",
     },
     {
         "id": "evaluate",
         "refused": "evaluate",
-        "args": {"max_steps": 1},
-        "want": "evaluation (an eval_dataset, evaluate(), predict()) is not pipelined",
+        "want": "evaluate(dataset) with precompute_ref_log_probs=True once the pipeline is built",
     },
-    {"id": "eval_dataset", "init": {"eval_dataset": "rows"}, "want": "Pass eval_dataset=None"},
+    {"id": "predict", "refused": "predict", "want": "predict() is not supported"},
     {"id": "lora", "init": {"peft_config": "lora"}, "want": "a PEFT model is not pipelined"},
     # 3 pairs per device x pp 2 = 6 pairs: 4 micro-batches would split a pair (the loader's
     # check of rows per micro-batch refuses it: a row of TRL's dataset is a pair)
@@ -93,6 +103,13 @@ def check_equal(got: dict, ref: dict, ranks: list[dict]) -> None:
         for key in METRICS:
             assert a[key] == pytest.approx(b[key], abs=1e-5), key
         assert a["num_tokens"] == b["num_tokens"]
+    evals = [log for log in got["logs"] if "eval_loss" in log]
+    want_evals = [log for log in ref["logs"] if "eval_loss" in log]
+    assert len(evals) == len(want_evals)
+    assert len(evals) == (2 if any("eval_loss" in log for log in ref["logs"]) else 0)
+    for a, b in zip(evals, want_evals, strict=True):  # TRL's eval loss and metrics
+        for key in set(b) - {"eval_runtime", "eval_samples_per_second", "eval_steps_per_second"}:
+            assert a[key] == pytest.approx(b[key], abs=1e-5), key
     for rank in ranks:
         assert [log for log in rank["logs"] if "loss" in log] == steps
     for name, value in ref["weights"].items():
@@ -110,14 +127,19 @@ def test_dpo_matches_trl_in_one_process(runs, case):
 @pytest.mark.slow
 def test_dpo_pp2_dp2_matches_trl_in_one_process(tmp_path):
     """4 ranks, pp 2 x dp 2: the pair count, tokens and metrics summed over data-parallel
-    ranks."""
-    case = {"id": "dp2", "plugin": PP, "batch": 1}
-    four = launch(4, "trl_dpo_scenarios.run", {"cases": [case], "out_dir": str(tmp_path / "4")},
+    ranks; the per-step reference's weights cut into the data-parallel shards."""
+    cases = [
+        {"id": "dp2", "plugin": PP, "batch": 1},
+        {**CASES[-1], "id": "dp2_per_step", "batch": 1},
+    ]
+    four = launch(4, "trl_dpo_scenarios.run", {"cases": cases, "out_dir": str(tmp_path / "4")},
                   tmp_path / "4", timeout=600)  # fmt: skip
-    ref = {**case, "plugin": None, "batch": 4}
-    one = launch(1, "trl_dpo_scenarios.run", {"cases": [ref], "out_dir": str(tmp_path / "1")},
+    refs = [{**case, "plugin": None, "batch": 4} for case in cases]
+    one = launch(1, "trl_dpo_scenarios.run", {"cases": refs, "out_dir": str(tmp_path / "1")},
                  tmp_path / "1", timeout=600)  # fmt: skip
-    check_equal(four[0]["dp2"], one[0]["dp2"], [rank["dp2"] for rank in four])
+    for case in cases:
+        name = case["id"]
+        check_equal(four[0][name], one[0][name], [rank[name] for rank in four])
 
 
 @pytest.mark.parametrize("case", REFUSED, ids=[case["id"] for case in REFUSED])

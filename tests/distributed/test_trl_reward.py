@@ -2,8 +2,8 @@
 4) against TRL's own `RewardTrainer` in one process: loss, TRL's metrics (accuracy, margin,
 min/mean/max reward, num_tokens) and grad norm per logged step on every rank, and the saved
 weights; plain pairs, pairs with TRL's `margin` column and `center_rewards_coefficient`,
-gradient accumulation, and LoRA adapters with the score head trained in full (`peft_config`). Refused, on every rank: a batch whose pairs do not split into the
-micro-batches, evaluation; an unchanged `RewardTrainer` under ZEROPP_* variables."""
+evaluation (eval loss and TRL's eval metrics), gradient accumulation, and LoRA adapters with the score head trained in full (`peft_config`). Refused, on every rank: a batch whose pairs do not split into the
+micro-batches, predict(); an unchanged `RewardTrainer` under ZEROPP_* variables."""
 
 from __future__ import annotations
 
@@ -18,7 +18,17 @@ pytest.importorskip("trl")
 PP = {"pp_size": 2, "num_microbatches": 2}
 MARGIN = {"margin": True, "args": {"center_rewards_coefficient": 0.1}}
 # the default run: margins and centring cover the plain pairs' path too (suite time)
-CASES = [{"id": "margin", "plugin": PP, "batch": 2, **MARGIN}]
+CASES = [
+    {"id": "margin", "plugin": PP, "batch": 2, **MARGIN},
+    # TRL's evaluation after steps 2 and 3 (8 pairs, 4 a batch: two micro-batches of 2 pairs)
+    {
+        "id": "evaluated",
+        "plugin": PP,
+        "batch": 2,
+        "evaluate": True,
+        "args": {"eval_strategy": "steps", "eval_steps": 2},
+    },
+]
 MORE = [  # slow: a launch of their own
     {"id": "plain", "plugin": PP, "batch": 2},
     {"id": "accumulated", "plugin": PP, "batch": 2, "args": {"gradient_accumulation_steps": 2}},
@@ -27,14 +37,7 @@ MORE = [  # slow: a launch of their own
 REFUSED = [
     # 5 pairs, 4 a step: the last step's single pair cannot be cut into 2 micro-batches
     {"id": "short", "plugin": PP, "batch": 2, "pairs": 5, "expect_error": True},
-    {"id": "evaluate", "plugin": PP, "batch": 2, "evaluate": True, "expect_error": True},
-    {
-        "id": "eval_steps",
-        "plugin": PP,
-        "batch": 2,
-        "evaluate": True,
-        "args": {"eval_strategy": "steps", "eval_steps": 1},
-    },
+    {"id": "predict", "plugin": PP, "batch": 2, "predict": True, "expect_error": True},
 ]
 WIDE = [MORE[0], CASES[0]]  # 4 ranks: pp 2 x dp 2
 
@@ -74,6 +77,12 @@ def _matches(ranks: list[dict], ref: dict, case: str) -> None:
         for key in ("min_reward", "mean_reward", "max_reward"):
             assert a[key] == pytest.approx(b[key], abs=1e-5), key
         assert a["num_tokens"] == b["num_tokens"]
+    evals = [log for log in got["logs"] if "eval_loss" in log]
+    want_evals = [log for log in ref[case]["logs"] if "eval_loss" in log]
+    assert len(evals) == len(want_evals) == (2 if case == "evaluated" else 0)
+    for a, b in zip(evals, want_evals, strict=True):  # TRL's eval loss and metrics
+        for key in set(b) - {"eval_runtime", "eval_samples_per_second", "eval_steps_per_second"}:
+            assert a[key] == pytest.approx(b[key], abs=1e-5), key
     for rank in ranks:  # every rank logs the same numbers
         assert [log for log in rank[case]["logs"] if "loss" in log] == steps
     for name, value in ref[case]["weights"].items():
@@ -94,13 +103,11 @@ def test_pairs_that_do_not_split_into_micro_batches_are_refused_on_every_rank(tw
         assert "num_microbatches=2" in error and "dataloader_drop_last=True" in error
 
 
-@pytest.mark.parametrize("case", ["evaluate", "eval_steps"])
-def test_evaluation_is_refused_on_every_rank(two, case):
+def test_predict_is_refused_on_every_rank(two):
     ranks, _ = two
     for rank in ranks:
-        error = rank[case]["error"]
-        assert "evaluation is not pipelined for reward models" in error
-        assert "eval_strategy='no'" in error
+        error = rank["predict"]["error"]
+        assert "predict() is not supported: the rewards exist on the last stage only" in error
 
 
 def _against_one_process(tmp_path, world: int, cases: list[dict]) -> None:

@@ -45,10 +45,24 @@ def rows(n: int, seed: int) -> Dataset:
 
 
 def _trainer(case: dict[str, Any], folder: Path, recorder: Recorder) -> Any:
+    if case.get("eval"):  # TRL's evaluation after steps 2 and 3, of 8 pairs
+        extra = {
+            "eval_strategy": "steps",
+            "eval_steps": 2,
+            "per_device_eval_batch_size": case["batch"],
+        }
+        case = {**case, "args": {**extra, **case.get("args", {})}}
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(
         AutoConfig.for_model("llama", **TINY, tie_word_embeddings=False)
     )
+    if case.get("from_path"):  # TRL loads its per-step reference model from the policy's path
+        distributed = torch.distributed.is_initialized()
+        if not distributed or torch.distributed.get_rank() == 0:
+            model.save_pretrained(folder / "initial")
+        if distributed:
+            torch.distributed.barrier()
+        model = AutoModelForCausalLM.from_pretrained(folder / "initial")
     args = DPOConfig(
         output_dir=str(folder),
         per_device_train_batch_size=case["batch"],
@@ -72,6 +86,8 @@ def _trainer(case: dict[str, Any], folder: Path, recorder: Recorder) -> Any:
         },
     )
     kwargs: dict[str, Any] = dict(case.get("init", {}))
+    if case.get("eval"):
+        kwargs["eval_dataset"] = rows(8, 2)
     if kwargs.get("eval_dataset") == "rows":
         kwargs["eval_dataset"] = rows(8, 2)
     if kwargs.get("peft_config") == "lora":
@@ -107,9 +123,11 @@ def run(cases: list[dict[str, Any]], out_dir: str) -> dict[str, Any]:
                 refused = _trainer(case, folder, recorder)
                 if case["refused"] == "train":
                     refused.train()
-                if case["refused"] == "evaluate":
-                    refused.train()
+                if case["refused"] == "evaluate":  # the second once the pipeline is built
                     refused.evaluate(rows(8, 2))
+                    refused.evaluate(rows(8, 2))
+                if case["refused"] == "predict":
+                    refused.predict(rows(8, 2))
             except ValueError as err:
                 results[case["id"]] = {"error": str(err)}
                 continue

@@ -60,6 +60,7 @@ def run(cases: list[dict[str, Any]], out_dir: str) -> dict[str, Any]:
             use_cpu=True,
             bf16=False,
             save_strategy="no",
+            per_device_eval_batch_size=case["batch"],
             **case.get("args", {}),
         )
         recorder = Recorder()
@@ -86,7 +87,9 @@ def run(cases: list[dict[str, Any]], out_dir: str) -> dict[str, Any]:
             continue
         if case.get("expect_error"):  # a refusal: its message, from every rank
             try:
-                trainer.evaluate() if case.get("evaluate") else trainer.train()
+                if case.get("predict"):
+                    trainer.predict(pairs(8, 2, False))
+                trainer.train()
             except (ValueError, NotImplementedError) as err:
                 results[case["id"]] = {"error": str(err)}
                 continue

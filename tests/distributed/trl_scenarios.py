@@ -46,6 +46,7 @@ def run(cases: list[dict[str, Any]], out_dir: str) -> dict[str, Any]:
             bf16=False,
             save_strategy="no",
             max_length=32,
+            per_device_eval_batch_size=case["batch"],
             **case.get("args", {}),
         )
         recorder = Recorder()
@@ -60,6 +61,7 @@ def run(cases: list[dict[str, Any]], out_dir: str) -> dict[str, Any]:
             model=model,
             args=args,
             train_dataset=rows(48, 1),
+            eval_dataset=rows(8, 2) if case.get("eval") else None,
             processing_class=tokenizer(),
             callbacks=[recorder],
             **kwargs,

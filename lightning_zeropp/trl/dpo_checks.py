@@ -1,0 +1,51 @@
+"""What `ZeroPPDPOTrainer` refuses at construction, on every rank, from its arguments alone:
+what the pipelined DPO loss does not compute (yet), each with the fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["NO_PREDICT", "refusals"]
+
+NO_PREDICT = (
+    "ZeroPPDPOTrainer: predict() is not supported: TRL's DPOTrainer.predict reads the model "
+    "output's logits, which its fused LM head does not produce (TRL's own fails on them). Use "
+    "evaluate() for the loss and TRL's metrics."
+)
+
+
+def refusals(args: Any, init: dict[str, Any]) -> list[str]:
+    """What the pipelined DPO loss does not compute (yet), from the arguments alone."""
+    found = []
+    if args is not None and args.sync_ref_model:
+        found.append(
+            "sync_ref_model=True (the reference moved towards the policy during training) is "
+            "not pipelined. Set sync_ref_model=False."
+        )
+    model = init.get("model")
+    if init.get("peft_config") is not None or callable(getattr(model, "get_base_model", None)):
+        found.append(
+            "a PEFT model is not pipelined yet: a stage's call of the PeftModel reaches the "
+            "forward TRL patches onto the base model (its fused LM head), whose causal mask is "
+            "built from a meta tensor and fails, and TRL's reference is the adapters disabled, "
+            "which the stages do not do. Train the whole model (peft_config=None), or use TRL's "
+            "DPOTrainer."
+        )
+    if args is None:
+        return found
+    if list(args.loss_type) != ["sigmoid"]:
+        found.append(f"loss_type={args.loss_type!r} is not pipelined; use loss_type='sigmoid'.")
+    if args.ld_alpha is not None:
+        found.append(f"ld_alpha={args.ld_alpha!r} is not pipelined; set ld_alpha=None.")
+    if args.f_divergence_type != "reverse_kl":
+        found.append(
+            f"f_divergence_type={args.f_divergence_type!r} is not pipelined; use 'reverse_kl'."
+        )
+    if args.use_weighting:
+        found.append("use_weighting=True (WPO) is not pipelined; set use_weighting=False.")
+    if args.activation_offloading:
+        found.append(
+            "activation_offloading=True would hook the whole model's saved tensors, not the "
+            "pipeline's stages. Set activation_offloading=False."
+        )
+    return found
