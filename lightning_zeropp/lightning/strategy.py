@@ -42,14 +42,13 @@ from lightning_zeropp.core.settings.merge import takes_settings
 from lightning_zeropp.core.split.methods import SplitMethod
 from lightning_zeropp.core.step.agree import agree, settings_fields
 from lightning_zeropp.core.step.failure import failure_guard, guarded
-from lightning_zeropp.core.step.grads import StepGrads
 from lightning_zeropp.core.weights import checkpoint as ckpt
 from lightning_zeropp.core.weights import commit, export, trust
 from lightning_zeropp.core.weights.async_checkpoint import AsyncCheckpointer
 from lightning_zeropp.core.weights.materialize import InitFn, empty_parameters
 from lightning_zeropp.lightning import checkpointing, data, hooks, preempt
 from lightning_zeropp.lightning.build import build_engine
-from lightning_zeropp.lightning.precision import ZeroPPPrecision
+from lightning_zeropp.lightning.precision import HeldGradients, ZeroPPPrecision
 from lightning_zeropp.lightning.settings import strategy_settings
 from lightning_zeropp.lightning.steps import StepRunner
 from lightning_zeropp.lightning.weighting import UNWEIGHTED, GlobalTokenCount
@@ -140,8 +139,9 @@ class ZeroPPStrategy(ModelParallelStrategy):
         self._dims: ParallelDims | None = None
         self._engine: ZeroPPEngine | None = None
         self._saved_rows: int | None = None  # the global batch of the checkpoint resumed
-        # the last training step's gradients and what they are worth, until backward
-        self._pending: tuple[StepGrads, torch.Tensor | float] | None = None
+        # the last training step's gradients and what they are worth, until backward (the
+        # precision plugin releases them)
+        self._grads = HeldGradients()
         self._runner = StepRunner()
         self._told = False  # whether rank 0 said how the loss is weighted
 
@@ -185,7 +185,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
                 "For bf16, keep the Trainer's precision at '32-true' and pass "
                 "ZeroPPStrategy(param_dtype='bf16') (FSDP2 mixed precision)."
             )
-        self._precision_plugin = plugin if plugin is None else ZeroPPPrecision(self)
+        self._precision_plugin = plugin if plugin is None else ZeroPPPrecision(self._grads)
 
     # ---------------------------------------------------------------- set-up
     @override
@@ -266,6 +266,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
                 load_from=self._load_from,
                 to_device=self.batch_to_device,
             )
+            self._grads.engine = self._engine
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -287,7 +288,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
         if outcome.skipped:  # the step returned None: no gradient from this batch, anywhere
             outcome.grads.discard()
         else:
-            self._pending = (outcome.grads, outcome.grad_scale)
+            self._grads.hold(outcome.grads, outcome.grad_scale)
         self._tell_weighting()
         if self._log_comms:
             self.lightning_module.log_dict(self.engine.comm_metrics(), on_step=True, on_epoch=False)
@@ -337,13 +338,6 @@ class ZeroPPStrategy(ModelParallelStrategy):
         assert self.lightning_module is not None
         trainer, save = self.lightning_module.trainer, bool(self.zeropp_config.save_on_sigterm)
         preempt.agree_at_end(trainer, self.root_device, save, self.engine.failures.description)
-
-    def _release_gradients(self) -> None:
-        assert self.lightning_module is not None
-        if self._pending is not None:  # Lightning's mean over accumulate_grad_batches batches
-            grads, scale = self._pending
-            grads.apply(scale / self.lightning_module.trainer.accumulate_grad_batches)
-            self._pending = None
 
     # ---------------------------------------------------------------- checkpoints
     @override
