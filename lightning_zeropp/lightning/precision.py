@@ -19,7 +19,7 @@ from typing_extensions import override
 from lightning_zeropp.core.step.grads import StepGrads
 from lightning_zeropp.lightning.hooks import ShardReads
 
-__all__ = ["GradNorm", "HeldGradients", "ZeroPPPrecision"]
+__all__ = ["GradNorm", "HeldGradients", "ZeroPPPrecision", "zeropp_precision"]
 
 
 class GradNorm(Protocol):
@@ -89,3 +89,19 @@ class ZeroPPPrecision(Precision):
             trainer.gradient_clip_val,
             gradient_clip_algorithm=trainer.gradient_clip_algorithm,
         )
+
+
+def zeropp_precision(plugin: Precision | None, grads: HeldGradients) -> ZeroPPPrecision | None:
+    """The strategy's plugin for the one Lightning's connector gives it: fp32 only (None stays
+    None); any other is refused, naming FSDP2's mixed precision instead."""
+    if (
+        plugin is not None
+        and type(plugin) is not Precision
+        and not isinstance(plugin, ZeroPPPrecision)
+    ):
+        raise ValueError(
+            f"ZeroPPStrategy runs Lightning in precision='32-true'; got {type(plugin).__name__}. "
+            "For bf16, keep the Trainer's precision at '32-true' and pass "
+            "ZeroPPStrategy(param_dtype='bf16') (FSDP2 mixed precision)."
+        )
+    return None if plugin is None else ZeroPPPrecision(grads)
