@@ -30,9 +30,6 @@ What differs from the base class, and why:
 
 from __future__ import annotations
 
-import copy
-import os
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -48,6 +45,14 @@ from lightning_zeropp.accelerate import checkpointing
 from lightning_zeropp.accelerate.build import prepare_pipeline
 from lightning_zeropp.accelerate.checkpointing import BATCHES, EPOCH, ROWS, commit_state
 from lightning_zeropp.accelerate.preempt import Stopper, accelerate_saver, agree_at_end
+from lightning_zeropp.accelerate.prepared import (
+    check_state_made_before,
+    is_scheduler,
+    length,
+    tied_names,
+)
+from lightning_zeropp.accelerate.prepared import skeleton as _skeleton
+from lightning_zeropp.accelerate.prepared import unpack_call as _unpack_call
 from lightning_zeropp.accelerate.settings import ZeroPPPlugin
 from lightning_zeropp.accelerate.shares import (
     in_process_order,
@@ -56,7 +61,7 @@ from lightning_zeropp.accelerate.shares import (
     share,
     share_of,
 )
-from lightning_zeropp.accelerate.steps import NUM_ITEMS, PipelineModel
+from lightning_zeropp.accelerate.steps import PipelineModel
 from lightning_zeropp.core.settings import launch
 from lightning_zeropp.core.step.failure import guarded
 from lightning_zeropp.core.step.preempt import Preemption
@@ -79,7 +84,7 @@ class ZeroPPAccelerator(Accelerator):
         Preemption.of_process().install()
         made_before = bool(PartialState._shared_state)  # read without creating it
         super().__init__(*args, **kwargs)
-        _check_state_made_before(made_before, self.num_processes)
+        check_state_made_before(made_before, self.num_processes)
         self.zeropp_plugin = zeropp_plugin or ZeroPPPlugin()
         self.pipeline: PipelineModel | None = None
         self._skeleton: nn.Module | None = None
@@ -91,7 +96,7 @@ class ZeroPPAccelerator(Accelerator):
         models = [a for a in args if isinstance(a, nn.Module) and not isinstance(a, PipelineModel)]
         optimizers = [a for a in args if isinstance(a, Optimizer)]
         loaders = [a for a in args if isinstance(a, DataLoader)]
-        schedulers = [a for a in args if _is_scheduler(a)]
+        schedulers = [a for a in args if is_scheduler(a)]
         if len(models) > 1 or len(optimizers) > 1 or len(schedulers) > 1:
             raise ValueError(
                 "ZeroPPAccelerator.prepare takes one model, one optimizer and one scheduler "
@@ -234,7 +239,7 @@ class ZeroPPAccelerator(Accelerator):
         everyone: list[Any] = [None] * self.num_processes
         dist.all_gather_object(everyone, self._share(input_data))
         rows, pp = self.pipeline.given_rows, share_of(self.pipeline.engine.dims)[0]
-        whole_rows = rows is not None and rows % pp and _length(input_data) == rows
+        whole_rows = rows is not None and rows % pp and length(input_data) == rows
         order = self._order[::pp] if whole_rows else self._order  # each pipeline's rows once
         data = [x for r in order for x in everyone[r]]
         state = self.gradient_state
@@ -303,7 +308,7 @@ class ZeroPPAccelerator(Accelerator):
         state = self.get_state_dict(model)
         whole = model.original
         if state:
-            ties = _tied_names(whole)  # before `assign` gives every name its own parameter
+            ties = tied_names(whole)  # before `assign` gives every name its own parameter
             whole.load_state_dict(state, strict=False, assign=True)
             for first, *others in ties:  # tied again, as the model was: one parameter
                 shared = whole.get_parameter(first)
@@ -329,69 +334,3 @@ for _name in (
     "unwrap_model",
 ):
     setattr(ZeroPPAccelerator, _name, guarded(getattr(ZeroPPAccelerator, _name)))
-
-
-# ---------------------------------------------------------------------------------- helpers
-def _unpack_call(token_weighted: bool) -> Any:
-    """The example batch as the pipeline will call the model: `model(**batch)`, plus the
-    `num_items_in_batch` it adds (HF passes it down to every block: the split's check must see
-    the same block call)."""
-
-    def unpack(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
-        if not isinstance(batch, Mapping):  # HF's BatchEncoding is a Mapping, not a dict
-            raise TypeError(
-                f"ZeroPPAccelerator's training loader yields {type(batch).__name__}; it expects "
-                "dict batches called as model(**batch) (HF collators). For other batches use "
-                "prepare_pipeline(..., unpack=...)."
-            )
-        kwargs = dict(batch)
-        if token_weighted:
-            kwargs.setdefault(NUM_ITEMS, 1.0)
-        return (), kwargs, batch.get("labels")
-
-    return unpack
-
-
-def _skeleton(model: nn.Module) -> nn.Module:
-    """A copy of `model` with its parameters on the meta device (no memory) and its buffers
-    real: non-persistent buffers (rotary tables) are in no state dict, so unwrap_model could
-    not fill them in later."""
-    memo: dict[int, Any] = {
-        id(p): nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
-        for p in model.parameters()
-    }
-    return copy.deepcopy(model, memo)
-
-
-def _tied_names(model: nn.Module) -> list[list[str]]:
-    """The names of each parameter `model` holds under several names, in model order."""
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return [group for group in names.values() if len(group) > 1]
-
-
-def _check_state_made_before(made_before: bool, processes: int) -> None:
-    """Accelerate keeps one process state (`PartialState`), made by whatever reads it first; made
-    before this accelerator without `cpu=True` on CPUs, it is one process whatever this
-    accelerator's `cpu=True` says, and the generic advice (pass cpu=True) would be wrong."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if made_before and processes == 1 and world > 1:
-        raise ValueError(
-            f"WORLD_SIZE={world} but Accelerate's process state says one process: it was made "
-            "before the ZeroPPAccelerator, without cpu=True (a tracker built first does this: "
-            "GeneralTracker methods marked @on_main_process read PartialState()), and an "
-            "Accelerator's own cpu=True cannot change it afterwards. Make the state first: "
-            "`from accelerate import PartialState; PartialState(cpu=True)` before building the "
-            "tracker."
-        )
-
-
-def _length(value: Any) -> int | None:
-    if isinstance(value, (list, tuple)):
-        return len(value)
-    return value.shape[0] if isinstance(value, torch.Tensor) and value.dim() > 0 else None
-
-
-def _is_scheduler(obj: Any) -> bool:
-    return isinstance(getattr(obj, "optimizer", None), Optimizer) and hasattr(obj, "step")

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_zeropp.core.mesh import ParallelDims
 from lightning_zeropp.fronts.loader import rebuild_loader
+from lightning_zeropp.fronts.microbatches import check_rows_per_rank
 
 __all__ = [
     "Unpack",
@@ -81,20 +82,7 @@ def check_loader(
     size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
     if size is None:
         return  # a batch sampler without a batch size: the engine checks each batch instead
-    mode = "Accelerator(split_batches=True)" if split_batches else "split_batches=False"
-    if split_batches and size % dp_size:
-        raise ValueError(
-            f"batch_size={size} does not split over {dp_size} data-parallel ranks ({mode}); use "
-            f"a batch size that is a multiple of {dp_size}."
-        )
-    per_rank = size // dp_size if split_batches else size
-    if per_rank % num_microbatches:
-        raise ValueError(
-            f"each data-parallel rank gets {per_rank} rows per batch (batch_size={size}, "
-            f"dp_size={dp_size}, {mode}), which do not split into num_microbatches="
-            f"{num_microbatches} equal micro-batches; use a per-rank batch size that is a "
-            f"multiple of {num_microbatches}."
-        )
+    check_rows_per_rank(size, dp_size, num_microbatches, split_batches)
     per_step = size if split_batches else size * dp_size
     length = _length(loader.dataset)
     if length is not None and (length == 0 or (loader.drop_last and length < per_step)):

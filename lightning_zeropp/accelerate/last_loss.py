@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_zeropp.core.schedule.build import eval_microbatches
+from lightning_zeropp.accelerate.outputs import broadcast_logits
 from lightning_zeropp.core.step.last_loss import (
     LastLossStep,
     LastStageLoss,
@@ -27,6 +27,7 @@ from lightning_zeropp.core.step.last_loss import (
     share_metrics,
 )
 from lightning_zeropp.fronts.hf_loss import NUM_ITEMS
+from lightning_zeropp.fronts.microbatches import call_microbatches
 from lightning_zeropp.fronts.packing import Reshaped, reshape
 
 if TYPE_CHECKING:
@@ -68,9 +69,7 @@ def run_with_loss(
     core, dims = pipeline.engine.core, pipeline.engine.dims
     training = pipeline.training and torch.is_grad_enabled()
     pipeline.rows = rows_of(kwargs)
-    micro = core.config.num_microbatches
-    if not training:
-        micro = eval_microbatches(pipeline.rows, micro)
+    micro = call_microbatches(pipeline.rows, core.config.num_microbatches, training)
     if given is not None:
         items = float(given)
     else:
@@ -95,7 +94,7 @@ def run_with_loss(
             pipeline._captured = [] if pipeline.eval_logits else None
             with torch.no_grad():
                 out["loss"] = core.eval_step(target=target, microbatches=micro, **kwargs)
-            logits = pipeline._broadcast_logits() if pipeline.eval_logits else None
+            logits = broadcast_logits(core, pipeline._captured) if pipeline.eval_logits else None
             if logits is not None:
                 out["logits"] = shaped.restore(logits)
         dims_pp = dims.pp_group if core.config.pp_size > 1 else None

@@ -25,6 +25,15 @@ from torch import nn
 
 from lightning_zeropp.accelerate.engine import ZeroPPAccelerateEngine
 from lightning_zeropp.accelerate.last_loss import LastStageLoss, run_with_loss
+from lightning_zeropp.accelerate.outputs import (
+    TRAINING_ONLY_LOSS,
+    PipelineOutput,
+    any_tensor,
+    broadcast_logits,
+    call_rows,
+    loss_of,
+    target_of,
+)
 from lightning_zeropp.accelerate.preempt import Stopper
 from lightning_zeropp.accelerate.shares import (
     eval_microbatches_by_share,
@@ -32,13 +41,13 @@ from lightning_zeropp.accelerate.shares import (
     share_of,
 )
 from lightning_zeropp.accelerate.weighting import weigh_tokens
-from lightning_zeropp.core.schedule.build import eval_microbatches
 from lightning_zeropp.core.step.failure import guarded
 from lightning_zeropp.core.step.last_loss import LastLossStep
 from lightning_zeropp.core.step.preempt import PreemptedError
 from lightning_zeropp.fronts.hf_chunked import armed, check_consumed
 from lightning_zeropp.fronts.hf_loss import NUM_ITEMS, TokenRule, accepts_num_items
 from lightning_zeropp.fronts.loss_rule import LossWatch
+from lightning_zeropp.fronts.microbatches import call_microbatches
 from lightning_zeropp.fronts.packing import Reshaped, SeqBuckets, reshape
 
 __all__ = [
@@ -48,47 +57,6 @@ __all__ = [
     "accepts_num_items",
     "loss_of",
 ]
-
-
-class PipelineOutput(dict):
-    """What `model(**batch)` returns: `.loss` (and `.logits` in eval mode), also as keys, and
-    by position as HF's `ModelOutput` (`output[0]` is the loss)."""
-
-    _hint = ""  # why a field the model's own output would have is not here
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        # A last-stage loss's metrics (`use_loss`), the same on every rank; not a key, so the
-        # Trainer does not read them as logits.
-        self.metrics: dict[str, float] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self[name]
-        except KeyError:
-            hint = f": {self._hint}" if self._hint and not name.startswith("_") else ""
-            raise AttributeError(f"{name}{hint}") from None
-
-    def __getitem__(self, key: Any) -> Any:
-        if isinstance(key, int):
-            return list(self.values())[key]
-        return super().__getitem__(key)
-
-    def to_tuple(self) -> tuple[Any, ...]:
-        return tuple(self.values())
-
-
-def loss_of(output: Any) -> torch.Tensor | None:
-    """The loss in a model's output: `.loss`, `["loss"]`, or a scalar first element."""
-    if isinstance(output, torch.Tensor):
-        return output if output.dim() == 0 else None
-    if isinstance(output, dict) or hasattr(output, "keys"):
-        return output.get("loss") if hasattr(output, "get") else None
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, (tuple, list)) and output:
-        first = output[0]
-        loss = first if isinstance(first, torch.Tensor) and first.dim() == 0 else None
-    return loss
 
 
 class PipelineModel(nn.Module):
@@ -168,7 +136,7 @@ class PipelineModel(nn.Module):
         batches = self.engine.core.batches
         args, kwargs = batches.share((args, kwargs))
         batches.check((args, kwargs) if args else kwargs, "the batch given to the model")
-        self.given_rows = _rows(args, kwargs)
+        self.given_rows = call_rows(args, kwargs)
         try:
             return self._forward(args, kwargs)
         except PreemptedError as err:  # SIGTERM, agreed on by every rank before this step
@@ -187,7 +155,7 @@ class PipelineModel(nn.Module):
             return run_with_loss(self, kwargs, PipelineOutput)
         shaped = self._reshaped(args, kwargs)
         kwargs = shaped.batch
-        target = _target_of(args, kwargs)
+        target = target_of(args, kwargs)
         if self.training and torch.is_grad_enabled():
             if target is None:
                 raise ValueError(
@@ -210,7 +178,7 @@ class PipelineModel(nn.Module):
 
     def _train(self, args: Any, kwargs: dict[str, Any], target: torch.Tensor) -> PipelineOutput:
         core = self.engine.core
-        self.rows = _rows(args, kwargs)
+        self.rows = call_rows(args, kwargs)
         kwargs = self._weighted(kwargs, target, core.config.num_microbatches, training=True)
         with self._counting(), armed(self.chunked):
             loss, grads = core.train_step_deferred(
@@ -223,19 +191,19 @@ class PipelineModel(nn.Module):
         # gradients go to .grad times that (on the device: no host sync).
         leaf.register_hook(lambda grad: grads.apply(grad))
         out = PipelineOutput(loss=leaf)
-        out._hint = _TRAINING_ONLY_LOSS
+        out._hint = TRAINING_ONLY_LOSS
         return out
 
     @torch.no_grad()
     def _eval(self, args: Any, kwargs: dict[str, Any], target: torch.Tensor | None) -> Any:
         core = self.engine.core
         cfg = core.config
-        self.rows = rows = _rows(args, kwargs)
+        self.rows = rows = call_rows(args, kwargs)
         self._items = None
         # Micro-batches inside one process's share each: the loss is the share's (`shares`).
         shares = share_of(core.dims)[0]
         by_share = eval_microbatches_by_share(rows, cfg.num_microbatches, shares)
-        micro = by_share or eval_microbatches(rows, cfg.num_microbatches)
+        micro = by_share or call_microbatches(rows, cfg.num_microbatches, training=False)
         scale, chosen = None, False
         if target is None and self.token_weighted:
             # No loss to weigh, but every call must reach the blocks alike (HF hands its keyword
@@ -253,11 +221,11 @@ class PipelineModel(nn.Module):
                     *args,
                     target=self._context_target(target)
                     if target is not None
-                    else _any_tensor(args, kwargs),
+                    else any_tensor(args, kwargs),
                     microbatches=micro,
                     **kwargs,
                 )
-            logits = self._broadcast_logits() if self.eval_logits else None
+            logits = broadcast_logits(core, self._captured) if self.eval_logits else None
             if target is not None and by_share is not None:
                 loss = self._share_loss(target, kwargs, scale)
             if target is not None and chosen:
@@ -391,47 +359,3 @@ class PipelineModel(nn.Module):
         if self.watch is None or self._items is None:
             return contextlib.nullcontext()
         return self.watch.counting()
-
-    def _broadcast_logits(self) -> torch.Tensor | None:
-        """The last stage's logits for the whole batch, on every rank of the pipeline."""
-        core = self.engine.core
-        captured = self._captured or []
-        logits = torch.cat(captured) if captured and all(t is not None for t in captured) else None
-        if core.config.pp_size == 1:
-            return logits
-        meta = [(tuple(logits.shape), logits.dtype) if logits is not None else None]
-        group = core.dims.pp_group
-        dist.broadcast_object_list(meta, group=group, group_src=core.last_pp_rank)
-        if meta[0] is None:
-            return None
-        shape, dtype = meta[0]
-        if logits is None:
-            logits = torch.empty(shape, dtype=dtype, device=core.device)
-        dist.broadcast(logits, group=group, group_src=core.last_pp_rank)
-        return logits
-
-
-# ------------------------------------------------------------------------------------ helpers
-_TRAINING_ONLY_LOSS = (
-    "a training call of the pipelined model returns the global batch's loss only (the logits "
-    "exist on the last pipeline stage, one micro-batch at a time, and are freed there). For "
-    "logits, call the model in eval mode (model.eval(), under torch.no_grad()): that output holds "
-    "the batch's .logits on every rank."
-)
-
-
-def _target_of(args: Any, kwargs: dict[str, Any]) -> torch.Tensor | None:
-    labels = kwargs.get("labels")
-    return labels if isinstance(labels, torch.Tensor) else None
-
-
-def _rows(args: Any, kwargs: dict[str, Any]) -> int:
-    tensor = _any_tensor(args, kwargs)
-    return tensor.shape[0]
-
-
-def _any_tensor(args: Any, kwargs: dict[str, Any]) -> torch.Tensor:
-    for value in [*args, *kwargs.values()]:
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            return value
-    raise ValueError("the model was called without any batched tensor (input_ids=...)")

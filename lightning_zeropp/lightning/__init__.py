@@ -5,9 +5,10 @@ it lets `MyModule.load_from_checkpoint` read a sharded checkpoint folder (`folde
 
 # The strategy module first: importing Lightning runs the hook that imports it (see
 # `lightning_zeropp/__init__.py`), which must find it already on its way.
-from lightning_zeropp.lightning.strategy import ZeroPPPrecision, ZeroPPStrategy  # isort: skip
+from lightning_zeropp.lightning.strategy import ZeroPPStrategy  # isort: skip
 from lightning_zeropp.lightning import folder_load
 from lightning_zeropp.lightning.hooks import full_parameter, grad_norm, param_norm
+from lightning_zeropp.lightning.precision import ZeroPPPrecision
 
 folder_load.install()  # MyModule.load_from_checkpoint(sharded folder), in one process
 

@@ -26,15 +26,25 @@ import re
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch import nn
 
 from lightning_zeropp.core.weights import checkpoint as ckpt
-from lightning_zeropp.core.weights import commit, trust
+from lightning_zeropp.core.weights import commit, export, trust
+from lightning_zeropp.core.weights.async_checkpoint import AsyncCheckpointer
+from lightning_zeropp.lightning import data
 
-__all__ = ["STATE_DICT_TYPES", "check_state_dict_type", "load_full_file", "recover_last"]
+__all__ = [
+    "STATE_DICT_TYPES",
+    "StrategyCheckpoints",
+    "check_state_dict_type",
+    "load_full_file",
+    "recover_last",
+]
 
 STATE_DICT_TYPES = ("sharded", "full")
 
@@ -111,3 +121,75 @@ def recover_last(trainer: Any) -> None:
                         "now: run again, and fit(ckpt_path='last') resumes from it."
                     )
     ckpt.raise_on_every_rank(problem)
+
+
+class StrategyCheckpoints:
+    """What `ZeroPPStrategy`'s checkpoint calls do (`save_checkpoint`, `load_checkpoint`,
+    removal, a save in the background waited for), for its `state_dict_type` and `async_save`;
+    and the global batch of the checkpoint resumed (`saved_rows`)."""
+
+    def __init__(self, state_dict_type: str, async_save: bool) -> None:
+        self.state_dict_type = check_state_dict_type(state_dict_type)
+        if async_save and state_dict_type != "sharded":
+            raise ValueError(
+                f"async_save=True writes sharded checkpoints (state_dict_type='sharded'), not "
+                f"state_dict_type={state_dict_type!r}; drop one of the two."
+            )
+        self.async_ = AsyncCheckpointer() if async_save else None
+        self.saved_rows: int | None = None  # the global batch of the checkpoint resumed
+
+    @property
+    def sharded(self) -> bool:
+        """Whether checkpoints are distributed checkpoint directories (else one full file)."""
+        return self.state_dict_type == "sharded"
+
+    def save(
+        self,
+        path: Path,
+        module: pl.LightningModule,
+        optimizers: list[torch.optim.Optimizer],
+        checkpoint: dict[str, Any],
+    ) -> None:
+        # The global batch, so that a resume mid-epoch with another one is named (`data`).
+        checkpoint = {**checkpoint, data.BATCH_ROWS: data.batch_rows(module.trainer)}
+        if self.state_dict_type == "full":
+            export.save_file(path, checkpoint)  # complete on rank 0; tmp file + rename
+            return
+        checkpoint = {
+            k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")
+        }
+        if self.async_ is not None:
+            self.async_.save(path, module, optimizers, checkpoint)
+            state = module.trainer.state
+            if state.fn != TrainerFn.FITTING or state.status != TrainerStatus.RUNNING:
+                # Outside a running fit (trainer.save_checkpoint after fit) no later save or
+                # teardown would wait for it: the checkpoint must be complete on return.
+                self.async_.wait()
+            return
+        ckpt.save_checkpoint(path, module, optimizers, checkpoint)
+
+    def load(
+        self, path: Path, module: pl.LightningModule, optimizers: list[torch.optim.Optimizer]
+    ) -> dict[str, Any]:
+        if self.async_ is not None:
+            self.async_.wait()  # it may be the checkpoint still being written
+        # Read as data whatever `weights_only` asks; the module's own hyperparameters' classes
+        # (built in this process already) may come back.
+        trusted = trust.trusted_types(dict(module.hparams))
+        if path.is_file():  # a full checkpoint (state_dict_type="full", or consolidated)
+            loaded = load_full_file(path, module, optimizers, trusted, module.strict_loading)
+        else:
+            loaded = ckpt.load_checkpoint(path, module, optimizers, trusted)
+        self.saved_rows = loaded.get(data.BATCH_ROWS)
+        return loaded
+
+    def wait(self) -> None:
+        """The last checkpoint complete (an async save written)."""
+        if self.async_ is not None:
+            self.async_.wait()
+
+    def remove(self, filepath: Any, is_global_zero: bool) -> None:
+        if self.async_ is not None:  # not before the save that replaces it is complete
+            self.async_.remove(filepath)
+        elif is_global_zero:
+            commit.remove(filepath)

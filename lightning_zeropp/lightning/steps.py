@@ -27,10 +27,10 @@ import torch.distributed as dist
 
 from lightning_zeropp.core._torch_private import tree_map
 from lightning_zeropp.core.engine import ZeroPPEngine
-from lightning_zeropp.core.schedule import eval_microbatches
 from lightning_zeropp.core.step.batch import batch_size, take_rows
 from lightning_zeropp.core.step.grads import StepGrads
 from lightning_zeropp.fronts.call_adapter import CallAdapter
+from lightning_zeropp.fronts.microbatches import call_microbatches, rows_split
 from lightning_zeropp.lightning.continuation import Continuation
 from lightning_zeropp.lightning.logging import LogRecorder
 from lightning_zeropp.lightning.microbatches import (
@@ -91,9 +91,8 @@ class StepRunner:
         engine, module = self.engine, self.module
         batch, rest = args[0], args[1:]
         rows = batch_size(batch)
-        micro = engine.config.num_microbatches
-        micro = micro if mode == "train" else eval_microbatches(rows, micro)
-        if rows % micro or rows < micro:  # one step for the whole batch: the engine refuses it
+        micro = call_microbatches(rows, engine.config.num_microbatches, mode == "train")
+        if not rows_split(rows, micro):  # one step for the whole batch: the engine refuses it
             micro = 1
         step = self._step = _Step(mode, list(torch.arange(rows).tensor_split(micro)))
         last = engine.dims.pp_rank == engine.last_pp_rank

@@ -30,7 +30,7 @@ import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
@@ -41,15 +41,12 @@ from lightning_zeropp.core.settings.config import ZeroPPConfig, ZeroPPLayout
 from lightning_zeropp.core.split.methods import SplitMethod
 from lightning_zeropp.core.step.agree import agree, settings_fields
 from lightning_zeropp.core.step.failure import failure_guard, guarded
-from lightning_zeropp.core.step.grads import StepGrads
-from lightning_zeropp.core.weights import checkpoint as ckpt
-from lightning_zeropp.core.weights import commit, export, trust
-from lightning_zeropp.core.weights.async_checkpoint import AsyncCheckpointer
+from lightning_zeropp.core.weights import export
 from lightning_zeropp.core.weights.materialize import InitFn, empty_parameters
 from lightning_zeropp.fronts.settings import takes_settings
 from lightning_zeropp.lightning import checkpointing, data, hooks, preempt
 from lightning_zeropp.lightning.build import build_engine
-from lightning_zeropp.lightning.precision import ZeroPPPrecision
+from lightning_zeropp.lightning.precision import HeldGradients, zeropp_precision
 from lightning_zeropp.lightning.settings import strategy_settings
 from lightning_zeropp.lightning.steps import StepRunner
 from lightning_zeropp.lightning.weighting import UNWEIGHTED, GlobalTokenCount
@@ -122,13 +119,10 @@ class ZeroPPStrategy(ModelParallelStrategy):
         self._settings = strategy_settings(settings, split)
         self.zeropp_config: ZeroPPConfig | ZeroPPLayout = self._settings.config
         self._split = self._settings.split
-        self._state_dict_type = checkpointing.check_state_dict_type(state_dict_type)
-        if async_save and state_dict_type != "sharded":
-            raise ValueError(
-                f"async_save=True writes sharded checkpoints (state_dict_type='sharded'), not "
-                f"state_dict_type={state_dict_type!r}; drop one of the two."
-            )
-        self._async = AsyncCheckpointer() if async_save else None
+        self._checkpoints = checkpointing.StrategyCheckpoints(state_dict_type, async_save)
+        # the last training step's gradients and what they are worth, until backward (the
+        # precision plugin releases them); before Strategy.__init__ sets the plugin
+        self._grads = HeldGradients()
         super().__init__(
             save_distributed_checkpoint=state_dict_type == "sharded",
             timeout=timeout,
@@ -139,9 +133,6 @@ class ZeroPPStrategy(ModelParallelStrategy):
         self._module_name = module_name
         self._dims: ParallelDims | None = None
         self._engine: ZeroPPEngine | None = None
-        self._saved_rows: int | None = None  # the global batch of the checkpoint resumed
-        # the last training step's gradients and what they are worth, until backward
-        self._pending: tuple[StepGrads, torch.Tensor | float] | None = None
         self._runner = StepRunner()
         self._told = False  # whether rank 0 said how the loss is weighted
 
@@ -165,7 +156,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or not trainer.training:
             return dataloader
-        return data.resuming_loader(dataloader, trainer, lambda: self._saved_rows)
+        return data.resuming_loader(dataloader, trainer, lambda: self._checkpoints.saved_rows)
 
     @property
     @override
@@ -175,17 +166,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
     @precision_plugin.setter
     @override
     def precision_plugin(self, plugin: Precision | None) -> None:
-        if (
-            plugin is not None
-            and type(plugin) is not Precision
-            and not isinstance(plugin, ZeroPPPrecision)
-        ):
-            raise ValueError(
-                f"ZeroPPStrategy runs Lightning in precision='32-true'; got {type(plugin).__name__}. "
-                "For bf16, keep the Trainer's precision at '32-true' and pass "
-                "ZeroPPStrategy(param_dtype='bf16') (FSDP2 mixed precision)."
-            )
-        self._precision_plugin = plugin if plugin is None else ZeroPPPrecision(self)
+        self._precision_plugin = zeropp_precision(plugin, self._grads)
 
     # ---------------------------------------------------------------- set-up
     @override
@@ -266,6 +247,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
                 load_from=self._load_from,
                 to_device=self.batch_to_device,
             )
+            self._grads.engine = self._engine
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -287,7 +269,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
         if outcome.skipped:  # the step returned None: no gradient from this batch, anywhere
             outcome.grads.discard()
         else:
-            self._pending = (outcome.grads, outcome.grad_scale)
+            self._grads.hold(outcome.grads, outcome.grad_scale)
         self._tell_weighting()
         if self._log_comms:
             self.lightning_module.log_dict(self.engine.comm_metrics(), on_step=True, on_epoch=False)
@@ -338,17 +320,10 @@ class ZeroPPStrategy(ModelParallelStrategy):
         trainer, save = self.lightning_module.trainer, bool(self.zeropp_config.save_on_sigterm)
         preempt.agree_at_end(trainer, self.root_device, save, self.engine.failures.description)
 
-    def _release_gradients(self) -> None:
-        assert self.lightning_module is not None
-        if self._pending is not None:  # Lightning's mean over accumulate_grad_batches batches
-            grads, scale = self._pending
-            grads.apply(scale / self.lightning_module.trainer.accumulate_grad_batches)
-            self._pending = None
-
     # ---------------------------------------------------------------- checkpoints
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self._state_dict_type == "sharded":
+        if self._checkpoints.sharded:
             return {}  # model state is written by save_checkpoint through DCP, sharded
         # Collective: the LightningModule's whole state_dict (its own names) on global rank 0.
         assert self.lightning_module is not None
@@ -356,7 +331,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        if self._state_dict_type == "sharded":
+        if self._checkpoints.sharded:
             return {}  # likewise
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
         assert self.lightning_module is not None
@@ -370,24 +345,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
             raise TypeError("ZeroPPStrategy.save_checkpoint does not take storage_options")
         path = Path(self.broadcast(str(filepath)))
         assert self.lightning_module is not None
-        # The global batch, so that a resume mid-epoch with another one is named (`data`).
-        checkpoint = {**checkpoint, data.BATCH_ROWS: data.batch_rows(self.lightning_module.trainer)}
-        if self._state_dict_type == "full":
-            export.save_file(path, checkpoint)  # complete on rank 0; tmp file + rename
-            return
-        checkpoint = {
-            k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")
-        }
-        assert self.lightning_module is not None
-        if self._async is not None:
-            self._async.save(path, self.lightning_module, self._raw_optimizers(), checkpoint)
-            state = self.lightning_module.trainer.state
-            if state.fn != TrainerFn.FITTING or state.status != TrainerStatus.RUNNING:
-                # Outside a running fit (trainer.save_checkpoint after fit) no later save or
-                # teardown would wait for it: the checkpoint must be complete on return.
-                self._async.wait()
-            return
-        ckpt.save_checkpoint(path, self.lightning_module, self._raw_optimizers(), checkpoint)
+        self._checkpoints.save(path, self.lightning_module, self._raw_optimizers(), checkpoint)
 
     @override
     def load_checkpoint(
@@ -395,36 +353,19 @@ class ZeroPPStrategy(ModelParallelStrategy):
     ) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.lightning_module is not None
-        if self._async is not None:
-            self._async.wait()  # it may be the checkpoint still being written
-        # Read as data whatever `weights_only` asks; the module's own hyperparameters' classes
-        # (built in this process already) may come back.
-        trusted = trust.trusted_types(dict(self.lightning_module.hparams))
-        module = self.lightning_module
-        if path.is_file():  # a full checkpoint (state_dict_type="full", or consolidated)
-            loaded = checkpointing.load_full_file(
-                path, module, self._raw_optimizers(), trusted, module.strict_loading
-            )
-        else:
-            loaded = ckpt.load_checkpoint(path, module, self._raw_optimizers(), trusted)
-        self._saved_rows = loaded.get(data.BATCH_ROWS)
-        return loaded
+        return self._checkpoints.load(path, self.lightning_module, self._raw_optimizers())
 
     @override
     def teardown(self) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if self._async is not None:
-            self._async.wait()  # the last checkpoint is complete when fit returns
+        self._checkpoints.wait()  # the last checkpoint is complete when fit returns
         super().teardown()
         if trainer is not None:
             data.check_trained(trainer)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        if self._async is not None:  # not before the save that replaces it is complete
-            self._async.remove(filepath)
-        elif self.is_global_zero:
-            commit.remove(filepath)
+        self._checkpoints.remove(filepath, self.is_global_zero)
 
     def _raw_optimizers(self) -> list[torch.optim.Optimizer]:
         return [getattr(o, "_optimizer", o) for o in self.optimizers]

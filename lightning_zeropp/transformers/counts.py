@@ -15,13 +15,46 @@ import torch.distributed as dist
 from lightning_zeropp.accelerate.steps import PipelineModel
 from lightning_zeropp.fronts.hf_loss import IGNORE_INDEX
 from lightning_zeropp.fronts.packing import documents, is_packed
+from lightning_zeropp.transformers._private import (
+    trainer_num_items_in_batch,
+    trainer_track_num_input_tokens,
+)
 
 __all__ = [
+    "items_in_window",
     "padded_tokens",
     "summed_over_data_parallel",
     "summing_over_data_parallel",
+    "track_input_tokens",
     "without_repeats",
 ]
+
+
+def items_in_window(
+    trainer: Any, pipeline: PipelineModel | None, batch_samples: list, device: torch.device
+) -> Any:
+    """The Trainer's token count of the accumulation window, each row counted once, of the
+    batches the pipeline trains on: its first stage's (a random collator draws on each
+    rank), shared before the count and written into each rank's batch."""
+    if pipeline is not None:
+        shared = pipeline.engine.core.batches.share
+        batch_samples[:] = [shared(batch) for batch in batch_samples]
+    with summing_over_data_parallel(trainer.accelerator, pipeline):
+        return trainer_num_items_in_batch(trainer, batch_samples, device)
+
+
+def track_input_tokens(
+    trainer: Any, pipeline: PipelineModel | None, inputs: dict[str, Any]
+) -> None:
+    """Tokens seen, as one process counts them (`padded_tokens`)."""
+    name = getattr(trainer.model, "main_input_name", "input_ids")
+    padded = trainer.args.include_num_input_tokens_seen == "all"
+    seen = padded_tokens(inputs, name, pipeline) if padded else None
+    if seen is None:
+        with summing_over_data_parallel(trainer.accelerator, pipeline):
+            trainer_track_num_input_tokens(trainer, inputs)
+    else:
+        trainer.state.num_input_tokens_seen += seen
 
 
 @contextlib.contextmanager

@@ -99,6 +99,7 @@ CASES = [
     {
         "id": "equal",
         "plugin": PP,
+        "save_pretrained": True,  # refused on every rank at pp_size=2 too
         "script": {**GPT2, "evaluate_first": True, "predict": True, "args": {**CLIPPED, **EVAL}},
     },
     {
@@ -124,7 +125,9 @@ CASES = [
     # one stage (pure sharded data parallelism, 2 shards x 2 replicas): the stage is the model
     # passed in, sharded in place. Before: "FSDP parameters should be materialized from meta
     # device ... [None, None, None]" (the Trainer released that model's weights to meta)
-    {"id": "pp1", "plugin": PP1_LAYOUT, "script": PP1},
+    # `model.save_pretrained(dir)` instead of `trainer.save_model(dir)`: refused on every rank.
+    # Before: rank 0 raised "invalid python storage" while rank 1 wrote its own shard.
+    {"id": "pp1", "plugin": PP1_LAYOUT, "script": PP1, "save_pretrained": True},
     {
         "id": "packed",
         "plugin": {"pp_size": 2, "num_microbatches": 3},
@@ -332,6 +335,19 @@ def test_one_stage_matches_one_process(runs):
     want = [log["eval_loss"] for log in ref["logs"] if "eval_loss" in log]
     assert len(evals) == len(want) == 2
     assert evals == pytest.approx(want, abs=1e-5)
+
+
+@pytest.mark.parametrize("case_id", ["pp1", "equal"])
+def test_the_models_own_save_pretrained_is_refused_on_every_rank(runs, case_id):
+    """`model.save_pretrained(dir)` after training, at pp_size 1 (the model is the one stage,
+    sharded in place) and 2 (its weights moved into the stages): refused on every rank, naming
+    `trainer.save_model(dir)`, and no weights written."""
+    four, _ = runs
+    for rank in four:
+        got = rank[case_id]["save_pretrained"]
+        assert "trainer.save_model(dir)" in (got["error"] or ""), got["error"]
+        assert not [f for f in got["files"] if "safetensors" in f or f.endswith(".bin")]
+    assert "pp_size=1" in four[0]["pp1"]["save_pretrained"]["error"]
 
 
 def test_a_resume_from_a_checkpoint_with_planted_code_runs_nothing(runs):

@@ -92,6 +92,8 @@ def _run_case(case: dict[str, Any], folder: Path, resume: str | None = None) -> 
     best = trainer.state.best_model_checkpoint
     out["best"] = Path(best).name if best else None
     out["checkpoints"] = sorted(p.name for p in folder.glob("checkpoint-*"))
+    if case.get("save_pretrained"):  # the model's own save, not trainer.save_model
+        out["save_pretrained"] = _save_pretrained(trainer.model, folder / "direct")
     trainer.save_model(str(folder / "final"))
     out.update(_saved(script, folder / "final"))
     if script.lora:
@@ -100,6 +102,18 @@ def _run_case(case: dict[str, Any], folder: Path, resume: str | None = None) -> 
         out.update(_pipeline_facts(trainer))
     trainer.accelerator.free_memory()
     return out
+
+
+def _save_pretrained(model: Any, folder: Path) -> dict[str, Any]:
+    """`model.save_pretrained(dir)` on every rank, after training: what it raised, and what it
+    wrote."""
+    try:
+        model.save_pretrained(str(folder))
+        error = None
+    except RuntimeError as err:
+        error = str(err)
+    torch.distributed.barrier()
+    return {"error": error, "files": sorted(p.name for p in folder.glob("*"))}
 
 
 @contextlib.contextmanager
