@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.distributed.common import lm_loss, make_batches, make_model, reference, sampler_batches
-from tests.distributed.conftest import merged_params
+from tests.distributed.conftest import case_of, merged_params, selected_cases, slow_case
 from tests.distributed.launch import launch
 
 pytestmark = pytest.mark.distributed
@@ -54,28 +54,29 @@ TRAINER_ONE = {"per_device_train_batch_size": 8, "per_device_eval_batch_size": 8
 # pp 2 x dp_shard 2 (cp 1), and the reverse: the continuation is the uninterrupted run's
 CP2 = {"pp_size": 2, "cp_size": 2, "num_microbatches": 2}
 CP1 = {"pp_size": 2, "dp_shard_size": 2, "num_microbatches": 2}
+# (cp 1 resumed at cp 2, both fronts: the slow run)
 ACROSS = [
     {"id": "resume-cp2-at-cp1", "args": PAD, "saved": CP2, "resumed": CP1},
-    {"id": "resume-cp1-at-cp2", "args": PAD, "saved": CP1, "resumed": CP2},
+    slow_case({"id": "resume-cp1-at-cp2", "args": PAD, "saved": CP1, "resumed": CP2}),
 ]
 # Lightning: an epoch of 2 steps and trainer.save_checkpoint (a sharded folder) under one cp,
 # fit(ckpt_path=...) under the other for the second epoch
 LIGHTNING_ACROSS = [
     {"id": "lightning-resume-cp2-at-cp1", "saved": CP2, "resumed": CP1},
-    {"id": "lightning-resume-cp1-at-cp2", "saved": CP1, "resumed": CP2},
+    slow_case({"id": "lightning-resume-cp1-at-cp2", "saved": CP1, "resumed": CP2}),
 ]
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def launched(request: Any, tmp_path_factory: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     out = tmp_path_factory.mktemp("context_fronts")
     params = {
         "lightning": [dict(c) for c in LIGHTNING],
         "accelerate": [dict(c) for c in ACCELERATE],
         "trainer": [dict(c) for c in TRAINER],
         "hf_lightning": [dict(c) for c in HF_LIGHTNING],
-        "across": [dict(c) for c in ACROSS],
-        "lightning_across": [dict(c) for c in LIGHTNING_ACROSS],
+        "across": [dict(c) for c in selected_cases(request, ACROSS)],
+        "lightning_across": [dict(c) for c in selected_cases(request, LIGHTNING_ACROSS)],
         "out_dir": str(out / "four"),
         "init_process_group": False,
     }
@@ -212,7 +213,7 @@ def test_lightning_module_with_an_hf_llama_on_padded_rows_matches_one_process(la
         _close(params[name], want, name)
 
 
-@pytest.mark.parametrize("case", ACROSS, ids=lambda c: c["id"])
+@pytest.mark.parametrize("case", ACROSS, ids=[case_of(c)["id"] for c in ACROSS])
 def test_a_checkpoint_resumes_under_another_cp_size(launched, case):
     four, one = launched
     ref = one[ACCELERATE[0]["id"]]  # the same loop and rows, uninterrupted, in one process
@@ -223,7 +224,7 @@ def test_a_checkpoint_resumes_under_another_cp_size(launched, case):
         _close(params[name], want, name)
 
 
-@pytest.mark.parametrize("case", LIGHTNING_ACROSS, ids=lambda c: c["id"])
+@pytest.mark.parametrize("case", LIGHTNING_ACROSS, ids=[case_of(c)["id"] for c in LIGHTNING_ACROSS])
 def test_a_lightning_checkpoint_resumes_under_another_cp_size(results, case):
     ref = reference(
         "adamw", True, 4, batches=sampler_batches(2, epochs=2)
