@@ -198,3 +198,28 @@ def test_whole_sequences_refuses_a_2d_output_as_wide_as_the_local_part():
         whole_sequences({"scores": torch.zeros(3, 4)}, split, None)  # type: ignore[arg-type]
     classes = torch.zeros(3, 10)
     assert whole_sequences(classes, split, None) is classes  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("family", "refused"),
+    [("llama", False), ("qwen2", False), ("mistral", True), ("gemma2", True)],
+)
+def test_a_sliding_window_model_is_refused_under_cp(family: str, refused: bool) -> None:
+    """CP attention masks whole sequences causally: a sliding window (Mistral's, Gemma-2's
+    alternate layers) would silently widen, so such a model is refused at setup; Qwen2's window,
+    switched off by default, is not one."""
+    from transformers import AutoConfig
+
+    from lightning_zeropp.core.step.context import attention_refusal
+
+    model = nn.Linear(2, 2)
+    model.config = AutoConfig.for_model(family)  # what the refusal reads of an HF model
+    model.config._attn_implementation = "sdpa"
+    refusal = attention_refusal(model)
+    if not refused:
+        assert refusal is None
+        return
+    assert refusal is not None and "sliding window of 4096 tokens" in refusal
+    assert "cp_size=1" in refusal and "sliding_window=None" in refusal
+    model.config.sliding_window = None  # the fix it names
+    assert attention_refusal(model) is None

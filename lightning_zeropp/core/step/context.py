@@ -179,6 +179,15 @@ def attention_refusal(model: nn.Module) -> str | None:
     attention takes over `F.scaled_dot_product_attention` calls, so an HF model must use its
     "sdpa" implementation."""
     config = getattr(model, "config", None)
+    if (window := _sliding_window(config)) is not None:
+        # CP attention builds causal, padding and document masks over whole sequences; a
+        # sliding window would silently widen to the whole causal past.
+        return (
+            f"{type(model).__name__} attends within a sliding window of {window} tokens "
+            "(config.sliding_window), which context parallelism (cp_size > 1) does not apply: "
+            "its attention would reach the whole causal past. Set cp_size=1 for this model, "
+            "or load it with sliding_window=None if it was trained without one."
+        )
     impl = getattr(config, "_attn_implementation", None) if config is not None else None
     if impl is None or impl == "sdpa":
         return None
@@ -188,3 +197,16 @@ def attention_refusal(model: nn.Module) -> str | None:
         'scaled_dot_product_attention. Load the model with attn_implementation="sdpa", or set '
         "cp_size=1."
     )
+
+
+def _sliding_window(config: Any) -> int | None:
+    """The sliding window an HF-style config applies to some layer (None when none does): a
+    `layer_types` list naming "sliding_attention", else a `sliding_window` that
+    `use_sliding_window` (Qwen2's switch, off by default) does not turn off."""
+    window = getattr(config, "sliding_window", None) if config is not None else None
+    if not isinstance(window, int) or isinstance(window, bool):
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if isinstance(layer_types, (list, tuple)):
+        return window if "sliding_attention" in layer_types else None
+    return window if getattr(config, "use_sliding_window", True) else None
