@@ -52,21 +52,14 @@ class FrozenReference:
     """The reference model's weights as this rank's shards of the pipeline's parameters."""
 
     def __init__(self, params: list[tuple[str, nn.Parameter]], state: dict[str, torch.Tensor]):
+        # Each rank checks its own stages' parameters; the verdict is agreed over the world
+        # before anything else runs, so a bad ref_model is refused on every rank (a rank whose
+        # stages happen to fit would otherwise go on into the first step's collectives and wait).
+        problem = next((p for name, param in params if (p := _mismatch(name, param, state))), None)
+        _refuse_on_every_rank(problem)
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         for name, param in params:
-            full = state.get(name)
-            if full is None or tuple(full.shape) != tuple(param.shape):
-                got = "missing" if full is None else f"of shape {tuple(full.shape)}"
-                raise ValueError(
-                    f"ZeroPPDPOTrainer: the reference model's {name!r} is {got}; the policy's is "
-                    f"{tuple(param.shape)}. Pass a ref_model of the policy's architecture "
-                    "(or ref_model=None: the policy's initial weights)."
-                )
-            if full.dtype != param.dtype:
-                raise ValueError(
-                    f"ZeroPPDPOTrainer: the reference model's {name!r} is {full.dtype}, the "
-                    f"policy's {param.dtype}: load the ref_model in the policy's dtype."
-                )
+            full = state[name]
             local, shard = param.detach(), full.detach()
             if isinstance(param, DTensor):
                 # cut as the policy's parameter is placed; every rank holds the full tensor, so
@@ -92,6 +85,35 @@ class FrozenReference:
             held = local.clone()  # one parameter's shard at a time
             local.copy_(frozen)
             frozen.copy_(held)
+
+
+def _mismatch(name: str, param: nn.Parameter, state: dict[str, torch.Tensor]) -> str | None:
+    full = state.get(name)
+    if full is None or tuple(full.shape) != tuple(param.shape):
+        got = "missing" if full is None else f"of shape {tuple(full.shape)}"
+        return (
+            f"ZeroPPDPOTrainer: the reference model's {name!r} is {got}; the policy's is "
+            f"{tuple(param.shape)}. Pass a ref_model of the policy's architecture "
+            "(or ref_model=None: the policy's initial weights)."
+        )
+    if full.dtype != param.dtype:
+        return (
+            f"ZeroPPDPOTrainer: the reference model's {name!r} is {full.dtype}, the "
+            f"policy's {param.dtype}: load the ref_model in the policy's dtype."
+        )
+    return None
+
+
+def _refuse_on_every_rank(problem: str | None) -> None:
+    """Raise `problem` (this rank's, or the first rank's that has one) on every rank."""
+    problems = [problem]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+    found = next(((r, p) for r, p in enumerate(problems) if p), None)
+    if found is not None:
+        rank, message = found
+        raise ValueError(message if problem == message else f"rank {rank}: {message}")
 
 
 def reference_logps(pipeline: Any, inputs: dict[str, Any], frozen: FrozenReference) -> torch.Tensor:

@@ -150,3 +150,11 @@ def test_dpo_refuses_what_is_not_pipelined(runs, case):
         assert error is not None
         assert error.startswith("ZeroPPDPOTrainer:") or case["id"] == "pairs_split"
         assert case["want"] in error
+
+
+def test_a_ref_model_that_fits_one_stage_only_is_refused_on_every_rank(tmp_path):
+    """Each rank checks its own stages' weights against the reference: the verdict is agreed, so
+    the rank whose stages fit raises too instead of waiting in the first step's collectives."""
+    seen = launch(2, "reference_scenarios.mismatch_on_rank_1", {}, tmp_path, timeout=120)
+    assert seen[1].startswith("ZeroPPDPOTrainer: the reference model's 'layers.1.weight' is of")
+    assert seen[0] == f"rank 1: {seen[1]}"
