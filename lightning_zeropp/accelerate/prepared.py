@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_zeropp.core.split.tied import tied_groups
 from lightning_zeropp.fronts.hf_loss import NUM_ITEMS
 
 __all__ = [
@@ -57,12 +58,10 @@ def skeleton(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def tied_names(model: nn.Module) -> list[list[str]]:
-    """The names of each parameter `model` holds under several names, in model order."""
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return [group for group in names.values() if len(group) > 1]
+def tied_names(model: nn.Module) -> list[tuple[str, ...]]:
+    """The names of each parameter `model` holds under several names, in model order (frozen
+    ties included)."""
+    return tied_groups(model, frozen=True)
 
 
 def check_state_made_before(made_before: bool, processes: int) -> None:

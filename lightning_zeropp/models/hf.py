@@ -38,6 +38,7 @@ from torch import nn
 
 from lightning_zeropp.core.split.blocks import find_blocks
 from lightning_zeropp.core.split.methods import SPLIT_ATTR
+from lightning_zeropp.core.split.tied import tied_groups
 from lightning_zeropp.core.weights.export import save_consolidated
 from lightning_zeropp.core.weights.materialize import empty_parameters
 from lightning_zeropp.fronts.call_adapter import CallAdapter, set_call_adapter
@@ -255,7 +256,7 @@ def _hf_state(state_dict: dict[str, torch.Tensor], config: Any) -> dict[str, tor
             "pass the full state dict from ZeroPPStrategy.full_state_dict() or "
             "core.weights.export.full_state_dict(), which is complete on global rank 0 only."
         )
-    for first, *others in _tied_groups(model):
+    for first, *others in tied_groups(model, frozen=True):
         for other in others:
             if not torch.equal(state_dict[first], state_dict[other]):
                 raise ValueError(
@@ -267,14 +268,6 @@ def _hf_state(state_dict: dict[str, torch.Tensor], config: Any) -> dict[str, tor
     # Extras are constant buffers the traced stages registered (e.g. rotary frequencies), which
     # HF recomputes from the config.
     return {k: state_dict[k].contiguous() for k in expected}
-
-
-def _tied_groups(model: nn.Module) -> list[list[str]]:
-    """The names of each parameter `model` holds under more than one name, in model order."""
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    return [group for group in names.values() if len(group) > 1]
 
 
 def _check_untied(config: Any, untie_embeddings: bool) -> None:

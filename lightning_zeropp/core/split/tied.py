@@ -37,17 +37,18 @@ __all__ = ["TiedWeights", "local_ties", "tied_groups"]
 _TIE_ATTR = "_zeropp_tied_names"
 
 
-def tied_groups(model: nn.Module) -> list[tuple[str, ...]]:
+def tied_groups(model: nn.Module, frozen: bool = False) -> list[tuple[str, ...]]:
     """Names that are one trainable tensor, in the model's order; only groups of two or more.
 
-    Frozen tied weights are left out: they get no gradient, so their copies stay equal as they are.
+    Frozen tied weights are left out unless `frozen`: they get no gradient, so their copies stay
+    equal as they are (a model re-tied or exported after training wants them all).
     """
     names: dict[int, list[str]] = {}
     trainable: dict[int, bool] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
         trainable[id(param)] = param.requires_grad
-    return [tuple(n) for key, n in names.items() if len(n) > 1 and trainable[key]]
+    return [tuple(n) for key, n in names.items() if len(n) > 1 and (frozen or trainable[key])]
 
 
 @dataclass
