@@ -39,19 +39,36 @@ def _is_slow(entry: Any) -> bool:
     return any(m.name == "slow" for m in getattr(entry, "marks", ()))
 
 
+def selected_values(request: Any, name: str | None = None) -> set[Any]:
+    """What this session's selected tests of the requesting module are parametrized with: the
+    values of parameter `name` (by default the id of every case dict, whatever its parameter's
+    name), plus the case ids they name with `@pytest.mark.cases("id", ...)`."""
+    chosen: set[Any] = set()
+    for item in request.session.items:
+        if item.module is not request.module:
+            continue
+        params = item.callspec.params if hasattr(item, "callspec") else {}
+        if name is not None:
+            chosen |= {params[name]} if name in params else set()
+        else:
+            chosen |= {v["id"] for v in params.values() if isinstance(v, dict) and "id" in v}
+        for mark in item.iter_markers("cases"):
+            chosen |= set(mark.args)
+    return chosen
+
+
 def selected_cases(request: Any, entries: Iterable[Any]) -> list[dict[str, Any]]:
     """The cases of `entries` a launch must run in this session: every plain one (other tests of
     the module may read it), and a slow one only if a selected test is parametrized with it or
     names it (`@pytest.mark.cases("id", ...)`)."""
-    chosen = set()
-    for item in request.session.items:
-        if item.module is not request.module:
-            continue
-        params = item.callspec.params.values() if hasattr(item, "callspec") else ()
-        chosen |= {v["id"] for v in params if isinstance(v, dict) and "id" in v}
-        for mark in item.iter_markers("cases"):
-            chosen |= set(mark.args)
+    chosen = selected_values(request)
     return [case_of(e) for e in entries if not _is_slow(e) or case_of(e)["id"] in chosen]
+
+
+def as_params(entries: Iterable[Any]) -> list[Any]:
+    """Parametrization entries (cases or `slow_case`s) as `pytest.param`s with their case's id
+    and marks."""
+    return [pytest.param(case_of(e), id=case_of(e)["id"], marks=_marks(e)) for e in entries]
 
 
 def by_world(cases_by_world: dict[int, list[Any]]) -> list[Any]:

@@ -11,7 +11,9 @@ import torch
 
 from tests.distributed.common import reference
 from tests.distributed.conftest import (
+    as_params,
     assert_matches_reference,
+    case_of,
     merged_params,
     selected_cases,
     slow_case,
@@ -66,11 +68,7 @@ ENTRIES = [slow_case(c) if c["id"] in SLOW else c for c in CASES]
 
 
 def _of(kind: str) -> list[Any]:
-    return [
-        pytest.param(c, id=c["id"], marks=[pytest.mark.slow] if c["id"] in SLOW else [])
-        for c in CASES
-        if c["kind"] == kind
-    ]
+    return as_params(e for e in ENTRIES if case_of(e)["kind"] == kind)
 
 
 EXPECTED = {

@@ -14,6 +14,7 @@ from lightning_zeropp.models import GPT
 from lightning_zeropp.models.hf import build_causal_lm
 from lightning_zeropp.plan import activation_peaks, predict_comm, predict_memory
 from lightning_zeropp.plan.search import gradient_buffers
+from tests.distributed.conftest import selected_values
 from tests.distributed.launch import launch
 from tests.distributed.plan_scenarios import GLOBAL_BATCH, LLAMA, MODEL
 
@@ -107,13 +108,7 @@ def measured(
     session's selected tests read (a slow one only when one of its tests runs)."""
     out = tmp_path_factory.mktemp("planner")
     everything = LAYOUTS + PLUS
-    chosen = {
-        item.callspec.params["index"]
-        for item in request.session.items
-        if item.module is request.module
-        and hasattr(item, "callspec")
-        and "index" in item.callspec.params
-    }
+    chosen = selected_values(request, "index")
     run = [i for i in range(len(everything)) if i not in SLOW or i in chosen]
     ranks = launch(4, "plan_scenarios.measure", {"layouts": [everything[i] for i in run]}, out)
     return [dict(zip(run, rank, strict=True)) for rank in ranks]

@@ -9,7 +9,14 @@ from typing import Any
 
 import pytest
 
-from tests.distributed.conftest import by_world, case_of, selected_cases, slow_case
+from tests.distributed.conftest import (
+    as_params,
+    by_world,
+    case_of,
+    selected_cases,
+    selected_values,
+    slow_case,
+)
 
 MODULE = object()
 PLAIN, SLOW, NAMED = {"id": "plain"}, {"id": "slow"}, {"id": "named"}
@@ -59,3 +66,18 @@ def test_parametrization_entries_keep_their_marks_and_ids() -> None:
     assert case_of((4, PLAIN)) is PLAIN
     with pytest.raises(StopIteration):
         case_of({"no": "id"})
+
+
+def test_a_named_parameter_selects_by_its_values() -> None:
+    """The planner's launch keys its layouts by an `index` parameter, not a case dict."""
+    indexed = SimpleNamespace(
+        module=MODULE, iter_markers=lambda name: [], callspec=SimpleNamespace(params={"index": 5})
+    )
+    assert selected_values(_request(indexed, _item(case=SLOW)), "index") == {5}
+    assert selected_values(_request(_item(case=SLOW))) == {"slow"}
+
+
+def test_cases_as_params_keep_their_ids_and_marks() -> None:
+    plain, slow = as_params([PLAIN, slow_case(SLOW)])
+    assert (plain.id, plain.marks, plain.values) == ("plain", (), (PLAIN,))
+    assert slow.id == "slow" and [m.name for m in slow.marks] == ["slow"]
