@@ -4,6 +4,8 @@ torch. The list lives in one file, not in markers spread over the test modules."
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,3 +33,17 @@ def pytest_collection_modifyitems(config: Any, items: list[pytest.Item]) -> None
         unmatched = [p for p in prefixes if not any(i.nodeid.startswith(p) for i in items)]
         if unmatched:
             raise pytest.UsageError(f"{SUBSET} names no test: {unmatched}")
+
+
+@pytest.fixture(autouse=True)
+def _environment_as_it_was() -> Iterator[None]:
+    """Each test leaves the process environment as it found it. Ranks a test launches inherit
+    the environment (`tests.distributed.launch`), so a variable another test left behind (for
+    instance Lightning's `PL_GLOBAL_SEED`, which `seed_everything` and `LightningCLI` set and
+    Lightning's distributed setup re-seeds every rank from) would otherwise change a later
+    launch's numbers, depending on which tests ran before it in the same process."""
+    before = dict(os.environ)
+    yield
+    if dict(os.environ) != before:
+        os.environ.clear()
+        os.environ.update(before)
