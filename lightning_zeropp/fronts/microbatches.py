@@ -31,11 +31,15 @@ def rows_split(rows: int, micro: int) -> bool:
     return rows >= micro and rows % micro == 0
 
 
-def check_rows_per_rank(size: int, dp_size: int, num_microbatches: int, split_batches: bool) -> int:
+def check_rows_per_rank(
+    size: int, dp_size: int, num_microbatches: int, split_batches: bool, *, how: str | None = None
+) -> int:
     """One data-parallel rank's rows of a loader batch of `size`: `size / dp_size` when the
     batch is split over the ranks (`split_batches`), else `size`; refused with the fix when it
-    does not split over the ranks, or into `num_microbatches` equal micro-batches."""
+    does not split over the ranks, or into `num_microbatches` equal micro-batches. `how`: the
+    front's words for how its loader's batch size counts (default: Accelerate's)."""
     mode = "Accelerator(split_batches=True)" if split_batches else "split_batches=False"
+    mode = how or mode
     if split_batches and size % dp_size:
         raise ValueError(
             f"batch_size={size} does not split over {dp_size} data-parallel ranks ({mode}); use "

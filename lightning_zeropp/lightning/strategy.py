@@ -169,6 +169,8 @@ class ZeroPPStrategy(ModelParallelStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or not trainer.training:
             return dataloader
+        assert self._dims is not None
+        data.check_batch_size(dataloader, self._dims, self._layout().num_microbatches)
         return data.resuming_loader(dataloader, trainer, lambda: self._checkpoints.saved_rows)
 
     @property
