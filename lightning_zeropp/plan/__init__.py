@@ -3,8 +3,8 @@
 - `plan.profile`: the model on the meta device, block by block (saved bytes, FLOPs, outputs);
 - `plan.memory`, `plan.activations`: model state, gathered weights and activations per rank;
 - `plan.comm`: each step's collectives and messages per rank;
-- `plan.simulate`, `plan.steptime`: a step replayed per rank against its dependencies, priced
-  by `plan.hardware`;
+- `plan.stage_costs`, `plan.simulate`, `plan.steptime`: each stage's costs, and a step replayed
+  per rank against its dependencies, priced by `plan.hardware`;
 - `plan.plus`: ZeRO++'s traffic and memory per FSDP unit;
 - `plan.megatron`: Megatron-style TP x PP x DP, priced the same way, for comparisons;
 - `plan.published`: the published runs the cluster files' efficiency ranges come from;
