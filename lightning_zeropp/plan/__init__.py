@@ -19,7 +19,8 @@ from lightning_zeropp.plan.comm import predict_comm
 from lightning_zeropp.plan.hardware import Hardware
 from lightning_zeropp.plan.megatron import ThreeD, predict_3d
 from lightning_zeropp.plan.memory import RankMemoryPlan, predict_memory, stage_parameter_shapes
-from lightning_zeropp.plan.search import Candidate, rank_memory, search
+from lightning_zeropp.plan.peaks import rank_memory
+from lightning_zeropp.plan.search import Candidate, search
 from lightning_zeropp.plan.steptime import StepTimePlan, predict_range, predict_step_time
 
 __all__ = [

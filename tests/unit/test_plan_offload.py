@@ -12,8 +12,9 @@ from lightning_zeropp.core.settings.config import ZeroPPConfig
 from lightning_zeropp.models import GPT, GPTConfig
 from lightning_zeropp.plan import Hardware
 from lightning_zeropp.plan.activations import activation_peaks, host_activation_peaks
+from lightning_zeropp.plan.peaks import rank_memory
 from lightning_zeropp.plan.per_rank import per_rank_variants
-from lightning_zeropp.plan.search import rank_memory, search
+from lightning_zeropp.plan.search import search
 from lightning_zeropp.plan.steptime import predict_step_time
 
 WORLD, BATCH, SEQ = 4, 16, 64
