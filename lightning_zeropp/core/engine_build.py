@@ -35,13 +35,8 @@ from lightning_zeropp.core.split.modules import merge_stage_modules
 from lightning_zeropp.core.split.outputs import flatten_outputs
 from lightning_zeropp.core.split.tied import TiedWeights, tied_groups
 from lightning_zeropp.core.step.failure import describe_rank
-from lightning_zeropp.core.weights.materialize import (
-    InitFn,
-    Source,
-    default_init,
-    fill_values,
-    real_to,
-)
+from lightning_zeropp.core.weights.init_modules import InitFn, default_init
+from lightning_zeropp.core.weights.materialize import Source, fill_values, real_to
 
 __all__ = ["Built", "block_plan", "build_stages", "rank_describer", "settle_split"]
 
