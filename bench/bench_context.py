@@ -11,7 +11,7 @@ a step split over cp ranks (world = cp: `ZeroPPConfig(pp_size=1, dp_shard_size=1
 each row in fresh processes (`common.launch_ranks`, `OMP_NUM_THREADS=1` per rank): one warm-up
 step, `--steps` timed steps (train step and AdamW; the slowest rank's time), then one step with
 `core.measure.memory.SavedActivations` on (the most bytes saved for backward at once, per rank).
-Beside each measured peak: the planner's figure for the same layout (`plan.search.rank_memory`,
+Beside each measured peak: the planner's figure for the same layout (`plan.peaks.rank_memory`,
 on the meta device). The ranks share the machine's cores: with cp ranks on 2 cores, tokens/s
 measures the work split, not a speed-up on dedicated hardware.
 
@@ -159,7 +159,7 @@ def predicted(cp: int, length: int) -> int:
 
     from lightning_zeropp.core.settings.config import ZeroPPConfig
     from lightning_zeropp.models import GPT, GPTConfig
-    from lightning_zeropp.plan.search import rank_memory
+    from lightning_zeropp.plan.peaks import rank_memory
 
     with torch.device("meta"):
         meta = GPT(GPTConfig(seq_len=length, **MODEL))

@@ -57,7 +57,8 @@ def run_rank(row: str, steps: int, warmup: int, out: Path) -> None:
 
     from lightning_zeropp import launch_layout
     from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
-    from lightning_zeropp.core.measure.comm import CommCounter, mesh_axis_namer
+    from lightning_zeropp.core.measure.axes import mesh_axis_namer
+    from lightning_zeropp.core.measure.comm import CommCounter
     from lightning_zeropp.models import GPT, GPTConfig
 
     # A rank still running near the row's deadline prints where it is stuck into its log.

@@ -68,7 +68,7 @@ def hardware(nodes: int) -> Any:
 def zeropp_row(model: Any, world: int, hw: Any, settings: dict[str, Any], title: str) -> dict:
     from lightning_zeropp.core import ZeroPPConfig
     from lightning_zeropp.plan import predict_step_time
-    from lightning_zeropp.plan.search import rank_memory
+    from lightning_zeropp.plan.peaks import rank_memory
 
     batch = ROWS_PER_GPU * world
     config = ZeroPPConfig(param_dtype="bf16", **settings)

@@ -150,7 +150,7 @@ def _engine_job(layout: dict[str, Any], world: int) -> dict[str, Any]:
 
     from lightning_zeropp import launch_layout
     from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
-    from lightning_zeropp.core.measure.comm import mesh_axis_namer
+    from lightning_zeropp.core.measure.axes import mesh_axis_namer
     from lightning_zeropp.core.measure.timeline import StepRecorder
     from lightning_zeropp.models import GPT, GPTConfig
 

@@ -39,7 +39,7 @@ def tp_pp_dp_job(
         parallelize_module,
     )
 
-    from lightning_zeropp.core.measure.comm import mesh_axis_namer
+    from lightning_zeropp.core.measure.axes import mesh_axis_namer
     from lightning_zeropp.core.measure.timeline import StepRecorder
     from lightning_zeropp.models import GPT, GPTConfig
 

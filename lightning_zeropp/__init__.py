@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
 from lightning_zeropp.core.settings.layout import ZeroPPLayout
-from lightning_zeropp.core.weights.materialize import empty_parameters, init_weights
+from lightning_zeropp.core.weights.init_modules import init_weights
+from lightning_zeropp.core.weights.materialize import empty_parameters
 from lightning_zeropp.fronts.settings import launch_layout
 
 if TYPE_CHECKING:

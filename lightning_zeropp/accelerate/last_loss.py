@@ -27,7 +27,7 @@ from lightning_zeropp.core.step.last_loss import (
     share_metrics,
 )
 from lightning_zeropp.fronts.hf_loss import NUM_ITEMS
-from lightning_zeropp.fronts.microbatches import call_microbatches
+from lightning_zeropp.fronts.microbatches import call_microbatches, loss_shares
 from lightning_zeropp.fronts.packing import Reshaped, reshape
 
 if TYPE_CHECKING:
@@ -73,7 +73,8 @@ def run_with_loss(
     if given is not None:
         items = float(given)
     else:
-        items = global_items(loss, target, micro, dims.dp_groups, dims.dp_size, core.device)
+        shares = loss_shares(micro, dims, cp_parts=False)  # refused under CP (`steps.use_loss`)
+        items = global_items(loss, target, shares, dims.dp_groups, core.device)
     if pipeline.token_weighted:
         # the call reaches the blocks as the split checked it: with the count (it computes no
         # loss without labels, so the model reads nothing of it)

@@ -21,6 +21,7 @@ from torch import nn
 
 from lightning_zeropp.core.mesh import ParallelDims
 from lightning_zeropp.fronts.hf_loss import NUM_ITEMS, TokenRule, token_counts
+from lightning_zeropp.fronts.microbatches import loss_shares
 
 __all__ = ["weigh_tokens"]
 
@@ -62,7 +63,7 @@ def weigh_tokens(
     if rule is not None:
         # Under context parallelism each CP rank's loss sums its part of the tokens, and the
         # engine averages over CP ranks too: the count is divided by them as well.
-        own = float(total) / (micro * dims.dp_size * dims.config.cp_size)
+        own = float(total) / loss_shares(micro, dims, cp_parts=True)
         if given is not None:
             # A shift_labels batch is not settled: its loss_function call is the model's own.
             return kwargs, (float(given) if pre is None else None), own or None

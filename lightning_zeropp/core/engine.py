@@ -37,8 +37,8 @@ from lightning_zeropp.core.settings.placement import (
     schedule_style,
     stage_ids_for_rank,
 )
-from lightning_zeropp.core.split.call_stages import restore_output
 from lightning_zeropp.core.split.methods import SplitMethod, resolve_split
+from lightning_zeropp.core.split.outputs import restore_output
 from lightning_zeropp.core.step.agree import agree, check_replicas, model_layout, settings_fields
 from lightning_zeropp.core.step.batch import ShapeGuard
 from lightning_zeropp.core.step.chunked_loss import set_loss_chunk

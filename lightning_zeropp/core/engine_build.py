@@ -29,19 +29,14 @@ from lightning_zeropp.core.shard.offload import OffloadStats, apply_activation_o
 from lightning_zeropp.core.shard.plus import Plus
 from lightning_zeropp.core.split.blocks import BlockPlan, find_blocks, plan_blocks
 from lightning_zeropp.core.split.call_plan import CallInputs
-from lightning_zeropp.core.split.call_stages import flatten_outputs
 from lightning_zeropp.core.split.cost import cost_cut, guess_seq_len, measure_costs, rank_loads
 from lightning_zeropp.core.split.methods import SplitMethod, check_no_tied_parameters, split_model
 from lightning_zeropp.core.split.modules import merge_stage_modules
+from lightning_zeropp.core.split.outputs import flatten_outputs
 from lightning_zeropp.core.split.tied import TiedWeights, tied_groups
 from lightning_zeropp.core.step.failure import describe_rank
-from lightning_zeropp.core.weights.materialize import (
-    InitFn,
-    Source,
-    default_init,
-    fill_values,
-    real_to,
-)
+from lightning_zeropp.core.weights.init_modules import InitFn, default_init
+from lightning_zeropp.core.weights.materialize import Source, fill_values, real_to
 
 __all__ = ["Built", "block_plan", "build_stages", "rank_describer", "settle_split"]
 

@@ -16,12 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_zeropp.core.measure.comm import (
-    PLUS_AXES,
-    CommCounter,
-    flatten_summary,
-    mesh_axis_namer,
-)
+from lightning_zeropp.core.measure.axes import flatten_summary, mesh_axis_namer
+from lightning_zeropp.core.measure.comm import PLUS_AXES, CommCounter
 from lightning_zeropp.core.measure.memory import (
     GatheredPeak,
     SavedActivations,

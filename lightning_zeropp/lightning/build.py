@@ -28,6 +28,7 @@ from lightning_zeropp.core.weights.materialize import InitFn
 from lightning_zeropp.fronts.call_adapter import CallAdapter, get_call_adapter
 from lightning_zeropp.fronts.hf_loss import disable_kv_cache, token_rule
 from lightning_zeropp.fronts.loss_rule import LossWatch
+from lightning_zeropp.fronts.microbatches import loss_shares
 from lightning_zeropp.lightning.network import Network, summarize_whole_model
 from lightning_zeropp.lightning.redirect import attributes_kept, first_batch, rng_kept
 from lightning_zeropp.lightning.steps import StepRunner
@@ -65,7 +66,10 @@ def build_engine(
         watch = LossWatch(net, rule)
         count = _summed(dims, device)
         context = config.cp_size > 1
-        runner.adapter = GlobalTokenCount(rule, watch, count, dims.dp_size, net, context)
+        # each micro-batch's loss is averaged over the data-parallel ranks (under CP it is
+        # computed on whole sequences, alike on every CP rank)
+        ranks = loss_shares(1, dims, cp_parts=False)
+        runner.adapter = GlobalTokenCount(rule, watch, count, ranks, net, context)
     disable_kv_cache(net)  # plain HF models: a stage returns tensors only
     example_args, example_kwargs = _example(runner, module, trainer, config, split, to_device)
     whole = meta_copy(net)  # before sharding: a single stage is sharded in place

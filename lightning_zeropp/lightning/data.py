@@ -1,5 +1,6 @@
 """Data in the Lightning front: a training loader that resumes mid-epoch with the next unseen
-batch, and the check that a fit had data to train on (`check_trained`).
+batch, the check that its batch size splits into the micro-batches (`check_batch_size`), and the
+check that a fit had data to train on (`check_trained`).
 
 What Lightning 2.6 does by itself: a checkpoint holds the loops' progress (the epoch, and how many
 of its batches were trained, `fit_loop.epoch_loop.batch_progress`), and `fit(ckpt_path=...)`
@@ -39,13 +40,16 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader
 
+from lightning_zeropp.core.mesh import ParallelDims
 from lightning_zeropp.core.step import resumed_rows
 from lightning_zeropp.fronts.loader import rebuild_loader
+from lightning_zeropp.fronts.microbatches import check_rows_per_rank
 
 __all__ = [
     "BATCH_ROWS",
     "ResumingLoader",
     "batch_rows",
+    "check_batch_size",
     "check_trained",
     "resuming_loader",
     "skip_batches",
@@ -181,3 +185,15 @@ def check_trained(trainer: pl.Trainer) -> None:
             "drop_last=True, or after the sampler split it). Use more data, a smaller "
             "batch_size, or drop_last=False."
         )
+
+
+def check_batch_size(loader: object, dims: ParallelDims, num_microbatches: int) -> None:
+    """A training loader whose batch (each data-parallel rank's: Lightning's sampler shards the
+    rows) does not split into `num_microbatches` is refused when the loop sets it up, on every
+    rank alike (the batch size is the same on each), with the check every front makes
+    (`fronts.microbatches.check_rows_per_rank`). A short last batch reaches the engine's own
+    check at its step. A loader that does not say its batch size is left to that check too."""
+    size = getattr(loader, "batch_size", None)
+    if isinstance(size, int):
+        how = "the loader's batch_size is per rank"
+        check_rows_per_rank(size, dims.dp_size, num_microbatches, split_batches=False, how=how)

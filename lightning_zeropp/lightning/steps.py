@@ -30,7 +30,7 @@ from lightning_zeropp.core.engine import ZeroPPEngine
 from lightning_zeropp.core.step.batch import batch_size, take_rows
 from lightning_zeropp.core.step.grads import StepGrads
 from lightning_zeropp.fronts.call_adapter import CallAdapter
-from lightning_zeropp.fronts.microbatches import call_microbatches, rows_split
+from lightning_zeropp.fronts.microbatches import call_microbatches, loss_shares, rows_split
 from lightning_zeropp.lightning.continuation import Continuation
 from lightning_zeropp.lightning.logging import LogRecorder
 from lightning_zeropp.lightning.microbatches import (
@@ -195,7 +195,8 @@ class StepRunner:
             loss = torch.zeros((), device=engine.device)
         scale: torch.Tensor | float = 1.0
         if replayed.weight is not None:  # the micro-batches entered as loss x weight
-            scale = len(step.parts) * engine.dims.dp_size / replayed.weight
+            # under CP every CP rank's step runs on whole sequences (`GlobalTokenCount`)
+            scale = loss_shares(len(step.parts), engine.dims, cp_parts=False) / replayed.weight
             loss = loss * scale
         outcome = StepOutcome(loss, bool(flag.item()), grads=grads, grad_scale=scale)
         if step.mode == "predict":

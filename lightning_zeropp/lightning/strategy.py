@@ -117,7 +117,10 @@ class ZeroPPStrategy(ModelParallelStrategy):
         # One path for every front: these arguments over the ZEROPP_* variables; the layout is
         # resolved at setup, when the world size is known (`lightning.settings`).
         self._settings = strategy_settings(settings, split)
-        self.zeropp_config: ZeroPPConfig | ZeroPPLayout = self._settings.config
+        self._config: ZeroPPConfig = self._settings.config
+        # the settings resolved for the launched world, at `setup_environment`: what every part
+        # below the strategy is handed
+        self.layout: ZeroPPLayout | None = None
         self._split = self._settings.split
         self._checkpoints = checkpointing.StrategyCheckpoints(state_dict_type, async_save)
         # the last training step's gradients and what they are worth, until backward (the
@@ -150,12 +153,24 @@ class ZeroPPStrategy(ModelParallelStrategy):
         assert self._dims is not None
         return {"num_replicas": self._dims.dp_size, "rank": self._dims.dp_rank}
 
+    @property
+    def zeropp_config(self) -> ZeroPPConfig:
+        """The settings as given: the arguments over the `ZEROPP_*` variables, unresolved (sizes
+        left to the world may be None). Resolved at setup, they are `layout`."""
+        return self._config
+
+    def _layout(self) -> ZeroPPLayout:
+        assert self.layout is not None  # setup_environment resolved it
+        return self.layout
+
     @override
     def process_dataloader(self, dataloader: object) -> object:
         # A fit resumed mid-epoch continues with the next unseen batch (`lightning.data`).
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or not trainer.training:
             return dataloader
+        assert self._dims is not None
+        data.check_batch_size(dataloader, self._dims, self._layout().num_microbatches)
         return data.resuming_loader(dataloader, trainer, lambda: self._checkpoints.saved_rows)
 
     @property
@@ -201,7 +216,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
         preempt.take_over_signals(self.lightning_module.trainer)
         # Validate on every rank before the process group exists: a bad size fails everywhere.
         world_size = self.num_nodes * self.num_processes
-        self.zeropp_config = self._settings.resolve(world_size)
+        self.layout = layout = self._settings.resolve(world_size)
         launch.check_restart()
         timeout = self._timeout.total_seconds() if self._timeout else 1800.0
         where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
@@ -209,9 +224,9 @@ class ZeroPPStrategy(ModelParallelStrategy):
             self._setup_distributed()
         # Ranks that resolved other settings (a ZEROPP_* variable set on one node) stop here.
         with failure_guard():
-            agree(settings_fields(self.zeropp_config))
+            agree(settings_fields(layout))
             if self._dims is None:  # fit then validate on one Trainer sets up twice: one mesh
-                self._dims = build_mesh(self.zeropp_config, self.root_device.type, self.root_device)
+                self._dims = build_mesh(layout, self.root_device.type, self.root_device)
             assert self.lightning_module is not None
             checkpointing.recover_last(self.lightning_module.trainer)
         self._device_mesh = self._dims.mesh
@@ -232,12 +247,11 @@ class ZeroPPStrategy(ModelParallelStrategy):
         network = self._runner.network  # set by build_engine, with the engine
         if self._engine is None or network is None or not network.installed(self._engine.module):
             assert self._dims is not None
-            assert isinstance(self.zeropp_config, ZeroPPLayout)  # setup_environment resolved it
             self._engine = build_engine(
                 self._runner,
                 module,
                 trainer,
-                self.zeropp_config,
+                self._layout(),
                 self._dims,
                 split=self._split,
                 module_name=self._module_name,
@@ -278,10 +292,9 @@ class ZeroPPStrategy(ModelParallelStrategy):
 
     def _tell_weighting(self) -> None:
         """Once, on rank 0: a loss the library cannot weight by its items is averaged as given."""
-        runner, cfg = self._runner, self.zeropp_config
+        runner, cfg = self._runner, self._layout()
         if self._told or runner.weighted is not False:
             return
-        assert cfg.num_microbatches is not None  # setup_environment resolved it
         self._told = True
         several = cfg.num_microbatches > 1 or self.engine.dims.dp_size > 1
         if several and not isinstance(runner.adapter, GlobalTokenCount):
@@ -310,14 +323,14 @@ class ZeroPPStrategy(ModelParallelStrategy):
     def _stopping(self) -> contextlib.AbstractContextManager[None]:
         """SIGTERM agreed on in the step: save (`save_on_sigterm`), name it, exit 143."""
         assert self.lightning_module is not None
-        trainer, save = self.lightning_module.trainer, bool(self.zeropp_config.save_on_sigterm)
+        trainer, save = self.lightning_module.trainer, self._layout().save_on_sigterm
         return preempt.stopping(trainer, save, self.engine.failures.description)
 
     @override
     def on_train_end(self) -> None:
         # A SIGTERM during the last step or save: no later step agrees on it.
         assert self.lightning_module is not None
-        trainer, save = self.lightning_module.trainer, bool(self.zeropp_config.save_on_sigterm)
+        trainer, save = self.lightning_module.trainer, self._layout().save_on_sigterm
         preempt.agree_at_end(trainer, self.root_device, save, self.engine.failures.description)
 
     # ---------------------------------------------------------------- checkpoints

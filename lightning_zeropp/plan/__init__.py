@@ -3,8 +3,8 @@
 - `plan.profile`: the model on the meta device, block by block (saved bytes, FLOPs, outputs);
 - `plan.memory`, `plan.activations`: model state, gathered weights and activations per rank;
 - `plan.comm`: each step's collectives and messages per rank;
-- `plan.simulate`, `plan.steptime`: a step replayed per rank against its dependencies, priced
-  by `plan.hardware`;
+- `plan.stage_costs`, `plan.simulate`, `plan.steptime`: each stage's costs, and a step replayed
+  per rank against its dependencies, priced by `plan.hardware`;
 - `plan.plus`: ZeRO++'s traffic and memory per FSDP unit;
 - `plan.megatron`: Megatron-style TP x PP x DP, priced the same way, for comparisons;
 - `plan.published`: the published runs the cluster files' efficiency ranges come from;
@@ -19,7 +19,8 @@ from lightning_zeropp.plan.comm import predict_comm
 from lightning_zeropp.plan.hardware import Hardware
 from lightning_zeropp.plan.megatron import ThreeD, predict_3d
 from lightning_zeropp.plan.memory import RankMemoryPlan, predict_memory, stage_parameter_shapes
-from lightning_zeropp.plan.search import Candidate, rank_memory, search
+from lightning_zeropp.plan.peaks import rank_memory
+from lightning_zeropp.plan.search import Candidate, search
 from lightning_zeropp.plan.steptime import StepTimePlan, predict_range, predict_step_time
 
 __all__ = [

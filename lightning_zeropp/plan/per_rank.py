@@ -17,6 +17,7 @@ from torch import nn
 
 from lightning_zeropp.core.settings.config import ZeroPPConfig
 from lightning_zeropp.plan.hardware import Hardware
+from lightning_zeropp.plan.peaks import rank_memory
 
 __all__ = ["over_budget", "per_rank_variants"]
 
@@ -39,8 +40,6 @@ def per_rank_variants(
     """Layouts like `settings` (one that recomputes nowhere and offloads nothing) that recompute,
     or offload, on the pipeline ranks over `hardware.memory_bytes` only, and fit: each with the
     most any rank then needs. Empty when it fits already, or every rank is over."""
-    from lightning_zeropp.plan.search import rank_memory
-
     budget = hardware.memory_bytes
     cfg = ZeroPPConfig(**settings).resolve(world_size)
     if budget is None or cfg.activation_checkpointing != "none" or cfg.offload_activations != "off":

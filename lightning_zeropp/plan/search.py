@@ -6,13 +6,7 @@ A layout is pp x dp_replicate x dp_shard x cp (context parallelism, a CP group i
 1F1B, ZB-V, ZeroPP with its chunks v and unit U), a micro-batch count and recomputation; the
 compute and reduce dtypes and the optimizer are the caller's (`base`). A layout over the memory
 on some pipeline ranks only is offered again recomputing, or offloading, there only
-(`plan.per_rank`). Memory per rank
-(`rank_memory`) is the planner's model state, gathered weights and activations (with a
-recomputing block's transient) plus the unsharded gradients FSDP holds until their
-reduce-scatter (`gradient_buffers`) and what ZeRO++ holds (`plan.plus`: hpZ's copy, qgZ's
-error feedback, the comms' buffers, counted from their code, not measured). Every other term
-is checked against runs
-(tests/distributed/test_planner.py).
+(`plan.per_rank`). Memory per rank is `plan.peaks.rank_memory`.
 """
 
 from __future__ import annotations
@@ -20,36 +14,22 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from lightning_zeropp.core.settings.config import ZeroPPConfig
 from lightning_zeropp.core.settings.layout import ZeroPPLayout
-from lightning_zeropp.core.settings.placement import schedule_style, stage_ids_for_rank
-from lightning_zeropp.core.settings.plus import hpz_size
 from lightning_zeropp.core.split.blocks import find_blocks
-from lightning_zeropp.plan.activations import activation_peaks
-from lightning_zeropp.plan.cut import settle, with_cut
+from lightning_zeropp.plan.cut import with_cut
 from lightning_zeropp.plan.hardware import Hardware
-from lightning_zeropp.plan.memory import predict_memory, stage_parameter_shapes, stage_units
+from lightning_zeropp.plan.peaks import rank_memory
 from lightning_zeropp.plan.per_rank import per_rank_variants
-from lightning_zeropp.plan.plus import plus_memory
-from lightning_zeropp.plan.programs import programs_for
 from lightning_zeropp.plan.steptime import StepTimePlan, predict_range, price
 
-__all__ = [
-    "Candidate",
-    "context_sizes",
-    "enumerate_layouts",
-    "gradient_buffers",
-    "rank_memory",
-    "search",
-]
+__all__ = ["Candidate", "context_sizes", "enumerate_layouts", "search"]
 
 RECOMPUTE = ("none", "except_last", "all")
 
@@ -75,86 +55,9 @@ class Candidate:
         return ((self.fast or self.step).step_s, (self.slow or self.step).step_s)
 
 
-def rank_memory(
-    model: nn.Module,
-    config: ZeroPPConfig | ZeroPPLayout,
-    world_size: int,
-    global_batch: int,
-    seq_len: int,
-    optimizer: str = "adamw",
-    device_type: str = "cuda",
-) -> list[dict[str, int]]:
-    """Every rank's predicted peak bytes by kind, and their sum ("total"); a config without
-    split points is priced as the engine cuts it at `seq_len` (`plan.cut.settle`)."""
-    config = settle(model, config, seq_len, world_size)
-    cfg = config.resolve(world_size)
-    states = predict_memory(model, cfg, world_size, optimizer, device_type)
-    acts = activation_peaks(model, cfg, world_size, global_batch, seq_len)
-    grads = gradient_buffers(model, cfg)
-    plus = _plus_bytes(model, cfg)
-    out = []
-    for plan in states:
-        pp_rank = plan.rank // (cfg.dp_size * cfg.cp_size)
-        entry = {
-            "model_state": 0 if plan.on_host else plan.model_state,
-            "gathered_weights": plan.gathered_peak,
-            "activations": acts[pp_rank],
-            "gradient_buffers": grads[pp_rank],
-            "zeropp_plus": plus[pp_rank],
-        }
-        entry["total"] = sum(entry.values())
-        out.append(entry)
-    return out
-
-
 def _layout(settings: dict[str, Any], world_size: int) -> ZeroPPLayout:
     """A candidate's settings resolved, once: the planner's entries take the layout as it is."""
     return ZeroPPConfig(**settings).resolve(world_size)
-
-
-def gradient_buffers(model: nn.Module, cfg: ZeroPPLayout) -> dict[int, int]:
-    """Per pipeline rank, the most unsharded gradient bytes FSDP holds at once in a step (a
-    resolved config): a stage's buffer lives from its first gradient task (B or W) until the
-    reduce-scatter after its last one, or an early one (`programs_for` places them as the
-    runtime does), in the reduce dtype."""
-    reduce = cfg.reduce_dtype or (torch.float32 if cfg.param_dtype else None)
-    shapes = stage_parameter_shapes(model, cfg)
-    size = [sum(math.prod(s) * (_size(reduce) or b) for s, b in stage) for stage in shapes]
-    out = {}
-    for rank, program in programs_for(cfg).items():
-        live: set[int] = set()
-        peak = 0
-        for op in program:
-            if op.kind in "BW":
-                live.add(op.stage)
-                peak = max(peak, sum(size[s] for s in live))
-            if op.reduce:
-                live.discard(op.stage)
-        out[rank] = peak
-    return out
-
-
-def _plus_bytes(model: nn.Module, cfg: ZeroPPLayout) -> dict[int, int]:
-    """Per pipeline rank, what ZeRO++ holds (`plan.plus.plus_memory`): 0 without it."""
-    if not (cfg.quantized_weights or cfg.quantized_gradients or hpz_size(cfg)):
-        return dict.fromkeys(range(cfg.pp_size), 0)
-    stages = stage_units(model, cfg)
-    style = schedule_style(cfg.schedule)
-    return {
-        r: plus_memory(
-            cfg,
-            [
-                u
-                for s in stage_ids_for_rank(style, r, cfg.pp_size, cfg.num_chunks)
-                for u in (stages[s].rest, *stages[s].blocks)
-            ],
-        )
-        for r in range(cfg.pp_size)
-    }
-
-
-def _size(dtype: torch.dtype | None) -> int | None:
-    return dtype.itemsize if dtype else None
 
 
 def enumerate_layouts(

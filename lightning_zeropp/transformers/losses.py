@@ -13,6 +13,7 @@ from torch import nn
 
 from lightning_zeropp.accelerate.shares import share_of
 from lightning_zeropp.accelerate.steps import NUM_ITEMS, PipelineModel
+from lightning_zeropp.fronts.microbatches import loss_shares
 from lightning_zeropp.transformers._private import loss_shifts_labels, num_items_in_batch
 from lightning_zeropp.transformers.counts import summed_over_data_parallel, without_repeats
 
@@ -40,8 +41,8 @@ def training_loss(
         engine = pipeline.engine
         # what the engine averages over: micro-batches, data-parallel and CP ranks (each of
         # which sums its part of the tokens)
-        micro = engine.config.num_microbatches * engine.dims.grad_size
-        inputs = {**inputs, NUM_ITEMS: float(num_items) / micro}
+        shares = loss_shares(engine.config.num_microbatches, engine.dims, cp_parts=True)
+        inputs = {**inputs, NUM_ITEMS: float(num_items) / shares}
     outputs = pipeline(**inputs)
     loss = outputs["loss"]
     if window and not pipeline.token_weighted:
@@ -62,8 +63,9 @@ def last_stage_inputs(
     inputs = {k: v for k, v in inputs.items() if k != NUM_ITEMS}
     if training and num_items is not None:
         engine = pipeline.engine
-        micro = engine.config.num_microbatches * engine.dims.dp_size
-        inputs[NUM_ITEMS] = float(num_items) / micro
+        # a last-stage loss is refused under CP (`accelerate.steps`)
+        shares = loss_shares(engine.config.num_microbatches, engine.dims, cp_parts=False)
+        inputs[NUM_ITEMS] = float(num_items) / shares
     return inputs
 
 

@@ -46,6 +46,7 @@ from trl import DPOConfig, DPOTrainer
 
 from lightning_zeropp.accelerate.steps import NUM_ITEMS
 from lightning_zeropp.core.schedule.build import eval_microbatches
+from lightning_zeropp.fronts.microbatches import loss_shares
 from lightning_zeropp.transformers.counts import summed_over_data_parallel
 from lightning_zeropp.transformers.trainer import ZeroPPTrainer
 from lightning_zeropp.trl.dpo_checks import NO_PREDICT, refusals
@@ -240,7 +241,8 @@ class ZeroPPDPOTrainer(ZeroPPTrainer, DPOTrainer):
         local = torch.tensor(float(pairs), device=engine.device)
         total = float(summed_over_data_parallel(local, pipeline).item())
         if not model.training:  # evaluation: the global batch's pair mean on every process
-            inputs = {**inputs, NUM_ITEMS: total / (micro * engine.dims.dp_size)}
+            shares = loss_shares(micro, engine.dims, cp_parts=False)  # use_loss: no CP
+            inputs = {**inputs, NUM_ITEMS: total / shares}
             keep, pipeline.eval_logits = pipeline.eval_logits, False  # TRL's fused head has none
             try:
                 outputs = pipeline(**inputs)

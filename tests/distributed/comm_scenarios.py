@@ -11,7 +11,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from lightning_zeropp import launch_layout
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
-from lightning_zeropp.core.measure.comm import CommCounter, mesh_axis_namer
+from lightning_zeropp.core.measure.axes import mesh_axis_namer
+from lightning_zeropp.core.measure.comm import CommCounter
 from lightning_zeropp.models import GPT, GPTConfig
 
 # An odd vocabulary makes FSDP2 pad the embedding's and the head's dim-0 shards.

@@ -16,7 +16,7 @@ from lightning_zeropp.core.engine import ZeroPPEngine
 from lightning_zeropp.core.measure.memory import SavedActivations
 from lightning_zeropp.core.settings.config import ZeroPPConfig
 from lightning_zeropp.models import GPT, GPTConfig
-from lightning_zeropp.plan.search import rank_memory
+from lightning_zeropp.plan.peaks import rank_memory
 
 
 def model_config(length: int) -> GPTConfig:

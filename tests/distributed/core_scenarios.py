@@ -10,7 +10,8 @@ from torch.distributed.tensor import DTensor
 
 from lightning_zeropp import launch_layout
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
-from lightning_zeropp.core.measure.comm import CommCounter, mesh_axis_namer
+from lightning_zeropp.core.measure.axes import mesh_axis_namer
+from lightning_zeropp.core.measure.comm import CommCounter
 from tests.distributed.common import (
     BIG_HEAD,
     GLOBAL_BATCH,

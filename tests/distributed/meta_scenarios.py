@@ -16,7 +16,8 @@ from torch.distributed.tensor import DTensor
 from lightning_zeropp import launch_layout
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
 from lightning_zeropp.core.weights.checkpoint import save_checkpoint
-from lightning_zeropp.core.weights.materialize import empty_parameters, init_weights
+from lightning_zeropp.core.weights.init_modules import init_weights
+from lightning_zeropp.core.weights.materialize import empty_parameters
 from lightning_zeropp.models import GPT
 from lightning_zeropp.models.gpt import Block
 from tests.distributed.common import (

@@ -10,7 +10,8 @@ import torch.distributed as dist
 from lightning_zeropp import launch_layout
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
 from lightning_zeropp.core._torch_private import unsharded_gradient_bytes
-from lightning_zeropp.core.measure.comm import CommCounter, mesh_axis_namer
+from lightning_zeropp.core.measure.axes import mesh_axis_namer
+from lightning_zeropp.core.measure.comm import CommCounter
 from lightning_zeropp.core.measure.memory import SavedActivations, model_state_bytes
 from lightning_zeropp.models import GPT, GPTConfig
 from lightning_zeropp.models.hf import build_causal_lm

@@ -46,7 +46,7 @@ EXPECTED = {
     "lightning_layers_without_forward": "_LayersWithoutForward trains parameters outside one child module (['encoder', 'head']); ZeroPPStrategy then pipelines the module's own forward, which it does not define",
     "lightning_step_calls_a_submodule": "self.model.tok_emb is not reachable inside a step under ZeroPPStrategy",
     # Lightning: data
-    "lightning_indivisible_batch": "a batch of 3 rows does not split into num_microbatches=2",
+    "lightning_indivisible_batch": "each data-parallel rank gets 3 rows per batch (batch_size=3, dp_size=2, the loader's batch_size is per rank), which do not split into num_microbatches=2",
     "lightning_short_last_batch": "a batch of 1 rows does not split into num_microbatches=2",
     "lightning_empty_dataset": "the training dataloader gave no batches",
     # Lightning: checkpoints

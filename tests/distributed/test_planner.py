@@ -13,7 +13,7 @@ from lightning_zeropp.core import ZeroPPConfig
 from lightning_zeropp.models import GPT
 from lightning_zeropp.models.hf import build_causal_lm
 from lightning_zeropp.plan import activation_peaks, predict_comm, predict_memory
-from lightning_zeropp.plan.search import gradient_buffers
+from lightning_zeropp.plan.peaks import gradient_buffers
 from tests.distributed.conftest import selected_values
 from tests.distributed.launch import launch
 from tests.distributed.plan_scenarios import GLOBAL_BATCH, LLAMA, MODEL

@@ -8,7 +8,8 @@ import torch
 
 from lightning_zeropp import launch_layout
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
-from lightning_zeropp.core.measure.comm import CommCounter, mesh_axis_namer
+from lightning_zeropp.core.measure.axes import mesh_axis_namer
+from lightning_zeropp.core.measure.comm import CommCounter
 from lightning_zeropp.core.measure.timeline import StepRecorder
 from tests.distributed.common import MODEL, lm_loss, make_batches, make_model
 

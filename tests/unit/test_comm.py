@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from lightning_zeropp.core.measure.comm import CommCounter, mesh_axis_namer
+from lightning_zeropp.core.measure.axes import mesh_axis_namer
+from lightning_zeropp.core.measure.comm import CommCounter
 
 NAMES = ("all_reduce", "all_gather_into_tensor", "all_gather_single", "isend", "batch_isend_irecv")
 

@@ -1,11 +1,20 @@
 """The fronts' one micro-batch decision (`fronts.microbatches`): the count a call runs in, and
-a loader's rows per data-parallel rank checked against the ranks and the micro-batches."""
+a loader's rows per data-parallel rank checked against the ranks and the micro-batches, and the
+number of losses a step averages (what a global count is divided by)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 
-from lightning_zeropp.fronts.microbatches import call_microbatches, check_rows_per_rank, rows_split
+from lightning_zeropp.fronts.microbatches import (
+    call_microbatches,
+    check_rows_per_rank,
+    loss_shares,
+    rows_split,
+)
 
 
 @pytest.mark.parametrize(
@@ -30,3 +39,16 @@ def test_rows_per_rank_split_or_refused_naming_the_fix():
         ValueError, match=r"6 rows per batch .* num_microbatches=4 .* multiple of 4"
     ):
         check_rows_per_rank(6, 2, 4, split_batches=False)
+
+
+def _dims(dp: int, cp: int) -> Any:
+    """What `loss_shares` reads of a `ParallelDims`: its sizes (a mesh needs a process group)."""
+    return SimpleNamespace(dp_size=dp, grad_size=dp * cp)
+
+
+@pytest.mark.parametrize(
+    ("micro", "dp", "cp", "cp_parts", "want"),
+    [(4, 1, 1, False, 4), (4, 2, 1, True, 8), (3, 2, 2, False, 6), (3, 2, 2, True, 12)],
+)
+def test_loss_shares_count_micro_batches_and_ranks_cp_only_for_parts(micro, dp, cp, cp_parts, want):
+    assert loss_shares(micro, _dims(dp, cp), cp_parts=cp_parts) == want

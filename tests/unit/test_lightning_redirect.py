@@ -216,9 +216,10 @@ def test_a_loss_the_library_cannot_weight_is_said_once(monkeypatch) -> None:
     fake = SimpleNamespace(
         _told=False,
         _runner=SimpleNamespace(weighted=False, adapter=CallAdapter()),
-        zeropp_config=SimpleNamespace(num_microbatches=4),
+        layout=SimpleNamespace(num_microbatches=4),
         engine=SimpleNamespace(dims=SimpleNamespace(dp_size=2)),
     )
+    fake._layout = lambda: fake.layout
     for _ in range(3):
         strategy.ZeroPPStrategy._tell_weighting(fake)
     assert len(said) == 1 and "{'loss': loss, 'num_items': n}" in said[0]

@@ -11,15 +11,9 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_zeropp.core.weights.init_modules import check_set, default_init, init_weights
 from lightning_zeropp.core.weights.load import load_weights, weight_source_kind
-from lightning_zeropp.core.weights.materialize import (
-    check_set,
-    default_init,
-    empty_parameters,
-    has_meta,
-    init_weights,
-    materialize,
-)
+from lightning_zeropp.core.weights.materialize import empty_parameters, has_meta, materialize
 
 
 class Net(nn.Module):

@@ -14,7 +14,8 @@ import torch
 
 from lightning_zeropp.core.split.blocks import plan_blocks
 from lightning_zeropp.core.split.call_plan import CallInputs, plan_calls
-from lightning_zeropp.core.split.call_stages import build_call_stages, restore_output
+from lightning_zeropp.core.split.call_stages import build_call_stages
+from lightning_zeropp.core.split.outputs import restore_output
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,8 +13,9 @@ from lightning_zeropp.core.settings.config import ZeroPPConfig
 from lightning_zeropp.models import GPT, GPTConfig
 from lightning_zeropp.plan import Hardware, predict_comm, predict_memory, predict_step_time
 from lightning_zeropp.plan.context import kv_bytes, rank_profile
+from lightning_zeropp.plan.peaks import rank_memory
 from lightning_zeropp.plan.profile import profile_model
-from lightning_zeropp.plan.search import context_sizes, enumerate_layouts, rank_memory, search
+from lightning_zeropp.plan.search import context_sizes, enumerate_layouts, search
 
 SEQ, DIM, LAYERS = 1024, 64, 4
 

@@ -12,8 +12,9 @@ from lightning_zeropp.core.settings.config import ZeroPPConfig
 from lightning_zeropp.models import GPT, GPTConfig
 from lightning_zeropp.plan import Hardware
 from lightning_zeropp.plan.activations import activation_peaks, host_activation_peaks
+from lightning_zeropp.plan.peaks import rank_memory
 from lightning_zeropp.plan.per_rank import per_rank_variants
-from lightning_zeropp.plan.search import rank_memory, search
+from lightning_zeropp.plan.search import search
 from lightning_zeropp.plan.steptime import predict_step_time
 
 WORLD, BATCH, SEQ = 4, 16, 64
@@ -95,7 +96,7 @@ def test_the_search_recomputes_or_offloads_on_the_ranks_over_the_memory_only():
 
 
 def test_a_prefetched_copy_back_costs_only_what_the_backward_cannot_hide():
-    from lightning_zeropp.plan.steptime import _offloaded, _prefetch_wait
+    from lightning_zeropp.plan.stage_costs import _offloaded, _prefetch_wait
 
     # the last unit's share always waits; the rest hides behind the backward's compute
     assert _prefetch_wait(1.0, [10.0] * 4) == pytest.approx(0.25)

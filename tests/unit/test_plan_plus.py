@@ -11,9 +11,9 @@ import torch
 from lightning_zeropp.core.settings.config import ZeroPPConfig
 from lightning_zeropp.models import GPT, GPTConfig
 from lightning_zeropp.plan import Hardware, predict_step_time
+from lightning_zeropp.plan.peaks import rank_memory
 from lightning_zeropp.plan.plus import plus_memory, unit_traffic
 from lightning_zeropp.plan.programs import programs_for
-from lightning_zeropp.plan.search import rank_memory
 
 SHAPES = [(96, 32), (96,), (32, 32)]  # a unit: two matrices and a bias
 

@@ -7,14 +7,14 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_zeropp.core.split import profile
+from lightning_zeropp.core.split import profile, repeats
 from lightning_zeropp.models import GPT, GPTConfig
 from lightning_zeropp.models.hf import build_causal_lm
 
 
 def _every_block_run(monkeypatch, model: nn.Module, seq: int) -> tuple:
     with monkeypatch.context() as m:
-        m.setattr(profile._Repeats, "forward", lambda self, i, original: original)
+        m.setattr(repeats.Repeats, "forward", lambda self, i, original: original)
         return profile._profile.__wrapped__(model, seq, None, profile.lm_loss)
 
 

@@ -12,7 +12,8 @@ import yaml
 from lightning_zeropp.core.settings.config import ZeroPPConfig
 from lightning_zeropp.models import GPT, GPTConfig
 from lightning_zeropp.plan import Hardware
-from lightning_zeropp.plan.search import enumerate_layouts, rank_memory, search
+from lightning_zeropp.plan.peaks import rank_memory
+from lightning_zeropp.plan.search import enumerate_layouts, search
 
 WORLD, BATCH, SEQ = 8, 16, 32
 

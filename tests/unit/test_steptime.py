@@ -195,7 +195,7 @@ def test_stage_zero_runs_its_whole_split_backward_in_w() -> None:
     # torch's PipelineStage skips the first stage's I (no input gradient to compute) and runs
     # the whole backward, with any recomputation, in its W: the model prices it so.
     from lightning_zeropp.plan.simulate import _segment_seconds
-    from lightning_zeropp.plan.steptime import stage_costs
+    from lightning_zeropp.plan.stage_costs import stage_costs
 
     cost = StageCost(forward=(1.0, 1.0), backward=(2.0, 4.0), recompute=True,
                      input_grad_in_weight=True)  # fmt: skip

@@ -107,3 +107,15 @@ def test_lightning_cli_takes_the_settings(tmp_path):
     config = strategy.zeropp_config
     assert (config.pp_size, config.param_dtype, config.schedule) == (2, "bf16", "zeropp")
     assert config.activation_checkpointing is True
+
+
+def test_the_config_stays_as_given_and_the_layout_waits_for_setup(monkeypatch):
+    """`zeropp_config` is the user's settings (one type, always); the resolved `layout` is set
+    at setup_environment, when the world size is known."""
+    from lightning_zeropp.core.settings.config import ZeroPPConfig
+
+    monkeypatch.setenv("ZEROPP_PP_SIZE", "2")
+    strategy = ZeroPPStrategy(num_microbatches=4)
+    assert type(strategy.zeropp_config) is ZeroPPConfig and strategy.layout is None
+    layout = strategy.zeropp_config.resolve(4)
+    assert (layout.pp_size, layout.dp_size, layout.num_microbatches) == (2, 2, 4)

@@ -5,7 +5,7 @@ functions are replaced (on both `torch.distributed` and `torch.distributed.distr
 wrappers that record one call and its bytes before calling the original; on exit, even on an
 exception, the original functions are put back.
 
-    with CommCounter(mesh_axis_namer(engine.dims.mesh)) as comm:
+    with CommCounter(mesh_axis_namer(engine.dims.mesh)) as comm:  # `measure.axes`
         engine.train_step(x, target=y)
     comm.summary()  # {"all_gather": {"dp_shard": {"count": 18, "bytes": ...}}, "send": {...}}
 
@@ -46,16 +46,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.distributed import ProcessGroup
-from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "AxisNamer",
     "CommCounter",
     "CommEvent",
-    "mesh_axis_namer",
     "KINDS",
     "PLUS_AXES",
-    "flatten_summary",
 ]
 
 # Groups the library creates beside the mesh, named by their description: ZeRO++'s hpZ
@@ -266,49 +263,3 @@ def _with_op(op: dist.P2POp, fn: Callable[..., Any]) -> dist.P2POp:
     copy.__dict__.update(op.__dict__)
     copy.op = fn
     return copy
-
-
-def mesh_axis_namer(mesh: DeviceMesh) -> AxisNamer:
-    """Name a process group by the axis of `mesh` it spans: "pp", "dp_shard", ... or "world"/"other".
-
-    A group is matched by identity with `mesh.get_group(axis)` first, then by its ranks, trying
-    axes of size > 1 before size-1 ones. DeviceMesh reuses the default group for an axis that spans
-    every rank, so the default group (`None`) is named by that axis when there is one; a group
-    matching no axis is "world" if it spans every rank, else one of `PLUS_AXES` by its
-    description, else "other".
-    """
-    axes = list(mesh.mesh_dim_names or ())
-    groups = {axis: mesh.get_group(axis) for axis in axes}
-    ranks = {axis: dist.get_process_group_ranks(g) for axis, g in groups.items()}
-    axes.sort(key=lambda a: len(ranks[a]) == 1)  # stable: mesh order within each size class
-    world = list(range(dist.get_world_size()))
-    cache: dict[ProcessGroup | None, str] = {}
-
-    def name(group: ProcessGroup | None) -> str:
-        group = group if group is not None else dist.group.WORLD
-        if group not in cache:
-            found = next((a for a in axes if groups[a] is group), None)
-            if found is None:
-                group_ranks = dist.get_process_group_ranks(group)
-                found = next((a for a in axes if ranks[a] == group_ranks), None)
-                desc = (getattr(group, "group_desc", "") or "").removeprefix("mesh_")
-                plus = desc if desc in PLUS_AXES else "other"
-                found = found or ("world" if sorted(group_ranks) == world else plus)
-            cache[group] = found
-        return cache[group]
-
-    return name
-
-
-def flatten_summary(
-    summary: dict[str, dict[str, dict[str, int]]], axes: list[str], prefix: str = "comm"
-) -> dict[str, float]:
-    """`summary()` as flat metrics `{prefix}/{kind}/{axis}/count|bytes`, with every kind in
-    `KINDS` and every axis in `axes` present (zeros included), in a fixed order."""
-    out: dict[str, float] = {}
-    for kind in KINDS:
-        for axis in axes:
-            stats = summary.get(kind, {}).get(axis, {})
-            out[f"{prefix}/{kind}/{axis}/count"] = float(stats.get("count", 0))
-            out[f"{prefix}/{kind}/{axis}/bytes"] = float(stats.get("bytes", 0))
-    return out

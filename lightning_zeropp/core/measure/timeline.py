@@ -21,7 +21,8 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_zeropp.core._torch_private import unsharded_parameter_bytes
-from lightning_zeropp.core.measure.comm import CommCounter, CommEvent, mesh_axis_namer
+from lightning_zeropp.core.measure.axes import mesh_axis_namer
+from lightning_zeropp.core.measure.comm import CommCounter, CommEvent
 from lightning_zeropp.core.measure.memory import SavedActivations
 
 __all__ = ["Interval", "StepRecorder", "Timeline", "bubble_fraction"]

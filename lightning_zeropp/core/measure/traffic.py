@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_zeropp.core.measure.comm import mesh_axis_namer
+from lightning_zeropp.core.measure.axes import mesh_axis_namer
 
 __all__ = ["NodeTraffic"]
 

@@ -1,6 +1,7 @@
 """The stage modules of `split="call"`: copies of the model cut at block calls (see `call_plan`).
 
-A stage is a copy of the model whose blocks and outer modules held by other stages are `_Stub`s
+A stage is a copy of the model whose blocks and outer modules held by other stages are `Stub`s
+(`stubs`)
 (so parameter names, indexing and attribute reads are as in the model), and whose `forward` runs the model's own forward on the model
 inputs of the micro-batch (keyword arguments `zeropp_in_<i>`, see `CallInputs`) after the
 activations received from the previous stage (positional). Hooks on its first and last block swap
@@ -16,95 +17,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_zeropp.core._torch_private import TreeSpec, tree_flatten, tree_map, tree_unflatten
+from lightning_zeropp.core._torch_private import tree_flatten, tree_unflatten
 from lightning_zeropp.core.split.call_plan import CallInputs, CallPlan
 from lightning_zeropp.core.split.copies import meta_copy, stage_copy
 from lightning_zeropp.core.split.dense import dense_grad
+from lightning_zeropp.core.split.outputs import OUTPUTS_ATTR, Outputs
+from lightning_zeropp.core.split.stubs import Stub, stand_in_parameter
 
-__all__ = ["build_call_stages", "flatten_outputs", "restore_output"]
-
-
-class _Stub(nn.Module):
-    """Stands in for a module held by another stage. An outer module's stub returns zeros shaped
-    like its real output, worked out on a meta-device copy; a block's stub returns its input
-    hidden state. The code around them runs on that; what it computes is replaced at the stage's
-    first block or discarded (the dry run checked nothing else reads it)."""
-
-    def __init__(
-        self,
-        meta: nn.Module,
-        name: str,
-        device: torch.device,
-        block: CallPlan | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        if dtype is not None:
-            # The stage holding the module computes with its parameters and floating inputs
-            # cast (FSDP2 mixed precision): the zeros here get the dtype the real output has,
-            # which code after it may read (HF's rotary tables and float masks take it).
-            for p in meta.parameters():
-                if p.is_floating_point():
-                    p.data = p.data.to(dtype)
-        # Plain attributes, not submodules: a stub holds no parameters and no state.
-        object.__setattr__(self, "_meta", meta)
-        object.__setattr__(self, "_unit", name)
-        object.__setattr__(self, "_device", device)
-        object.__setattr__(self, "_block", block)
-        object.__setattr__(self, "_dtype", dtype)
-        # A block's stub with extras (`CallPlan.aux`): its index and the stage's state, whose
-        # received extras an earlier block's stub returns.
-        object.__setattr__(self, "_index", None)
-        object.__setattr__(self, "_state", None)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        plan = self._block
-        if plan is not None:  # pass the hidden state through, shaped like a block's return
-            hidden = tree_flatten((args, kwargs))[0][plan.slots[0]]
-            if plan.out_index is None:
-                return hidden
-            out: list[Any] = [None] * plan.out_len
-            if plan.aux:
-                out = list(self._extras(args, kwargs))
-            out[plan.out_index] = hidden
-            return tuple(out)
-        meta_args, meta_kwargs = tree_map(self._to_meta, (args, kwargs))
-        out = self._meta(*meta_args, **meta_kwargs)
-        return tree_map(self._zeros, out)
-
-    def _extras(self, args: Any, kwargs: Any) -> Sequence[Any]:
-        """An earlier block's extras as the previous stage sent them (their gradients flow back
-        to it); a later block's are zeros shaped like its real ones (what the code after it
-        computes from them is not sent)."""
-        plan, state, index = self._block, self._state, self._index
-        assert plan is not None and state is not None and index is not None
-        if state.got_aux is not None and index < len(state.got_aux) // len(plan.aux):
-            got = state.got_aux[index * len(plan.aux) : (index + 1) * len(plan.aux)]
-            out: list[Any] = [None] * plan.out_len
-            for j, value in zip(plan.aux, got, strict=True):
-                out[j] = value
-            return out
-        meta_args, meta_kwargs = tree_map(self._to_meta, (args, kwargs))
-        return [
-            self._zeros(x) if j in plan.aux else None
-            for j, x in enumerate(self._meta(*meta_args, **meta_kwargs))
-        ]
-
-    def _to_meta(self, x: Any) -> Any:
-        if not isinstance(x, torch.Tensor):
-            return x
-        cast = self._dtype is not None and x.is_floating_point()
-        return torch.empty_like(x, device="meta", dtype=self._dtype if cast else x.dtype)
-
-    def _zeros(self, x: Any) -> Any:
-        if not isinstance(x, torch.Tensor):
-            return x
-        return torch.zeros(x.shape, dtype=x.dtype, device=self._device)
-
-    def __getattr__(self, name: str) -> Any:
-        # Attributes (flags, sub-configs, submodules) read from the meta-device copy; tensors
-        # read that way are on the meta device, so using one in real compute fails loudly.
-        return getattr(self.__dict__["_meta"], name)
+__all__ = ["build_call_stages"]
 
 
 _CHECKPOINT_FIX = (
@@ -140,7 +60,7 @@ class _StageState:
         self.own_aux: dict[int, tuple[torch.Tensor, ...]] = {}
         self.sent: tuple[torch.Tensor, ...] | None = None
         self.forward: Callable[..., Any] | None = None
-        self.outputs = _Outputs()
+        self.outputs = Outputs()
         self.running = False  # inside `run` (a block called outside it is being recomputed)
         self.training = False  # `run` began with gradients on
         self.swapped: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = {}  # see `_swap`
@@ -259,75 +179,6 @@ def _flat(kept: dict[int, tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]
     return tuple(t for i in sorted(kept) for t in kept[i])
 
 
-class _Outputs:
-    """A last stage's output structure when it is not tensors (an HF `ModelOutput`, a dict):
-    the pipeline runtime takes tensors only, so the leaves travel and the loss gets the
-    structure back (`restore_output`)."""
-
-    def __init__(self) -> None:
-        self.spec: TreeSpec | None = None
-
-    def flat(self, out: Any) -> Any:
-        if isinstance(out, torch.Tensor) or (
-            isinstance(out, (tuple, list)) and all(isinstance(x, torch.Tensor) for x in out)
-        ):
-            self.spec = None
-            return out
-        leaves, self.spec = tree_flatten(out)
-        odd = [type(x).__name__ for x in leaves if not isinstance(x, torch.Tensor)]
-        if odd:
-            raise TypeError(
-                f"the model's output holds {odd} besides tensors; a pipeline's last stage can "
-                "return tensors only (in a tuple, dict or output object). Return tensors, or turn "
-                "off what adds the others (for HF models: config.use_cache = False)."
-            )
-        return tuple(leaves)
-
-    def restore(self, output: Any) -> Any:
-        if self.spec is None:
-            return output
-        leaves = list(output) if isinstance(output, (tuple, list)) else [output]
-        return tree_unflatten(leaves, self.spec)
-
-
-_OUTPUTS_ATTR = "_zeropp_outputs"
-
-
-def flatten_outputs(module: nn.Module) -> None:
-    """Make a whole-model stage (a single-stage pipeline) return tensors, as call stages do:
-    its forward is wrapped on the instance, and `restore_output` undoes the flattening."""
-    if hasattr(module, _OUTPUTS_ATTR):
-        return
-    outputs, forward = _Outputs(), module.forward
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        return outputs.flat(forward(*args, **kwargs))
-
-    object.__setattr__(module, _OUTPUTS_ATTR, outputs)
-    module.forward = run
-
-
-def restore_output(stage: nn.Module, output: Any) -> Any:
-    """A last stage's output as the model returned it (the runtime saw its tensor leaves)."""
-    outputs = getattr(stage, _OUTPUTS_ATTR, None)
-    return output if outputs is None else outputs.restore(output)
-
-
-def _stand_in_parameter(
-    stage: nn.Module, name: str, device: torch.device, dtype: torch.dtype | None
-) -> None:
-    """Replace a parameter another stage holds by zeros of its shape (in the compute dtype), as
-    a plain attribute: the code reading it runs on them and what it computes is discarded, as
-    with an outer module's stub."""
-    path, _, leaf = name.rpartition(".")
-    holder = stage.get_submodule(path)
-    param = holder._parameters.pop(leaf)
-    assert param is not None  # `name` is one of the stage's parameters
-    cast = dtype is not None and param.is_floating_point()
-    zeros = torch.zeros(param.shape, dtype=dtype if cast else param.dtype, device=device)
-    object.__setattr__(holder, leaf, zeros)
-
-
 def build_call_stages(
     model: nn.Module,
     plan: CallPlan,
@@ -356,11 +207,11 @@ def _call_stage(
     for i, _ in enumerate(blocks.names):
         if i not in blocks.ranges[stage]:
             block = model.get_submodule(blocks.fqn(i))
-            memo[id(block)] = _Stub(meta_copy(block), blocks.fqn(i), device, block=plan)
+            memo[id(block)] = Stub(meta_copy(block), blocks.fqn(i), device, block=plan)
     away = [*(() if first else plan.first_units), *(() if last else plan.last_units)]
     for name in away:
         unit = model.get_submodule(name)
-        memo[id(unit)] = _Stub(meta_copy(unit), name, device, dtype=dtype)
+        memo[id(unit)] = Stub(meta_copy(unit), name, device, dtype=dtype)
     elsewhere = [
         *(() if first else plan.first_params),
         *(() if last else plan.last_params),
@@ -370,7 +221,7 @@ def _call_stage(
         memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
     stage_model = stage_copy(model, memo)
     for name in elsewhere:
-        _stand_in_parameter(stage_model, name, device, dtype)
+        stand_in_parameter(stage_model, name, device, dtype)
     state = _StageState(plan, stage, inputs)
     mine = [stage_model.get_submodule(blocks.fqn(i)) for i in blocks.ranges[stage]]
     if not first:
@@ -390,6 +241,6 @@ def _call_stage(
                 object.__setattr__(stub, "_state", state)
     state.forward = functools.partial(type(model).forward, stage_model)
     object.__setattr__(stage_model, "_zeropp_call_stage", state)
-    object.__setattr__(stage_model, _OUTPUTS_ATTR, state.outputs)
+    object.__setattr__(stage_model, OUTPUTS_ATTR, state.outputs)
     stage_model.forward = state.run
     return stage_model

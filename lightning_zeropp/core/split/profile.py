@@ -37,6 +37,7 @@ from lightning_zeropp.core._torch_private import (
 )
 from lightning_zeropp.core.shard.fsdp import apply_activation_checkpointing
 from lightning_zeropp.core.split.blocks import find_blocks
+from lightning_zeropp.core.split.repeats import Repeats, repeats_skipped
 
 __all__ = [
     "ModelProfile",
@@ -164,7 +165,7 @@ def _profile(
     container, names = find_blocks(model)
     holder = model.get_submodule(container) if container else model
     blocks = [holder.get_submodule(n) for n in names]
-    with _repeats_skipped(blocks) as repeats:
+    with repeats_skipped(blocks) as repeats:
         plain = [_run(model, blocks, rows, seq_len, loss_fn, repeats) for rows in (1, 2)]
         apply_activation_checkpointing(holder, names)
         # recomputed, only what is saved counts: the FLOPs are the plain run's
@@ -182,7 +183,7 @@ def profile_copy(model: nn.Module, seq_len: int) -> ModelProfile:
     container, names = find_blocks(model)
     holder = model.get_submodule(container) if container else model
     blocks = [holder.get_submodule(n) for n in names]
-    with _repeats_skipped(blocks) as repeats:
+    with repeats_skipped(blocks) as repeats:
         plain = _run(model, blocks, 1, seq_len, lm_loss, repeats)
     return _assemble(plain, plain)
 
@@ -202,109 +203,6 @@ def _assemble(plain: _Tally, recomputed: _Tally) -> ModelProfile:
     )
 
 
-class _Repeats:
-    """Blocks that repeat an earlier one are not run again: a decoder's 80 identical layers
-    cost what 2 do (meta tensors still pay Python for every op).
-
-    A block repeats another when both are the same module (class, parameter shapes, the plain
-    attributes of every submodule, its own index aside) called with the same input shapes and
-    values; once the last two such blocks have measured the same, the rest of them return a
-    fresh output of the measured shape and are given the measured figures (`credit`).
-    Different blocks (Gemma2's sliding and global layers) have different attributes and run."""
-
-    def __init__(self, blocks: list[nn.Module]) -> None:
-        self.prints = [_fingerprint(b, i) for i, b in enumerate(blocks)]
-        self.measured: dict[tuple, list[tuple[int, float, Any]]] = {}
-        self.pending: dict[int, tuple] = {}  # blocks running for real, by index: their key
-        self.stubbed: dict[int, tuple[int, float]] = {}  # blocks skipped: (saved, flops) owed
-
-    def reset(self) -> None:  # a new run: what was measured with or without recompute differs
-        self.measured.clear()
-        self.pending.clear()
-        self.stubbed.clear()
-
-    def forward(self, i: int, original: Callable[..., Any]) -> Callable[..., Any]:
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            key = (self.prints[i], _signature((args, kwargs)))
-            runs = self.measured.get(key, [])
-            # the last two alike (the first of a kind may differ: it saves what later ones share)
-            if len(runs) >= 2 and runs[-1][:2] == runs[-2][:2]:
-                self.stubbed[i] = runs[-1][:2]
-                return _map_tensors(_fresh, runs[-1][2])
-            self.pending[i] = key
-            return original(*args, **kwargs)
-
-        return forward
-
-    def credit(self, i: int, tally: _Tally, output: Any) -> None:
-        """After block i: record what it measured, or credit what a skipped block owes."""
-        if i in self.stubbed:  # what its wrappers (a checkpoint's) did for real is in these too
-            tally.saved[i + 1], tally.flops[i + 1] = self.stubbed.pop(i)
-        elif i in self.pending:
-            entry = (tally.saved[i + 1], tally.flops[i + 1], output)
-            self.measured.setdefault(self.pending.pop(i), []).append(entry)
-
-
-@contextlib.contextmanager
-def _repeats_skipped(blocks: list[nn.Module]) -> Iterator[_Repeats]:
-    repeats = _Repeats(blocks)
-    for i, block in enumerate(blocks):
-        block.forward = repeats.forward(i, block.forward)  # type: ignore[method-assign]
-    try:
-        yield repeats
-    finally:
-        for block in blocks:
-            del block.forward
-
-
-def _fingerprint(module: nn.Module, index: int) -> tuple:
-    """What makes two blocks the same computation: each submodule's class, parameter shapes and
-    plain attributes (numbers, strings, flags), leaving out any integer equal to the block's own
-    index (its layer number)."""
-    out = []
-    for name, m in module.named_modules():
-        attrs = tuple(
-            sorted(
-                (k, v)
-                for k, v in vars(m).items()
-                if not k.startswith("_")
-                and isinstance(v, int | float | str | bool | type(None))
-                and not (type(v) is int and v == index)
-            )
-        )
-        params = tuple((n, tuple(p.shape), p.dtype) for n, p in m.named_parameters(recurse=False))
-        out.append((name, type(m).__qualname__, attrs, params))
-    return tuple(out)
-
-
-def _signature(value: Any) -> Any:
-    """A call's arguments as shapes and plain values (hashable): what the block computes on."""
-    if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), value.dtype, value.requires_grad)
-    if isinstance(value, list | tuple):
-        return (type(value).__qualname__, tuple(_signature(v) for v in value))
-    if isinstance(value, dict):
-        return ("dict", tuple((k, _signature(v)) for k, v in value.items()))
-    if isinstance(value, int | float | str | bool | type(None)):
-        return value
-    return type(value).__qualname__
-
-
-def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
-    """`value` with every tensor in its tuples, lists and dicts replaced by `fn(tensor)`."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
-        return type(value)(_map_tensors(fn, v) for v in value)
-    if isinstance(value, dict):
-        return type(value)((k, _map_tensors(fn, v)) for k, v in value.items())
-    return value
-
-
-def _fresh(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty(t.shape, dtype=t.dtype, device="meta", requires_grad=t.requires_grad)
-
-
 @dataclass
 class _Tally:
     """Per piece (before, each block, after): saved bytes, FLOPs, output bytes."""
@@ -320,7 +218,7 @@ def _run(
     rows: int,
     seq_len: int,
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
-    repeats: _Repeats | None = None,
+    repeats: Repeats | None = None,
     count_flops: bool = True,
 ) -> _Tally:
     n = len(blocks)
@@ -353,7 +251,7 @@ def _run(
             tally.output[i + 1] = _nbytes(output)
             move_to(n + 1)  # until the next block starts, work belongs after the blocks
             if repeats is not None:
-                repeats.credit(i, tally, output)
+                repeats.credit(i, tally.saved, tally.flops, output)
 
         return hook
 

@@ -55,14 +55,14 @@ class LastStageLoss:
 def global_items(
     loss: LastStageLoss,
     labels: torch.Tensor,
-    micro: int,
+    shares: int,
     dp_groups: Sequence[Any],
-    dp_size: int,
     device: torch.device,
 ) -> float:
     """Collective over the data-parallel groups: the `num_items_in_batch` each micro-batch's
-    loss is divided by, the global batch's items over the micro-batches and data-parallel ranks
-    the step averages over. Raises `ValueError` (on every rank alike) when nothing is counted."""
+    loss is divided by, the global batch's items over the `shares` losses the step averages
+    (micro-batches x data-parallel ranks: the front's `fronts.microbatches.loss_shares`).
+    Raises `ValueError` (on every rank alike) when nothing is counted."""
     total = loss.items(labels).to(device)
     for group in dp_groups:
         dist.all_reduce(total, group=group)
@@ -71,7 +71,7 @@ def global_items(
             f"the global batch has no counted label (every label is {loss.ignore_index}): its "
             "loss would divide by zero"
         )
-    return float(total) / (micro * dp_size)
+    return float(total) / shares
 
 
 @dataclass

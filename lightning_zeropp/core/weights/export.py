@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from lightning_zeropp.core.mesh import ParallelDims
 from lightning_zeropp.core.split.tied import local_ties
 from lightning_zeropp.core.weights import commit
+from lightning_zeropp.core.weights.name_order import tree_order
 
 __all__ = ["full_optimizer_state_dict", "full_state_dict", "save_consolidated", "save_file"]
 
@@ -71,7 +72,7 @@ def full_state_dict(module: nn.Module, dims: ParallelDims) -> dict[str, torch.Te
     _raise_everywhere(problem)  # found on rank 0; every rank stops
     if parts is None:
         return {}
-    return {name: merged[name] for name in _tree_order([list(state) for state, _ in parts])}
+    return {name: merged[name] for name in tree_order([list(state) for state, _ in parts])}
 
 
 def _first_names(module: nn.Module, state: dict[str, Any]) -> dict[str, str]:
@@ -160,7 +161,7 @@ def full_optimizer_state_dict(
         for other in tie[1:]
         if any(n in held for n in tie[: tie.index(other)])
     }
-    rank = {name: i for i, name in enumerate(_tree_order([part["order"] for part in parts]))}
+    rank = {name: i for i, name in enumerate(tree_order([part["order"] for part in parts]))}
     assert len({len(part["groups"]) for part in parts}) == 1, "param groups differ across ranks"
     out: dict[str, Any] = {"state": {}, "param_groups": []}
     for index in range(len(parts[0]["groups"])):
@@ -258,49 +259,3 @@ def _gather_to_rank0(local: Any, dims: ParallelDims) -> list[Any] | None:
     gathered: list[Any] | None = [None] * dims.config.pp_size if dist.get_rank() == 0 else None
     dist.gather_object(local, gathered, group=dims.pp_group, group_dst=0)
     return gathered
-
-
-def _tree_order(name_lists: list[list[str]]) -> list[str]:
-    """One order for dotted names listed per rank, as the unsplit model lists them.
-
-    Each list is in its module's order (a rank holds parts of the tree; with several stages per
-    rank, not contiguous ones). Siblings keep the order the lists give them (merged where lists
-    overlap); numbered siblings (a `ModuleList`'s blocks) go in numeric order.
-    """
-    names = {name for names in name_lists for name in names}
-    children: dict[str, list[str]] = {}
-    for names_of_rank in name_lists:
-        seen: dict[str, list[str]] = {}
-        for name in names_of_rank:
-            parts = name.split(".")
-            for depth in range(len(parts)):
-                siblings = seen.setdefault(".".join(parts[:depth]), [])
-                if parts[depth] not in siblings:
-                    siblings.append(parts[depth])
-        for parent, siblings in seen.items():
-            _merge_sequence(children.setdefault(parent, []), siblings)
-    out: list[str] = []
-
-    def walk(parent: str) -> None:
-        kids = children.get(parent, [])
-        if kids and all(k.isdigit() for k in kids):
-            kids = sorted(kids, key=int)
-        for kid in kids:
-            path = f"{parent}.{kid}" if parent else kid
-            if path in names:
-                out.append(path)
-            walk(path)
-
-    walk("")
-    return out
-
-
-def _merge_sequence(merged: list[str], sequence: list[str]) -> None:
-    """Insert `sequence`'s new items into `merged` right after their predecessor in `sequence`."""
-    at = 0
-    for item in sequence:
-        if item in merged:
-            at = merged.index(item) + 1
-        else:
-            merged.insert(at, item)
-            at += 1

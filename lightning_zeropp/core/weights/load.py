@@ -11,7 +11,7 @@ Two sources, one call (`load_weights`):
 Tied weights whose copy a file stores once (HF drops `lm_head.weight` when it is the embedding)
 load from the name it has. Every name the rank holds must be in the source, with its shape;
 otherwise every rank raises, naming the tensors. A buffer the file lacks keeps the value it was
-built with (a meta-built one must then come from the init; `materialize.check_set` says so).
+built with (a meta-built one must then come from the init; `init_modules.check_set` says so).
 """
 
 from __future__ import annotations
