@@ -125,7 +125,7 @@ def resuming_loader(
 
 def settle_stopped_epoch(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> dict[str, Any]:
     """`checkpoint` with the loops' state of a fit that a stop ended (the epoch counted
-    processed) written as the data position it is.
+    completed: a save after fit returned) written as the data position it is.
 
     - Cut short (its batch count below the epoch's, not at its last batch): the epoch reopened,
       processed and completed one less, as a save inside that epoch writes them, so
@@ -140,8 +140,10 @@ def settle_stopped_epoch(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> dic
     if loops is None or batches.current.ready <= 0 or total == float("inf"):
         return checkpoint
     epochs = loops["epoch_progress"]["current"]  # the fit loop's, as saved
-    if not epochs["processed"] == epochs["started"] > 0:
-        return checkpoint  # saved inside the epoch: Lightning resumes it as it is
+    if not epochs["completed"] == epochs["processed"] == epochs["started"] > 0:
+        # Saved inside the epoch, or in its end hook (ModelCheckpoint's per-epoch save): not
+        # counted completed yet, and Lightning resumes it where it stopped.
+        return checkpoint
     if batches.current.ready < total and not batches.is_last_batch:
         # The epoch that ran is the last one started; the sampler's epoch is read from
         # `processed` on resume, so it reshuffles as this epoch did.
@@ -151,14 +153,12 @@ def settle_stopped_epoch(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> dic
         }
         fit_loop = {**loops, "epoch_progress": progress}
         epoch = epochs["started"] - 1
-    elif epochs["completed"] == epochs["processed"]:
+    else:
         counts = loops["epoch_loop.batch_progress"]
         zero = dict.fromkeys(counts["current"], 0)
         fit_loop = {**loops, "epoch_loop.batch_progress": {**counts, "current": zero,
                                                           "is_last_batch": False}}  # fmt: skip
         epoch = checkpoint.get("epoch", epochs["completed"])
-    else:
-        return checkpoint  # saved at the epoch's end hook: Lightning finishes it on resume
     return {**checkpoint, "loops": {**checkpoint["loops"], "fit_loop": fit_loop}, "epoch": epoch}
 
 

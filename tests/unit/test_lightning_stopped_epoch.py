@@ -63,6 +63,24 @@ def test_a_fit_stopped_by_max_steps_resumes_where_it_stopped(
     assert module.seen == resumed  # the uninterrupted run's steps stop+1 .. 4
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_save_in_the_end_hook_of_a_stopped_epoch_is_left_and_resumes_it(tmp_path: Path) -> None:
+    # ModelCheckpoint's per-epoch save runs in on_train_epoch_end, also for the epoch a stop cut:
+    # not yet counted completed there, and Lightning resumes it itself
+    class Save(pl.Callback):
+        def on_train_epoch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            saved = trainer._checkpoint_connector.dump_checkpoint()
+            assert settle_stopped_epoch(trainer, saved) is saved
+            torch.save(saved, tmp_path / "end.ckpt")
+
+    trainer = _trainer(1, tmp_path)
+    trainer.callbacks.append(Save())
+    trainer.fit(_Tiny())
+    module = _Tiny()
+    _trainer(4, tmp_path).fit(module, ckpt_path=tmp_path / "end.ckpt")
+    assert module.seen == [(0, 1), (1, 0), (1, 1)]
+
+
 def test_a_save_inside_an_epoch_is_left_as_lightning_wrote_it(tmp_path: Path) -> None:
     class Save(pl.Callback):
         def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
