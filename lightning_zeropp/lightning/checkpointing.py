@@ -152,6 +152,8 @@ class StrategyCheckpoints:
     ) -> None:
         # The global batch, so that a resume mid-epoch with another one is named (`data`).
         checkpoint = {**checkpoint, data.BATCH_ROWS: data.batch_rows(module.trainer)}
+        # A fit a stop ended resumes where it stopped, not an epoch on (`data`).
+        checkpoint = data.settle_stopped_epoch(module.trainer, checkpoint)
         if self.state_dict_type == "full":
             export.save_file(path, checkpoint)  # complete on rank 0; tmp file + rename
             return

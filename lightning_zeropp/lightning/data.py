@@ -25,6 +25,14 @@ under another data-parallel layout too (the sampler's permutation does not depen
 With another global batch it would not: the checkpoint records its global batch (`BATCH_ROWS`),
 and a resume mid-epoch with another one is refused on every rank, naming the rows it would skip
 or train twice and the fix (the saved batch size, or a checkpoint at an epoch's end).
+
+A fit that stops inside an epoch (`max_steps`, or `trainer.should_stop` from a callback) ends
+that epoch in Lightning's bookkeeping: the loops count it completed, so a checkpoint written after
+(`trainer.save_checkpoint` once fit returns, or `ModelCheckpoint` at the epoch's end) resumed into
+the next epoch, and its unseen batches were never trained (the next epoch's were, skipped or
+replayed instead). `settle_stopped_epoch` writes such a checkpoint as what it is, an epoch stopped
+after its first batches, so the resume continues that epoch with its next unseen batch; and one
+stopped at its last batch as the next epoch's start.
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ __all__ = [
     "check_batch_size",
     "check_trained",
     "resuming_loader",
+    "settle_stopped_epoch",
     "skip_batches",
 ]
 
@@ -116,6 +125,45 @@ def resuming_loader(
         return count
 
     return ResumingLoader(loader, consumed)  # type: ignore[arg-type]
+
+
+def settle_stopped_epoch(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """`checkpoint` with the loops' state of a fit that a stop ended (the epoch counted
+    completed: a save after fit returned) written as the data position it is.
+
+    - Cut short (its batch count below the epoch's, not at its last batch): the epoch reopened,
+      processed and completed one less, as a save inside that epoch writes them, so
+      `fit(ckpt_path=...)` continues it (`ResumingLoader` skips the trained batches) instead of
+      starting the next epoch.
+    - At its last batch: the batch count zeroed, as the next epoch starts it. Otherwise a resume
+      under `max_steps` (Lightning restores the count then) took the whole next epoch as trained
+      and went on with the one after.
+    """
+    loops = checkpoint.get("loops", {}).get("fit_loop")
+    batches, total = trainer.fit_loop.epoch_loop.batch_progress, trainer.num_training_batches
+    if loops is None or batches.current.ready <= 0 or total == float("inf"):
+        return checkpoint
+    epochs = loops["epoch_progress"]["current"]  # the fit loop's, as saved
+    if not epochs["completed"] == epochs["processed"] == epochs["started"] > 0:
+        # Saved inside the epoch, or in its end hook (ModelCheckpoint's per-epoch save): not
+        # counted completed yet, and Lightning resumes it where it stopped.
+        return checkpoint
+    if batches.current.ready < total and not batches.is_last_batch:
+        # The epoch that ran is the last one started; the sampler's epoch is read from
+        # `processed` on resume, so it reshuffles as this epoch did.
+        progress = {
+            part: {**counts, "processed": counts["started"] - 1, "completed": counts["started"] - 1}
+            for part, counts in loops["epoch_progress"].items()
+        }
+        fit_loop = {**loops, "epoch_progress": progress}
+        epoch = epochs["started"] - 1
+    else:
+        counts = loops["epoch_loop.batch_progress"]
+        zero = dict.fromkeys(counts["current"], 0)
+        fit_loop = {**loops, "epoch_loop.batch_progress": {**counts, "current": zero,
+                                                          "is_last_batch": False}}  # fmt: skip
+        epoch = checkpoint.get("epoch", epochs["completed"])
+    return {**checkpoint, "loops": {**checkpoint["loops"], "fit_loop": fit_loop}, "epoch": epoch}
 
 
 def batch_rows(trainer: pl.Trainer, loader: object = None) -> int | None:

@@ -5,6 +5,7 @@ on right-padded rows. Each reports what one process is compared with."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -77,19 +78,19 @@ def lightning_fit(layout: dict[str, Any], steps: int = 3, split: str = "call") -
 
 
 def lightning_resumed(case: dict[str, Any], out_dir: str) -> dict[str, Any]:
-    """An epoch of 2 steps under `case["saved"]` and `trainer.save_checkpoint` (a sharded
-    folder), then `fit(ckpt_path=...)` under `case["resumed"]` from other initial weights for
-    the second epoch: the losses logged and the parameters after (the uninterrupted run's, one
-    process)."""
+    """A fit under `case["saved"]` stopped by `max_steps=case["stop"]` (epochs of 2 steps: 1 is
+    mid-epoch 0, 2 its end) and `trainer.save_checkpoint` (a sharded folder), then
+    `fit(ckpt_path=...)` under `case["resumed"]` from other initial weights up to step 4: the
+    losses logged and the parameters after (the uninterrupted run's, one process)."""
     path = os.path.join(out_dir, case["id"] + ".ckpt")
     out: dict[str, Any] = {}
-    for layout, seed, epochs, resume in (
-        (case["saved"], 0, 1, None),
-        (case["resumed"], 7, 2, path),
+    for layout, seed, steps, resume in (
+        (case["saved"], 0, case["stop"], None),
+        (case["resumed"], 7, 4, path),
     ):
         trainer = pl.Trainer(
             accelerator="cpu", devices=_WORLD_SIZE, strategy=ZeroPPStrategy(split="call", **layout),
-            max_epochs=epochs, gradient_clip_val=MAX_NORM, logger=False, enable_checkpointing=False,
+            max_steps=steps, gradient_clip_val=MAX_NORM, logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
             deterministic=True,
         )  # fmt: skip
@@ -109,6 +110,18 @@ def lightning_resumed(case: dict[str, Any], out_dir: str) -> dict[str, Any]:
     return out
 
 
+def trainer_resumed(case: dict[str, Any], out_dir: str) -> dict[str, Any]:
+    """`ZeroPPTrainer` saving `checkpoint-<step>` every 2 of 4 steps under `case["saved"]`, then
+    a fresh run from other initial weights resuming from checkpoint-2 (mid-epoch) under
+    `case["resumed"]`: its logs and final weights (the uninterrupted run's, one process)."""
+    from tests.distributed.trainer_scenarios import _run_case
+
+    folder = Path(out_dir) / case["id"]
+    _run_case({"plugin": case["saved"], "script": case["script"]}, folder)
+    again = {"plugin": case["resumed"], "script": {**case["script"], "init_seed": 7}}
+    return _run_case(again, folder / "again", resume=str(folder / "checkpoint-2"))
+
+
 def run(
     lightning: list[dict[str, Any]],
     accelerate: list[dict[str, Any]] | None = None,
@@ -118,6 +131,7 @@ def run(
     devices: int = 4,
     across: list[dict[str, Any]] | None = None,
     lightning_across: list[dict[str, Any]] | None = None,
+    trainer_across: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Every front's cases in one launch: Accelerate's first (Accelerate makes the process
     group; the Lightning Trainer then uses it)."""
@@ -135,6 +149,8 @@ def run(
         again = {**case["args"], "resume_from": save_to, "resumed_updates": 2, "init_seed": 7}
         resumed = {"id": case["id"], "plugin": case["resumed"], "args": again}
         out |= clm_scenarios.run([resumed])
+    for case in trainer_across or ():  # checkpoint-2 of 4 steps resumed under another cp
+        out[case["id"]] = trainer_resumed(case, out_dir)
     for case in lightning:
         out[case["id"]] = lightning_fit(case["layout"])
     for case in lightning_across or ():  # a sharded checkpoint resumed under another cp_size
