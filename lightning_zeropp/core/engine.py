@@ -129,11 +129,9 @@ class ZeroPPEngine:
         # The head and the loss in chunks wherever the model's code computes its loss so. Only
         # the call split hands the last stage the call's targets (a traced or pruned stage
         # takes activations): under the others, models compute their loss from whole logits.
-        # Schedules that split backward into input- and weight-gradient tasks find the head's
-        # gathered weight freed when a chunk is recomputed: whole logits there too (for now).
         # Under context parallelism a loss the model computes itself would cover this rank's
         # part of the sequence only: whole logits, which a front gathers (`whole_sequences`).
-        chunks = self.split == "call" and not cfg.split_backward and cfg.cp_size == 1
+        chunks = self.split == "call" and cfg.cp_size == 1
         set_loss_chunk(cfg.loss_chunk if chunks else 0)
         built = build_stages(
             model, cfg, self.plan, self.stage_ids, self.split, self.dims, self.device,

@@ -214,3 +214,34 @@ def test_litgpt_head_in_chunks_equals_whole_logits() -> None:
     loss = total / (y != -100).sum()
     assert abs(float(loss) - float(whole)) <= TOL
     _close(_grads(model, loss), want)
+
+
+def test_a_split_backward_matches_whole_logits_and_its_weight_pass_reads_no_weight() -> None:
+    """torch's split backward (as ZB-V and ZeroPP run it): the input pass, then the weight pass
+    from the saved intermediates. The head's gradients are those of whole logits (1e-6), and the
+    weight pass reads no weight value (ZeroPP's held-back weight tasks find it released)."""
+    from lightning_zeropp.core._torch_private import stage_backward_input, stage_backward_weight
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50)
+    hidden = torch.randn(3, 20, 16)
+    target = torch.randint(0, 50, (3, 20))
+    target[1] = -100
+    target[2, 7:] = -100
+    whole_input = hidden.clone().requires_grad_(True)
+    whole = F.cross_entropy(
+        head(whole_input).reshape(-1, 50).float(), target.reshape(-1), reduction="sum"
+    )
+    want = _grads(head, whole)
+    head.zero_grad()
+    stage_input = hidden.clone().requires_grad_(True)
+    loss = linear_cross_entropy(stage_input, head.weight, head.bias, target, chunk=7)
+    assert abs(float(loss) - float(whole)) <= TOL * float(whole)
+    (d_input,), groups = stage_backward_input([loss], None, [stage_input], head.parameters())
+    assert torch.allclose(d_input, whole_input.grad, atol=TOL, rtol=0)
+    assert head.weight.grad is None  # the input pass leaves the weights' to the weight pass
+    values = head.weight.detach().clone()
+    head.weight.data.fill_(float("nan"))  # released: read, it would poison the gradients
+    stage_backward_weight(head.parameters(), groups)
+    head.weight.data.copy_(values)
+    _close({n: p.grad for n, p in head.named_parameters()}, want)  # type: ignore[misc]
