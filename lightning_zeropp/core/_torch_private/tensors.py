@@ -99,6 +99,6 @@ def will_backward_reach(node: Any) -> bool:
     runs the graph twice, for the input gradients (`autograd.grad` to the inputs) and then for the
     weight gradients (from the saved intermediates to the weights): each pass reaches only its
     own side. A plain `backward()` reaches every node."""
-    import torch
+    from torch._C import _will_engine_execute_node
 
-    return bool(torch._C._will_engine_execute_node(node))
+    return bool(_will_engine_execute_node(node))
