@@ -41,7 +41,7 @@ from lightning_zeropp.core.split.call_stages import restore_output
 from lightning_zeropp.core.split.methods import SplitMethod, resolve_split
 from lightning_zeropp.core.step.agree import agree, check_replicas, model_layout, settings_fields
 from lightning_zeropp.core.step.batch import ShapeGuard
-from lightning_zeropp.core.step.chunked_loss import set_loss_chunk
+from lightning_zeropp.core.step.chunked_loss import chunk_for_run, set_loss_chunk
 from lightning_zeropp.core.step.failure import FailureBoard, describe_rank, guarded
 from lightning_zeropp.core.step.grads import StepGrads, average_whole_grads, clip_grad_norm_
 from lightning_zeropp.core.step.loss import LossFn, StepLoss, broadcast_loss
@@ -131,8 +131,8 @@ class ZeroPPEngine:
         # takes activations): under the others, models compute their loss from whole logits.
         # Under context parallelism a loss the model computes itself would cover this rank's
         # part of the sequence only: whole logits, which a front gathers (`whole_sequences`).
-        chunks = self.split == "call" and cfg.cp_size == 1
-        set_loss_chunk(cfg.loss_chunk if chunks else 0)
+        # An explicit `loss_chunk` where the run cannot chunk is refused (the same on every rank).
+        set_loss_chunk(chunk_for_run(cfg.loss_chunk, self.split, self.num_stages, cfg.cp_size))
         built = build_stages(
             model, cfg, self.plan, self.stage_ids, self.split, self.dims, self.device,
             self._meta, example_args, example_kwargs, init, load_from,

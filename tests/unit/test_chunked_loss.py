@@ -11,7 +11,12 @@ import torch.nn.functional as F
 
 from lightning_zeropp.core.settings.config import ZeroPPConfig
 from lightning_zeropp.core.step import chunked_loss
-from lightning_zeropp.core.step.chunked_loss import linear_cross_entropy, set_loss_chunk
+from lightning_zeropp.core.step.chunked_loss import (
+    DEFAULT_LOSS_CHUNK,
+    chunk_for_run,
+    linear_cross_entropy,
+    set_loss_chunk,
+)
 from lightning_zeropp.models.gpt import GPT, GPTConfig
 
 TOL = 1e-6
@@ -81,12 +86,28 @@ def test_the_bundled_gpt_loss_equals_whole_logits() -> None:
 
 
 def test_loss_chunk_is_a_checked_setting() -> None:
-    assert ZeroPPConfig().resolve(1).loss_chunk == 1024
+    assert ZeroPPConfig().resolve(1).loss_chunk is None  # 1024 where the run can chunk
     assert ZeroPPConfig(loss_chunk=0).resolve(1).loss_chunk == 0
     with pytest.raises(ValueError, match="loss_chunk=-1 must be a whole number"):
         ZeroPPConfig(loss_chunk=-1).resolve(1)
     with pytest.raises(ValueError, match="loss_chunk=-2 must be a whole number"):
         set_loss_chunk(-2)
+
+
+def test_a_run_that_cannot_chunk_keeps_whole_logits_or_refuses_an_asked_chunk() -> None:
+    """The call split (or one stage) chunks; a traced or pruned cut, or context parallelism,
+    computes whole logits: unset (None) says so silently, a number asked for is refused."""
+    assert chunk_for_run(None, "call", 4, 1) == DEFAULT_LOSS_CHUNK
+    assert chunk_for_run(64, "call", 4, 1) == 64
+    assert chunk_for_run(64, "trace", 1, 1) == 64  # one stage: the model's own call
+    for split in ("trace", "stack"):
+        assert chunk_for_run(None, split, 2, 1) == 0
+        assert chunk_for_run(0, split, 2, 1) == 0
+        with pytest.raises(ValueError, match=rf"loss_chunk=64 .* but split='{split}' hands the "):
+            chunk_for_run(64, split, 2, 1)
+    assert chunk_for_run(None, "call", 2, 2) == 0
+    with pytest.raises(ValueError, match=r"loss_chunk=8 .* context parallelism \(cp_size=2\)"):
+        chunk_for_run(8, "call", 2, 2)
 
 
 def _first_step_activation_peak(chunk: int) -> int:

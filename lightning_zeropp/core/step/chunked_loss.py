@@ -13,13 +13,14 @@ One node, not a checkpoint per chunk, for the schedules that split backward into
 weight-gradient pass (ZB-V, DualPipeV, interleaved zero-bubble, ZeroPP): torch's split backward
 keeps, from the first pass to the second, the gradient flowing into each node where a weight's
 path joins the input's. Under a checkpoint per chunk those are the chunks' logits' gradients (the
-whole logits again, held until the weight pass); here it is one scalar, the loss's. Each pass
-computes only its own side (`will_backward_reach`): the input pass the hidden states' gradient,
-the weight pass the head's, each recomputing the logits chunk by chunk.
+whole logits again, held until the weight pass); here it is one scalar, the loss's. The input
+pass (`will_backward_reach` tells the passes apart) computes the hidden states' gradient and, in
+the same recompute of the logits, the head's weight gradient, which it keeps for the weight
+pass: ZeroPP's held-back weight tasks find the weights released, so that pass reads no weight.
 
-The chunk is the `loss_chunk` setting (`ZeroPPConfig`; 0 turns chunking off): the engine sets it
-for the process (`set_loss_chunk`) and the model code that computes a loss this way reads it
-(`loss_chunk`). Pure torch.
+The chunk is the `loss_chunk` setting (`ZeroPPConfig`; 0 turns chunking off, None chunks where
+the run can): the engine sets it for the process (`chunk_for_run`, `set_loss_chunk`) and the
+model code that computes a loss this way reads it (`loss_chunk`). Pure torch.
 """
 
 from __future__ import annotations
@@ -31,7 +32,13 @@ import torch.nn.functional as F
 
 from lightning_zeropp.core._torch_private import will_backward_reach
 
-__all__ = ["DEFAULT_LOSS_CHUNK", "linear_cross_entropy", "loss_chunk", "set_loss_chunk"]
+__all__ = [
+    "DEFAULT_LOSS_CHUNK",
+    "chunk_for_run",
+    "linear_cross_entropy",
+    "loss_chunk",
+    "set_loss_chunk",
+]
 
 # Tokens per chunk: 1024 x a 128k vocabulary is 512 MB of fp32 logits, a quarter of a 4096-token
 # micro-batch's; small chunks cost more matmul launches and a re-read of the weight per chunk.
@@ -46,6 +53,33 @@ def set_loss_chunk(tokens: int) -> None:
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
         raise ValueError(f"loss_chunk={tokens!r} must be a whole number of tokens >= 0 (0: off).")
     _chunk = tokens
+
+
+def chunk_for_run(asked: int | None, split: object, num_stages: int, cp_size: int) -> int:
+    """The chunk a run computes its head and loss in: `asked` (`loss_chunk`; None: the default)
+    where it can, 0 (whole logits) where it cannot. Only the call split, or one stage (the model
+    itself), hands the last stage the call's targets: a traced, pruned or user-cut stage takes
+    activations, and the model computes its loss from whole logits. Under context parallelism a
+    loss the model computes itself would cover this rank's part of the sequence only (a front
+    gathers whole logits instead). A number asked for where the run cannot chunk is refused,
+    never silently ignored."""
+    whole = split == "call" or num_stages == 1  # the last stage runs the model's own call
+    if whole and cp_size == 1:
+        return DEFAULT_LOSS_CHUNK if asked is None else asked
+    if asked:
+        why = (
+            f"split={split!r} hands the last stage activations, not the call's targets, so the "
+            "model computes its loss from whole logits"
+            if not whole
+            else f"under context parallelism (cp_size={cp_size}) the loss is computed from the "
+            "whole sequences' logits the front gathers"
+        )
+        fix = "use split='call', or " if not whole else ""
+        raise ValueError(
+            f"loss_chunk={asked} asks for the head and the loss in chunks, but {why}: "
+            f"{fix}leave loss_chunk unset (None: chunks where the run can) or set it to 0."
+        )
+    return 0
 
 
 def loss_chunk() -> int:
