@@ -23,6 +23,7 @@ from lightning_zeropp.core.settings.placement import splits_backward
 from lightning_zeropp.core.settings.ranks import stage_rank
 from tests.distributed.chunked_scenarios import STEPS
 from tests.distributed.common import BIG_HEAD, make_batches, make_model, reference
+from tests.distributed.conftest import case_of, selected_cases, slow_case
 from tests.distributed.launch import launch
 
 pytestmark = pytest.mark.distributed
@@ -52,13 +53,19 @@ CHUNKED = [
                                             "num_microbatches": 8, "loss_chunk": 5}},
     {"id": "pp2-dp2-zbv-chunked", "layout": {"pp_size": 2, "dp_shard_size": 2, "schedule": "zbv",
                                              "num_microbatches": 4, "loss_chunk": 5}},
+    slow_case({"id": "pp2-dp2-interleaved-zb-chunked", "layout": {
+        "pp_size": 2, "dp_shard_size": 2, "schedule": "interleaved_zb", "num_microbatches": 4,
+        "loss_chunk": 5}}),
+    slow_case({"id": "pp2-dp2-dualpipev-chunked", "layout": {
+        "pp_size": 2, "dp_shard_size": 2, "schedule": "dualpipev", "num_microbatches": 4,
+        "loss_chunk": 5}}),
 ]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results(tmp_path_factory, request):
     out = tmp_path_factory.mktemp("offload")
-    params = {"cases": CASES, "chunked": CHUNKED}
+    params = {"cases": CASES, "chunked": selected_cases(request, CHUNKED)}
     return launch(4, "offload_scenarios.pairs", params, out, timeout=600)
 
 
@@ -71,7 +78,7 @@ def big_head_reference():
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("case", CHUNKED, ids=[c["id"] for c in CHUNKED])
+@pytest.mark.parametrize("case", CHUNKED, ids=[case_of(c)["id"] for c in CHUNKED])
 def test_chunked_loss_under_split_backward_matches_whole_logits_and_one_process(
     results, big_head_reference, case
 ):
