@@ -41,7 +41,7 @@ from lightning_zeropp.core.split.methods import SplitMethod, resolve_split
 from lightning_zeropp.core.split.outputs import restore_output
 from lightning_zeropp.core.step.agree import agree, check_replicas, model_layout, settings_fields
 from lightning_zeropp.core.step.batch import ShapeGuard
-from lightning_zeropp.core.step.chunked_loss import set_loss_chunk
+from lightning_zeropp.core.step.chunked_loss import chunk_for_run, set_loss_chunk
 from lightning_zeropp.core.step.failure import FailureBoard, describe_rank, guarded
 from lightning_zeropp.core.step.grads import StepGrads, average_whole_grads, clip_grad_norm_
 from lightning_zeropp.core.step.loss import LossFn, StepLoss, broadcast_loss
@@ -129,12 +129,10 @@ class ZeroPPEngine:
         # The head and the loss in chunks wherever the model's code computes its loss so. Only
         # the call split hands the last stage the call's targets (a traced or pruned stage
         # takes activations): under the others, models compute their loss from whole logits.
-        # Schedules that split backward into input- and weight-gradient tasks find the head's
-        # gathered weight freed when a chunk is recomputed: whole logits there too (for now).
         # Under context parallelism a loss the model computes itself would cover this rank's
         # part of the sequence only: whole logits, which a front gathers (`whole_sequences`).
-        chunks = self.split == "call" and not cfg.split_backward and cfg.cp_size == 1
-        set_loss_chunk(cfg.loss_chunk if chunks else 0)
+        # An explicit `loss_chunk` where the run cannot chunk is refused (the same on every rank).
+        set_loss_chunk(chunk_for_run(cfg.loss_chunk, self.split, self.num_stages, cfg.cp_size))
         built = build_stages(
             model, cfg, self.plan, self.stage_ids, self.split, self.dims, self.device,
             self._meta, example_args, example_kwargs, init, load_from,

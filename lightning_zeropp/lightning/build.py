@@ -60,6 +60,16 @@ def build_engine(
     # and `.logits`); read now, since the stages that replace the network do not carry it.
     runner.adapter = get_call_adapter(net)
     rule = token_rule(net) if type(runner.adapter) is CallAdapter else None
+    if rule is not None and rule.causal and config.loss_chunk:
+        # A training_step may read the logits (accuracy, its own loss): the Lightning front
+        # never hands an HF head's hidden states to the loss, so an asked chunk would be ignored.
+        # Raised on every rank alike, before the engine's first collective.
+        raise ValueError(
+            f"loss_chunk={config.loss_chunk} asks for the head and the loss in chunks, but the "
+            f"Lightning front keeps {type(net).__name__}'s logits whole (a training_step may "
+            "read them): leave loss_chunk unset (None) or set it to 0; ZeroPPAccelerator and "
+            "ZeroPPTrainer compute an HF causal LM's own loss in chunks."
+        )
     if rule is not None:
         # A plain HF model: padded batches' losses are token means over the global batch, as in
         # one process; tokens counted by the model's own loss rule, its loss calls watched.

@@ -75,10 +75,13 @@ def run(
     lora: bool = False,
     validate: bool = False,
     pad_to_multiple_of: int = 1,
+    settings: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """4 steps of 8 padded rows (lengths rounded up to `pad_to_multiple_of`); `catch`: report an error as {"error": ...} (the benchmark);
     `validate`: then `trainer.validate` on 2 batches of 8 other rows (`val_loss`, the model's
-    own loss logged by `validation_step`)."""
+    own loss logged by `validation_step`); `settings`: the case's own over the strategy's."""
+    if strategy and settings:
+        strategy = {**strategy, **settings}
     if catch:
         try:
             return run(family, strategy, devices, tie_word_embeddings, lora=lora)

@@ -20,9 +20,15 @@ from tests.distributed.common import (
 from tests.distributed.core_scenarios import _full, _rows
 
 
-def pairs(cases: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per case: {"on": run, "off": run} (the layout as given, and with offload off)."""
-    out = {}
+def pairs(
+    cases: list[dict[str, Any]], chunked: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """Per case: {"on": run, "off": run} (the layout as given, and with offload off); the
+    `chunked` cases' {"chunked": run, "whole": run} under "chunked" (`chunked_scenarios`), in the
+    same launch."""
+    from tests.distributed import chunked_scenarios
+
+    out: dict[str, Any] = {"chunked": chunked_scenarios.pairs(chunked or [])}
     for case in cases:
         off = {**case["layout"], "offload_activations": False}
         out[case["id"]] = {"on": _run(case["layout"]), "off": _run(off)}

@@ -37,7 +37,9 @@ CASES = [
     # a masked LM computing its own mean cross-entropy, accumulating 2 batches per update: each
     # micro-batch's mean is rescaled to its share of the accumulation window's token mean
     {"id": "bert-acc2", "plugin": PP, "args": {"family": "bert", "gradient_accumulation_steps": 2}},
-    {"id": "llama-zeropp", "plugin": {**PP, "schedule": "ZeroPP"}},
+    # ZeroPP splits backward: the chunked loss's input task computes the head's weight gradient
+    # too, and its held-back weight task finds the weights released (`core.step.chunked_loss`)
+    {"id": "llama-zeropp", "plugin": {**PP, "schedule": "ZeroPP", "loss_chunk": 5}},
     slow_case({"id": "pp4", "plugin": {"pp_size": 4, "num_microbatches": 4}}),
     # built under init_empty_weights(); each rank reads its shards of the initial weights from
     # an HF directory (the same weights the one-process run builds)

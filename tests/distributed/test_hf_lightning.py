@@ -31,7 +31,13 @@ CASES = [
 ]
 # HF's MoE load-balancing loss reads every layer's router logits after the last layer (hooks
 # record them inside the layers): refused at setup on every rank, naming the setting.
-REFUSED = [{"id": "mixtral-router", "family": "mixtral+router", "catch": True}]
+# An asked loss_chunk: the Lightning front keeps an HF model's logits whole (a training_step may
+# read them), so it is refused at setup on every rank rather than ignored.
+REFUSED = [
+    {"id": "mixtral-router", "family": "mixtral+router", "catch": True},
+    {"id": "llama-loss-chunk", "family": "llama", "catch": True,
+     "settings": {"loss_chunk": 8, "split": "call"}},
+]  # fmt: skip
 # bench/bench_families.py runs every family through this module too.
 SLOW_CASES = [
     {"id": "llama-tied", "family": "llama", "tie_word_embeddings": True},
@@ -96,6 +102,16 @@ def test_moe_router_logits_are_refused_on_every_rank(runs):
         error = result["mixtral-router"].get("error", "")
         assert "inside block 0 and not returned by it" in error, f"rank {rank}: {error}"
         assert "output_router_logits" in error, f"rank {rank}: {error}"
+
+
+def test_an_asked_loss_chunk_is_refused_on_every_rank(runs):
+    got, ref, _ = runs
+    assert "error" not in ref["llama-loss-chunk"]  # one process: no pipeline, no setting
+    for rank, result in enumerate(got):
+        error = result["llama-loss-chunk"].get("error", "")
+        assert "loss_chunk=8 asks for the head and the loss in chunks, but the Lightning front" in (
+            error
+        ), f"rank {rank}: {error}"
 
 
 def test_tied_export_reloads_tied(runs):

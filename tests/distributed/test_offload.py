@@ -7,6 +7,10 @@ exactly equal. On CPU the device and the host are one memory, so what is checked
 accounting: the memory report's activation peak (what stays on the device) drops on the
 offloading ranks, the host peak counts what moved, nothing stays on the host after a step, and
 the other ranks' figures are those of the run without offload.
+
+The same launch trains the head and the loss in chunks (`chunked_scenarios.pairs`) under the
+schedules that split backward into input- and weight-gradient tasks, against whole logits and
+one process.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ import torch
 from lightning_zeropp.core import ZeroPPConfig
 from lightning_zeropp.core.settings.placement import splits_backward
 from lightning_zeropp.core.settings.ranks import stage_rank
+from tests.distributed.chunked_scenarios import STEPS
+from tests.distributed.common import BIG_HEAD, make_batches, make_model, reference
+from tests.distributed.conftest import case_of, selected_cases, slow_case
 from tests.distributed.launch import launch
 
 pytestmark = pytest.mark.distributed
@@ -38,10 +45,61 @@ CASES = [
 ]  # fmt: skip
 
 
+# The head and the loss in chunks of 5 tokens (a micro-batch has 32) where backward is split
+# in two passes: the input pass computes the head's weight gradient too and keeps it for the
+# weight pass, which under ZeroPP finds the weights released (`core.step.chunked_loss`).
+CHUNKED = [
+    {"id": "pp4-zeropp-chunked", "layout": {"pp_size": 4, "schedule": "zeropp",
+                                            "num_microbatches": 8, "loss_chunk": 5}},
+    {"id": "pp2-dp2-zbv-chunked", "layout": {"pp_size": 2, "dp_shard_size": 2, "schedule": "zbv",
+                                             "num_microbatches": 4, "loss_chunk": 5}},
+    slow_case({"id": "pp2-dp2-interleaved-zb-chunked", "layout": {
+        "pp_size": 2, "dp_shard_size": 2, "schedule": "interleaved_zb", "num_microbatches": 4,
+        "loss_chunk": 5}}),
+    slow_case({"id": "pp2-dp2-dualpipev-chunked", "layout": {
+        "pp_size": 2, "dp_shard_size": 2, "schedule": "dualpipev", "num_microbatches": 4,
+        "loss_chunk": 5}}),
+]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results(tmp_path_factory, request):
     out = tmp_path_factory.mktemp("offload")
-    return launch(4, "offload_scenarios.pairs", {"cases": CASES}, out, timeout=600)
+    params = {"cases": CASES, "chunked": selected_cases(request, CHUNKED)}
+    return launch(4, "offload_scenarios.pairs", params, out, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def big_head_reference():
+    """One process, whole logits: `GPT(x, targets)`'s mean over the global batch."""
+    return reference(
+        "adamw", False, STEPS, batches=make_batches(STEPS),
+        model_fn=lambda: make_model(config=BIG_HEAD), loss_fn=lambda m, x, y: m(x, y),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CHUNKED, ids=[case_of(c)["id"] for c in CHUNKED])
+def test_chunked_loss_under_split_backward_matches_whole_logits_and_one_process(
+    results, big_head_reference, case
+):
+    want = big_head_reference
+    for rank, result in enumerate(results):
+        chunked, whole = (
+            result["chunked"][case["id"]]["chunked"],
+            result["chunked"][case["id"]]["whole"],
+        )
+        torch.testing.assert_close(chunked["losses"], whole["losses"], rtol=0, atol=1e-6)
+        torch.testing.assert_close(chunked["losses"], want["losses"], rtol=0, atol=1e-5)
+        for name, value in chunked["params"].items():
+            torch.testing.assert_close(value, whole["params"][name], rtol=0, atol=1e-6)
+            torch.testing.assert_close(value, want["params"][name], rtol=0, atol=1e-5)
+        # the last stage's activation peak drops by its whole logits (2 rows x 16 tokens x 1280
+        # fp32 a micro-batch), which are never kept; the other ranks' is that of whole logits
+        if chunked["last"]:
+            logits = 2 * 16 * 1280 * 4
+            assert chunked["activation_peak"] <= whole["activation_peak"] - logits, rank
+        else:
+            assert chunked["activation_peak"] == whole["activation_peak"], rank
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])

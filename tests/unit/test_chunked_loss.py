@@ -11,7 +11,12 @@ import torch.nn.functional as F
 
 from lightning_zeropp.core.settings.config import ZeroPPConfig
 from lightning_zeropp.core.step import chunked_loss
-from lightning_zeropp.core.step.chunked_loss import linear_cross_entropy, set_loss_chunk
+from lightning_zeropp.core.step.chunked_loss import (
+    DEFAULT_LOSS_CHUNK,
+    chunk_for_run,
+    linear_cross_entropy,
+    set_loss_chunk,
+)
 from lightning_zeropp.models.gpt import GPT, GPTConfig
 
 TOL = 1e-6
@@ -81,12 +86,28 @@ def test_the_bundled_gpt_loss_equals_whole_logits() -> None:
 
 
 def test_loss_chunk_is_a_checked_setting() -> None:
-    assert ZeroPPConfig().resolve(1).loss_chunk == 1024
+    assert ZeroPPConfig().resolve(1).loss_chunk is None  # 1024 where the run can chunk
     assert ZeroPPConfig(loss_chunk=0).resolve(1).loss_chunk == 0
     with pytest.raises(ValueError, match="loss_chunk=-1 must be a whole number"):
         ZeroPPConfig(loss_chunk=-1).resolve(1)
     with pytest.raises(ValueError, match="loss_chunk=-2 must be a whole number"):
         set_loss_chunk(-2)
+
+
+def test_a_run_that_cannot_chunk_keeps_whole_logits_or_refuses_an_asked_chunk() -> None:
+    """The call split (or one stage) chunks; a traced or pruned cut, or context parallelism,
+    computes whole logits: unset (None) says so silently, a number asked for is refused."""
+    assert chunk_for_run(None, "call", 4, 1) == DEFAULT_LOSS_CHUNK
+    assert chunk_for_run(64, "call", 4, 1) == 64
+    assert chunk_for_run(64, "trace", 1, 1) == 64  # one stage: the model's own call
+    for split in ("trace", "stack"):
+        assert chunk_for_run(None, split, 2, 1) == 0
+        assert chunk_for_run(0, split, 2, 1) == 0
+        with pytest.raises(ValueError, match=rf"loss_chunk=64 .* but split='{split}' hands the "):
+            chunk_for_run(64, split, 2, 1)
+    assert chunk_for_run(None, "call", 2, 2) == 0
+    with pytest.raises(ValueError, match=r"loss_chunk=8 .* context parallelism \(cp_size=2\)"):
+        chunk_for_run(8, "call", 2, 2)
 
 
 def _first_step_activation_peak(chunk: int) -> int:
@@ -214,3 +235,34 @@ def test_litgpt_head_in_chunks_equals_whole_logits() -> None:
     loss = total / (y != -100).sum()
     assert abs(float(loss) - float(whole)) <= TOL
     _close(_grads(model, loss), want)
+
+
+def test_a_split_backward_matches_whole_logits_and_its_weight_pass_reads_no_weight() -> None:
+    """torch's split backward (as ZB-V and ZeroPP run it): the input pass, then the weight pass
+    from the saved intermediates. The head's gradients are those of whole logits (1e-6), and the
+    weight pass reads no weight value (ZeroPP's held-back weight tasks find it released)."""
+    from lightning_zeropp.core._torch_private import stage_backward_input, stage_backward_weight
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50)
+    hidden = torch.randn(3, 20, 16)
+    target = torch.randint(0, 50, (3, 20))
+    target[1] = -100
+    target[2, 7:] = -100
+    whole_input = hidden.clone().requires_grad_(True)
+    whole = F.cross_entropy(
+        head(whole_input).reshape(-1, 50).float(), target.reshape(-1), reduction="sum"
+    )
+    want = _grads(head, whole)
+    head.zero_grad()
+    stage_input = hidden.clone().requires_grad_(True)
+    loss = linear_cross_entropy(stage_input, head.weight, head.bias, target, chunk=7)
+    assert abs(float(loss) - float(whole)) <= TOL * float(whole)
+    (d_input,), groups = stage_backward_input([loss], None, [stage_input], head.parameters())
+    assert torch.allclose(d_input, whole_input.grad, atol=TOL, rtol=0)
+    assert head.weight.grad is None  # the input pass leaves the weights' to the weight pass
+    values = head.weight.detach().clone()
+    head.weight.data.fill_(float("nan"))  # released: read, it would poison the gradients
+    stage_backward_weight(head.parameters(), groups)
+    head.weight.data.copy_(values)
+    _close({n: p.grad for n, p in head.named_parameters()}, want)  # type: ignore[misc]

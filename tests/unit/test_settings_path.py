@@ -68,6 +68,7 @@ def test_a_resolved_layout_is_frozen_and_decided():
         "param_dtype", "reduce_dtype", "split_points", "unit_size",
         "quantized_weights", "hpz_partition_size", "quantized_gradients",
         "recompute_ranks",  # None: every pipeline rank recomputes as activation_checkpointing says
+        "loss_chunk",  # None: 1024 tokens where the run can chunk, whole logits where it cannot
     }  # fmt: skip
     assert layout.resolve(8) is layout
     with pytest.raises(ValueError, match="resolved for 8 processes"):

@@ -91,6 +91,7 @@ from lightning_zeropp.core._torch_private.tensors import (  # noqa: E402
     storage_identity,
     tensor_version,
     view_base,
+    will_backward_reach,
 )
 
 __all__ = [
@@ -150,5 +151,6 @@ __all__ = [
     "unsharded_parameter_bytes",
     "unsharded_params",
     "view_base",
+    "will_backward_reach",
     "wait_gathered",
 ]

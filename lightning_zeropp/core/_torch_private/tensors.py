@@ -1,6 +1,7 @@
 """Tensors' private corners: storage identity and version, view bases, subclass instances, the
-flash-attention kernel on the CPU and its FLOP count, a DTensor's local chunk (`core.weights`,
-`core.measure`, `plan.profile`, the Lightning front).
+flash-attention kernel on the CPU and its FLOP count, a DTensor's local chunk, whether the running
+backward reaches an autograd node (`core.weights`, `core.measure`, `core.step.chunked_loss`,
+`plan.profile`, the Lightning front).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ __all__ = [
     "storage_identity",
     "tensor_version",
     "view_base",
+    "will_backward_reach",
 ]
 
 
@@ -90,3 +92,13 @@ def make_subclass(cls: type, data: Any) -> Any:
     import torch
 
     return torch.Tensor._make_subclass(cls, data)
+
+
+def will_backward_reach(node: Any) -> bool:
+    """Inside a backward pass: whether it runs `node` (a non-leaf autograd node). A split backward
+    runs the graph twice, for the input gradients (`autograd.grad` to the inputs) and then for the
+    weight gradients (from the saved intermediates to the weights): each pass reaches only its
+    own side. A plain `backward()` reaches every node."""
+    from torch._C import _will_engine_execute_node
+
+    return bool(_will_engine_execute_node(node))

@@ -83,8 +83,10 @@ class ZeroPPConfig:
 
     `loss_chunk`: tokens per chunk of the head and the cross-entropy on the last stage, where
     the library computes that loss (the bundled GPT, HF causal LMs' own loss): the logits of a
-    micro-batch never exist whole, forward or backward; 0 computes whole logits
-    (`core.step.chunked_loss`).
+    micro-batch never exist whole, forward or backward; 0 computes whole logits; None (default)
+    1024 tokens where the run can chunk and whole logits where it cannot (`split` other than
+    the call split, context parallelism). A number > 0 where the run cannot chunk is refused
+    at setup (`core.step.chunked_loss`).
 
     `compile`: `torch.compile` each block after the model is cut into stages; under schedules
     that split backward into input- and weight-gradient tasks, the regions between the blocks'
@@ -118,7 +120,7 @@ class ZeroPPConfig:
     node_size: int | None = None
     compile: bool = False
     save_on_sigterm: bool = False
-    loss_chunk: int = 1024
+    loss_chunk: int | None = None
 
     def resolve(self, world_size: int, node_size: int | None = None) -> ZeroPPLayout:
         """Every default filled in and every setting checked, for `world_size` processes of which

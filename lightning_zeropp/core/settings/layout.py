@@ -54,7 +54,7 @@ class ZeroPPLayout:
     node_size: int
     compile: bool
     save_on_sigterm: bool
-    loss_chunk: int
+    loss_chunk: int | None
 
     @property
     def num_stages(self) -> int:

@@ -93,8 +93,8 @@ SETTINGS_REFERENCE: dict[str, tuple[str, str]] = {
         "on SIGTERM every rank stops at the next step and exits 143 naming it; `True` first saves a checkpoint a restart resumes from ([reliability](reliability.md))",
     ),
     "loss_chunk": (
-        "1024",
-        "tokens per chunk of the head and the cross-entropy on the last stage (bundled GPT, HF causal LMs' own loss): whole logits never exist; 0 = whole logits ([chunked loss](chunked-loss.md))",
+        "None",
+        "tokens per chunk of the head and the cross-entropy on the last stage (bundled GPT, HF causal LMs' own loss): whole logits never exist; 0 = whole logits; None = 1024 where the run can chunk (the call split, no context parallelism), else whole logits; a number there is refused ([chunked loss](chunked-loss.md))",
     ),
     "quantized_weights": (
         "None",

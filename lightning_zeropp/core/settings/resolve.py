@@ -156,7 +156,7 @@ def _resolve_policies(cfg: Any) -> None:
     cfg.nonfinite = nonfinite
     if not isinstance(cfg.compile, bool):
         raise setting_error("compile", f"compile={cfg.compile!r} must be True or False.")
-    if (
+    if cfg.loss_chunk is not None and (
         isinstance(cfg.loss_chunk, bool)
         or not isinstance(cfg.loss_chunk, int)
         or cfg.loss_chunk < 0
@@ -164,7 +164,7 @@ def _resolve_policies(cfg: Any) -> None:
         raise setting_error(
             "loss_chunk",
             f"loss_chunk={cfg.loss_chunk!r} must be a whole number of tokens >= 0 (0: the head "
-            "and the loss over whole logits).",
+            "and the loss over whole logits) or None (1024 where the run can chunk).",
         )
     if not isinstance(cfg.save_on_sigterm, bool):
         raise setting_error(

@@ -3,24 +3,42 @@
 With today's vocabularies the logits are the biggest activation of a decoder: 4096 tokens over a
 128k vocabulary are 2.1 GB in fp32, and a whole-logits cross-entropy keeps them (its softmax) for
 backward. `linear_cross_entropy` computes `cross_entropy(hidden @ weight.T + bias, target)` a chunk
-of `chunk` tokens at a time. Each chunk runs under torch's non-reentrant activation checkpoint, so
-what is kept for backward is the hidden states, the weight and the targets only; backward
-recomputes one chunk's logits at a time, and its gradient, then frees them. The sum of the chunks'
-summed losses is the whole cross-entropy's sum (fp32 logits, as a whole-logits loss upcasts them),
-so the loss and every gradient agree with whole logits up to the order of fp32 additions.
+of `chunk` tokens at a time, as one autograd node (`_LinearCrossEntropy`) that keeps the hidden
+states, the weight and the targets only; its backward recomputes one chunk's logits at a time, and
+their gradient, then frees them. The sum of the chunks' summed losses is the whole cross-entropy's
+sum (fp32 logits, as a whole-logits loss upcasts them), so the loss and every gradient agree with
+whole logits up to the order of fp32 additions.
 
-The chunk is the `loss_chunk` setting (`ZeroPPConfig`; 0 turns chunking off): the engine sets it
-for the process (`set_loss_chunk`) and the model code that computes a loss this way reads it
-(`loss_chunk`). Pure torch.
+One node, not a checkpoint per chunk, for the schedules that split backward into an input- and a
+weight-gradient pass (ZB-V, DualPipeV, interleaved zero-bubble, ZeroPP): torch's split backward
+keeps, from the first pass to the second, the gradient flowing into each node where a weight's
+path joins the input's. Under a checkpoint per chunk those are the chunks' logits' gradients (the
+whole logits again, held until the weight pass); here it is one scalar, the loss's. The input
+pass (`will_backward_reach` tells the passes apart) computes the hidden states' gradient and, in
+the same recompute of the logits, the head's weight gradient, which it keeps for the weight
+pass: ZeroPP's held-back weight tasks find the weights released, so that pass reads no weight.
+
+The chunk is the `loss_chunk` setting (`ZeroPPConfig`; 0 turns chunking off, None chunks where
+the run can): the engine sets it for the process (`chunk_for_run`, `set_loss_chunk`) and the
+model code that computes a loss this way reads it (`loss_chunk`). Pure torch.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
-__all__ = ["DEFAULT_LOSS_CHUNK", "linear_cross_entropy", "loss_chunk", "set_loss_chunk"]
+from lightning_zeropp.core._torch_private import will_backward_reach
+
+__all__ = [
+    "DEFAULT_LOSS_CHUNK",
+    "chunk_for_run",
+    "linear_cross_entropy",
+    "loss_chunk",
+    "set_loss_chunk",
+]
 
 # Tokens per chunk: 1024 x a 128k vocabulary is 512 MB of fp32 logits, a quarter of a 4096-token
 # micro-batch's; small chunks cost more matmul launches and a re-read of the weight per chunk.
@@ -35,6 +53,33 @@ def set_loss_chunk(tokens: int) -> None:
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
         raise ValueError(f"loss_chunk={tokens!r} must be a whole number of tokens >= 0 (0: off).")
     _chunk = tokens
+
+
+def chunk_for_run(asked: int | None, split: object, num_stages: int, cp_size: int) -> int:
+    """The chunk a run computes its head and loss in: `asked` (`loss_chunk`; None: the default)
+    where it can, 0 (whole logits) where it cannot. Only the call split, or one stage (the model
+    itself), hands the last stage the call's targets: a traced, pruned or user-cut stage takes
+    activations, and the model computes its loss from whole logits. Under context parallelism a
+    loss the model computes itself would cover this rank's part of the sequence only (a front
+    gathers whole logits instead). A number asked for where the run cannot chunk is refused,
+    never silently ignored."""
+    whole = split == "call" or num_stages == 1  # the last stage runs the model's own call
+    if whole and cp_size == 1:
+        return DEFAULT_LOSS_CHUNK if asked is None else asked
+    if asked:
+        why = (
+            f"split={split!r} hands the last stage activations, not the call's targets, so the "
+            "model computes its loss from whole logits"
+            if not whole
+            else f"under context parallelism (cp_size={cp_size}) the loss is computed from the "
+            "whole sequences' logits the front gathers"
+        )
+        fix = "use split='call', or " if not whole else ""
+        raise ValueError(
+            f"loss_chunk={asked} asks for the head and the loss in chunks, but {why}: "
+            f"{fix}leave loss_chunk unset (None: chunks where the run can) or set it to 0."
+        )
+    return 0
 
 
 def loss_chunk() -> int:
@@ -52,6 +97,83 @@ def _chunk_loss(
     # The logits in fp32, as a whole-logits loss computes them (`.float()` before the loss).
     logits = F.linear(hidden, weight, bias).float()
     return F.cross_entropy(logits, target, ignore_index=ignore_index, reduction="sum")
+
+
+def _viewed(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """A view of `tensor` when it takes a gradient: its node can be asked whether a backward
+    reaches it (a leaf's own node, its gradient accumulator, cannot be under `autograd.grad`)."""
+    return tensor.view_as(tensor) if tensor is not None and tensor.requires_grad else tensor
+
+
+_NONE = (None, None, None, None)  # no gradients for the targets, ignore_index, chunk and nodes
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """The summed cross-entropy of `hidden @ weight.T + bias`, chunk by chunk (see the module).
+    Its inputs are views whose nodes (`nodes`) tell backward which gradients the pass wants."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        target: torch.Tensor,
+        ignore_index: int,
+        chunk: int,
+        nodes: tuple[Any, Any, Any],
+    ) -> torch.Tensor:
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for part, labels in zip(hidden.split(chunk), target.split(chunk), strict=True):
+            total += _chunk_loss(part, weight, bias, labels, ignore_index)
+        ctx.save_for_backward(hidden, weight, bias, target)
+        ctx.ignore_index, ctx.chunk, ctx.nodes = ignore_index, chunk, nodes
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        # The gradients this pass reaches: all under a plain backward; one side under each pass
+        # of a split backward.
+        reach = [n is not None and will_backward_reach(n) for n in ctx.nodes]
+        stash = getattr(ctx, "stash", None)
+        if stash is not None:  # the weight pass: the input pass computed its gradients
+            ctx.stash = None
+            return None, *(g if r else None for g, r in zip(stash, reach[1:], strict=True)), *_NONE
+        hidden, weight, bias, target = ctx.saved_tensors
+        # Every gradient wanted at all, in one recompute of the logits: the input pass of a
+        # split backward computes the weight's too and keeps it for the weight pass, which may
+        # find the weight released (ZeroPP's held-back weight tasks) and would otherwise
+        # recompute the logits once more.
+        wants = [n is not None for n in ctx.nodes]
+        d_hidden = torch.zeros_like(hidden) if wants[0] else None
+        d_weight = torch.zeros_like(weight) if wants[1] else None
+        d_bias = torch.zeros_like(bias) if wants[2] else None
+        grad = grad.float()
+        start = 0
+        for part, labels in zip(hidden.split(ctx.chunk), target.split(ctx.chunk), strict=True):
+            logits = F.linear(part, weight, bias)
+            # d(sum of cross-entropies)/d(logits) = softmax - one-hot, on the labelled rows
+            d_logits = torch.softmax(logits.float(), dim=-1)
+            kept = labels != ctx.ignore_index
+            rows = torch.arange(labels.shape[0], device=labels.device)
+            d_logits[rows[kept], labels[kept]] -= 1.0
+            d_logits[~kept] = 0.0
+            d_logits = (d_logits * grad).to(logits.dtype)  # as autograd casts it back
+            if d_hidden is not None:
+                d_hidden[start : start + part.shape[0]] = d_logits @ weight
+            if d_weight is not None:
+                d_weight += d_logits.t() @ part
+            if d_bias is not None:
+                d_bias += d_logits.sum(dim=0)
+            start += part.shape[0]
+        if (wants[1] and not reach[1]) or (wants[2] and not reach[2]):
+            ctx.stash = (d_weight, d_bias)  # the input pass of a split backward
+        return (
+            d_hidden if reach[0] else None,
+            d_weight if reach[1] else None,
+            d_bias if reach[2] else None,
+            *_NONE,
+        )
 
 
 def linear_cross_entropy(
@@ -78,23 +200,12 @@ def linear_cross_entropy(
         )
     if chunk <= 0 or chunk >= flat.shape[0]:
         return _chunk_loss(flat, weight, bias, labels, ignore_index)
-    total = flat.new_zeros((), dtype=torch.float32)
-    # One split node: backward gathers the chunks' input gradients into one tensor at once.
-    for part, part_labels in zip(flat.split(chunk), labels.split(chunk), strict=True):
-        if torch.is_grad_enabled():
-            # Keeps the chunk's inputs only; its logits are recomputed in backward, one chunk at
-            # a time (no random draws inside, so no RNG state to keep).
-            value = checkpoint(
-                _chunk_loss,
-                part,
-                weight,
-                bias,
-                part_labels,
-                ignore_index,
-                use_reentrant=False,
-                preserve_rng_state=False,
-            )
-        else:
-            value = _chunk_loss(part, weight, bias, part_labels, ignore_index)
-        total = total + value
-    return total
+    if not torch.is_grad_enabled():
+        total = flat.new_zeros((), dtype=torch.float32)
+        for part, part_labels in zip(flat.split(chunk), labels.split(chunk), strict=True):
+            total = total + _chunk_loss(part, weight, bias, part_labels, ignore_index)
+        return total
+    # Views, so that backward can ask of each input whether its pass reaches it (`_viewed`).
+    h, w, b = _viewed(flat), _viewed(weight), _viewed(bias)
+    nodes = tuple(None if t is None else t.grad_fn for t in (h, w, b))
+    return _LinearCrossEntropy.apply(h, w, b, labels, ignore_index, chunk, nodes)
