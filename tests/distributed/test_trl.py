@@ -1,7 +1,8 @@
 """TRL's SFT script under `ZeroPPSFTTrainer` (pp 2, 2 gloo ranks) against TRL's own
 `SFTTrainer` in one process: loss and TRL's metrics (entropy, mean_token_accuracy, num_tokens)
 per logged step and the saved weights, with a completion-only loss over padded rows (and TRL's
-evaluation: eval_loss, eval_entropy, eval_mean_token_accuracy) and with packed rows."""
+evaluation: eval_loss, eval_entropy, eval_mean_token_accuracy), with packed rows, and with LoRA
+adapters (`peft_config`; the saved adapters compared)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ CASES = [
         "args": {"completion_only_loss": True, "eval_strategy": "steps", "eval_steps": 2},
     },
     {"id": "packed", "plugin": PP, "batch": 2, "args": {"packing": True}},
+    # LoRA adapters (`peft_config`, as TRL's examples pass it): the adapters' weights compared
+    {"id": "lora", "plugin": PP, "batch": 2, "lora": True, "args": {"completion_only_loss": True}},
 ]
 REFERENCES = [{**case, "plugin": None, "batch": 4} for case in CASES]
 
@@ -48,7 +51,7 @@ def runs(tmp_path_factory):
     return two, one[0]
 
 
-@pytest.mark.parametrize("case", ["completion", "packed"])
+@pytest.mark.parametrize("case", [case["id"] for case in CASES])
 def test_sft_matches_trl_in_one_process(runs, case):
     two, one = runs
     got, ref = two[0][case], one[case]

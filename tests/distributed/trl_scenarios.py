@@ -8,11 +8,12 @@ from typing import Any
 
 import torch
 from datasets import Dataset
+from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 from trl import SFTConfig, SFTTrainer
 
 from lightning_zeropp.transformers import ZeroPPPlugin
-from tests.distributed.trainer_script import TINY, Recorder, tokenizer
+from tests.distributed.trainer_script import LORA_TARGETS, TINY, Recorder, tokenizer
 
 
 def rows(n: int, seed: int) -> Dataset:
@@ -25,6 +26,15 @@ def rows(n: int, seed: int) -> Dataset:
         ids.append(torch.randint(1, 64, (length,), generator=g).tolist())
         masks.append([0] * prompt + [1] * (length - prompt))
     return Dataset.from_dict({"input_ids": ids, "completion_mask": masks})
+
+
+def _lora() -> Any:
+    from peft import LoraConfig
+
+    # as TRL's SFT examples write it (trl/scripts/sft.py: get_peft_config)
+    return LoraConfig(
+        task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS
+    )
 
 
 def run(cases: list[dict[str, Any]], out_dir: str) -> dict[str, Any]:
@@ -64,14 +74,18 @@ def run(cases: list[dict[str, Any]], out_dir: str) -> dict[str, Any]:
             eval_dataset=rows(8, 2) if case.get("eval") else None,
             processing_class=tokenizer(),
             callbacks=[recorder],
+            peft_config=_lora() if case.get("lora") else None,
             **kwargs,
         )
         trainer.train()
         trainer.save_model(str(folder / "final"))
         out: dict[str, Any] = {"logs": recorder.logs}
         if torch.distributed.is_initialized() is False or torch.distributed.get_rank() == 0:
-            saved = AutoModelForCausalLM.from_pretrained(folder / "final")
-            out["weights"] = {k: v.clone() for k, v in saved.state_dict().items()}
+            if case.get("lora"):  # the adapters, as saved
+                out["weights"] = load_file(folder / "final" / "adapter_model.safetensors")
+            else:
+                saved = AutoModelForCausalLM.from_pretrained(folder / "final")
+                out["weights"] = {k: v.clone() for k, v in saved.state_dict().items()}
         trainer.accelerator.free_memory()
         results[case["id"]] = out
     return results
