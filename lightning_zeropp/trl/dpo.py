@@ -196,7 +196,7 @@ class ZeroPPDPOTrainer(ZeroPPTrainer, DPOTrainer):
         def loss(output: Any, labels: torch.Tensor, num_items_in_batch: float, **rows: Any) -> Any:
             return dpo_loss(output, labels, num_items_in_batch, beta=beta, weight=weight, **rows)
 
-        self._pipeline.use_loss(loss, shift=1, rows=_ROWS)
+        self._pipeline.use_loss(loss, shift=1, rows=_ROWS, group=2)  # a micro-batch: whole pairs
         if self._ref_state is not None:
             params = list(self._pipeline.engine.named_parameters())
             self._reference = FrozenReference(params, self._ref_state)
@@ -224,8 +224,8 @@ class ZeroPPDPOTrainer(ZeroPPTrainer, DPOTrainer):
         engine = pipeline.engine
         micro = engine.config.num_microbatches
         pairs = inputs["input_ids"].size(0) // 2
-        if not model.training:  # forward only: as many micro-batches as split the rows
-            micro = eval_microbatches(2 * pairs, micro)
+        if not model.training:  # forward only: as many micro-batches as split the pairs
+            micro = eval_microbatches(pairs, micro)
         if pairs % micro != 0:
             which = "train" if model.training else "eval"
             raise ValueError(

@@ -15,7 +15,8 @@ pytest.importorskip("trl")
 
 PP = {"pp_size": 2, "num_microbatches": 2}
 CASES = [
-    {"id": "sigmoid", "plugin": PP, "batch": 2, "eval": True},
+    # 7 eval pairs, 4 a batch: a last batch of 3 pairs runs as one micro-batch of whole pairs
+    {"id": "sigmoid", "plugin": PP, "batch": 2, "eval": True, "eval_pairs": 7},
     # one pair per micro-batch, two batches per update
     {"id": "accumulated", "plugin": PP, "batch": 1, "accumulation": 2},
     # DPOConfig's default: TRL's reference model (the policy's path loaded) run each step,
