@@ -48,7 +48,7 @@ from lightning_zeropp.accelerate.steps import NUM_ITEMS
 from lightning_zeropp.core.schedule.build import eval_microbatches
 from lightning_zeropp.transformers.counts import summed_over_data_parallel
 from lightning_zeropp.transformers.trainer import ZeroPPTrainer
-from lightning_zeropp.trl.dpo_checks import NO_PREDICT, refusals
+from lightning_zeropp.trl.dpo_checks import NO_PREDICT, extra_reference_weights, refusals
 from lightning_zeropp.trl.mode import follow_pipeline_mode
 from lightning_zeropp.trl.reference import FrozenReference, completion_logps, reference_logps
 
@@ -149,6 +149,10 @@ class ZeroPPDPOTrainer(ZeroPPTrainer, DPOTrainer):
         if not self.precompute_ref_logps:
             assert self.ref_model is not None  # TRL built one
             self._ref_state = dict(self.accelerator.unwrap_model(self.ref_model).state_dict())
+            policy = self.accelerator.unwrap_model(self.model).state_dict()
+            problem = extra_reference_weights(self._ref_state, policy)
+            if problem is not None:
+                raise ValueError(problem)
             self.ref_model = None  # its weights live in _reference from the pipeline's build on
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

@@ -90,6 +90,11 @@ def _trainer(case: dict[str, Any], folder: Path, recorder: Recorder) -> Any:
         kwargs["eval_dataset"] = rows(case.get("eval_pairs", 8), 2)
     if kwargs.get("eval_dataset") == "rows":
         kwargs["eval_dataset"] = rows(8, 2)
+    if kwargs.get("ref_model") == "deeper":  # two layers more than the policy's
+        deeper = {**TINY, "num_hidden_layers": TINY["num_hidden_layers"] + 2}
+        kwargs["ref_model"] = AutoModelForCausalLM.from_config(
+            AutoConfig.for_model("llama", **deeper, tie_word_embeddings=False)
+        )
     if kwargs.get("peft_config") == "lora":
         from peft import LoraConfig
 
