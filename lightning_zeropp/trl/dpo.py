@@ -150,9 +150,9 @@ class ZeroPPDPOTrainer(ZeroPPTrainer, DPOTrainer):
             assert self.ref_model is not None  # TRL built one
             self._ref_state = dict(self.accelerator.unwrap_model(self.ref_model).state_dict())
             policy = self.accelerator.unwrap_model(self.model).state_dict()
-            problem = extra_reference_weights(self._ref_state, policy)
-            if problem is not None:
-                raise ValueError(problem)
+            extra = extra_reference_weights(self._ref_state, policy)
+            if extra is not None:
+                raise ValueError(extra)
             self.ref_model = None  # its weights live in _reference from the pipeline's build on
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

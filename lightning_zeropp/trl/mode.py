@@ -36,7 +36,7 @@ def follow_pipeline_mode(model: nn.Module | None, pipeline: Any) -> None:
         model.train(pipeline.training)
 
 
-def drop_fused_head(model: nn.Module) -> None:
+def drop_fused_head(model: nn.Module | None) -> None:
     """Take TRL's fused-LM-head forward off a PEFT model's base model (the class's forward
     again), so that the stages' copies call their own modules, not the original model's."""
     get_base = getattr(model, "get_base_model", None)
