@@ -69,7 +69,9 @@ def run_with_loss(
     core, dims = pipeline.engine.core, pipeline.engine.dims
     training = pipeline.training and torch.is_grad_enabled()
     pipeline.rows = rows_of(kwargs)
-    micro = call_microbatches(pipeline.rows, core.config.num_microbatches, training)
+    # forward only: as many micro-batches as split the groups (pairs), which the caller checked
+    units = pipeline.rows // loss.group if training is False else pipeline.rows
+    micro = call_microbatches(units, core.config.num_microbatches, training)
     if given is not None:
         items = float(given)
     else:

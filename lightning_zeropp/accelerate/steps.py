@@ -112,13 +112,15 @@ class PipelineModel(nn.Module):
         shift: int | None = None,
         rows: tuple[str, ...] = (),
         ignore_index: int = -100,
+        group: int = 1,
     ) -> None:
         """Compute the loss on the last stage with `loss_fn(output, labels, num_items_in_batch=n,
         **rows)` instead of the model's own (`core.step.last_loss`): it returns the micro-batch's
         summed loss over `n`, or `(loss, {name: scalar})`; the metrics reach every rank as the
         output's `.metrics`. `shift`: leading labels of each row never counted (default: 1 for a
         causal LM, else 0); `rows`: per-row tensors of the batch also handed to `loss_fn` (the
-        model is called with the batch as it is). `None` goes back to the model's own loss."""
+        model is called with the batch as it is); `group`: consecutive rows a micro-batch never
+        splits (a pair: 2). `None` goes back to the model's own loss."""
         if loss_fn is None:
             self.last_loss = None
             return
@@ -126,7 +128,7 @@ class PipelineModel(nn.Module):
             raise TypeError(f"use_loss needs a callable, got {type(loss_fn).__name__}")
         if shift is None:
             shift = 1 if self.shifts else 0
-        self.last_loss = LastStageLoss(loss_fn, int(shift), tuple(rows), ignore_index)
+        self.last_loss = LastStageLoss(loss_fn, int(shift), tuple(rows), ignore_index, int(group))
 
     # ---------------------------------------------------------------- calls
     @guarded  # token counts and logits are collectives too: a lost rank is named

@@ -10,6 +10,7 @@ another rank wrote its own shard), with the same words, on every rank that calls
 
 from __future__ import annotations
 
+import inspect
 import types
 from typing import Any
 
@@ -71,11 +72,20 @@ def _refusing_save_pretrained(self: nn.Module, *args: Any, **kwargs: Any) -> Any
     are shards (every rank; before anything is written); with a `state_dict` given (what
     `trainer.save_model` passes, gathered) or once `unwrap_model` has put the whole weights
     back (the main process), the model's own."""
-    sharded = any(isinstance(p, DTensor) or p.device.type == "meta" for p in self.parameters())
-    if sharded and kwargs.get("state_dict") is None:
-        raise RuntimeError(_SHARDED)
     own: Any = type(self)  # the class's method, under the one shadowing it here
+    sharded = any(isinstance(p, DTensor) or p.device.type == "meta" for p in self.parameters())
+    if sharded and _given_state_dict(own.save_pretrained, self, args, kwargs) is None:
+        raise RuntimeError(_SHARDED)
     return own.save_pretrained(self, *args, **kwargs)
+
+
+def _given_state_dict(method: Any, model: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+    """The `state_dict` a call of `method` passes, by keyword or by position (the third
+    parameter of HF's `save_pretrained(save_directory, is_main_process, state_dict, ...)`)."""
+    try:
+        return inspect.signature(method).bind(model, *args, **kwargs).arguments.get("state_dict")
+    except TypeError:  # a call the method would refuse anyway: the keyword only
+        return kwargs.get("state_dict")
 
 
 def _refuse_released(module: nn.Module, prefix: str, keep_vars: bool) -> None:

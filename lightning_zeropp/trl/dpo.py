@@ -49,7 +49,7 @@ from lightning_zeropp.core.schedule.build import eval_microbatches
 from lightning_zeropp.fronts.microbatches import loss_shares
 from lightning_zeropp.transformers.counts import summed_over_data_parallel
 from lightning_zeropp.transformers.trainer import ZeroPPTrainer
-from lightning_zeropp.trl.dpo_checks import NO_PREDICT, refusals
+from lightning_zeropp.trl.dpo_checks import NO_PREDICT, extra_reference_weights, refusals
 from lightning_zeropp.trl.mode import follow_pipeline_mode
 from lightning_zeropp.trl.reference import FrozenReference, completion_logps, reference_logps
 
@@ -150,6 +150,10 @@ class ZeroPPDPOTrainer(ZeroPPTrainer, DPOTrainer):
         if not self.precompute_ref_logps:
             assert self.ref_model is not None  # TRL built one
             self._ref_state = dict(self.accelerator.unwrap_model(self.ref_model).state_dict())
+            policy = self.accelerator.unwrap_model(self.model).state_dict()
+            extra = extra_reference_weights(self._ref_state, policy)
+            if extra is not None:
+                raise ValueError(extra)
             self.ref_model = None  # its weights live in _reference from the pipeline's build on
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -197,7 +201,7 @@ class ZeroPPDPOTrainer(ZeroPPTrainer, DPOTrainer):
         def loss(output: Any, labels: torch.Tensor, num_items_in_batch: float, **rows: Any) -> Any:
             return dpo_loss(output, labels, num_items_in_batch, beta=beta, weight=weight, **rows)
 
-        self._pipeline.use_loss(loss, shift=1, rows=_ROWS)
+        self._pipeline.use_loss(loss, shift=1, rows=_ROWS, group=2)  # a micro-batch: whole pairs
         if self._ref_state is not None:
             params = list(self._pipeline.engine.named_parameters())
             self._reference = FrozenReference(params, self._ref_state)
@@ -225,8 +229,8 @@ class ZeroPPDPOTrainer(ZeroPPTrainer, DPOTrainer):
         engine = pipeline.engine
         micro = engine.config.num_microbatches
         pairs = inputs["input_ids"].size(0) // 2
-        if not model.training:  # forward only: as many micro-batches as split the rows
-            micro = eval_microbatches(2 * pairs, micro)
+        if not model.training:  # forward only: as many micro-batches as split the pairs
+            micro = eval_microbatches(pairs, micro)
         if pairs % micro != 0:
             which = "train" if model.training else "eval"
             raise ValueError(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["NO_PREDICT", "refusals"]
+__all__ = ["NO_PREDICT", "extra_reference_weights", "refusals"]
 
 NO_PREDICT = (
     "ZeroPPDPOTrainer: predict() is not supported: TRL's DPOTrainer.predict reads the model "
@@ -49,3 +49,18 @@ def refusals(args: Any, init: dict[str, Any]) -> list[str]:
             "pipeline's stages. Set activation_offloading=False."
         )
     return found
+
+
+def extra_reference_weights(reference: Any, policy: Any) -> str | None:
+    """The reference's weights the policy has no place for (a deeper `ref_model`), or None.
+    The stages check the policy's names only (`reference.FrozenReference`), so extra layers would
+    be dropped without a word; every rank holds both whole models here, so all refuse alike."""
+    extra = sorted(set(reference) - set(policy))
+    if not extra:
+        return None
+    return (
+        f"ZeroPPDPOTrainer: the reference model has {len(extra)} weights the policy has not "
+        f"({', '.join(repr(name) for name in extra[:3])}{', ...' if len(extra) > 3 else ''}): "
+        "a deeper or wider ref_model than the policy. Pass a ref_model of the policy's "
+        "architecture (or ref_model=None: the policy's initial weights)."
+    )

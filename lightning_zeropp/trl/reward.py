@@ -149,14 +149,15 @@ class ZeroPPRewardTrainer(ZeroPPTrainer, RewardTrainer):
         assert pipeline is not None
         micro = pipeline.engine.core.config.num_microbatches
         assert micro is not None
-        if not model.training:  # forward only: as many micro-batches as split the rows
-            micro = eval_microbatches(inputs["input_ids"].shape[0], micro)
+        if not model.training:  # forward only: as many micro-batches as split the pairs
+            micro = eval_microbatches(max(1, inputs["input_ids"].shape[0] // 2), micro)
         self._micro = micro
         rows = paired(dict(inputs), micro)
         rows["labels"] = torch.ones(
             rows["input_ids"].shape[0], dtype=torch.long, device=rows["input_ids"].device
         )
-        pipeline.use_loss(self._loss, shift=0, rows=(_MARGIN,) if _MARGIN in rows else ())
+        margin = (_MARGIN,) if _MARGIN in rows else ()
+        pipeline.use_loss(self._loss, shift=0, rows=margin, group=2)  # micro-batches: whole pairs
         self._extremes = []
         self._tokens = rows["attention_mask"].sum()
         return ZeroPPTrainer.compute_loss(self, model, rows, return_outputs, None)

@@ -26,7 +26,7 @@ from trl import SFTConfig, SFTTrainer
 
 from lightning_zeropp.transformers.counts import summed_over_data_parallel
 from lightning_zeropp.transformers.trainer import ZeroPPTrainer
-from lightning_zeropp.trl.mode import follow_pipeline_mode
+from lightning_zeropp.trl.mode import drop_fused_head, follow_pipeline_mode
 
 __all__ = ["ZeroPPSFTTrainer", "sft_metrics", "sft_loss"]
 
@@ -98,6 +98,7 @@ class ZeroPPSFTTrainer(ZeroPPTrainer, SFTTrainer):
             )
         collate = self.data_collator
         self.data_collator = lambda rows: _without_packing_keys(collate(rows))
+        drop_fused_head(self.model)  # a PEFT model's stages would reach the original model
         if self.aux_loss_enabled:
             raise ValueError(
                 "ZeroPPSFTTrainer: the MoE router's auxiliary loss (router_aux_loss_coef) is not "

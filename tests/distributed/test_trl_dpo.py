@@ -15,7 +15,8 @@ pytest.importorskip("trl")
 
 PP = {"pp_size": 2, "num_microbatches": 2}
 CASES = [
-    {"id": "sigmoid", "plugin": PP, "batch": 2, "eval": True},
+    # 7 eval pairs, 4 a batch: a last batch of 3 pairs runs as one micro-batch of whole pairs
+    {"id": "sigmoid", "plugin": PP, "batch": 2, "eval": True, "eval_pairs": 7},
     # one pair per micro-batch, two batches per update
     {"id": "accumulated", "plugin": PP, "batch": 1, "accumulation": 2},
     # DPOConfig's default: TRL's reference model (the policy's path loaded) run each step,
@@ -44,6 +45,12 @@ REFUSED = [
         "want": "evaluate(dataset) with precompute_ref_log_probs=True once the pipeline is built",
     },
     {"id": "predict", "refused": "predict", "want": "predict() is not supported"},
+    {
+        "id": "deeper_ref",
+        "args": {"precompute_ref_log_probs": False},
+        "init": {"ref_model": "deeper"},
+        "want": "the reference model has 18 weights the policy has not ('model.layers.4.",
+    },
     {"id": "lora", "init": {"peft_config": "lora"}, "want": "a PEFT model is not pipelined"},
     # 3 pairs per device x pp 2 = 6 pairs: 4 micro-batches would split a pair (the loader's
     # check of rows per micro-batch refuses it: a row of TRL's dataset is a pair)

@@ -20,12 +20,14 @@ MARGIN = {"margin": True, "args": {"center_rewards_coefficient": 0.1}}
 # the default run: margins and centring cover the plain pairs' path too (suite time)
 CASES = [
     {"id": "margin", "plugin": PP, "batch": 2, **MARGIN},
-    # TRL's evaluation after steps 2 and 3 (8 pairs, 4 a batch: two micro-batches of 2 pairs)
+    # TRL's evaluation after steps 2 and 3 (7 pairs, 4 a batch: two micro-batches of 2 pairs,
+    # then a last batch of 3 pairs as one micro-batch of whole pairs)
     {
         "id": "evaluated",
         "plugin": PP,
         "batch": 2,
         "evaluate": True,
+        "eval_pairs": 7,
         "args": {"eval_strategy": "steps", "eval_steps": 2},
     },
 ]
@@ -39,7 +41,7 @@ REFUSED = [
     {"id": "short", "plugin": PP, "batch": 2, "pairs": 5, "expect_error": True},
     {"id": "predict", "plugin": PP, "batch": 2, "predict": True, "expect_error": True},
 ]
-WIDE = [MORE[0], CASES[0]]  # 4 ranks: pp 2 x dp 2
+WIDE = [MORE[0], CASES[0], CASES[1]]  # 4 ranks: pp 2 x dp 2, evaluation included
 
 
 def references(cases: list[dict], batch: int) -> list[dict]:

@@ -45,7 +45,7 @@ def rows(n: int, seed: int) -> Dataset:
 
 
 def _trainer(case: dict[str, Any], folder: Path, recorder: Recorder) -> Any:
-    if case.get("eval"):  # TRL's evaluation after steps 2 and 3, of 8 pairs
+    if case.get("eval"):  # TRL's evaluation after steps 2 and 3, of 8 pairs (or eval_pairs)
         extra = {
             "eval_strategy": "steps",
             "eval_steps": 2,
@@ -87,9 +87,14 @@ def _trainer(case: dict[str, Any], folder: Path, recorder: Recorder) -> Any:
     )
     kwargs: dict[str, Any] = dict(case.get("init", {}))
     if case.get("eval"):
-        kwargs["eval_dataset"] = rows(8, 2)
+        kwargs["eval_dataset"] = rows(case.get("eval_pairs", 8), 2)
     if kwargs.get("eval_dataset") == "rows":
         kwargs["eval_dataset"] = rows(8, 2)
+    if kwargs.get("ref_model") == "deeper":  # two layers more than the policy's
+        deeper = {**TINY, "num_hidden_layers": TINY["num_hidden_layers"] + 2}
+        kwargs["ref_model"] = AutoModelForCausalLM.from_config(
+            AutoConfig.for_model("llama", **deeper, tie_word_embeddings=False)
+        )
     if kwargs.get("peft_config") == "lora":
         from peft import LoraConfig
 

@@ -76,7 +76,9 @@ def run(cases: list[dict[str, Any]], out_dir: str) -> dict[str, Any]:
                 model=model,
                 args=args,
                 train_dataset=pairs(case.get("pairs", 48), 1, case.get("margin", False)),
-                eval_dataset=pairs(8, 2, False) if case.get("evaluate") else None,
+                eval_dataset=pairs(case.get("eval_pairs", 8), 2, False)
+                if case.get("evaluate")
+                else None,
                 processing_class=tokenizer(),
                 callbacks=[recorder],
                 peft_config=_lora() if case.get("lora") else None,

@@ -227,3 +227,26 @@ def test_released_model_says_where_its_weights_are(tmp_path):
     release_weights(released)
     with pytest.raises(RuntimeError, match="unwrap_model"):
         released.merge_and_unload().save_pretrained(tmp_path / "merged")
+
+
+def test_save_pretrained_at_pp1_takes_a_state_dict_passed_by_position(tmp_path):
+    """The pp 1 stage's `save_pretrained` (its weights shards) writes a `state_dict` given by
+    position as by keyword (HF's third parameter), and is refused without one."""
+    from lightning_zeropp.transformers.release import _refusing_save_pretrained
+
+    calls = []
+
+    class Sharded(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.empty(2, device="meta"))
+
+        def save_pretrained(self, save_directory, is_main_process=True, state_dict=None):
+            calls.append(state_dict)
+
+    model, whole = Sharded(), {"w": torch.ones(2)}
+    _refusing_save_pretrained(model, str(tmp_path), True, whole)
+    _refusing_save_pretrained(model, str(tmp_path), state_dict=whole)
+    assert calls == [whole, whole]
+    with pytest.raises(RuntimeError, match="pipeline's only stage"):
+        _refusing_save_pretrained(model, str(tmp_path), True)

@@ -39,12 +39,15 @@ class LastStageLoss:
 
     `shift`: leading labels of each row that are never counted (1 for a causal LM); `rows`:
     names of per-row tensors of the batch handed to `fn` (sliced to the micro-batch) and not to
-    the model; `ignore_index`: the label that counts nothing."""
+    the model; `ignore_index`: the label that counts nothing; `group`: rows per unit that
+    a micro-batch never splits (a preference pair's chosen and rejected rows: 2), so that a
+    forward-only call runs as many micro-batches as split the units, not the rows."""
 
     fn: Callable[..., Any]
     shift: int = 0
     rows: tuple[str, ...] = ()
     ignore_index: int = IGNORE_INDEX
+    group: int = 1
 
     def items(self, labels: torch.Tensor) -> torch.Tensor:
         """This batch's counted labels (fp64 scalar)."""
