@@ -45,8 +45,9 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, default_collate
 
 from lightning_zeropp.core.mesh import ParallelDims
 from lightning_zeropp.core.step import resumed_rows
@@ -128,25 +129,33 @@ def resuming_loader(
 
 
 def settle_stopped_epoch(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """`checkpoint` with the loops' state of a fit that a stop ended (the epoch counted
-    completed: a save after fit returned) written as the data position it is.
+    """`checkpoint` with the loops' state of an epoch that ended (a stop, or its last batch),
+    saved after fit returned or in the epoch's end hook (`ModelCheckpoint`'s per-epoch save),
+    written as the data position it is.
 
     - Cut short (its batch count below the epoch's, not at its last batch): the epoch reopened,
       processed and completed one less, as a save inside that epoch writes them, so
       `fit(ckpt_path=...)` continues it (`ResumingLoader` skips the trained batches) instead of
-      starting the next epoch.
-    - At its last batch: the batch count zeroed, as the next epoch starts it. Otherwise a resume
-      under `max_steps` (Lightning restores the count then) took the whole next epoch as trained
-      and went on with the one after.
+      starting the next epoch. Lightning's own state (after fit: counted completed; in the end
+      hook: processed) resumed in the next epoch, with the stopped epoch's batch count (the
+      unseen batches never trained) or its sampler epoch one on (the rest of the epoch drawn
+      from the next permutation).
+    - At its last batch: counted completed and the batch count zeroed, as the next epoch starts
+      it. Otherwise a resume under `max_steps` (Lightning restores the count then) took the
+      whole next epoch as trained, or, from the end hook, skipped a permutation.
     """
     loops = checkpoint.get("loops", {}).get("fit_loop")
     batches, total = trainer.fit_loop.epoch_loop.batch_progress, trainer.num_training_batches
     if loops is None or batches.current.ready <= 0 or total == float("inf"):
         return checkpoint
     epochs = loops["epoch_progress"]["current"]  # the fit loop's, as saved
-    if not epochs["completed"] == epochs["processed"] == epochs["started"] > 0:
-        # Saved inside the epoch, or in its end hook (ModelCheckpoint's per-epoch save): not
-        # counted completed yet, and Lightning resumes it where it stopped.
+    after_fit = epochs["completed"] == epochs["processed"] == epochs["started"] == epochs["ready"]
+    in_end_hook = (
+        epochs["processed"] == epochs["started"] == epochs["ready"]
+        and epochs["completed"] == epochs["processed"] - 1
+    )
+    if epochs["started"] <= 0 or not (after_fit or in_end_hook):
+        # Saved inside the epoch: Lightning resumes it where it stopped.
         return checkpoint
     if batches.current.ready < total and not batches.is_last_batch:
         # The epoch that ran is the last one started; the sampler's epoch is read from
@@ -158,11 +167,16 @@ def settle_stopped_epoch(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> dic
         fit_loop = {**loops, "epoch_progress": progress}
         epoch = epochs["started"] - 1
     else:
+        progress = {
+            part: {**counts, "completed": counts["processed"]}
+            for part, counts in loops["epoch_progress"].items()
+        }
         counts = loops["epoch_loop.batch_progress"]
         zero = dict.fromkeys(counts["current"], 0)
-        fit_loop = {**loops, "epoch_loop.batch_progress": {**counts, "current": zero,
-                                                          "is_last_batch": False}}  # fmt: skip
-        epoch = checkpoint.get("epoch", epochs["completed"])
+        fit_loop = {**loops, "epoch_progress": progress,
+                    "epoch_loop.batch_progress": {**counts, "current": zero,
+                                                  "is_last_batch": False}}  # fmt: skip
+        epoch = epochs["processed"]
     return {**checkpoint, "loops": {**checkpoint["loops"], "fit_loop": fit_loop}, "epoch": epoch}
 
 
@@ -235,13 +249,23 @@ def check_trained(trainer: pl.Trainer) -> None:
         )
 
 
-def check_batch_size(loader: object, dims: ParallelDims, num_microbatches: int) -> None:
+def check_batch_size(trainer: pl.Trainer, loader: object, dims: ParallelDims, micro: int) -> None:
     """A training loader whose batch (each data-parallel rank's: Lightning's sampler shards the
     rows) does not split into `num_microbatches` is refused when the loop sets it up, on every
     rank alike (the batch size is the same on each), with the check every front makes
     (`fronts.microbatches.check_rows_per_rank`). A short last batch reaches the engine's own
-    check at its step. A loader that does not say its batch size is left to that check too."""
+    check at its step. So does a batch whose rows are not the loader's `batch_size`: a loader
+    that does not say it, a `collate_fn` of the user's (a pre-batched dataset, a packing or
+    pair-stacking collate) or a batch-transfer hook of the module's or the datamodule's."""
     size = getattr(loader, "batch_size", None)
-    if isinstance(size, int):
-        how = "the loader's batch_size is per rank"
-        check_rows_per_rank(size, dims.dp_size, num_microbatches, split_batches=False, how=how)
+    if not isinstance(size, int) or getattr(loader, "collate_fn", None) is not default_collate:
+        return
+    owners = (trainer.lightning_module, getattr(trainer, "datamodule", None))
+    if any(is_overridden(hook, owner) for hook in _BATCH_HOOKS for owner in owners if owner):
+        return
+    how = "the loader's batch_size is per rank"
+    check_rows_per_rank(size, dims.dp_size, micro, split_batches=False, how=how)
+
+
+# What may change a batch's rows between the loader and the training step.
+_BATCH_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")

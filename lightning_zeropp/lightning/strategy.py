@@ -170,7 +170,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
         if trainer is None or not trainer.training:
             return dataloader
         assert self._dims is not None
-        data.check_batch_size(dataloader, self._dims, self._layout().num_microbatches)
+        data.check_batch_size(trainer, dataloader, self._dims, self._layout().num_microbatches)
         return data.resuming_loader(dataloader, trainer, lambda: self._checkpoints.saved_rows)
 
     @property
