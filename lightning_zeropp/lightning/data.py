@@ -176,7 +176,7 @@ def settle_stopped_epoch(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> dic
         fit_loop = {**loops, "epoch_progress": progress,
                     "epoch_loop.batch_progress": {**counts, "current": zero,
                                                   "is_last_batch": False}}  # fmt: skip
-        epoch = epochs["processed"]
+        epoch = checkpoint.get("epoch", epochs["completed"])  # Lightning's, as it wrote it
     return {**checkpoint, "loops": {**checkpoint["loops"], "fit_loop": fit_loop}, "epoch": epoch}
 
 
