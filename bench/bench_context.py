@@ -183,9 +183,9 @@ def planned(lengths: list[int], batch: int) -> list[dict[str, Any]]:
     from omegaconf import OmegaConf
 
     from lightning_zeropp.plan.__main__ import CONF, _num_blocks, describe
-    from lightning_zeropp.plan.context import search_by_cp
     from lightning_zeropp.plan.hardware import Hardware
     from lightning_zeropp.plan.search import enumerate_layouts
+    from lightning_zeropp.plan.search_cp import search_by_cp
 
     out = []
     for length in lengths:

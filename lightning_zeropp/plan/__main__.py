@@ -90,9 +90,9 @@ def main(argv: list[str]) -> int:
             "pip install 'lightning-zeropp[hydra]'"
         ) from None
 
-    from lightning_zeropp.plan.context import search_by_cp
     from lightning_zeropp.plan.hardware import Hardware
     from lightning_zeropp.plan.search import as_parallel_config, enumerate_layouts
+    from lightning_zeropp.plan.search_cp import search_by_cp
 
     own, overrides = split_args(argv)
     with initialize_config_dir(str(CONF), version_base="1.3"):

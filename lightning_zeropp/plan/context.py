@@ -40,7 +40,7 @@ from lightning_zeropp.core.settings.layout import ZeroPPLayout
 from lightning_zeropp.core.step.context_masks import call_mask
 from lightning_zeropp.plan.profile import ModelProfile, lm_loss, profile_model
 
-__all__ = ["check_length", "fsdp_view", "kv_bytes", "rank_profile", "search_by_cp"]
+__all__ = ["check_length", "fsdp_view", "kv_bytes", "rank_profile"]
 
 
 def fsdp_view(cfg: ZeroPPLayout) -> ZeroPPLayout:
@@ -146,32 +146,3 @@ def kv_bytes(model: nn.Module, seq_len: int, dtype: torch.dtype | None, cp: int)
         return 0
     rank_profile(model, 1, seq_len, dtype, cp)
     return _KV.get((model, seq_len, dtype, cp), 0)
-
-
-def search_by_cp(
-    model: nn.Module,
-    world_size: int,
-    global_batch: int,
-    seq_len: int,
-    hardware: Any,
-    layouts: list[dict[str, Any]],
-    **kwargs: Any,
-) -> dict[int, list[Any]]:
-    """`plan.search.search` run over the layouts of each cp size apart: per cp, its fastest
-    layouts that fit (a list, empty where none fits), so a caller can name the best of each
-    as well as the best of all. Each layout is priced once, as in one search."""
-    from lightning_zeropp.plan.search import search
-
-    sizes = sorted({s.get("cp_size", 1) for s in layouts})
-    return {
-        cp: search(
-            model,
-            world_size,
-            global_batch,
-            seq_len,
-            hardware,
-            layouts=[s for s in layouts if s.get("cp_size", 1) == cp],
-            **kwargs,
-        )  # fmt: skip
-        for cp in sizes
-    }
