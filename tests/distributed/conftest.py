@@ -113,6 +113,21 @@ def core_results_by_world(
     return get
 
 
+def against_one_process(
+    out: Path, world: int, scenario: str, cases: list[Any], references: list[Any]
+) -> tuple[list[Any], Any]:
+    """`scenario` run with `cases` on `world` ranks (under `out/many`) and with `references`,
+    each case's one-process run, on one (under `out/one`): every rank's results, and the one
+    process's."""
+    ranks = launch(
+        world, scenario, {"cases": cases, "out_dir": str(out / "many")}, out / "many", timeout=600
+    )
+    one = launch(
+        1, scenario, {"cases": references, "out_dir": str(out / "one")}, out / "one", timeout=600
+    )
+    return ranks, one[0]
+
+
 def merged_params(results: list[dict[str, Any]], case_id: str, prefix: str = "") -> dict[str, Any]:
     """Each rank reports the parameters of its stages: the union is the whole model."""
     params: dict[str, Any] = {}

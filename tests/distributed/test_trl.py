@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.launch import launch
+from tests.distributed.conftest import against_one_process
 
 pytestmark = pytest.mark.distributed
 pytest.importorskip("trl")
@@ -56,21 +56,7 @@ WIDE = [  # 4 ranks: pp 2 x dp 2
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("trl")
-    two = launch(
-        2,
-        "trl_scenarios.run",
-        {"cases": CASES, "out_dir": str(out / "two")},
-        out / "two",
-        timeout=600,
-    )
-    one = launch(
-        1,
-        "trl_scenarios.run",
-        {"cases": REFERENCES, "out_dir": str(out / "one")},
-        out / "one",
-        timeout=600,
-    )
-    return two, one[0]
+    return against_one_process(out, 2, "trl_scenarios.run", CASES, REFERENCES)
 
 
 def _matches(ranks: list[dict], one: dict, case: str, steps_run: int = 3) -> None:
@@ -102,22 +88,8 @@ def test_sft_matches_trl_in_one_process(runs, case):
 
 
 def _against_one_process(tmp_path, world: int, cases: list[dict]) -> tuple[list, dict]:
-    ranks = launch(
-        world,
-        "trl_scenarios.run",
-        {"cases": cases, "out_dir": str(tmp_path / "many")},
-        tmp_path / "many",
-        timeout=600,
-    )
     references = [{**case, "plugin": None, "batch": 2 * world} for case in cases]
-    one = launch(
-        1,
-        "trl_scenarios.run",
-        {"cases": references, "out_dir": str(tmp_path / "one")},
-        tmp_path / "one",
-        timeout=600,
-    )
-    return ranks, one[0]
+    return against_one_process(tmp_path, world, "trl_scenarios.run", cases, references)
 
 
 def _resumed_as_uninterrupted(ranks: list[dict]) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.distributed.conftest import against_one_process
 from tests.distributed.launch import launch
 
 pytestmark = pytest.mark.distributed
@@ -83,21 +84,7 @@ METRICS = (
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("trl_dpo")
     refused = [{"plugin": PP, "batch": 2, "refused": "init", **case} for case in REFUSED]
-    two = launch(
-        2,
-        "trl_dpo_scenarios.run",
-        {"cases": refused + CASES, "out_dir": str(out / "two")},
-        out / "two",
-        timeout=600,
-    )
-    one = launch(
-        1,
-        "trl_dpo_scenarios.run",
-        {"cases": REFERENCES, "out_dir": str(out / "one")},
-        out / "one",
-        timeout=600,
-    )
-    return two, one[0]
+    return against_one_process(out, 2, "trl_dpo_scenarios.run", refused + CASES, REFERENCES)
 
 
 def check_equal(got: dict, ref: dict, ranks: list[dict]) -> None:
@@ -139,14 +126,11 @@ def test_dpo_pp2_dp2_matches_trl_in_one_process(tmp_path):
         {"id": "dp2", "plugin": PP, "batch": 1},
         {**CASES[-1], "id": "dp2_per_step", "batch": 1},
     ]
-    four = launch(4, "trl_dpo_scenarios.run", {"cases": cases, "out_dir": str(tmp_path / "4")},
-                  tmp_path / "4", timeout=600)  # fmt: skip
     refs = [{**case, "plugin": None, "batch": 4} for case in cases]
-    one = launch(1, "trl_dpo_scenarios.run", {"cases": refs, "out_dir": str(tmp_path / "1")},
-                 tmp_path / "1", timeout=600)  # fmt: skip
+    four, one = against_one_process(tmp_path, 4, "trl_dpo_scenarios.run", cases, refs)
     for case in cases:
         name = case["id"]
-        check_equal(four[0][name], one[0][name], [rank[name] for rank in four])
+        check_equal(four[0][name], one[name], [rank[name] for rank in four])
 
 
 @pytest.mark.parametrize("case", REFUSED, ids=[case["id"] for case in REFUSED])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.launch import launch
+from tests.distributed.conftest import against_one_process
 
 pytestmark = pytest.mark.distributed
 pytest.importorskip("trl")
@@ -51,21 +51,8 @@ def references(cases: list[dict], batch: int) -> list[dict]:
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
     out = tmp_path_factory.mktemp("trl_reward")
-    ranks = launch(
-        2,
-        "trl_reward_scenarios.run",
-        {"cases": CASES + REFUSED, "out_dir": str(out / "two")},
-        out / "two",
-        timeout=600,
-    )
-    one = launch(
-        1,
-        "trl_reward_scenarios.run",
-        {"cases": references(CASES, 4), "out_dir": str(out / "one")},
-        out / "one",
-        timeout=600,
-    )
-    return ranks, one[0]
+    scenario = "trl_reward_scenarios.run"
+    return against_one_process(out, 2, scenario, CASES + REFUSED, references(CASES, 4))
 
 
 def _matches(ranks: list[dict], ref: dict, case: str) -> None:
@@ -113,22 +100,10 @@ def test_predict_is_refused_on_every_rank(two):
 
 
 def _against_one_process(tmp_path, world: int, cases: list[dict]) -> None:
-    ranks = launch(
-        world,
-        "trl_reward_scenarios.run",
-        {"cases": cases, "out_dir": str(tmp_path / "many")},
-        tmp_path / "many",
-        timeout=600,
-    )
-    one = launch(
-        1,
-        "trl_reward_scenarios.run",
-        {"cases": references(cases, 2 * world), "out_dir": str(tmp_path / "one")},
-        tmp_path / "one",
-        timeout=600,
-    )
+    scenario, refs = "trl_reward_scenarios.run", references(cases, 2 * world)
+    ranks, one = against_one_process(tmp_path, world, scenario, cases, refs)
     for case in cases:
-        _matches(ranks, one[0], case["id"])
+        _matches(ranks, one, case["id"])
 
 
 @pytest.mark.slow
