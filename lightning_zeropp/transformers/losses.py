@@ -117,9 +117,12 @@ def last_stage_loss(trainer: Any) -> tuple[Any, int] | None:
 
 def causal_lm(model: nn.Module) -> bool:
     """Whether the Trainer's label smoothing shifts the labels for `model`: a causal LM class
-    (the base model of a PEFT model), as `Trainer.compute_loss` tests it."""
+    (the base model of a PEFT model), as `Trainer.compute_loss` tests it. The class's own name
+    or one it derives from: FSDP2 shards a model in place by giving it a subclass named
+    `FSDP<name>` (at pp 1 the model is sharded before its loss is chosen)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     base = getattr(getattr(model, "base_model", None), "model", None)
     inner = base if callable(getattr(model, "get_base_model", None)) and base is not None else model
-    return inner._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    return any(cls.__name__ in causal for cls in type(inner).__mro__)
