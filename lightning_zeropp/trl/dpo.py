@@ -47,7 +47,7 @@ from trl import DPOConfig, DPOTrainer
 from lightning_zeropp.accelerate.steps import NUM_ITEMS
 from lightning_zeropp.core.schedule.build import eval_microbatches
 from lightning_zeropp.fronts.microbatches import loss_shares
-from lightning_zeropp.transformers.counts import summed_over_data_parallel
+from lightning_zeropp.transformers.counts import real_samples, summed_over_data_parallel
 from lightning_zeropp.transformers.trainer import ZeroPPTrainer
 from lightning_zeropp.trl.dpo_checks import NO_PREDICT, extra_reference_weights, refusals
 from lightning_zeropp.trl.mode import follow_pipeline_mode
@@ -56,13 +56,15 @@ from lightning_zeropp.trl.reference import FrozenReference, completion_logps, re
 __all__ = ["ZeroPPDPOTrainer", "dpo_loss", "paired_batch"]
 
 # The per-row tensors the last-stage loss reads besides the labels
-_ROWS = ("completion_mask", "ref_logps")
+_ROWS = ("completion_mask", "ref_logps", "counted")
 
 
 def paired_batch(batch: dict[str, Any]) -> dict[str, Any]:
     """TRL's collated batch (`[chosen; rejected]` rows, per-pair reference log-probabilities) as
     the pipeline is called: rows alternating chosen, rejected of one pair; `labels` the
-    completions' tokens (-100 elsewhere, as TRL's); `ref_logps` one per row."""
+    completions' tokens (-100 elsewhere, as TRL's); `ref_logps` one per row; `counted` 1.0 per
+    row (0.0 for a pair Accelerate repeated to complete a short last evaluation batch, set by
+    `compute_loss`)."""
     ids, completion = batch["input_ids"], batch["completion_mask"]
     pairs = ids.size(0) // 2
     order = torch.arange(2 * pairs).view(2, pairs).t().reshape(-1)  # c0 r0 c1 r1 ...
@@ -71,6 +73,7 @@ def paired_batch(batch: dict[str, Any]) -> dict[str, Any]:
         "attention_mask": batch["attention_mask"][order],
         "completion_mask": completion[order],
         "labels": ids.masked_fill(completion == 0, -100)[order],
+        "counted": torch.ones(2 * pairs),
     }
     if "ref_chosen_logps" in batch:
         ref = torch.stack([batch["ref_chosen_logps"], batch["ref_rejected_logps"]], dim=1)
@@ -88,19 +91,23 @@ def dpo_loss(
     ref_logps: torch.Tensor,
     beta: float,
     weight: float = 1.0,
+    counted: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """TRL's sigmoid DPO loss of a micro-batch of whole pairs (rows chosen, rejected, ...), summed
-    over its pairs and divided by `num_items_in_batch` (pairs); and its metrics as sums."""
+    over its pairs and divided by `num_items_in_batch` (pairs); and its metrics as sums. A pair
+    whose `counted` is 0 (a repeated sample) counts in neither."""
     logits = output["logits"][:, :-1].float()
     target = labels[:, 1:]
-    mask = completion_mask[:, 1:].bool()
+    rows = torch.ones(logits.shape[0], device=logits.device) if counted is None else counted
+    mask = completion_mask[:, 1:].bool() & (rows[:, None] > 0)
     logp = logits.log_softmax(-1)
     logps = completion_logps(output, labels, completion_mask)
     chosen, rejected = logps[0::2], logps[1::2]
+    real = rows[0::2].to(logps.dtype)
     chosen_ratio = chosen - ref_logps[0::2]
     rejected_ratio = rejected - ref_logps[1::2]
     per_pair = -F.logsigmoid(beta * (chosen_ratio - rejected_ratio))
-    loss = per_pair.sum() * weight / num_items_in_batch
+    loss = (per_pair * real).sum() * weight / num_items_in_batch
     with torch.no_grad():
         entropy = -(logp.exp() * logp).sum(-1)
         mean_logits = logits.mean(-1)
@@ -108,13 +115,13 @@ def dpo_loss(
         reward_c, reward_r = beta * chosen_ratio, beta * rejected_ratio
         c_mask, r_mask = mask[0::2], mask[1::2]
         metrics = {
-            "pairs": torch.tensor(float(chosen.numel())),
-            "rewards_chosen": reward_c.sum(),
-            "rewards_rejected": reward_r.sum(),
-            "rewards_accuracies": (reward_c > reward_r).float().sum(),
-            "rewards_margins": (reward_c - reward_r).sum(),
-            "logps_chosen": chosen.sum(),
-            "logps_rejected": rejected.sum(),
+            "pairs": real.sum(),
+            "rewards_chosen": (reward_c * real).sum(),
+            "rewards_rejected": (reward_r * real).sum(),
+            "rewards_accuracies": ((reward_c > reward_r).float() * real).sum(),
+            "rewards_margins": ((reward_c - reward_r) * real).sum(),
+            "logps_chosen": (chosen * real).sum(),
+            "logps_rejected": (rejected * real).sum(),
             "tokens": mask.sum().float(),
             "entropy_sum": (entropy * mask).sum(),
             "chosen_tokens": c_mask.sum().float(),
@@ -242,7 +249,14 @@ class ZeroPPDPOTrainer(ZeroPPTrainer, DPOTrainer):
         if self._reference is not None:  # TRL's reference forward, through the pipeline
             ref = reference_logps(pipeline, dict(inputs), self._reference)
             inputs = {**inputs, "ref_logps": ref}
-        local = torch.tensor(float(pairs), device=engine.device)
+        if not model.training:  # the pairs Accelerate repeated to complete a short last batch
+            real = real_samples(self.accelerator.gradient_state, pipeline, pairs)
+            counted = inputs["counted"].clone()
+            counted[2 * real :] = 0.0  # rows alternate chosen, rejected
+            inputs = {**inputs, "counted": counted}
+        else:
+            real = pairs
+        local = torch.tensor(float(real), device=engine.device)
         total = float(summed_over_data_parallel(local, pipeline).item())
         if not model.training:  # evaluation: the global batch's pair mean on every process
             shares = loss_shares(micro, engine.dims, cp_parts=False)  # use_loss: no CP

@@ -35,13 +35,14 @@ from torch import nn
 from trl import RewardConfig, RewardTrainer
 
 from lightning_zeropp.core.schedule.build import eval_microbatches
-from lightning_zeropp.transformers.counts import summed_over_data_parallel
+from lightning_zeropp.transformers.counts import real_samples, summed_over_data_parallel
 from lightning_zeropp.transformers.trainer import ZeroPPTrainer
 from lightning_zeropp.trl.mode import follow_pipeline_mode
 
 __all__ = ["ZeroPPRewardTrainer", "paired", "reward_loss"]
 
 _MARGIN = "margin"  # TRL's per-pair margin column (DataCollatorForPreference)
+_IGNORED = -100  # the label of a row that counts nothing
 _NO_PREDICT = (
     "ZeroPPRewardTrainer: predict() is not supported: the rewards exist on the last stage only, "
     "one micro-batch at a time. Use evaluate() for the loss and TRL's metrics, or score with the "
@@ -82,22 +83,28 @@ def reward_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """TRL's pairwise loss over one micro-batch in pair order (`paired`): its pairs' summed loss
     over `num_items_in_batch / 2` (the items are rows: two per pair); and the sums behind TRL's
-    metrics, scaled alike."""
+    metrics, scaled alike. A pair whose labels are -100 (a sample Accelerate repeated to complete
+    a short last evaluation batch) counts in nothing; the min and max of a micro-batch without a
+    counted pair are +inf and -inf."""
     rewards = output["logits"].squeeze(-1)
     chosen, rejected = torch.chunk(rewards, chunks=2)
+    real = torch.chunk(labels != _IGNORED, chunks=2)[0]
+    weight = real.to(rewards.dtype)
     pairs = num_items_in_batch / 2
     diff = chosen - rejected
     shifted = diff - margin if margin is not None else diff
-    loss = -nn.functional.logsigmoid(shifted).sum() / pairs
+    loss = -(nn.functional.logsigmoid(shifted) * weight).sum() / pairs
     if center is not None:
-        loss = loss + center * ((chosen + rejected) ** 2).sum() / pairs
+        loss = loss + center * (((chosen + rejected) ** 2) * weight).sum() / pairs
     with torch.no_grad():
+        counted = torch.cat([real, real])
+        inf = torch.full_like(rewards, float("inf"))
         metrics = {
-            "accuracy": (chosen > rejected).float().sum() / pairs,
-            "margin": diff.sum() / pairs,
-            "mean_reward": rewards.sum() / num_items_in_batch,
-            "min_reward": rewards.min(),
-            "max_reward": rewards.max(),
+            "accuracy": ((chosen > rejected).float() * weight).sum() / pairs,
+            "margin": (diff * weight).sum() / pairs,
+            "mean_reward": (rewards * counted).sum() / num_items_in_batch,
+            "min_reward": torch.where(counted, rewards, inf).min(),
+            "max_reward": torch.where(counted, rewards, -inf).max(),
         }
     return loss, metrics
 
@@ -152,15 +159,22 @@ class ZeroPPRewardTrainer(ZeroPPTrainer, RewardTrainer):
         if not model.training:  # forward only: as many micro-batches as split the pairs
             micro = eval_microbatches(max(1, inputs["input_ids"].shape[0] // 2), micro)
         self._micro = micro
-        rows = paired(dict(inputs), micro)
-        rows["labels"] = torch.ones(
-            rows["input_ids"].shape[0], dtype=torch.long, device=rows["input_ids"].device
-        )
+        ids = inputs["input_ids"]
+        labels = torch.ones(ids.shape[0], dtype=torch.long, device=ids.device)
+        if not model.training:  # the pairs Accelerate repeated to complete a short last batch
+            pairs = ids.shape[0] // 2
+            real = real_samples(self.accelerator.gradient_state, pipeline, pairs)
+            labels.view(2, -1)[:, real:] = _IGNORED  # chosen rows first, then rejected
+        rows = paired({**inputs, "labels": labels}, micro)
         margin = (_MARGIN,) if _MARGIN in rows else ()
         pipeline.use_loss(self._loss, shift=0, rows=margin, group=2)  # micro-batches: whole pairs
         self._extremes = []
         self._tokens = rows["attention_mask"].sum()
         return ZeroPPTrainer.compute_loss(self, model, rows, return_outputs, None)
+
+    def _without_repeats(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """The repeated pairs' labels were masked before the rows were put in pair order."""
+        return inputs
 
     def _record_metrics(
         self, metrics: dict[str, float], inputs: dict[str, Any], training: bool

@@ -34,6 +34,19 @@ CASES = [
         },
     },
 ]
+# dp 2 (pp 1): 7 eval rows, 4 a batch: the last batch's second data-parallel rank reads 1 row
+# and 1 row Accelerate repeats, which the global batch's mean must not count
+CASES.append(
+    {
+        "id": "smooth_dp",
+        "plugin": {"pp_size": 1, "num_microbatches": 1},
+        "script": {
+            "rows": "padded",
+            "eval_rows": 7,
+            "args": {"label_smoothing_factor": 0.1, **EVAL},
+        },
+    }
+)
 # one process reads the 2 processes' per-device batches at once
 ONE = {"per_device_train_batch_size": 4, "per_device_eval_batch_size": 4}
 REFERENCES = [{**case, "plugin": None, "script": {**case["script"], **ONE}} for case in CASES]
@@ -90,6 +103,20 @@ def test_label_smoothing_matches_one_process(runs):
     want = [log["eval_loss"] for log in ref["logs"] if "eval_loss" in log]
     assert len(evals) == len(want) == 2
     assert evals == pytest.approx(want, abs=1e-5)
+
+
+def test_a_short_last_eval_batch_over_data_parallel_ranks_matches_one_process(runs):
+    two, one = runs
+    got, ref = two[0]["smooth_dp"], one["smooth_dp"]
+    _same_training(got, ref)
+    evals = [log["eval_loss"] for log in got["logs"] if "eval_loss" in log]
+    want = [log["eval_loss"] for log in ref["logs"] if "eval_loss" in log]
+    assert len(evals) == len(want) == 2
+    assert evals == pytest.approx(want, abs=1e-5)
+    for rank in two:  # every rank logs the same numbers
+        assert [
+            log["eval_loss"] for log in rank["smooth_dp"]["logs"] if "eval_loss" in log
+        ] == evals
 
 
 def test_an_accelerate_loop_with_its_own_loss_matches_one_process(runs):

@@ -48,7 +48,8 @@ RESUMED = {
 # grows to ~7e-5 in the weights; under SGD the same runs agree to 1e-8. SGD here, then.
 SGD = {"optim": "sgd", "learning_rate": 0.3}
 WIDE = [  # 4 ranks: pp 2 x dp 2
-    {**CASES[0], "args": {**CASES[0]["args"], **SGD}},
+    # 7 eval rows, 8 a batch: data-parallel rank 1 reads 3 rows and a row Accelerate repeats
+    {**CASES[0], "eval_rows": 7, "args": {**CASES[0]["args"], **SGD}},
     {**RESUMED, "args": {**RESUMED["args"], **SGD}},
 ]
 

@@ -123,7 +123,9 @@ def test_dpo_pp2_dp2_matches_trl_in_one_process(tmp_path):
     """4 ranks, pp 2 x dp 2: the pair count, tokens and metrics summed over data-parallel
     ranks; the per-step reference's weights cut into the data-parallel shards."""
     cases = [
-        {"id": "dp2", "plugin": PP, "batch": 1},
+        # 7 eval pairs, 4 a batch: the last batch's second data-parallel rank reads 1 pair
+        # and 1 pair Accelerate repeats
+        {"id": "dp2", "plugin": PP, "batch": 1, "eval": True, "eval_pairs": 7},
         {**CASES[-1], "id": "dp2_per_step", "batch": 1},
     ]
     refs = [{**case, "plugin": None, "batch": 4} for case in cases]

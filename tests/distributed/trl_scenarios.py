@@ -67,7 +67,7 @@ def _trainer(case: dict[str, Any], folder: Path, recorder: Recorder) -> Any:
         model=model,
         args=args,
         train_dataset=rows(48, 1),
-        eval_dataset=rows(8, 2) if case.get("eval") else None,
+        eval_dataset=rows(case.get("eval_rows", 8), 2) if case.get("eval") else None,
         processing_class=tokenizer(),
         callbacks=[recorder],
         peft_config=_lora() if case.get("lora") else None,
