@@ -126,6 +126,15 @@ class PipelineModel(nn.Module):
             return
         if not callable(loss_fn):
             raise TypeError(f"use_loss needs a callable, got {type(loss_fn).__name__}")
+        asked = self.engine.config.loss_chunk
+        if asked:  # a number the user set: chunking would silently not happen
+            raise ValueError(
+                f"loss_chunk={asked} asks for the head and the loss in chunks, but a loss "
+                "computed on the last stage from the model's output (use_loss: a loop's own "
+                "loss, the Trainer's compute_loss_func or label smoothing, TRL's trainers) reads "
+                "whole logits: leave loss_chunk unset (None: chunks where the run can) or set it "
+                "to 0."
+            )
         if shift is None:
             shift = 1 if self.shifts else 0
         self.last_loss = LastStageLoss(loss_fn, int(shift), tuple(rows), ignore_index, int(group))

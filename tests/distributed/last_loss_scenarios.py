@@ -36,7 +36,10 @@ def run(cases: list[dict[str, Any]], out_dir: str) -> dict[str, Any]:
     results = {}
     for case in cases:
         if "loop" in case:
-            results[case["id"]] = accelerate_loop(case["loop"])
+            try:
+                results[case["id"]] = accelerate_loop(case["loop"])
+            except ValueError as err:  # a refusal: its message, from every rank
+                results[case["id"]] = {"error": str(err)}
             continue
         folder = Path(out_dir) / case["id"]
         script = Script(**case["script"])

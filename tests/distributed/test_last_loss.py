@@ -53,6 +53,8 @@ REFERENCES = [{**case, "plugin": None, "script": {**case["script"], **ONE}} for 
 # an Accelerate loop with its own loss (per-row weights, a metric): `model.use_loss` at pp 2
 CASES.append({"id": "loop", "loop": PP})
 REFERENCES.append({"id": "loop", "loop": None})
+# an asked chunk of the head and loss, which a loss of its own on the whole logits cannot honour
+CASES.append({"id": "chunked_loop", "loop": {**PP, "loss_chunk": 64}})
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +140,11 @@ def test_gradient_checkpointing_is_the_librarys(runs):
     for rank in two:
         assert rank["smooth"]["checkpointing"] == "all"  # ZeroPP recomputes every block
         assert rank["smooth"]["args_checkpointing"] is False  # the Trainer's own is off
+
+
+def test_an_asked_loss_chunk_with_a_loss_of_its_own_is_refused_on_every_rank(runs):
+    two, _ = runs
+    for rank in two:
+        error = rank["chunked_loop"]["error"]
+        assert "loss_chunk=64 asks for the head and the loss in chunks" in error
+        assert "leave loss_chunk unset (None: chunks where the run can) or set it to 0" in error
