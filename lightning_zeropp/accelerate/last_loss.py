@@ -11,6 +11,9 @@ time): a loss from the logits must be computed there, per micro-batch. The call 
 out of the model's inputs (the model computes no loss of its own, as transformers' Trainer calls
 a model under `compute_loss_func`), counts the global batch's labels and runs the core's
 `LastLossStep` as the engine's loss (`core.step.last_loss`: the contract and the weighting).
+Forward only, the labels of the samples Accelerate repeated to complete a short last batch are
+masked first (`repeats`): every process gets the global batch's loss, which one process computes
+without them.
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from accelerate.state import GradientState
 
 from lightning_zeropp.accelerate.outputs import broadcast_logits
+from lightning_zeropp.accelerate.repeats import without_repeated_rows
 from lightning_zeropp.core.step.last_loss import (
     LastLossStep,
     LastStageLoss,
@@ -56,6 +61,13 @@ def run_with_loss(
         )
     # The model is still called with them: the split checked its call on a batch of the same
     # loader, and HF models hand unknown keywords down to every block.
+    training = pipeline.training and torch.is_grad_enabled()
+    if not training and loss.group == 1:
+        # every process gets the global batch's loss: the samples Accelerate repeated to
+        # complete a short last batch count in it no more than one process sees them (a
+        # grouped loss, pairs, masks its own: the rows of a sample are its to know)
+        dims = pipeline.engine.dims
+        kwargs = without_repeated_rows(kwargs, GradientState(), dims.dp_rank, dims.dp_size)
     rows = {name: kwargs[name] for name in loss.rows}
     shaped = _reshaped(pipeline, loss, kwargs)
     kwargs = dict(shaped.batch)
@@ -67,7 +79,6 @@ def run_with_loss(
         )
     given = kwargs.pop(NUM_ITEMS, None)
     core, dims = pipeline.engine.core, pipeline.engine.dims
-    training = pipeline.training and torch.is_grad_enabled()
     pipeline.rows = rows_of(kwargs)
     # forward only: as many micro-batches as split the groups (pairs), which the caller checked
     units = pipeline.rows // loss.group if training is False else pipeline.rows

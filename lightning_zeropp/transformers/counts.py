@@ -1,7 +1,7 @@
 """The Trainer's counts over processes (tokens for the loss, tokens seen, flos), as one process
 counts them: the processes of one pipeline hold the same rows, so sums run over data-parallel
 ranks only, a count that depends on padding is taken over the global batch, and the rows
-Accelerate repeats to complete a short last batch are not counted."""
+Accelerate repeats to complete a short last batch are not counted (`accelerate.repeats`)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_zeropp.accelerate.repeats import without_repeated_rows
 from lightning_zeropp.accelerate.steps import PipelineModel
-from lightning_zeropp.fronts.hf_loss import IGNORE_INDEX
-from lightning_zeropp.fronts.packing import documents, is_packed
+from lightning_zeropp.fronts.packing import is_packed
 from lightning_zeropp.transformers._private import (
     trainer_num_items_in_batch,
     trainer_track_num_input_tokens,
@@ -23,11 +23,9 @@ from lightning_zeropp.transformers._private import (
 __all__ = [
     "items_in_window",
     "padded_tokens",
-    "real_samples",
     "summed_over_data_parallel",
     "summing_over_data_parallel",
     "track_input_tokens",
-    "without_repeated_rows",
     "without_repeats",
 ]
 
@@ -109,53 +107,14 @@ def summed_over_data_parallel(value: torch.Tensor, pipeline: PipelineModel) -> t
     return total
 
 
-def real_samples(state: Any, pipeline: PipelineModel, samples: int) -> int:
-    """How many of this data-parallel rank's `samples` dataset samples in the current batch are
-    the dataset's own: all of them, except in a short last batch, which Accelerate completes
-    with samples from the start (`even_batches`) that `gather_for_metrics` later drops from what
-    has a value per row. The global batch's first `state.remainder` samples are real;
-    data-parallel rank i holds samples [i*B, (i+1)*B) of it, in order."""
-    if not (state.end_of_dataloader and state.remainder > 0):
-        return samples
-    return min(max(state.remainder - pipeline.engine.dims.dp_rank * samples, 0), samples)
-
-
 def without_repeats(
     inputs: dict[str, Any], state: Any, pipeline: PipelineModel
 ) -> dict[str, Any] | None:
-    """The last packed evaluation batch with the labels of repeated documents masked (-100); None
-    for other batches (the same on every rank: the caller counts the tokens again, together).
-
-    Packed into one row, the documents Accelerate repeated (`real_samples`) cannot be dropped by
-    `gather_for_metrics`, and their tokens would count in the loss."""
-    labels = inputs.get("labels")
+    """The last packed evaluation batch with the labels of repeated documents masked (-100,
+    `accelerate.repeats`); None for other batches. The same on every rank: the caller counts the
+    tokens again, together."""
     last = is_packed(inputs) and state.end_of_dataloader and state.remainder > 0
-    if not last or not isinstance(labels, torch.Tensor):
+    if not last:
         return None
-    docs = documents(inputs["position_ids"])
-    real = real_samples(state, pipeline, len(docs))
-    masked = labels.clone()
-    for row, start, end in docs[real:]:
-        masked[row, start:end] = IGNORE_INDEX
-    return {**inputs, "labels": masked}
-
-
-def without_repeated_rows(
-    inputs: dict[str, Any], state: Any, pipeline: PipelineModel
-) -> dict[str, Any]:
-    """An evaluation batch for a loss computed over the global batch (every process gets its
-    mean, `losses.last_stage_inputs`): the labels of the rows or packed documents Accelerate
-    repeated to complete a short last batch masked (-100), so that they count in neither the
-    loss nor its count, as one process never sees them. One row per sample otherwise."""
-    labels = inputs.get("labels")
-    if not isinstance(labels, torch.Tensor) or labels.dim() == 0:
-        return inputs
-    packed = without_repeats(inputs, state, pipeline)
-    if packed is not None:
-        return packed
-    real = real_samples(state, pipeline, labels.shape[0])
-    if real == labels.shape[0]:
-        return inputs
-    masked = labels.clone()
-    masked[real:] = IGNORE_INDEX
-    return {**inputs, "labels": masked}
+    dims = pipeline.engine.dims
+    return without_repeated_rows(inputs, state, dims.dp_rank, dims.dp_size)

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from lightning_zeropp.accelerate.shares import share_of
 from lightning_zeropp.accelerate.steps import NUM_ITEMS, PipelineModel
@@ -117,12 +118,15 @@ def last_stage_loss(trainer: Any) -> tuple[Any, int] | None:
 
 def causal_lm(model: nn.Module) -> bool:
     """Whether the Trainer's label smoothing shifts the labels for `model`: a causal LM class
-    (the base model of a PEFT model), as `Trainer.compute_loss` tests it. The class's own name
-    or one it derives from: FSDP2 shards a model in place by giving it a subclass named
-    `FSDP<name>` (at pp 1 the model is sharded before its loss is chosen)."""
+    (the base model of a PEFT model) by its name, as `Trainer.compute_loss` tests it (a user's
+    subclass is not one). FSDP2 shards a model in place by giving it a class of its own
+    (`FSDP<name>`; at pp 1 the model is sharded before its loss is chosen): the name read is
+    the class it was made from."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     base = getattr(getattr(model, "base_model", None), "model", None)
     inner = base if callable(getattr(model, "get_base_model", None)) and base is not None else model
-    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-    return any(cls.__name__ in causal for cls in type(inner).__mro__)
+    cls = type(inner)
+    if issubclass(cls, FSDPModule):  # the class FSDP2 made: the model's own is the next one
+        cls = next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
+    return cls.__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()

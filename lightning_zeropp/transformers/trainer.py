@@ -211,21 +211,11 @@ class ZeroPPTrainer(TrainerOverrides):
     ) -> Any:
         """`compute_loss_func` or label smoothing on the last stage (`losses.last_stage_inputs`).
         The metrics a loss returns are logged like the loss (mean over the logging interval)."""
-        if not model.training:  # every process gets the global batch's mean: no repeats in it
-            inputs = self._without_repeats(inputs)
         inputs = losses.last_stage_inputs(pipeline, model.training, inputs, num_items_in_batch)
         outputs = pipeline(**inputs)
         self._record_metrics(outputs.metrics, inputs, model.training)
         loss = outputs["loss"]
         return (loss, outputs) if return_outputs else loss
-
-    def _without_repeats(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        """An evaluation batch with the labels of the samples Accelerate repeated to complete a
-        short last batch masked (`counts.without_repeated_rows`: one row or packed document
-        per sample)."""
-        assert self._pipeline is not None
-        state = self.accelerator.gradient_state
-        return counts.without_repeated_rows(inputs, state, self._pipeline)
 
     def _record_metrics(
         self, metrics: dict[str, float], inputs: dict[str, Any], training: bool

@@ -44,10 +44,11 @@ from torch import nn
 from torch.utils.data import DataLoader
 from trl import DPOConfig, DPOTrainer
 
+from lightning_zeropp.accelerate.repeats import repeated_samples
 from lightning_zeropp.accelerate.steps import NUM_ITEMS
 from lightning_zeropp.core.schedule.build import eval_microbatches
 from lightning_zeropp.fronts.microbatches import loss_shares
-from lightning_zeropp.transformers.counts import real_samples, summed_over_data_parallel
+from lightning_zeropp.transformers.counts import summed_over_data_parallel
 from lightning_zeropp.transformers.trainer import ZeroPPTrainer
 from lightning_zeropp.trl.dpo_checks import NO_PREDICT, extra_reference_weights, refusals
 from lightning_zeropp.trl.mode import follow_pipeline_mode
@@ -250,7 +251,9 @@ class ZeroPPDPOTrainer(ZeroPPTrainer, DPOTrainer):
             ref = reference_logps(pipeline, dict(inputs), self._reference)
             inputs = {**inputs, "ref_logps": ref}
         if not model.training:  # the pairs Accelerate repeated to complete a short last batch
-            real = real_samples(self.accelerator.gradient_state, pipeline, pairs)
+            dims = engine.dims
+            state = self.accelerator.gradient_state
+            real = pairs - repeated_samples(state, dims.dp_rank, dims.dp_size, pairs)
             counted = inputs["counted"].clone()
             counted[2 * real :] = 0.0  # rows alternate chosen, rejected
             inputs = {**inputs, "counted": counted}

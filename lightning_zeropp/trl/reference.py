@@ -129,7 +129,10 @@ def reference_logps(pipeline: Any, inputs: dict[str, Any], frozen: FrozenReferen
         return output["logits"].new_zeros(())
 
     kept_loss, kept_logits, training = pipeline.last_loss, pipeline.eval_logits, pipeline.training
-    pipeline.use_loss(logps, shift=1, rows=("completion_mask",))
+    # pairs (chosen, rejected rows) are a unit: whole pairs per micro-batch, as the policy's
+    # call, and no labels masked (`accelerate.repeats` masks single rows only): every row's
+    # value is read, a repeated pair's too, which the loss weighs (`counted`)
+    pipeline.use_loss(logps, shift=1, rows=("completion_mask",), group=2)
     pipeline.eval_logits = False  # nothing reads them: no broadcast
     pipeline.eval()
     # an accumulation window's gradients so far, out of the way: the pipeline's runtime divides

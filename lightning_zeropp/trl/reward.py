@@ -34,8 +34,9 @@ import torch.distributed as dist
 from torch import nn
 from trl import RewardConfig, RewardTrainer
 
+from lightning_zeropp.accelerate.repeats import repeated_samples
 from lightning_zeropp.core.schedule.build import eval_microbatches
-from lightning_zeropp.transformers.counts import real_samples, summed_over_data_parallel
+from lightning_zeropp.transformers.counts import summed_over_data_parallel
 from lightning_zeropp.transformers.trainer import ZeroPPTrainer
 from lightning_zeropp.trl.mode import follow_pipeline_mode
 
@@ -163,18 +164,16 @@ class ZeroPPRewardTrainer(ZeroPPTrainer, RewardTrainer):
         labels = torch.ones(ids.shape[0], dtype=torch.long, device=ids.device)
         if not model.training:  # the pairs Accelerate repeated to complete a short last batch
             pairs = ids.shape[0] // 2
-            real = real_samples(self.accelerator.gradient_state, pipeline, pairs)
-            labels.view(2, -1)[:, real:] = _IGNORED  # chosen rows first, then rejected
+            dims = pipeline.engine.dims
+            state = self.accelerator.gradient_state
+            repeated = repeated_samples(state, dims.dp_rank, dims.dp_size, pairs)
+            labels.view(2, -1)[:, pairs - repeated :] = _IGNORED  # chosen rows, then rejected
         rows = paired({**inputs, "labels": labels}, micro)
         margin = (_MARGIN,) if _MARGIN in rows else ()
         pipeline.use_loss(self._loss, shift=0, rows=margin, group=2)  # micro-batches: whole pairs
         self._extremes = []
         self._tokens = rows["attention_mask"].sum()
         return ZeroPPTrainer.compute_loss(self, model, rows, return_outputs, None)
-
-    def _without_repeats(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        """The repeated pairs' labels were masked before the rows were put in pair order."""
-        return inputs
 
     def _record_metrics(
         self, metrics: dict[str, float], inputs: dict[str, Any], training: bool

@@ -37,7 +37,7 @@ def run(cases: list[dict[str, Any]], out_dir: str) -> dict[str, Any]:
     for case in cases:
         if "loop" in case:
             try:
-                results[case["id"]] = accelerate_loop(case["loop"])
+                results[case["id"]] = accelerate_loop(case["loop"], eval_rows=case.get("eval", 0))
             except ValueError as err:  # a refusal: its message, from every rank
                 results[case["id"]] = {"error": str(err)}
             continue
@@ -84,9 +84,13 @@ def weighted_collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.
     return {**batch, "weight": 1.0 + 0.25 * (lengths % 3)}
 
 
-def accelerate_loop(plugin: dict[str, Any] | None, steps: int = 3) -> dict[str, Any]:
+def accelerate_loop(
+    plugin: dict[str, Any] | None, steps: int = 3, eval_rows: int = 0
+) -> dict[str, Any]:
     """The loop with its own loss: one process calls the model and the loss itself; under
-    `ZeroPPAccelerator` the loss is handed to the pipelined model (`model.use_loss`)."""
+    `ZeroPPAccelerator` the loss is handed to the pipelined model (`model.use_loss`). With
+    `eval_rows`, then an evaluation as run_clm writes it: each batch's loss gathered once per
+    row (`gather_for_metrics(loss.repeat(rows))`), their mean."""
     from accelerate import Accelerator
     from torch.utils.data import DataLoader
 
@@ -99,11 +103,12 @@ def accelerate_loop(plugin: dict[str, Any] | None, steps: int = 3) -> dict[str, 
         rows = 4
     else:
         accelerator = ZeroPPAccelerator(zeropp_plugin=ZeroPPPlugin(**plugin), cpu=True)
-        rows = 2  # per process: the pipeline's 2 processes read 4 rows a step
+        rows = 2  # per process: the 2 processes read 4 rows a step
     model = build_model(Args())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     loader = DataLoader(Texts(16, 0), batch_size=rows, collate_fn=weighted_collate)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    evals = DataLoader(Texts(eval_rows, 2), batch_size=rows, collate_fn=weighted_collate)
+    model, optimizer, loader, evals = accelerator.prepare(model, optimizer, loader, evals)
     if plugin is not None:
         model.use_loss(weighted_loss, rows=("weight",))
     model.train()
@@ -111,18 +116,33 @@ def accelerate_loop(plugin: dict[str, Any] | None, steps: int = 3) -> dict[str, 
     for step, batch in enumerate(loader):
         if step == steps:
             break
-        if plugin is None:
-            labels, weight = batch.pop("labels"), batch.pop("weight")
-            items = float((labels[:, 1:] != -100).sum())
-            loss, metrics = weighted_loss(model(**batch), labels, items, weight)
-            metrics = {k: float(v) for k, v in metrics.items()}
-        else:
-            out = model(**batch)
-            loss, metrics = out.loss, out.metrics
+        loss, metrics = _call(model, batch, plugin)
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
         logs.append({"loss": float(loss), **metrics})
+    out: dict[str, Any] = {"logs": logs}
+    if eval_rows:
+        model.eval()
+        losses = []
+        for batch in evals:
+            with torch.no_grad():
+                loss, _ = _call(model, batch, plugin)
+            size = batch["input_ids"].shape[0]
+            losses.append(accelerator.gather_for_metrics(loss.reshape(1).repeat(size)))
+        out["eval_loss"] = float(torch.cat(losses).mean())
     whole = accelerator.get_state_dict(model)
     accelerator.free_memory()
-    return {"logs": logs, "weights": {k: v.clone() for k, v in (whole or {}).items()}}
+    out["weights"] = {k: v.clone() for k, v in (whole or {}).items()}
+    return out
+
+
+def _call(model: Any, batch: dict[str, Any], plugin: Any) -> tuple[torch.Tensor, dict]:
+    """The loss and metrics of one call: the loop's own in one process, the pipeline's."""
+    if plugin is None:
+        labels, weight = batch.pop("labels"), batch.pop("weight")
+        items = float((labels[:, 1:] != -100).sum())
+        loss, metrics = weighted_loss(model(**batch), labels, items, weight)
+        return loss, {k: float(v) for k, v in metrics.items()}
+    out = model(**batch)
+    return out.loss, out.metrics

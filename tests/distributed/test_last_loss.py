@@ -53,6 +53,10 @@ REFERENCES = [{**case, "plugin": None, "script": {**case["script"], **ONE}} for 
 # an Accelerate loop with its own loss (per-row weights, a metric): `model.use_loss` at pp 2
 CASES.append({"id": "loop", "loop": PP})
 REFERENCES.append({"id": "loop", "loop": None})
+# the loop at pp 1 x dp 2 evaluated on 7 rows, 4 a batch: the last batch's second data-parallel
+# rank reads 1 row and 1 row Accelerate repeats
+CASES.append({"id": "loop_dp", "loop": {"pp_size": 1, "num_microbatches": 1}, "eval": 7})
+REFERENCES.append({"id": "loop_dp", "loop": None, "eval": 7})
 # an asked chunk of the head and loss, which a loss of its own on the whole logits cannot honour
 CASES.append({"id": "chunked_loop", "loop": {**PP, "loss_chunk": 64}})
 
@@ -146,5 +150,18 @@ def test_an_asked_loss_chunk_with_a_loss_of_its_own_is_refused_on_every_rank(run
     two, _ = runs
     for rank in two:
         error = rank["chunked_loop"]["error"]
-        assert "loss_chunk=64 asks for the head and the loss in chunks" in error
+        assert (
+            "loss_chunk=64 asks for the head and the loss in chunks, but a loss computed on "
+            in (error)
+        )
+        assert "(use_loss: a loop's own loss, the Trainer's compute_loss_func" in error
         assert "leave loss_chunk unset (None: chunks where the run can) or set it to 0" in error
+
+
+def test_an_accelerate_loop_evaluating_a_short_last_batch_matches_one_process(runs):
+    two, one = runs
+    got, ref = two[0]["loop_dp"], one["loop_dp"]
+    for a, b in zip(got["logs"], ref["logs"], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+    assert got["eval_loss"] == pytest.approx(ref["eval_loss"], abs=1e-5)
+    assert [rank["loop_dp"]["eval_loss"] for rank in two] == [got["eval_loss"]] * 2
