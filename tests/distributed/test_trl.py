@@ -24,7 +24,16 @@ CASES = [
         "eval": True,
         "args": {"completion_only_loss": True, "eval_strategy": "steps", "eval_steps": 2},
     },
-    {"id": "packed", "plugin": PP, "batch": 2, "args": {"packing": True}},
+    # evaluated on 7 rows packed into samples of several documents (a short last batch at dp 1:
+    # nothing repeated, every document counted)
+    {
+        "id": "packed",
+        "plugin": PP,
+        "batch": 2,
+        "eval": True,
+        "eval_rows": 7,
+        "args": {"packing": True, "eval_strategy": "steps", "eval_steps": 2},
+    },
     # LoRA adapters (`peft_config`, as TRL's examples pass it): the adapters' weights compared
     {"id": "lora", "plugin": PP, "batch": 2, "lora": True, "args": {"completion_only_loss": True}},
 ]
@@ -71,7 +80,7 @@ def _matches(ranks: list[dict], one: dict, case: str, steps_run: int = 3) -> Non
         assert a["num_tokens"] == b["num_tokens"]
     evals = [log for log in got["logs"] if "eval_loss" in log]
     want_evals = [log for log in ref["logs"] if "eval_loss" in log]
-    assert len(evals) == len(want_evals) == (2 if case == "completion" else 0)
+    assert len(evals) == len(want_evals) == (2 if case in ("completion", "packed") else 0)
     for a, b in zip(evals, want_evals, strict=True):
         for key in ("eval_loss", "eval_entropy", "eval_mean_token_accuracy"):
             assert a[key] == pytest.approx(b[key], abs=1e-5), key
