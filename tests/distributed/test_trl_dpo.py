@@ -138,18 +138,22 @@ def test_dpo_matches_trl_in_one_process(runs, case):
 @pytest.mark.slow
 def test_dpo_pp2_dp2_matches_trl_in_one_process(tmp_path):
     """4 ranks, pp 2 x dp 2: the pair count, tokens and metrics summed over data-parallel
-    ranks; the per-step reference's weights cut into the data-parallel shards."""
+    ranks; the per-step reference's weights cut into the data-parallel shards, a resume
+    included."""
     cases = [
         # 7 eval pairs, 4 a batch: the last batch's second data-parallel rank reads 1 pair
         # and 1 pair Accelerate repeats
         {"id": "dp2", "plugin": PP, "batch": 1, "eval": True, "eval_pairs": 7},
         {**CASES[-1], "id": "dp2_per_step", "batch": 1},
+        # resumed from checkpoint-2: the reference's shards the original's
+        {**RESUMED[-1], "id": "dp2_resumed_per_step", "batch": 1},
     ]
     refs = [{**case, "plugin": None, "batch": 4} for case in cases]
     four, one = against_one_process(tmp_path, 4, "trl_dpo_scenarios.run", cases, refs)
-    for case in cases:
+    for case in cases[:2]:
         name = case["id"]
         check_equal(four[0][name], one[name], [rank[name] for rank in four])
+    resumed_matches(four, one, "dp2_resumed_per_step")
 
 
 @pytest.mark.slow
@@ -157,18 +161,20 @@ def test_dpo_resumed_matches_trl_and_the_run_uninterrupted(tmp_path):
     refs = [{**case, "plugin": None, "batch": 4} for case in RESUMED]
     two, one = against_one_process(tmp_path, 2, "trl_dpo_scenarios.run", RESUMED, refs)
     for case in RESUMED:
-        name = case["id"]
-        # steps 3 and 4, after the resume: the rewards are against the original reference
-        check_equal(two[0][name], one[name], [rank[name] for rank in two], steps_run=2)
-        resumed, uninterrupted = two[0][name], two[0][name]["uninterrupted"]
-        after = [log for log in uninterrupted["logs"] if "loss" in log][2:]
-        for a, b in zip([log for log in resumed["logs"] if "loss" in log], after, strict=True):
-            for key in (*METRICS, "epoch"):  # the data position too
-                assert a[key] == pytest.approx(b[key], abs=1e-5), (name, key)
-        for weight, value in uninterrupted["weights"].items():
-            torch.testing.assert_close(
-                resumed["weights"][weight], value, rtol=0, atol=1e-5, msg=weight
-            )
+        resumed_matches(two, one, case["id"])
+
+
+def resumed_matches(ranks: list[dict], one: dict, name: str) -> None:
+    """Steps 3 and 4, after the resume (the rewards against the original reference), as TRL's
+    resumed run and as the run uninterrupted."""
+    check_equal(ranks[0][name], one[name], [rank[name] for rank in ranks], steps_run=2)
+    resumed, uninterrupted = ranks[0][name], ranks[0][name]["uninterrupted"]
+    after = [log for log in uninterrupted["logs"] if "loss" in log][2:]
+    for a, b in zip([log for log in resumed["logs"] if "loss" in log], after, strict=True):
+        for key in (*METRICS, "epoch"):  # the data position too
+            assert a[key] == pytest.approx(b[key], abs=1e-5), (name, key)
+    for weight, value in uninterrupted["weights"].items():
+        torch.testing.assert_close(resumed["weights"][weight], value, rtol=0, atol=1e-5, msg=weight)
 
 
 @pytest.mark.parametrize("case", REFUSED, ids=[case["id"] for case in REFUSED])

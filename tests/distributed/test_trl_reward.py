@@ -128,13 +128,22 @@ def test_reward_with_accumulation_or_lora_matches_trl_in_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_reward_at_pp2_dp2_matches_trl_in_one_process(tmp_path):
-    _against_one_process(tmp_path, 4, WIDE)
+    """WIDE, and a resume at pp 2 x dp 2."""
+    scenario, cases = "trl_reward_scenarios.run", [*WIDE, RESUMED]
+    ranks, one = against_one_process(tmp_path, 4, scenario, cases, references(cases, 8))
+    for case in WIDE:
+        _matches(ranks, one, case["id"])
+    _resumed_matches(ranks, one)
 
 
 @pytest.mark.slow
 def test_reward_resumed_matches_trl_and_the_run_uninterrupted(tmp_path):
     scenario = "trl_reward_scenarios.run"
     ranks, one = against_one_process(tmp_path, 2, scenario, [RESUMED], references([RESUMED], 4))
+    _resumed_matches(ranks, one)
+
+
+def _resumed_matches(ranks: list[dict], one: dict) -> None:
     _matches(ranks, one, "resumed", steps_run=2)  # steps 3 and 4, after the resume
     resumed, uninterrupted = ranks[0]["resumed"], ranks[0]["resumed"]["uninterrupted"]
     after = [log for log in uninterrupted["logs"] if "loss" in log][2:]
