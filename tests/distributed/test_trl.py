@@ -1,8 +1,8 @@
 """TRL's SFT script under `ZeroPPSFTTrainer` (pp 2, 2 gloo ranks) against TRL's own
 `SFTTrainer` in one process: loss and TRL's metrics (entropy, mean_token_accuracy, num_tokens)
 per logged step and the saved weights, with a completion-only loss over padded rows (and TRL's
-evaluation: eval_loss, eval_entropy, eval_mean_token_accuracy), with packed rows, and with LoRA
-adapters (`peft_config`; the saved adapters compared)."""
+evaluation: eval_loss, eval_entropy, eval_mean_token_accuracy), with packed rows, with LoRA
+adapters (`peft_config`; the saved adapters compared), and with gradient accumulation."""
 
 from __future__ import annotations
 
@@ -15,6 +15,11 @@ pytestmark = pytest.mark.distributed
 pytest.importorskip("trl")
 
 PP = {"pp_size": 2, "num_microbatches": 2}
+# At dp 2 (or under accumulation) AdamW's first step divides each gradient by its own size, so
+# the fp32 rounding of near-zero gradients (lm_head rows), summed in another order (over two
+# data-parallel ranks, or four micro-batches against two backward passes), grows to ~7e-5 in the
+# weights; under SGD the same runs agree to 1e-8. SGD there, then.
+SGD = {"optim": "sgd", "learning_rate": 0.3}
 CASES = [
     # with TRL's evaluation after steps 2 and 3 (eval_loss, eval_entropy, ...)
     {
@@ -36,6 +41,13 @@ CASES = [
     },
     # LoRA adapters (`peft_config`, as TRL's examples pass it): the adapters' weights compared
     {"id": "lora", "plugin": PP, "batch": 2, "lora": True, "args": {"completion_only_loss": True}},
+    # two batches per update, completions of uneven lengths: the loss over the window's tokens
+    {
+        "id": "accumulated",
+        "plugin": PP,
+        "batch": 2,
+        "args": {"completion_only_loss": True, "gradient_accumulation_steps": 2, **SGD},
+    },
 ]
 REFERENCES = [{**case, "plugin": None, "batch": 4} for case in CASES]
 # slow: a resume from the checkpoint of step 2 by a new trainer, against TRL's one-process script
@@ -52,10 +64,6 @@ RESUMED = {
         "save_steps": 2,
     },
 }
-# At dp 2 AdamW's first step divides each gradient by its own size, so the fp32 rounding of
-# near-zero gradients (lm_head rows), summed in another order over two data-parallel ranks,
-# grows to ~7e-5 in the weights; under SGD the same runs agree to 1e-8. SGD here, then.
-SGD = {"optim": "sgd", "learning_rate": 0.3}
 WIDE = [  # 4 ranks: pp 2 x dp 2
     # 7 eval rows, 8 a batch: data-parallel rank 1 reads 3 rows and a row Accelerate repeats
     {**CASES[0], "eval_rows": 7, "args": {**CASES[0]["args"], **SGD}},

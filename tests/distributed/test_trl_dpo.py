@@ -33,6 +33,23 @@ CASES = [
     },
 ]
 REFERENCES = [{**case, "plugin": None, "batch": 2 * case["batch"]} for case in CASES]
+# slow: a resume from the checkpoint of step 2 by a new trainer, against TRL's one-process script
+# resumed alike and against the run uninterrupted; the reference precomputed, and run each step
+# (TRL's reference loaded from the policy's initial path: the resumed run's must be that one,
+# not the checkpoint's policy)
+SAVED = {"max_steps": 4, "save_strategy": "steps", "save_steps": 2}
+RESUMED = [
+    {"id": "resumed", "plugin": PP, "batch": 2, "resume": 2, "args": SAVED},
+    {
+        "id": "resumed_per_step",
+        "plugin": PP,
+        "batch": 2,
+        "accumulation": 2,
+        "from_path": True,
+        "resume": 2,
+        "args": {**SAVED, "precompute_ref_log_probs": False},
+    },
+]
 REFUSED = [
     {"id": "hinge", "args": {"loss_type": ["hinge"]}, "want": "loss_type=['hinge']"},
     {
@@ -87,11 +104,11 @@ def runs(tmp_path_factory):
     return against_one_process(out, 2, "trl_dpo_scenarios.run", refused + CASES, REFERENCES)
 
 
-def check_equal(got: dict, ref: dict, ranks: list[dict]) -> None:
+def check_equal(got: dict, ref: dict, ranks: list[dict], steps_run: int = 3) -> None:
     """Loss and TRL's metrics of every logged step, on every rank, and the saved weights."""
     steps = [log for log in got["logs"] if "loss" in log]
     want = [log for log in ref["logs"] if "loss" in log]
-    assert len(steps) == len(want) == 3
+    assert len(steps) == len(want) == steps_run
     for a, b in zip(steps, want, strict=True):
         assert set(b) <= set(a), set(b) - set(a)  # every metric TRL logs
         for key in METRICS:
@@ -121,18 +138,43 @@ def test_dpo_matches_trl_in_one_process(runs, case):
 @pytest.mark.slow
 def test_dpo_pp2_dp2_matches_trl_in_one_process(tmp_path):
     """4 ranks, pp 2 x dp 2: the pair count, tokens and metrics summed over data-parallel
-    ranks; the per-step reference's weights cut into the data-parallel shards."""
+    ranks; the per-step reference's weights cut into the data-parallel shards, a resume
+    included."""
     cases = [
         # 7 eval pairs, 4 a batch: the last batch's second data-parallel rank reads 1 pair
         # and 1 pair Accelerate repeats
         {"id": "dp2", "plugin": PP, "batch": 1, "eval": True, "eval_pairs": 7},
         {**CASES[-1], "id": "dp2_per_step", "batch": 1},
+        # resumed from checkpoint-2: the reference's shards the original's
+        {**RESUMED[-1], "id": "dp2_resumed_per_step", "batch": 1},
     ]
     refs = [{**case, "plugin": None, "batch": 4} for case in cases]
     four, one = against_one_process(tmp_path, 4, "trl_dpo_scenarios.run", cases, refs)
-    for case in cases:
+    for case in cases[:2]:
         name = case["id"]
         check_equal(four[0][name], one[name], [rank[name] for rank in four])
+    resumed_matches(four, one, "dp2_resumed_per_step")
+
+
+@pytest.mark.slow
+def test_dpo_resumed_matches_trl_and_the_run_uninterrupted(tmp_path):
+    refs = [{**case, "plugin": None, "batch": 4} for case in RESUMED]
+    two, one = against_one_process(tmp_path, 2, "trl_dpo_scenarios.run", RESUMED, refs)
+    for case in RESUMED:
+        resumed_matches(two, one, case["id"])
+
+
+def resumed_matches(ranks: list[dict], one: dict, name: str) -> None:
+    """Steps 3 and 4, after the resume (the rewards against the original reference), as TRL's
+    resumed run and as the run uninterrupted."""
+    check_equal(ranks[0][name], one[name], [rank[name] for rank in ranks], steps_run=2)
+    resumed, uninterrupted = ranks[0][name], ranks[0][name]["uninterrupted"]
+    after = [log for log in uninterrupted["logs"] if "loss" in log][2:]
+    for a, b in zip([log for log in resumed["logs"] if "loss" in log], after, strict=True):
+        for key in (*METRICS, "epoch"):  # the data position too
+            assert a[key] == pytest.approx(b[key], abs=1e-5), (name, key)
+    for weight, value in uninterrupted["weights"].items():
+        torch.testing.assert_close(resumed["weights"][weight], value, rtol=0, atol=1e-5, msg=weight)
 
 
 @pytest.mark.parametrize("case", REFUSED, ids=[case["id"] for case in REFUSED])

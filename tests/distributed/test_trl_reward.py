@@ -42,6 +42,21 @@ REFUSED = [
     {"id": "predict", "plugin": PP, "batch": 2, "predict": True, "expect_error": True},
 ]
 WIDE = [MORE[0], CASES[0], CASES[1]]  # 4 ranks: pp 2 x dp 2, evaluation included
+# slow: a resume from the checkpoint of step 2 by a new trainer (margins and centring on),
+# against TRL's one-process script resumed alike and against the run uninterrupted
+RESUMED = {
+    "id": "resumed",
+    "plugin": PP,
+    "batch": 2,
+    **MARGIN,
+    "resume": 2,
+    "args": {
+        **MARGIN["args"],
+        "max_steps": 4,
+        "save_strategy": "steps",
+        "save_steps": 2,
+    },
+}
 
 
 def references(cases: list[dict], batch: int) -> list[dict]:
@@ -55,11 +70,11 @@ def two(tmp_path_factory):
     return against_one_process(out, 2, scenario, CASES + REFUSED, references(CASES, 4))
 
 
-def _matches(ranks: list[dict], ref: dict, case: str) -> None:
+def _matches(ranks: list[dict], ref: dict, case: str, steps_run: int = 3) -> None:
     got = ranks[0][case]
     steps = [log for log in got["logs"] if "loss" in log]
     want = [log for log in ref[case]["logs"] if "loss" in log]
-    assert len(steps) == len(want) == 3
+    assert len(steps) == len(want) == steps_run
     for a, b in zip(steps, want, strict=True):
         for key in ("loss", "grad_norm", "accuracy", "margin"):
             assert a[key] == pytest.approx(b[key], abs=1e-5), key
@@ -113,7 +128,31 @@ def test_reward_with_accumulation_or_lora_matches_trl_in_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_reward_at_pp2_dp2_matches_trl_in_one_process(tmp_path):
-    _against_one_process(tmp_path, 4, WIDE)
+    """WIDE, and a resume at pp 2 x dp 2."""
+    scenario, cases = "trl_reward_scenarios.run", [*WIDE, RESUMED]
+    ranks, one = against_one_process(tmp_path, 4, scenario, cases, references(cases, 8))
+    for case in WIDE:
+        _matches(ranks, one, case["id"])
+    _resumed_matches(ranks, one)
+
+
+@pytest.mark.slow
+def test_reward_resumed_matches_trl_and_the_run_uninterrupted(tmp_path):
+    scenario = "trl_reward_scenarios.run"
+    ranks, one = against_one_process(tmp_path, 2, scenario, [RESUMED], references([RESUMED], 4))
+    _resumed_matches(ranks, one)
+
+
+def _resumed_matches(ranks: list[dict], one: dict) -> None:
+    _matches(ranks, one, "resumed", steps_run=2)  # steps 3 and 4, after the resume
+    resumed, uninterrupted = ranks[0]["resumed"], ranks[0]["resumed"]["uninterrupted"]
+    after = [log for log in uninterrupted["logs"] if "loss" in log][2:]
+    keys = ("loss", "grad_norm", "accuracy", "margin", "min_reward", "mean_reward", "max_reward")
+    for a, b in zip([log for log in resumed["logs"] if "loss" in log], after, strict=True):
+        for key in (*keys, "epoch"):  # the data position too
+            assert a[key] == pytest.approx(b[key], abs=1e-5), key
+    for name, value in uninterrupted["weights"].items():
+        torch.testing.assert_close(resumed["weights"][name], value, rtol=0, atol=1e-5, msg=name)
 
 
 GUARDED = """

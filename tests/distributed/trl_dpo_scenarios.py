@@ -74,9 +74,9 @@ def _trainer(case: dict[str, Any], folder: Path, recorder: Recorder) -> Any:
         report_to=[],
         use_cpu=True,
         bf16=False,
-        save_strategy="no",
         max_length=32,
         **{
+            "save_strategy": "no",
             "beta": 0.5,
             "max_steps": 3,
             "precompute_ref_log_probs": True,
@@ -139,18 +139,32 @@ def run(cases: list[dict[str, Any]], out_dir: str) -> dict[str, Any]:
             results[case["id"]] = {"error": None}
             continue
         trainer = _trainer(case, folder, recorder)
-        trainer.train()
-        trainer.save_model(str(folder / "final"))
-        out: dict[str, Any] = {"logs": recorder.logs}
-        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-            adapter = folder / "final" / "adapter_model.safetensors"
-            if adapter.exists():
-                from safetensors.torch import load_file
-
-                out["weights"] = load_file(str(adapter))
-            else:
-                saved = AutoModelForCausalLM.from_pretrained(folder / "final")
-                out["weights"] = {k: v.clone() for k, v in saved.state_dict().items()}
-        trainer.accelerator.free_memory()
+        out = _trained(trainer, folder / "final", recorder.logs)
+        if case.get("resume"):  # a new trainer (as a new process) from checkpoint-<resume>
+            recorder = Recorder()
+            trainer = _trainer(case, folder, recorder)
+            checkpoint = str(folder / f"checkpoint-{case['resume']}")
+            resumed = _trained(
+                trainer, folder / "resumed", recorder.logs, resume_from_checkpoint=checkpoint
+            )
+            out = {**resumed, "uninterrupted": out}
         results[case["id"]] = out
     return results
+
+
+def _trained(trainer: Any, folder: Path, logs: list, **train: Any) -> dict[str, Any]:
+    """`trainer` trained and saved in `folder`: its logs and (rank 0) the saved weights."""
+    trainer.train(**train)
+    trainer.save_model(str(folder))
+    out: dict[str, Any] = {"logs": logs}
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        adapter = folder / "adapter_model.safetensors"
+        if adapter.exists():
+            from safetensors.torch import load_file
+
+            out["weights"] = load_file(str(adapter))
+        else:
+            saved = AutoModelForCausalLM.from_pretrained(folder)
+            out["weights"] = {k: v.clone() for k, v in saved.state_dict().items()}
+    trainer.accelerator.free_memory()
+    return out
