@@ -34,11 +34,13 @@ CASES = [
         "args": {"precompute_ref_log_probs": False},
     },
     # LoRA adapters (peft_config as TRL's examples pass it): TRL's reference is the policy with
-    # its adapters disabled, here every lora_B zero in the stages, run each step
+    # its adapters disabled, here every lora_B zero in the stages, run each step (inside an
+    # accumulation window, whose gradients it holds out)
     {
         "id": "lora",
         "plugin": PP,
         "batch": 2,
+        "accumulation": 2,
         "eval": True,
         "init": {"peft_config": {}},
         "args": {"precompute_ref_log_probs": False},
