@@ -39,7 +39,7 @@ _FIX = "Use TRL's DPOTrainer, or a plain LoraConfig (peft_config=LoraConfig(r=..
 
 
 def is_peft(model: Any) -> bool:
-    """A PEFT model (accelerate's test: the model has `get_base_model`)."""
+    """A PEFT model (one with `get_base_model`, as `mode.drop_fused_head` tells it)."""
     return callable(getattr(model, "get_base_model", None))
 
 
@@ -48,11 +48,17 @@ def peft_refusals(init: dict[str, Any]) -> list[str]:
     config, model = init.get("peft_config"), init.get("model")
     found = []
     if config is None and is_peft(model):
+        why = (
+            "with a ref_model is not pipelined (the stages hold the PeftModel's weights, under "
+            "other names than the ref_model's). "
+            if init.get("ref_model") is not None
+            else "is not pipelined: TRL then adds a 'ref' adapter (a copy of the policy's) as "
+            "the reference. "
+        )
         found.append(
-            "a PeftModel passed as the model: TRL then adds a 'ref' adapter (a copy of the "
-            "policy's) as the reference, which is not pipelined. Pass the base model with "
-            "peft_config=LoraConfig(...) (the reference is then the adapters disabled), or "
-            "merge the adapter first (model.merge_and_unload())."
+            f"a PeftModel passed as the model {why}Pass the base model with "
+            "peft_config=LoraConfig(...) and ref_model=None (the reference is then the adapters "
+            "disabled), or merge the adapter first (model.merge_and_unload())."
         )
     if config is None:
         return found

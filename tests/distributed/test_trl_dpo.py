@@ -72,7 +72,7 @@ REFUSED = [
     {
         "id": "peft_model",
         "init": {"model": "peft"},
-        "want": "a PeftModel passed as the model: TRL then adds a 'ref' adapter",
+        "want": "a PeftModel passed as the model is not pipelined: TRL then adds a 'ref' adapter",
     },
     {
         "id": "lora_ref_model",

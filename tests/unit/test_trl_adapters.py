@@ -77,3 +77,7 @@ def test_peft_arguments_refused_before_anything_runs():
     assert "peft_config=IA3Config is not pipelined" in ia3
     (ref,) = peft_refusals({"peft_config": LoraConfig(r=4), "ref_model": object()})
     assert "peft_config with a ref_model" in ref
+    (passed,) = peft_refusals({"model": _peft()})
+    assert "a PeftModel passed as the model is not pipelined: TRL then adds a 'ref'" in passed
+    (both,) = peft_refusals({"model": _peft(), "ref_model": object()})
+    assert "a PeftModel passed as the model with a ref_model is not pipelined" in both
