@@ -21,12 +21,15 @@ The reference log-probabilities are either TRL's precomputed ones (`precompute_r
 TRL's reference pass runs in every process on the whole model before it is split, over the whole
 dataset; TRL's cache file of the results is not written), or, `DPOConfig`'s default, the reference
 model TRL builds (the `ref_model` given, else the policy's path loaded) run forward-only each step
-through the policy's own pipeline with its weights swapped into the stages (`reference.py`).
-Refused at construction, on every rank: `sync_ref_model`, `loss_type`s other than "sigmoid",
-`ld_alpha`, `f_divergence_type` other than "reverse_kl", `use_weighting`, activation offloading,
-a PEFT model and an MoE auxiliary loss (`dpo_checks.py`); `predict()` raises (TRL's reads logits its
-fused head does not produce). Evaluation runs the same loss forward-only: every process gets
-the global eval batch's pair mean, TRL's metrics go to its "eval" set.
+through the policy's own pipeline with its weights swapped into the stages (`reference.py`). With
+LoRA adapters (`peft_config=LoraConfig(...)`) TRL's reference is the policy with its adapters
+disabled: every `lora_B` zero, swapped into the stages the same way (`adapters.py`); TRL's
+precomputed pass disables them itself. Refused at construction, on every rank: `sync_ref_model`,
+`loss_type`s other than "sigmoid", `ld_alpha`, `f_divergence_type` other than "reverse_kl",
+`use_weighting`, activation offloading, an MoE auxiliary loss, PEFT other than plain LoRA adapters
+(`dpo_checks.py`, `adapters.py`); `predict()` raises (TRL's reads logits its fused head lacks).
+Evaluation runs the same loss forward-only: every process gets the global eval batch's pair mean,
+TRL's metrics go to its "eval" set.
 
 Overridden TRL methods: `compute_loss` (the whole body), `_precompute_ref_logps` (the whole body), and,
 from `ZeroPPTrainer`, everything it overrides of the Trainer (its place first in the method order).
@@ -50,8 +53,9 @@ from lightning_zeropp.core.schedule.build import eval_microbatches
 from lightning_zeropp.fronts.microbatches import loss_shares
 from lightning_zeropp.transformers.counts import summed_over_data_parallel
 from lightning_zeropp.transformers.trainer import ZeroPPTrainer
+from lightning_zeropp.trl.adapters import adapters_off, is_peft, wrapped_refusal
 from lightning_zeropp.trl.dpo_checks import NO_PREDICT, extra_reference_weights, refusals
-from lightning_zeropp.trl.mode import follow_pipeline_mode
+from lightning_zeropp.trl.mode import drop_fused_head, follow_pipeline_mode
 from lightning_zeropp.trl.reference import FrozenReference, completion_logps, reference_logps
 
 __all__ = ["ZeroPPDPOTrainer", "dpo_loss", "paired_batch"]
@@ -149,13 +153,18 @@ class ZeroPPDPOTrainer(ZeroPPTrainer, DPOTrainer):
                 "ZeroPPDPOTrainer: the MoE router's auxiliary loss (router_aux_loss_coef) is not "
                 "pipelined yet. Set router_aux_loss_coef=0.0."
             )
+        wrapped = wrapped_refusal(self.model, self.args.disable_dropout)  # TRL's PeftModel
+        if wrapped is not None:
+            raise ValueError(f"ZeroPPDPOTrainer: {wrapped}")
         collate = self._trl_collator = self.data_collator  # TRL's (its reference pass's too)
         self.data_collator = lambda rows: paired_batch(collate(rows))
         # The reference run each step: TRL's reference model (the ref_model given, else the
-        # policy's path loaded), kept as weights only until the pipeline's shards exist.
+        # policy's path loaded), kept as weights only until the pipeline's shards exist; or,
+        # for a LoRA policy, its adapters disabled: every lora_B zero (`adapters.py`).
         self._reference: FrozenReference | None = None
         self._ref_state: dict[str, torch.Tensor] | None = None
-        if not self.precompute_ref_logps:
+        self._adapters_off = is_peft(self.model) and not self.precompute_ref_logps
+        if not self.precompute_ref_logps and not self._adapters_off:
             assert self.ref_model is not None  # TRL built one
             self._ref_state = dict(self.accelerator.unwrap_model(self.ref_model).state_dict())
             policy = self.accelerator.unwrap_model(self.model).state_dict()
@@ -201,6 +210,8 @@ class ZeroPPDPOTrainer(ZeroPPTrainer, DPOTrainer):
         return dataset.add_column("ref_rejected_logps", torch.cat(rejected).tolist())
 
     def _build_pipeline(self, loader: Any) -> Any:
+        # here, not at construction: TRL's precomputed pass (evaluate(dataset) too) calls it
+        drop_fused_head(self.model)  # a PEFT model's stages would reach the original model
         prepared = super()._build_pipeline(loader)
         assert self._pipeline is not None
         weight = (self.loss_weights or [1.0])[0]
@@ -214,6 +225,10 @@ class ZeroPPDPOTrainer(ZeroPPTrainer, DPOTrainer):
             params = list(self._pipeline.engine.named_parameters())
             self._reference = FrozenReference(params, self._ref_state)
             self._ref_state = None
+        if self._adapters_off:  # TRL's `use_adapter(model, None)`: lora_B zero in the stages
+            self._reference = FrozenReference(
+                *adapters_off(list(self._pipeline.engine.named_parameters()))
+            )
         return prepared
 
     def predict(self, *args: Any, **kwargs: Any) -> Any:

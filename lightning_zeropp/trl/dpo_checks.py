@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_zeropp.trl.adapters import peft_refusals
+
 __all__ = ["NO_PREDICT", "extra_reference_weights", "refusals"]
 
 NO_PREDICT = (
@@ -22,15 +24,7 @@ def refusals(args: Any, init: dict[str, Any]) -> list[str]:
             "sync_ref_model=True (the reference moved towards the policy during training) is "
             "not pipelined. Set sync_ref_model=False."
         )
-    model = init.get("model")
-    if init.get("peft_config") is not None or callable(getattr(model, "get_base_model", None)):
-        found.append(
-            "a PEFT model is not pipelined yet: a stage's call of the PeftModel reaches the "
-            "forward TRL patches onto the base model (its fused LM head), whose causal mask is "
-            "built from a meta tensor and fails, and TRL's reference is the adapters disabled, "
-            "which the stages do not do. Train the whole model (peft_config=None), or use TRL's "
-            "DPOTrainer."
-        )
+    found += peft_refusals(init)  # a LoRA policy: only what the adapters-off reference covers
     if args is None:
         return found
     if list(args.loss_type) != ["sigmoid"]:

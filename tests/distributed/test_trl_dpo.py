@@ -1,7 +1,8 @@
 """TRL's DPO script under `ZeroPPDPOTrainer` (pp 2, 2 gloo ranks) against TRL's own
 `DPOTrainer` in one process: the loss, TRL's logged metrics (rewards/*, logps/*, logits/*,
-entropy, mean_token_accuracy, num_tokens) per step and the saved weights, with the reference
-log-probabilities precomputed; and what is not pipelined refused on every rank."""
+entropy, mean_token_accuracy, num_tokens) per step and the saved weights (the adapters under
+LoRA), with the reference log-probabilities precomputed or run each step; and what is not
+pipelined refused on every rank."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ pytestmark = pytest.mark.distributed
 pytest.importorskip("trl")
 
 PP = {"pp_size": 2, "num_microbatches": 2}
+LORA_B = {"init_lora_weights": False}  # lora_B random, not zero
 CASES = [
     # 7 eval pairs, 4 a batch: a last batch of 3 pairs runs as one micro-batch of whole pairs
     {"id": "sigmoid", "plugin": PP, "batch": 2, "eval": True, "eval_pairs": 7},
@@ -31,6 +33,21 @@ CASES = [
         "eval": True,
         "args": {"precompute_ref_log_probs": False},
     },
+    # LoRA adapters (peft_config as TRL's examples pass it): TRL's reference is the policy with
+    # its adapters disabled, here every lora_B zero in the stages, run each step (inside an
+    # accumulation window, whose gradients it holds out)
+    {
+        "id": "lora",
+        "plugin": PP,
+        "batch": 2,
+        "accumulation": 2,
+        "eval": True,
+        "init": {"peft_config": {}},
+        "args": {"precompute_ref_log_probs": False},
+    },
+    # precomputed by TRL's pass (adapters disabled) before the split; lora_B not zero at the
+    # start, so the policy differs from the reference from the first step
+    {"id": "lora_precomputed", "plugin": PP, "batch": 2, "init": {"peft_config": LORA_B}},
 ]
 REFERENCES = [{**case, "plugin": None, "batch": 2 * case["batch"]} for case in CASES]
 # slow: a resume from the checkpoint of step 2 by a new trainer, against TRL's one-process script
@@ -69,7 +86,29 @@ REFUSED = [
         "init": {"ref_model": "deeper"},
         "want": "the reference model has 18 weights the policy has not ('model.layers.4.",
     },
-    {"id": "lora", "init": {"peft_config": "lora"}, "want": "a PEFT model is not pipelined"},
+    {
+        "id": "peft_model",
+        "init": {"model": "peft"},
+        "want": "a PeftModel passed as the model is not pipelined: TRL then adds a 'ref' adapter",
+    },
+    {
+        "id": "lora_ref_model",
+        "init": {"peft_config": {}, "ref_model": "same"},
+        "want": "peft_config with a ref_model is not pipelined",
+    },
+    {"id": "dora", "init": {"peft_config": {"use_dora": True}}, "want": "use_dora=True is not"},
+    {
+        "id": "modules_to_save",
+        "init": {"peft_config": {"modules_to_save": ["lm_head"]}},
+        "want": "modules_to_save=['lm_head'] is not pipelined",
+    },
+    {  # TRL's reference (the policy, adapters disabled, in training mode) would draw it
+        "id": "attention_dropout",
+        "model_config": {"attention_dropout": 0.1},
+        "args": {"precompute_ref_log_probs": False},
+        "init": {"peft_config": {}},
+        "want": "attention_dropout=0.1 in the model's config with a PEFT model",
+    },
     # 3 pairs per device x pp 2 = 6 pairs: 4 micro-batches would split a pair (the loader's
     # check of rows per micro-batch refuses it: a row of TRL's dataset is a pair)
     {
@@ -138,15 +177,17 @@ def test_dpo_matches_trl_in_one_process(runs, case):
 @pytest.mark.slow
 def test_dpo_pp2_dp2_matches_trl_in_one_process(tmp_path):
     """4 ranks, pp 2 x dp 2: the pair count, tokens and metrics summed over data-parallel
-    ranks; the per-step reference's weights cut into the data-parallel shards, a resume
-    included."""
+    ranks; the per-step reference's weights (a ref_model's, LoRA's zero lora_B) cut into the
+    data-parallel shards, a resume included."""
     cases = [
         # 7 eval pairs, 4 a batch: the last batch's second data-parallel rank reads 1 pair
         # and 1 pair Accelerate repeats
         {"id": "dp2", "plugin": PP, "batch": 1, "eval": True, "eval_pairs": 7},
-        {**CASES[-1], "id": "dp2_per_step", "batch": 1},
+        {**CASES[2], "id": "dp2_per_step", "batch": 1},
         # resumed from checkpoint-2: the reference's shards the original's
         {**RESUMED[-1], "id": "dp2_resumed_per_step", "batch": 1},
+        # LoRA: the zero lora_B state cut into the data-parallel shards
+        {**CASES[3], "id": "dp2_lora", "batch": 1},
     ]
     refs = [{**case, "plugin": None, "batch": 4} for case in cases]
     four, one = against_one_process(tmp_path, 4, "trl_dpo_scenarios.run", cases, refs)

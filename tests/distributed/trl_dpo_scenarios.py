@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFa
 from trl import DPOConfig, DPOTrainer
 
 from lightning_zeropp.transformers import ZeroPPPlugin
-from tests.distributed.trainer_script import TINY, VOCAB, Recorder
+from tests.distributed.trainer_script import LORA_TARGETS, TINY, VOCAB, Recorder
 
 
 def tokenizer() -> PreTrainedTokenizerFast:
@@ -44,6 +44,14 @@ def rows(n: int, seed: int) -> Dataset:
     return Dataset.from_dict(data)
 
 
+def _lora(**overrides: Any) -> Any:
+    """LoRA adapters as TRL's examples pass them (trl/scripts/dpo.py: get_peft_config)."""
+    from peft import LoraConfig
+
+    kwargs = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": LORA_TARGETS}
+    return LoraConfig(task_type="CAUSAL_LM", **{**kwargs, **overrides})
+
+
 def _trainer(case: dict[str, Any], folder: Path, recorder: Recorder) -> Any:
     if case.get("eval"):  # TRL's evaluation after steps 2 and 3, of 8 pairs (or eval_pairs)
         extra = {
@@ -54,7 +62,9 @@ def _trainer(case: dict[str, Any], folder: Path, recorder: Recorder) -> Any:
         case = {**case, "args": {**extra, **case.get("args", {})}}
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(
-        AutoConfig.for_model("llama", **TINY, tie_word_embeddings=False)
+        AutoConfig.for_model(
+            "llama", **TINY, tie_word_embeddings=False, **case.get("model_config", {})
+        )
     )
     if case.get("from_path"):  # TRL loads its per-step reference model from the policy's path
         distributed = torch.distributed.is_initialized()
@@ -95,13 +105,15 @@ def _trainer(case: dict[str, Any], folder: Path, recorder: Recorder) -> Any:
         kwargs["ref_model"] = AutoModelForCausalLM.from_config(
             AutoConfig.for_model("llama", **deeper, tie_word_embeddings=False)
         )
-    if kwargs.get("peft_config") == "lora":
-        from peft import LoraConfig
+    if kwargs.get("peft_config") is not None:
+        kwargs["peft_config"] = _lora(**kwargs["peft_config"])
+    if kwargs.get("model") == "peft":  # a PeftModel passed in (TRL then adds a "ref" adapter)
+        from peft import get_peft_model
 
-        # B nonzero: the policy differs from the reference (adapters off) from the start
-        kwargs["peft_config"] = LoraConfig(
-            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
-        )
+        model = get_peft_model(model, _lora())
+        del kwargs["model"]
+    if kwargs.get("ref_model") == "same":
+        kwargs["ref_model"] = AutoModelForCausalLM.from_config(model.config)
     cls: Any = DPOTrainer
     if case.get("plugin") is not None:
         from lightning_zeropp.trl import ZeroPPDPOTrainer
