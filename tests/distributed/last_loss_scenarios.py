@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers import Trainer
 
+from lightning_zeropp.core.step.failure import PeerFailedError
 from lightning_zeropp.transformers import ZeroPPPlugin, ZeroPPTrainer
 from tests.distributed.trainer_scenarios import _saved
 from tests.distributed.trainer_script import Script
@@ -37,9 +38,11 @@ def run(cases: list[dict[str, Any]], out_dir: str) -> dict[str, Any]:
     for case in cases:
         if "loop" in case:
             try:
-                results[case["id"]] = accelerate_loop(case["loop"], eval_rows=case.get("eval", 0))
-            except ValueError as err:  # a refusal: its message, from every rank
-                results[case["id"]] = {"error": str(err)}
+                results[case["id"]] = accelerate_loop(
+                    case["loop"], eval_rows=case.get("eval", 0), doubled=case.get("doubled", False)
+                )
+            except (ValueError, PeerFailedError) as err:  # a refusal: its message, every rank
+                results[case["id"]] = {"error": str(err), "type": type(err).__name__}
             continue
         folder = Path(out_dir) / case["id"]
         script = Script(**case["script"])
@@ -84,13 +87,18 @@ def weighted_collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.
     return {**batch, "weight": 1.0 + 0.25 * (lengths % 3)}
 
 
+def _doubled(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return weighted_collate(samples + samples)
+
+
 def accelerate_loop(
-    plugin: dict[str, Any] | None, steps: int = 3, eval_rows: int = 0
+    plugin: dict[str, Any] | None, steps: int = 3, eval_rows: int = 0, doubled: bool = False
 ) -> dict[str, Any]:
     """The loop with its own loss: one process calls the model and the loss itself; under
     `ZeroPPAccelerator` the loss is handed to the pipelined model (`model.use_loss`). With
     `eval_rows`, then an evaluation as run_clm writes it: each batch's loss gathered once per
-    row (`gather_for_metrics(loss.repeat(rows))`), their mean."""
+    row (`gather_for_metrics(loss.repeat(rows))`), their mean; `doubled`: its collator makes
+    two rows of each sample (a repeated sample's rows cannot be told apart)."""
     from accelerate import Accelerator
     from torch.utils.data import DataLoader
 
@@ -107,7 +115,8 @@ def accelerate_loop(
     model = build_model(Args())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     loader = DataLoader(Texts(16, 0), batch_size=rows, collate_fn=weighted_collate)
-    evals = DataLoader(Texts(eval_rows, 2), batch_size=rows, collate_fn=weighted_collate)
+    collate = _doubled if doubled else weighted_collate
+    evals = DataLoader(Texts(eval_rows, 2), batch_size=rows, collate_fn=collate)
     model, optimizer, loader, evals = accelerator.prepare(model, optimizer, loader, evals)
     if plugin is not None:
         model.use_loss(weighted_loss, rows=("weight",))

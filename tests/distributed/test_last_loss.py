@@ -59,6 +59,16 @@ CASES.append({"id": "loop_dp", "loop": {"pp_size": 1, "num_microbatches": 1}, "e
 REFERENCES.append({"id": "loop_dp", "loop": None, "eval": 7})
 # an asked chunk of the head and loss, which a loss of its own on the whole logits cannot honour
 CASES.append({"id": "chunked_loop", "loop": {**PP, "loss_chunk": 64}})
+# last (a rank fails: the world ends there): the loop at dp 2 whose eval collator makes two
+# rows of a sample, so rank 1's repeated sample cannot be told apart (bad-inputs row 186d)
+CASES.append(
+    {
+        "id": "loop_dp_doubled",
+        "loop": {"pp_size": 1, "num_microbatches": 1},
+        "eval": 7,
+        "doubled": True,
+    }
+)
 
 
 @pytest.fixture(scope="module")
@@ -165,3 +175,16 @@ def test_an_accelerate_loop_evaluating_a_short_last_batch_matches_one_process(ru
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
     assert got["eval_loss"] == pytest.approx(ref["eval_loss"], abs=1e-5)
     assert [rank["loop_dp"]["eval_loss"] for rank in two] == [got["eval_loss"]] * 2
+
+
+def test_repeats_that_cannot_be_told_apart_are_named_on_every_rank(runs):
+    two, _ = runs
+    holder, other = two[1]["loop_dp_doubled"], two[0]["loop_dp_doubled"]
+    assert holder["type"] == "ValueError"
+    assert (
+        "the last evaluation batch of data-parallel rank 1 holds 2 samples, 1 of them "
+        in (holder["error"])
+    )
+    assert "4 rows, which are not one per sample" in holder["error"]
+    assert other["type"] == "PeerFailedError"  # the rank without repeats: told which and why
+    assert "rank 1" in other["error"] and "ValueError" in other["error"]
