@@ -20,7 +20,8 @@ Keys (besides Hydra's `model=` and `cluster=` groups and any `model.*` / `cluste
                      logits, e.g. an HF model under the Lightning recipe, whose training_step
                      reads the logits); see docs/chunked-loss.md
   split=auto         the engine's split the run uses (auto: the model's own, else call); only
-                     the call split, or one stage, computes the loss in chunks
+                     the call split, or one stage, computes the loss in chunks (a loss_chunk
+                     given prices cp_size 1 only: context parallelism computes whole logits)
   top=10             layouts printed
   cut=balanced       stages cut by cost (balanced: the engine's default) or by parameters (even);
                      each layout's step under the other cut is printed beside it
@@ -117,6 +118,11 @@ def main(argv: list[str]) -> int:
             f"cp_size={cp} does not split seq_len={seq_len} into 2 x cp_size = {2 * cp} equal "
             f"chunks; use a seq_len that is a multiple of {2 * cp}, or another cp_size."
         )
+    if cp and cp > 1 and own["loss_chunk"]:  # the engine refuses it (`chunk_for_run`)
+        raise SystemExit(
+            f"loss_chunk={own['loss_chunk']} computes the loss in chunks, which context "
+            f"parallelism (cp_size={cp}) does not: drop one of them."
+        )
     cluster: Any = OmegaConf.to_container(cfg.cluster, resolve=True)  # a mapping of settings
     assert isinstance(cluster, dict)
     world = int(cluster["devices"]) * int(cluster["num_nodes"])
@@ -136,7 +142,7 @@ def main(argv: list[str]) -> int:
         enumerate_layouts(
             world, _num_blocks(model), own["global_batch"], hardware.node_size, base,
             micro_batch=own["micro_batch"], seq_len=seq_len,
-            cp_sizes=[own["cp_size"]] if own["cp_size"] else None,
+            cp_sizes=[cp] if cp else [1] if own["loss_chunk"] else None,
         )
     )  # fmt: skip
     print(
@@ -255,14 +261,18 @@ def last_stage(model: Any, settings: dict[str, Any], world: int, batch: int, seq
     chunk = priced_chunk(
         model, cfg, micro_batch_rows(batch, cfg.dp_size, cfg.num_microbatches), seq
     )
-    peak = activation_peaks(model, config, world, batch, seq)[rank] / GiB
+    peak = _amount(activation_peaks(model, config, world, batch, seq)[rank])
     if not chunk:
-        return f"#1's last stage (pp rank {rank}): {peak:.2f} GiB of activations, whole logits"
+        return f"#1's last stage (pp rank {rank}): {peak} of activations, whole logits"
     whole = activation_peaks(model, dataclasses.replace(config, loss_chunk=0), world, batch, seq)
     return (
-        f"#1's last stage (pp rank {rank}): {peak:.2f} GiB of activations, the head and the loss "
-        f"in chunks of {chunk} tokens (whole logits: {whole[rank] / GiB:.2f} GiB)"
+        f"#1's last stage (pp rank {rank}): {peak} of activations, the head and the loss in "
+        f"chunks of {chunk} tokens (whole logits: {_amount(whole[rank])})"
     )
+
+
+def _amount(size: int) -> str:
+    return f"{size / GiB:.2f} GiB" if size >= GiB else f"{size / 2**20:.2f} MiB"
 
 
 def _context(cfg: Any) -> int:

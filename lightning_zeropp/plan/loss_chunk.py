@@ -72,7 +72,7 @@ def head_recompute_flops(model: nn.Module, rows: int, seq_len: int) -> float:
     name = chunked_head(model)
     if name is None:
         return 0.0
-    weight = model.get_submodule(name).weight
+    weight = model.get_submodule(name).get_parameter("weight")
     return 2.0 * rows * seq_len * weight.numel()
 
 

@@ -190,7 +190,7 @@ def _chunked_loss(head: nn.Module, seq_len: int) -> Callable[[Any, torch.Tensor]
     node (what it saves, the hidden states, does not depend on the chunk; its FLOPs are the
     whole head's either way); the planner asks for it only where the run's chunk is smaller
     than a micro-batch's tokens (a chunk holding them all computes whole logits)."""
-    weight, bias = head.weight, getattr(head, "bias", None)
+    weight, bias = head.get_parameter("weight"), getattr(head, "bias", None)
     head.forward = lambda hidden, *args, **kwargs: hidden  # type: ignore[method-assign]
 
     def loss(hidden: Any, target: torch.Tensor) -> torch.Tensor:
