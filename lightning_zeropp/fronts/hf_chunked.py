@@ -86,9 +86,11 @@ class ChunkedHead:
     """Installs the chunked head and loss on an HF causal LM (`install`); see the module."""
 
     @staticmethod
-    def install(model: nn.Module) -> bool:
-        """Whether `model`'s head and loss now compute in chunks when armed: a plain linear
-        output embedding, HF's `ForCausalLMLoss`, and no logit soft-capping; else unchanged."""
+    def eligible(model: nn.Module) -> tuple[Any, nn.Linear] | None:
+        """The module whose class defines the loss and its head, where `install` would compute
+        them in chunks (a plain linear output embedding, HF's `ForCausalLMLoss` and the HF
+        class's own forward, no logit soft-capping); else None. Changes nothing: the planner
+        asks it too, to price the head and loss as the run computes them."""
         # PEFT wraps the HF model: the module whose class defines the loss is the one to change
         owner: Any = next(  # Any: loss_function is HF's, unknown to nn.Module
             (
@@ -102,12 +104,22 @@ class ChunkedHead:
         head = get_head() if callable(get_head) else None
         config = getattr(owner, "config", None)
         if owner is None or type(head) is not nn.Linear or config is None:
-            return False
+            return None
         if any(getattr(config, key, None) not in (None, 1, 1.0) for key in _SCALED):
-            return False  # the logits are changed between the head and the loss
-        inner = owner.loss_function
-        if not _is_causal_lm_loss(inner) or not _forward_feeds_the_loss(owner):
+            return None  # the logits are changed between the head and the loss
+        if not _is_causal_lm_loss(owner.loss_function) or not _forward_feeds_the_loss(owner):
+            return None
+        return owner, head
+
+    @staticmethod
+    def install(model: nn.Module) -> bool:
+        """Whether `model`'s head and loss now compute in chunks when armed (`eligible`); else
+        unchanged."""
+        found = ChunkedHead.eligible(model)
+        if found is None:
             return False
+        owner, head = found
+        inner = owner.loss_function
         head.__class__ = _DeferredHead
 
         def chunked(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, **kw: Any) -> Any:

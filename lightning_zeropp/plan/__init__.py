@@ -1,6 +1,8 @@
 """The planner: what a layout costs before it runs, and which layout to run.
 
 - `plan.profile`: the model on the meta device, block by block (saved bytes, FLOPs, outputs);
+- `plan.loss_chunk`: whether the run computes its head and loss in chunks (`loss_chunk`), as
+  the engine decides: then the last stage keeps the hidden states, not the logits;
 - `plan.memory`, `plan.activations`: model state, gathered weights and activations per rank;
 - `plan.comm`: each step's collectives and messages per rank;
 - `plan.stage_costs`, `plan.simulate`, `plan.steptime`: each stage's costs, and a step replayed

@@ -15,6 +15,13 @@ Keys (besides Hydra's `model=` and `cluster=` groups and any `model.*` / `cluste
                      regions between their weights (priced between eager and compiled)
   quantized_weights=null, quantized_gradients=null, hpz_partition_size=null
                      ZeRO++ (qwZ int8/bf16, qgZ int8/int4, hpZ ranks), priced in every layout
+  loss_chunk=null    the loss_chunk setting priced: the head and the loss in chunks of this
+                     many tokens where the run computes them so (null: 1024 there; 0: whole
+                     logits, e.g. an HF model under the Lightning recipe, whose training_step
+                     reads the logits); see docs/chunked-loss.md
+  split=auto         the engine's split the run uses (auto: the model's own, else call); only
+                     the call split, or one stage, computes the loss in chunks (a loss_chunk
+                     given prices cp_size 1 only: context parallelism computes whole logits)
   top=10             layouts printed
   cut=balanced       stages cut by cost (balanced: the engine's default) or by parameters (even);
                      each layout's step under the other cut is printed beside it
@@ -38,7 +45,8 @@ DEFAULTS: dict[str, Any] = {
     "global_batch": 256, "seq_len": None, "dtype": "bf16", "optimizer": "adamw",
     "micro_batch": None, "top": 10, "write": "auto", "compile": False,
     "quantized_weights": None, "quantized_gradients": None,
-    "hpz_partition_size": None, "cut": "balanced", "cp_size": None,
+    "hpz_partition_size": None, "cut": "balanced", "cp_size": None, "loss_chunk": None,
+    "split": "auto",
 }  # fmt: skip
 PLUS = ("quantized_weights", "quantized_gradients", "hpz_partition_size")
 GiB = 2**30
@@ -64,6 +72,11 @@ def split_args(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
             not isinstance(value, int) or isinstance(value, bool) or value < 1
         ):
             raise SystemExit(f"{key}={value!r} must be a positive integer (or null).")
+    chunk = own["loss_chunk"]
+    if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0):
+        raise SystemExit(f"loss_chunk={chunk!r} must be a whole number of tokens >= 0 (or null).")
+    if own["split"] not in ("auto", "call", "trace", "stack"):
+        raise SystemExit(f"split={own['split']!r} is not a split; use auto, call, trace or stack.")
     if not isinstance(own["compile"], bool):
         raise SystemExit(f"compile={own['compile']!r} must be true or false.")
     if own["cut"] not in ("balanced", "even"):
@@ -105,6 +118,11 @@ def main(argv: list[str]) -> int:
             f"cp_size={cp} does not split seq_len={seq_len} into 2 x cp_size = {2 * cp} equal "
             f"chunks; use a seq_len that is a multiple of {2 * cp}, or another cp_size."
         )
+    if cp and cp > 1 and own["loss_chunk"]:  # the engine refuses it (`chunk_for_run`)
+        raise SystemExit(
+            f"loss_chunk={own['loss_chunk']} computes the loss in chunks, which context "
+            f"parallelism (cp_size={cp}) does not: drop one of them."
+        )
     cluster: Any = OmegaConf.to_container(cfg.cluster, resolve=True)  # a mapping of settings
     assert isinstance(cluster, dict)
     world = int(cluster["devices"]) * int(cluster["num_nodes"])
@@ -115,12 +133,16 @@ def main(argv: list[str]) -> int:
     if dtype != own["dtype"]:
         print(f"({cluster['name']} is a CPU cluster: pricing fp32, not {own['dtype']})")
     base = {"param_dtype": dtype if dtype != "fp32" else None, "compile": own["compile"]}
-    base.update({key: own[key] for key in PLUS if own[key] is not None})
+    base.update({key: own[key] for key in (*PLUS, "loss_chunk") if own[key] is not None})
+    if own["split"] != "auto":  # how "auto" resolves for this model: the split priced
+        from lightning_zeropp.core.split.methods import SPLIT_ATTR
+
+        object.__setattr__(model, SPLIT_ATTR, own["split"])
     layouts = list(
         enumerate_layouts(
             world, _num_blocks(model), own["global_batch"], hardware.node_size, base,
             micro_batch=own["micro_batch"], seq_len=seq_len,
-            cp_sizes=[own["cp_size"]] if own["cp_size"] else None,
+            cp_sizes=[cp] if cp else [1] if own["loss_chunk"] else None,
         )
     )  # fmt: skip
     print(
@@ -163,6 +185,7 @@ def main(argv: list[str]) -> int:
             f"{c.step.mfu:>6.1%} [{low_mfu:.0%}-{high_mfu:.0%}] {tokens / c.step_s:>10.0f} "
             f"{c.memory_bytes / GiB:>9.1f} {beside:>15}  {describe(c.settings)}"
         )
+    print(last_stage(model, best[0].settings, world, own["global_batch"], seq_len))
     if len(by_cp) > 1:
         print("the fastest layout that fits, per cp_size:")
         for cp, found in by_cp.items():
@@ -219,6 +242,37 @@ def other_cut(
         for s in (settings, with_cut(model, {**settings, "split_points": None}, seq_len, cut, world))
     ]  # fmt: skip
     return f"{priced[1]:.3f} ({priced[1] / priced[0] - 1:+.0%})"
+
+
+def last_stage(model: Any, settings: dict[str, Any], world: int, batch: int, seq: int) -> str:
+    """The best layout's last stage: its rank's activation peak, whether the head and the loss
+    are priced in chunks, and the peak with whole logits beside it."""
+    import dataclasses
+
+    from lightning_zeropp.core.settings.config import ZeroPPConfig
+    from lightning_zeropp.core.settings.placement import rank_of_stage, schedule_style
+    from lightning_zeropp.plan.activations import activation_peaks
+    from lightning_zeropp.plan.loss_chunk import priced_chunk
+    from lightning_zeropp.plan.profile import micro_batch_rows
+
+    config = ZeroPPConfig(**settings)
+    cfg = config.resolve(world)
+    rank = rank_of_stage(schedule_style(cfg.schedule), cfg.num_stages - 1, cfg.pp_size)
+    chunk = priced_chunk(
+        model, cfg, micro_batch_rows(batch, cfg.dp_size, cfg.num_microbatches), seq
+    )
+    peak = _amount(activation_peaks(model, config, world, batch, seq)[rank])
+    if not chunk:
+        return f"#1's last stage (pp rank {rank}): {peak} of activations, whole logits"
+    whole = activation_peaks(model, dataclasses.replace(config, loss_chunk=0), world, batch, seq)
+    return (
+        f"#1's last stage (pp rank {rank}): {peak} of activations, the head and the loss in "
+        f"chunks of {chunk} tokens (whole logits: {_amount(whole[rank])})"
+    )
+
+
+def _amount(size: int) -> str:
+    return f"{size / GiB:.2f} GiB" if size >= GiB else f"{size / 2**20:.2f} MiB"
 
 
 def _context(cfg: Any) -> int:

@@ -2,7 +2,9 @@
 
 Per stage, the bytes one micro-batch's forward saves for backward (weights excluded, each storage
 once) come from `plan.profile` (the model run once on the meta device, block by block: shapes
-only, so a 70B model costs nothing to measure); the last stage's include the loss.
+only, so a 70B model costs nothing to measure); the last stage's include the loss, computed as
+the run computes it: in chunks of `loss_chunk` tokens where the runtime chunks (`plan.loss_chunk`:
+the hidden states kept, not a micro-batch's fp32 logits), else from whole logits.
 
 Then each pipeline rank's task order (torch's schedules' own `pipeline_order`, or ZeroPP's unit
 order) is replayed: a forward adds its stage's bytes, a full backward (B) or a weight-gradient
@@ -42,6 +44,7 @@ from lightning_zeropp.core.settings.layout import ZeroPPLayout
 from lightning_zeropp.core.settings.placement import stage_ids_for_rank
 from lightning_zeropp.plan.context import rank_profile
 from lightning_zeropp.plan.cut import settle
+from lightning_zeropp.plan.loss_chunk import chunked_profile, priced_chunk
 from lightning_zeropp.plan.memory import _stage_ranges, stage_ranges
 from lightning_zeropp.plan.profile import Part, micro_batch_rows
 
@@ -62,10 +65,11 @@ def stage_parts(model: nn.Module, config: ZeroPPLayout, rows: int, seq_len: int)
     the meta device): saved bytes (recomputing stages: their blocks' inputs), FLOPs, output."""
     points = tuple(config.split_points) if config.split_points else None
     recompute = tuple(config.recomputes(s) for s in range(config.num_stages))
+    chunked = priced_chunk(model, config, rows, seq_len) > 0
     return list(
         _stage_parts(
             model, config.num_stages, points, rows, seq_len, config.param_dtype, recompute,
-            config.cp_size,
+            config.cp_size, chunked,
         )
     )  # fmt: skip
 
@@ -80,8 +84,11 @@ def _stage_parts(
     dtype: Any,
     recompute: tuple[bool, ...],
     cp: int = 1,
+    chunked: bool = False,
 ) -> tuple[Part, ...]:
     profile = rank_profile(model, rows, seq_len, dtype, cp)
+    if chunked:  # the last stage keeps the hidden states, not the logits (`plan.loss_chunk`)
+        profile = chunked_profile(model, profile, rows, seq_len, dtype)
     cut = _stage_ranges(model, num_stages, points)
     return tuple(
         profile.stage(r, s == 0, s == num_stages - 1, recompute[s]) for s, r in enumerate(cut)

@@ -4,7 +4,8 @@ on the meta device, rates from `Hardware`.
 
 - Compute: each stage's forward FLOPs per FSDP unit (`plan.profile`: torch's `FlopCounterMode`
   on meta tensors, the loss on the last stage), a backward twice its forward (exact for the matmuls that
-  dominate), plus the forward again where a stage recomputes; seconds = FLOPs / rate. Measured
+  dominate), plus the forward again where a stage recomputes, and the head's forward again where
+  the loss is computed in chunks (`plan.loss_chunk`); seconds = FLOPs / rate. Measured
   per-stage seconds (`stage_seconds`) may replace the rate, split over units by their FLOPs.
 - Collectives: ring all-gathers and reduce-scatters over `dp_shard` of each unit's padded shard
   ((k - 1) hops of latency plus a shard each), HSDP's all-reduce over `dp_replicate`, and stage
@@ -34,6 +35,7 @@ from lightning_zeropp.plan.activations import stage_parts
 from lightning_zeropp.plan.comm import padded_shard
 from lightning_zeropp.plan.context import fsdp_view, kv_bytes, rank_profile
 from lightning_zeropp.plan.hardware import SPLIT_BACKWARD, Hardware
+from lightning_zeropp.plan.loss_chunk import head_recompute_flops, priced_chunk
 from lightning_zeropp.plan.memory import StageUnits, stage_ranges, stage_units
 from lightning_zeropp.plan.plus import unit_traffic
 from lightning_zeropp.plan.profile import micro_batch_rows
@@ -81,6 +83,8 @@ def stage_costs(
     style = schedule_style(cfg.schedule)
     where = {s: rank_of_stage(style, s, cfg.pp_size) for s in range(cfg.num_stages)}
     parts = stage_parts(model, cfg, rows, seq_len)
+    chunked = priced_chunk(model, cfg, rows, seq_len) > 0
+    recompute_head = head_recompute_flops(model, rows, seq_len) if chunked else 0.0
     boundary = [part.output for part in parts]
     group = cfg.dp_size * cfg.cp_size  # ranks of one pipeline rank
     attend = _context_seconds(model, cfg, rows, seq_len, hardware)
@@ -90,6 +94,10 @@ def stage_costs(
             seconds = list(unit_seconds[s])
         else:
             seconds = _unit_seconds(flops[s], hardware, stage_seconds[s] if stage_seconds else None)
+            if s == cfg.num_stages - 1 and not measured and recompute_head:
+                # the chunked loss's backward computes each chunk's logits again
+                f, b = seconds[0]
+                seconds[0] = (f, b + recompute_head / hardware.flops_per_s)
         if cfg.offloads(s):
             seconds = _offloaded(seconds, parts[s].saved, cfg, hardware)
         gather, gather_node, reduce = _collective_seconds(stage, fsdp_view(cfg), hardware, where[s])

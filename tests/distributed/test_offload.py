@@ -21,8 +21,10 @@ import torch
 from lightning_zeropp.core import ZeroPPConfig
 from lightning_zeropp.core.settings.placement import splits_backward
 from lightning_zeropp.core.settings.ranks import stage_rank
+from lightning_zeropp.models import GPT
+from lightning_zeropp.plan import activation_peaks
 from tests.distributed.chunked_scenarios import STEPS
-from tests.distributed.common import BIG_HEAD, make_batches, make_model, reference
+from tests.distributed.common import BIG_HEAD, GLOBAL_BATCH, make_batches, make_model, reference
 from tests.distributed.conftest import case_of, selected_cases, slow_case
 from tests.distributed.launch import launch
 
@@ -78,9 +80,31 @@ def big_head_reference():
     )  # fmt: skip
 
 
+def dp_size(case: dict) -> int:
+    return ZeroPPConfig(**case_of(case)["layout"]).resolve(4).dp_size
+
+
+@pytest.fixture(scope="module")
+def planned_peaks() -> dict[str, dict[str, dict[int, int]]]:
+    """Per chunked case, the planner's activation peak per pipeline rank, with the case's chunk
+    and with whole logits (`loss_chunk=0`)."""
+    with torch.device("meta"):
+        model = GPT(BIG_HEAD)
+    out = {}
+    for case in map(case_of, CHUNKED):
+        priced = {}
+        for name, chunk in (("chunked", case["layout"]["loss_chunk"]), ("whole", 0)):
+            config = ZeroPPConfig(**{**case["layout"], "loss_chunk": chunk})
+            priced[name] = activation_peaks(
+                model, config, 4, GLOBAL_BATCH, BIG_HEAD.seq_len, recompute_transient=False
+            )
+        out[case["id"]] = priced
+    return out
+
+
 @pytest.mark.parametrize("case", CHUNKED, ids=[case_of(c)["id"] for c in CHUNKED])
 def test_chunked_loss_under_split_backward_matches_whole_logits_and_one_process(
-    results, big_head_reference, case
+    results, big_head_reference, planned_peaks, case
 ):
     want = big_head_reference
     for rank, result in enumerate(results):
@@ -100,6 +124,13 @@ def test_chunked_loss_under_split_backward_matches_whole_logits_and_one_process(
             assert chunked["activation_peak"] <= whole["activation_peak"] - logits, rank
         else:
             assert chunked["activation_peak"] == whole["activation_peak"], rank
+        # the planner prices the chunked run's peak on every rank as it prices any run (2%,
+        # as tests/distributed/test_planner.py); whole logits priced would miss the last stage
+        planned, pp_rank = planned_peaks[case_of(case)["id"]], rank // dp_size(case)
+        measured = chunked["activation_peak"]
+        assert planned["chunked"][pp_rank] == pytest.approx(measured, rel=0.02), rank
+        if chunked["last"]:
+            assert planned["whole"][pp_rank] != pytest.approx(measured, rel=0.02), rank
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])

@@ -3,6 +3,7 @@ layout the recipes accept."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,7 @@ def test_the_command_line_writes_a_layout_the_recipes_accept(tmp_path: Path, cap
     ranked = [line.split()[0] for line in table.splitlines() if "pp " in line and " x rep " in line]
     assert ranked == ["1", "2", "3"]
     assert per_cp.split()[:2] == ["cp", "1:"]  # the searched cp sizes' best, each
+    assert "#1's last stage (pp rank" in table  # its activation peak, the loss priced as run
     chosen = yaml.safe_load(out.read_text())
     ZeroPPConfig(**chosen).resolve(4)
     (Path("conf/parallel") / "zz_test_chosen.yaml").write_text(out.read_text())
@@ -84,6 +86,27 @@ def test_the_command_line_writes_a_layout_the_recipes_accept(tmp_path: Path, cap
         assert check_config(cfg).zeropp.pp_size == chosen["pp_size"]
     finally:
         (Path("conf/parallel") / "zz_test_chosen.yaml").unlink()
+
+
+def test_the_command_line_prices_the_loss_in_the_chunks_asked_for(capsys) -> None:
+    from lightning_zeropp.plan.__main__ import main
+
+    assert main(["global_batch=32", "top=1", "write=none", "loss_chunk=4"]) == 0
+    last = capsys.readouterr().out.split("#1's last stage")[1]
+    # gpt_tiny's best layout at 4 ranks: the head and the loss in chunks, less than whole logits
+    assert "in chunks of 4 tokens" in last, last
+    chunked, whole = (
+        float(x) * (1024 if unit == "GiB" else 1)
+        for x, unit in re.findall(r"([0-9.]+) (GiB|MiB)", last)
+    )
+    assert chunked < whole
+    for bad, message in (
+        ("loss_chunk=-1", "loss_chunk=-1 must be a whole number"),
+        ("split=cut", "split='cut' is not a split"),
+        ("cp_size=2", "context parallelism \\(cp_size=2\\)"),
+    ):
+        with pytest.raises(SystemExit, match=message):
+            main(["global_batch=32", "write=none", "loss_chunk=4", bad])
 
 
 def test_the_command_line_names_a_budget_nothing_fits(capsys) -> None:

@@ -10,7 +10,9 @@ no stage modules that run on their own, so any model with a block list works: th
 HF `*ForCausalLM` (which the engine cuts with split="call"), litgpt.
 
 Saved bytes count each storage once, weights excluded, attention as fused kernels save it
-(`meta_forward`). A recomputed block saves what torch's non-reentrant checkpoint keeps (its
+(`meta_forward`). With `chunked_head` the head and the loss run as the runtime's chunked loss
+(`core.step.chunked_loss.linear_cross_entropy`, run itself on the meta device): what it saves is
+counted, the hidden states and the targets, not a micro-batch's fp32 logits. A recomputed block saves what torch's non-reentrant checkpoint keeps (its
 inputs), counted by wrapping the blocks as the engine does (`core.shard.fsdp`).
 """
 
@@ -38,6 +40,7 @@ from lightning_zeropp.core._torch_private import (
 from lightning_zeropp.core.shard.fsdp import apply_activation_checkpointing
 from lightning_zeropp.core.split.blocks import find_blocks
 from lightning_zeropp.core.split.repeats import Repeats, repeats_skipped
+from lightning_zeropp.core.step.chunked_loss import linear_cross_entropy
 
 __all__ = [
     "ModelProfile",
@@ -125,14 +128,16 @@ def profile_model(
     seq_len: int,
     dtype: torch.dtype | None = None,
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] = lm_loss,
+    chunked_head: str | None = None,
 ) -> ModelProfile:
     """Profile one micro-batch of `rows` x `seq_len` token ids through `model` (meta device),
-    computed in `dtype` when given (mixed precision).
+    computed in `dtype` when given (mixed precision); `chunked_head` (the output head's module
+    name) computes the head and the loss in chunks, as the runtime does where it chunks.
 
     Every figure is affine in the rows (per-row tensors, plus a few that do not depend on them,
     such as rotary tables), so the model runs at 1 and 2 rows and the rest is extrapolated; a
     search then prices every micro-batch size from two runs."""
-    one, two = _profile(model, seq_len, dtype, loss_fn)
+    one, two = _profile(model, seq_len, dtype, loss_fn, chunked_head)
     if rows in (1, 2):
         return one if rows == 1 else two
 
@@ -157,11 +162,14 @@ def _profile(
     seq_len: int,
     dtype: torch.dtype | None,
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+    chunked_head: str | None = None,
 ) -> tuple[ModelProfile, ModelProfile]:
     """The profiles of one and of two rows (one copy of the model for both)."""
     model = copy.deepcopy(model)
     if dtype is not None:
         model = model.to(dtype)
+    if chunked_head is not None:
+        loss_fn = _chunked_loss(model.get_submodule(chunked_head), seq_len)
     container, names = find_blocks(model)
     holder = model.get_submodule(container) if container else model
     blocks = [holder.get_submodule(n) for n in names]
@@ -174,6 +182,21 @@ def _profile(
             for rows in (1, 2)
         ]
     return _assemble(plain[0], recomputed[0]), _assemble(plain[1], recomputed[1])
+
+
+def _chunked_loss(head: nn.Module, seq_len: int) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+    """The loss of a copy whose `head` now returns its input: the runtime's chunked head and
+    loss over those hidden states. Chunks of half a row, so that even one row runs the chunked
+    node (what it saves, the hidden states, does not depend on the chunk; its FLOPs are the
+    whole head's either way); the planner asks for it only where the run's chunk is smaller
+    than a micro-batch's tokens (a chunk holding them all computes whole logits)."""
+    weight, bias = head.get_parameter("weight"), getattr(head, "bias", None)
+    head.forward = lambda hidden, *args, **kwargs: hidden  # type: ignore[method-assign]
+
+    def loss(hidden: Any, target: torch.Tensor) -> torch.Tensor:
+        return linear_cross_entropy(hidden, weight, bias, target, chunk=max(1, seq_len // 2))
+
+    return loss
 
 
 def profile_copy(model: nn.Module, seq_len: int) -> ModelProfile:

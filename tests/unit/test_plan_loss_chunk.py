@@ -1,0 +1,104 @@
+"""The planner prices the head and the loss as the runtime computes them: in chunks
+(`loss_chunk`) where the run chunks, the last stage then keeping the hidden states and not a
+micro-batch's fp32 logits; whole logits where it does not (`loss_chunk=0`, a micro-batch within
+one chunk, a split or context parallelism that computes whole logits, a model whose loss the
+runtime does not chunk). FLOPs are unchanged; the backward adds one head forward."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from lightning_zeropp.core import ZeroPPConfig
+from lightning_zeropp.core.split.methods import SPLIT_ATTR
+from lightning_zeropp.models import GPT, GPTConfig
+from lightning_zeropp.models.hf import build_causal_lm
+from lightning_zeropp.plan import Hardware
+from lightning_zeropp.plan.activations import stage_parts
+from lightning_zeropp.plan.loss_chunk import chunked_head, loss_chunk_of
+from lightning_zeropp.plan.stage_costs import stage_costs
+
+# A vocabulary large against the hidden size: the logits dwarf a block's activations.
+BIG_HEAD = GPTConfig(vocab_size=1280, seq_len=64, dim=32, num_heads=2, num_layers=4)
+ROWS, SEQ = 2, 64
+LOGITS = ROWS * SEQ * BIG_HEAD.vocab_size * 4  # one micro-batch's fp32 logits
+
+
+def _gpt() -> GPT:
+    with torch.device("meta"):
+        return GPT(BIG_HEAD)
+
+
+def _llama(split: str | None = None) -> torch.nn.Module:
+    with torch.device("meta"):
+        model = build_causal_lm(
+            "llama", vocab_size=1280, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        )  # fmt: skip
+    if split is not None:  # as `split=` given to the engine: how "auto" resolves
+        object.__setattr__(model, SPLIT_ATTR, split)
+    return model
+
+
+def _layout(**settings: object) -> object:
+    return ZeroPPConfig(pp_size=2, num_microbatches=2, **settings).resolve(2)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("model", [_gpt, lambda: _llama("call")], ids=["gpt", "hf_llama_call"])
+def test_the_last_stage_keeps_the_hidden_states_not_the_logits(model) -> None:
+    model = model()
+    whole = stage_parts(model, _layout(loss_chunk=0), ROWS, SEQ)
+    chunked = stage_parts(model, _layout(loss_chunk=16), ROWS, SEQ)
+    assert chunked[0] == whole[0]  # the first stage: unchanged
+    saved_less = whole[-1].saved - chunked[-1].saved
+    # one micro-batch's fp32 logits (and the loss's scalar, a few bytes)
+    assert LOGITS <= saved_less <= LOGITS + 64, (saved_less, LOGITS)
+    assert chunked[-1].flops == whole[-1].flops  # chunks change no FLOPs
+    assert chunked[-1].output == whole[-1].output
+
+
+def test_whole_logits_where_the_run_computes_them() -> None:
+    model = _gpt()
+    whole = stage_parts(model, _layout(loss_chunk=0), ROWS, SEQ)
+    # the default chunk (1024 tokens) holds the micro-batch's 128 tokens: whole logits
+    assert stage_parts(model, _layout(), ROWS, SEQ) == whole
+    assert stage_parts(model, _layout(loss_chunk=ROWS * SEQ), ROWS, SEQ) == whole
+    # an HF model prepared by `models.hf` is traced at pp > 1: its loss reads whole logits
+    traced = _llama()
+    assert loss_chunk_of(traced, _layout()) == 0
+    assert stage_parts(traced, _layout(), ROWS, SEQ) == stage_parts(
+        traced, _layout(loss_chunk=0), ROWS, SEQ
+    )
+
+
+def test_a_chunk_the_run_would_refuse_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"loss_chunk=16 .* split='trace'"):
+        stage_parts(_llama(), _layout(loss_chunk=16), ROWS, SEQ)
+    cp = ZeroPPConfig(cp_size=2, loss_chunk=16).resolve(2)
+    with pytest.raises(ValueError, match=r"loss_chunk=16 .*cp_size=2"):
+        stage_parts(_gpt(), cp, ROWS, SEQ)
+
+
+def test_soft_capped_logits_stay_whole() -> None:
+    model = _llama("call")
+    model.config.final_logit_softcapping = 30.0  # as Gemma-2: the runtime keeps whole logits
+    assert chunked_head(model) is None
+    assert loss_chunk_of(model, _layout(loss_chunk=16)) == 0
+    assert chunked_head(_llama("call")) == "lm_head" and chunked_head(_gpt()) == "head"
+
+
+def test_the_backward_computes_the_head_again() -> None:
+    model = _gpt()
+    hardware = Hardware(flops_per_s=1e12, intra_node_Bps=1e11, inter_node_Bps=1e10, node_size=2)
+    cfg = _layout(loss_chunk=0)
+    whole = stage_costs(model, cfg, 2 * ROWS, SEQ, hardware)[0]
+    chunked = stage_costs(model, dataclasses.replace(cfg, loss_chunk=16), 2 * ROWS, SEQ, hardware)[
+        0
+    ]
+    assert chunked[0] == whole[0]
+    assert chunked[-1].forward == whole[-1].forward
+    head = 2 * ROWS * SEQ * BIG_HEAD.dim * BIG_HEAD.vocab_size / 1e12
+    assert chunked[-1].backward[0] == pytest.approx(whole[-1].backward[0] + head, rel=1e-9)
+    assert chunked[-1].backward[1:] == whole[-1].backward[1:]
