@@ -103,6 +103,15 @@ def _same_training(got: dict, ref: dict) -> None:
         torch.testing.assert_close(got["weights"][name], value, rtol=0, atol=1e-5, msg=name)
 
 
+def _same_evaluations(got: dict, ref: dict) -> list[float]:
+    """The two evaluations' `eval_loss` against one process's, within 1e-5; got's values."""
+    evals = [log["eval_loss"] for log in got["logs"] if "eval_loss" in log]
+    want = [log["eval_loss"] for log in ref["logs"] if "eval_loss" in log]
+    assert len(evals) == len(want) == 2
+    assert evals == pytest.approx(want, abs=1e-5)
+    return evals
+
+
 def test_compute_loss_func_matches_one_process(runs):
     two, one = runs
     _same_training(two[0]["func"], one["func"])
@@ -115,20 +124,14 @@ def test_label_smoothing_matches_one_process(runs):
     two, one = runs
     got, ref = two[0]["smooth"], one["smooth"]
     _same_training(got, ref)
-    evals = [log["eval_loss"] for log in got["logs"] if "eval_loss" in log]
-    want = [log["eval_loss"] for log in ref["logs"] if "eval_loss" in log]
-    assert len(evals) == len(want) == 2
-    assert evals == pytest.approx(want, abs=1e-5)
+    _same_evaluations(got, ref)
 
 
 def test_a_short_last_eval_batch_over_data_parallel_ranks_matches_one_process(runs):
     two, one = runs
     got, ref = two[0]["smooth_dp"], one["smooth_dp"]
     _same_training(got, ref)
-    evals = [log["eval_loss"] for log in got["logs"] if "eval_loss" in log]
-    want = [log["eval_loss"] for log in ref["logs"] if "eval_loss" in log]
-    assert len(evals) == len(want) == 2
-    assert evals == pytest.approx(want, abs=1e-5)
+    evals = _same_evaluations(got, ref)
     for rank in two:  # every rank logs the same numbers
         assert [
             log["eval_loss"] for log in rank["smooth_dp"]["logs"] if "eval_loss" in log
