@@ -60,16 +60,19 @@ __all__ = [
 Order = list[tuple[str, int, int]]  # (kind F/B/I/W, stage, micro-batch)
 
 
-def stage_parts(model: nn.Module, config: ZeroPPLayout, rows: int, seq_len: int) -> list[Part]:
+def stage_parts(
+    model: nn.Module, config: ZeroPPLayout, rows: int, seq_len: int, device_type: str = "cuda"
+) -> list[Part]:
     """One micro-batch of `rows` x `seq_len` tokens on each stage (a resolved config; `model` on
-    the meta device): saved bytes (recomputing stages: their blocks' inputs), FLOPs, output."""
+    the meta device): saved bytes (recomputing stages: their blocks' inputs), FLOPs, output.
+    `device_type` decides what CP attention keeps (`plan.context.rank_profile`)."""
     points = tuple(config.split_points) if config.split_points else None
     recompute = tuple(config.recomputes(s) for s in range(config.num_stages))
     chunked = priced_chunk(model, config, rows, seq_len) > 0
     return list(
         _stage_parts(
             model, config.num_stages, points, rows, seq_len, config.param_dtype, recompute,
-            config.cp_size, chunked,
+            config.cp_size, chunked, device_type,
         )
     )  # fmt: skip
 
@@ -85,8 +88,9 @@ def _stage_parts(
     recompute: tuple[bool, ...],
     cp: int = 1,
     chunked: bool = False,
+    device_type: str = "cuda",
 ) -> tuple[Part, ...]:
-    profile = rank_profile(model, rows, seq_len, dtype, cp)
+    profile = rank_profile(model, rows, seq_len, dtype, cp, device_type)
     if chunked:  # the last stage keeps the hidden states, not the logits (`plan.loss_chunk`)
         profile = chunked_profile(model, profile, rows, seq_len, dtype)
     cut = _stage_ranges(model, num_stages, points)
@@ -96,18 +100,18 @@ def _stage_parts(
 
 
 def stage_activation_bytes(
-    model: nn.Module, config: ZeroPPLayout, rows: int, seq_len: int
+    model: nn.Module, config: ZeroPPLayout, rows: int, seq_len: int, device_type: str = "cuda"
 ) -> list[int]:
     """Bytes one micro-batch saves in each stage (see `stage_parts`)."""
-    return [part.saved for part in stage_parts(model, config, rows, seq_len)]
+    return [part.saved for part in stage_parts(model, config, rows, seq_len, device_type)]
 
 
 def recompute_transients(
-    model: nn.Module, config: ZeroPPLayout, rows: int, seq_len: int
+    model: nn.Module, config: ZeroPPLayout, rows: int, seq_len: int, device_type: str = "cuda"
 ) -> list[int]:
     """Per stage, what recomputing holds on top of the saved bytes while a block runs backward:
     the largest block's own saved bytes (0 for a stage that does not recompute)."""
-    profile = rank_profile(model, rows, seq_len, config.param_dtype, config.cp_size)
+    profile = rank_profile(model, rows, seq_len, config.param_dtype, config.cp_size, device_type)
     return [
         max((profile.blocks[i].saved for i in r), default=0) if config.recomputes(s) else 0
         for s, r in enumerate(stage_ranges(model, config))
@@ -242,14 +246,16 @@ def activation_peaks(
     seq_len: int,
     *,
     recompute_transient: bool = True,
+    device_type: str = "cuda",
 ) -> dict[int, int]:
     """Each pipeline rank's peak activation bytes in a step of `global_batch` rows: the saved
-    bytes, plus (`recompute_transient`) what a recomputing block holds during its backward."""
+    bytes, plus (`recompute_transient`) what a recomputing block holds during its backward, on
+    a `device_type` device ("cuda", or "cpu" for gloo ranks: CP attention differs)."""
     config = settle(model, config, seq_len, world_size)  # no split points: the engine's cut
     cfg = config.resolve(world_size)
     rows = micro_batch_rows(global_batch, cfg.dp_size, cfg.num_microbatches)
-    per_stage = stage_activation_bytes(model, cfg, rows, seq_len)
-    extra = recompute_transients(model, cfg, rows, seq_len)
+    per_stage = stage_activation_bytes(model, cfg, rows, seq_len, device_type)
+    extra = recompute_transients(model, cfg, rows, seq_len, device_type)
     extra = extra if recompute_transient else [0] * len(extra)
     if cfg.pp_size == 1 and cfg.num_stages == 1:
         return {0: per_stage[0] + extra[0]}  # micro-batches run one after another

@@ -10,7 +10,10 @@ shares it). So one CP rank:
 
 - saves for backward what the model saves at `seq_len / cp` tokens, except that each attention
   call keeps the gathered K and V (the whole sequence, K/V heads only), and the first call of a
-  micro-batch its mask (additive, in the query's dtype), which the later calls share;
+  micro-batch its mask (additive, in the query's dtype), which the later calls share. On the
+  CPU a call with no mask of the model's runs by blocks (`core.step.context_blocks`) and keeps
+  neither: just its own tensors and a log-sum-exp row, as at cp 1 (`device_type="cpu"`; the
+  traffic below is still the masked path's, which GPUs run);
 - computes 1/cp of the model's FLOPs (its queries against all keys: the load balance makes the
   ranks equal);
 - per attention call and micro-batch, all-gathers its K and V (ring: (cp - 1) hops of its own
@@ -37,7 +40,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_zeropp.core._torch_private import is_fused_attention
 from lightning_zeropp.core.settings.layout import ZeroPPLayout
-from lightning_zeropp.core.step.context_masks import call_mask
+from lightning_zeropp.core.step.context_masks import call_mask, local_causal
 from lightning_zeropp.plan.profile import ModelProfile, lm_loss, profile_model
 
 __all__ = ["check_length", "fsdp_view", "kv_bytes", "rank_profile"]
@@ -62,16 +65,22 @@ def check_length(seq_len: int, cp: int) -> None:
 
 
 class _MetaContext(TorchFunctionMode):
-    """On the meta device, each fused attention call as the runtime's CP attention runs it: the
-    local queries against keys and values of `cp` times the local length (new tensors, as the
-    gather makes them), under a (queries x keys) mask in the query's dtype: one tensor for every
-    call given the same mask of the model's (or none), as the runtime shares it over the layers
-    of a micro-batch. Records each call's local K + V bytes (what this rank hands to the two
-    all-gathers)."""
+    """On the meta device, each fused attention call as the runtime's CP attention runs it.
 
-    def __init__(self, cp: int) -> None:
+    Masked (`core.step.context_attention`): the local queries against keys and values of `cp`
+    times the local length (new tensors, as the gather makes them), under a (queries x keys)
+    mask in the query's dtype: one tensor for every call given the same mask of the model's (or
+    none), as the runtime shares it over the layers of a micro-batch.
+
+    By blocks (`blocks`: the runtime's path on the CPU for a call with no mask of the model's,
+    `core.step.context_blocks`): the FLOPs of the local queries against all keys, and saved
+    what that path saves, the call's own query, keys and values, its output and log-sum-exp.
+
+    Records each call's local K + V bytes (what this rank hands to the all-gathers)."""
+
+    def __init__(self, cp: int, blocks: bool = False) -> None:
         super().__init__()
-        self.cp = cp
+        self.cp, self.blocks = cp, blocks
         self.kv: list[int] = []
         self._last: tuple[tuple[Any, ...], torch.Tensor] | None = None  # the micro-batch's mask
 
@@ -89,6 +98,12 @@ class _MetaContext(TorchFunctionMode):
             for t in (key, value)
         ]  # fmt: skip
         source = kwargs.get("attn_mask")
+        if source is not None and not is_causal and local_causal(source, query.shape[-2]):
+            source, is_causal = None, True  # the runtime reads it as causal over all keys
+        if self.blocks and source is None and not dropout_p:
+            with torch.no_grad():  # counted as the masked path counts: queries x all keys
+                out, lse = func(query, *gathered, 0.0, False, scale=kwargs.get("scale"))
+            return _KeepsLocal.apply(query, key, value, out, lse), lse
         if is_causal or source is not None:
             local, length = query.shape[-2], gathered[0].shape[-2]
             made_from = (source, (local, length), query.dtype, query.device)
@@ -105,14 +120,28 @@ class _MetaContext(TorchFunctionMode):
         return func(query, *gathered, dropout_p, False, **kwargs)
 
 
+class _KeepsLocal(torch.autograd.Function):
+    """The output of an attention by blocks, saving what `core.step.context_blocks` saves."""
+
+    @staticmethod
+    def forward(ctx: Any, query: Any, key: Any, value: Any, out: Any, lse: Any) -> Any:  # type: ignore[override]
+        ctx.save_for_backward(query, key, value, out, lse)
+        return out.view_as(out)  # the saved output itself, as the runtime returns it
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:  # type: ignore[override]
+        raise NotImplementedError("a planner's profile runs no backward")
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
 @functools.lru_cache(maxsize=16)
-def _loss(cp: int) -> Any:
-    """A loss function object per cp: `profile_model` caches by its loss function, so a CP
-    profile at `seq_len / cp` tokens never answers for a plain profile at that length."""
+def _loss(cp: int, blocks: bool) -> Any:
+    """A loss function object per cp and attention path: `profile_model` caches by its loss
+    function, so a CP profile at `seq_len / cp` tokens never answers for a plain profile at
+    that length, nor one path's for the other's."""
 
     def loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return lm_loss(logits, target)
@@ -124,16 +153,23 @@ _KV: dict[tuple[Any, ...], int] = {}  # (model, seq_len, dtype, cp) -> first cal
 
 
 def rank_profile(
-    model: nn.Module, rows: int, seq_len: int, dtype: torch.dtype | None, cp: int
+    model: nn.Module,
+    rows: int,
+    seq_len: int,
+    dtype: torch.dtype | None,
+    cp: int,
+    device_type: str = "cuda",
 ) -> ModelProfile:
     """`profile_model` for one CP rank of `cp` (`profile_model` itself when cp is 1): one
-    micro-batch of `rows` sequences of `seq_len` tokens, this rank's part of them."""
+    micro-batch of `rows` sequences of `seq_len` tokens, this rank's part of them, its
+    attention as the runtime runs it on a `device_type` device (by blocks on the CPU)."""
     if cp == 1:
         return profile_model(model, rows, seq_len, dtype)
     check_length(seq_len, cp)
-    mode = _MetaContext(cp)
+    blocks = device_type == "cpu"
+    mode = _MetaContext(cp, blocks)
     with mode:
-        out = profile_model(model, rows, seq_len // cp, dtype, _loss(cp))
+        out = profile_model(model, rows, seq_len // cp, dtype, _loss(cp, blocks))
     if mode.kv:  # run now (not cached): its first call is the one-row run's
         _KV[model, seq_len, dtype, cp] = mode.kv[0]
     return out

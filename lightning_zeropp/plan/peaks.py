@@ -42,7 +42,7 @@ def rank_memory(
     config = settle(model, config, seq_len, world_size)
     cfg = config.resolve(world_size)
     states = predict_memory(model, cfg, world_size, optimizer, device_type)
-    acts = activation_peaks(model, cfg, world_size, global_batch, seq_len)
+    acts = activation_peaks(model, cfg, world_size, global_batch, seq_len, device_type=device_type)
     grads = gradient_buffers(model, cfg)
     plus = _plus_bytes(model, cfg)
     out = []

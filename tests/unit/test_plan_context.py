@@ -51,6 +51,20 @@ def test_a_cp_rank_saves_its_part_of_the_sequence_plus_the_gathered_keys_values_
     )
 
 
+@pytest.mark.parametrize("cp", [2, 4])
+def test_on_the_cpu_a_cp_rank_saves_its_part_of_the_sequence_only(cp):
+    # attention by blocks (the runtime's CPU path, `core.step.context_blocks`): no gathered K/V
+    # and no mask kept, so every block saves what the model saves at SEQ/cp tokens; FLOPs as
+    # the masked path's (this rank's queries against all keys)
+    model = _model()
+    masked = rank_profile(model, 1, SEQ, None, cp)
+    mine = rank_profile(model, 1, SEQ, None, cp, device_type="cpu")
+    local = profile_model(model, 1, SEQ // cp, None)
+    assert [b.saved for b in mine.blocks] == [b.saved for b in local.blocks]
+    assert [b.flops for b in mine.blocks] == [b.flops for b in masked.blocks]
+    assert mine.after.saved == masked.after.saved
+
+
 def test_activations_halve_with_cp_2_but_for_the_gathered_keys_values_and_the_mask():
     seq, dim, layers = 512, 256, 2
     model = _model(seq=seq, dim=dim, layers=layers)

@@ -83,6 +83,8 @@ from lightning_zeropp.core._torch_private.pytree import (  # noqa: E402
     tree_unflatten,
 )
 from lightning_zeropp.core._torch_private.tensors import (  # noqa: E402
+    flash_attention_backward,
+    flash_attention_lse,
     fused_attention,
     fused_attention_flops,
     is_fused_attention,
@@ -119,6 +121,8 @@ __all__ = [
     "fused_attention_flops",
     "group_timeout",
     "is_fused_attention",
+    "flash_attention_backward",
+    "flash_attention_lse",
     "hide_post_forward_mesh",
     "inductor",
     "is_dcp_metadata_global",

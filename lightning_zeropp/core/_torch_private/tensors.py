@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "flash_attention_backward",
+    "flash_attention_lse",
     "fused_attention",
     "fused_attention_flops",
     "local_chunk",
@@ -44,6 +46,40 @@ def fused_attention(
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
     )[0]
+
+
+def flash_attention_lse(
+    query: Any, key: Any, value: Any, is_causal: bool, scale: float | None
+) -> tuple[Any, Any]:
+    """The CPU flash kernel's output and its log-sum-exp row per query (fp32 for low-precision
+    inputs), no dropout and no mask: what merges attention over blocks of keys. Grouped-query
+    K/V (fewer heads) are taken as they are."""
+    import torch
+
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, is_causal, scale=scale
+    )
+    return out, lse
+
+
+def flash_attention_backward(
+    grad: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    out: Any,
+    lse: Any,
+    is_causal: bool,
+    scale: float | None,
+) -> tuple[Any, Any, Any]:
+    """The CPU flash kernel's backward for one block of keys: given the whole attention's `out`
+    and `lse` (over every block), the block's share of the query gradient and its keys' and
+    values' gradients."""
+    import torch
+
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad, query, key, value, out, lse, 0.0, is_causal, scale=scale
+    )
 
 
 def is_fused_attention(func: Any) -> bool:

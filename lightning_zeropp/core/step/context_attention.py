@@ -28,7 +28,13 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_zeropp.core._torch_private import tree_map
 from lightning_zeropp.core.step.context import ContextSplit
-from lightning_zeropp.core.step.context_masks import call_mask
+from lightning_zeropp.core.step.context_blocks import (
+    block_attention,
+    blocks_apply,
+    gather_rows,
+    scatter_rows,
+)
+from lightning_zeropp.core.step.context_masks import call_mask, local_causal
 
 __all__ = ["ContextAttention", "gather_sequence", "whole_sequences"]
 
@@ -45,20 +51,11 @@ class _GatherSequence(torch.autograd.Function):
         ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, order: torch.Tensor
     ) -> torch.Tensor:
         ctx.group, ctx.order = group, order
-        size = dist.get_world_size(group)
-        rows = x.movedim(-2, 0).contiguous()
-        gathered = rows.new_empty((size * rows.shape[0], *rows.shape[1:]))
-        dist.all_gather_into_tensor(gathered, rows, group=group)
-        return gathered.index_select(0, order).movedim(0, -2)
+        return gather_rows(x, group, order)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        size = dist.get_world_size(ctx.group)
-        rows = torch.empty_like(grad.movedim(-2, 0).contiguous())
-        rows.index_copy_(0, ctx.order, grad.movedim(-2, 0).contiguous())  # back to gathered order
-        local = rows.new_empty((rows.shape[0] // size, *rows.shape[1:]))
-        dist.reduce_scatter_tensor(local, rows, op=dist.ReduceOp.SUM, group=ctx.group)
-        return local.movedim(0, -2), None, None
+        return scatter_rows(grad, ctx.group, ctx.order), None, None
 
 
 def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, order: torch.Tensor) -> torch.Tensor:
@@ -200,6 +197,15 @@ class ContextAttention(TorchFunctionMode):
                 f"scaled_dot_product_attention got {query.shape[-2]} queries and "
                 f"{key.shape[-2]} keys where this rank holds {local} of the {length} tokens; "
                 "set cp_size=1 for this model."
+            )
+        if attn_mask is not None and not is_causal and local_causal(attn_mask, local):
+            # a causal mask the model built over its own chunk (a traced HF stage does): the
+            # causal mask over global positions is meant
+            attn_mask, is_causal = None, True
+        if blocks_apply(query, is_causal, attn_mask, dropout_p):  # no mask made (the default)
+            chunks = (split.rank, 2 * split.size - 1 - split.rank)
+            return block_attention(
+                query, key, value, self.group, split.order, chunks, is_causal, scale
             )
         mask = self._mask(attn_mask, is_causal, query)  # before the gathers: no rank waits
         key = gather_sequence(key, self.group, split.order)

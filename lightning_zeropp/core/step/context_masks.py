@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["call_mask", "plain_rows", "row_mask"]
+__all__ = ["call_mask", "local_causal", "plain_rows", "row_mask"]
 
 
 def plain_rows(mask: torch.Tensor | None, positions: torch.Tensor | None, length: int) -> bool:
@@ -73,7 +73,7 @@ def call_mask(
     from the model's own and the causal mask over the queries' global `positions`."""
     local = positions.shape[0]
     mask = attn_mask
-    if mask is not None and not is_causal and _local_causal(mask, local):
+    if mask is not None and not is_causal and local_causal(mask, local):
         # a causal mask the model built over its own chunk (a traced HF stage does): the
         # causal mask over global positions is meant
         mask, is_causal = None, True
@@ -104,7 +104,7 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return zeros.masked_fill(~allowed, float("-inf"))
 
 
-def _local_causal(mask: torch.Tensor, local: int) -> bool:
+def local_causal(mask: torch.Tensor, local: int) -> bool:
     """Whether `mask` is exactly the causal mask over `local` keys (bool: True where allowed;
     additive: 0 where allowed, a large negative number elsewhere)."""
     if mask.shape[-2:] != (local, local):

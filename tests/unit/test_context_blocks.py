@@ -1,0 +1,90 @@
+"""Context parallelism's maskless attention (`core.step.context_blocks`) on a one-rank gloo group:
+the causal (or unmasked) attention of a rank's two chunks, computed per block of keys and merged
+by log-sum-exp, equals torch's own attention over the whole sequence, forward and backward; and
+it keeps no mask and no gathered K/V for the backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_zeropp.core.step.context import ContextSplit
+from lightning_zeropp.core.step.context_attention import ContextAttention
+from lightning_zeropp.core.step.context_blocks import block_attention, key_blocks
+
+pytestmark = pytest.mark.usefixtures("group")
+
+
+class _Ids(nn.Module):
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return input_ids
+
+
+def _inputs(dtype: torch.dtype, heads: int, kv_heads: int, length: int = 24):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, heads, length, 8, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(2, kv_heads, length, 8, generator=g).to(dtype).requires_grad_()
+    v = torch.randn(2, kv_heads, length, 8, generator=g).to(dtype).requires_grad_()
+    return q, k, v
+
+
+def _run(fn, q, k, v):
+    out = fn(q, k, v)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+    return (out, *torch.autograd.grad(out, (q, k, v), grad))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "heads", "kv_heads", "causal", "tol"),
+    [
+        (torch.float32, 4, 4, True, 2e-6),
+        (torch.float32, 4, 2, True, 2e-6),  # grouped-query: K/V heads only
+        (torch.float32, 2, 2, False, 2e-6),
+        (torch.bfloat16, 4, 2, True, 3e-2),
+    ],
+)
+def test_blocks_merged_by_log_sum_exp_equal_whole_attention(dtype, heads, kv_heads, causal, tol):
+    # one rank holds chunks 0 and 1 of 2: chunk 1's queries take a block before and their own
+    order = torch.arange(24)
+    ours = _run(
+        lambda q, k, v: block_attention(q, k, v, dist.group.WORLD, order, (0, 1), causal, None),
+        *_inputs(dtype, heads, kv_heads),
+    )
+    theirs = _run(
+        lambda q, k, v: F.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, enable_gqa=heads != kv_heads
+        ),
+        *_inputs(dtype, heads, kv_heads),
+    )
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+
+
+def test_a_later_chunk_sees_every_earlier_key_and_its_own_causally():
+    assert key_blocks(0, 4, 32, True) == [(0, 4, True)]
+    assert key_blocks(5, 4, 32, True) == [(0, 20, False), (20, 24, True)]
+    assert key_blocks(5, 4, 32, False) == [(0, 32, False)]
+
+
+def test_a_plain_causal_call_keeps_no_mask_and_no_gathered_keys():
+    # the masked path saves a (local queries x all keys) mask per micro-batch and the gathered
+    # K/V per call; this one saves the call's own tensors and the output's log-sum-exp
+    split = ContextSplit(1, 0, _Ids())
+    split.set_length(24)
+    attention = ContextAttention(split, dist.group.WORLD)
+    q, k, v = _inputs(torch.float32, 2, 2)
+    saved: list[torch.Size] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        out = attention.attention(q, k, v, is_causal=True)
+    assert attention._last is None  # no mask made
+    assert sorted(saved, key=len) == [(2, 2, 24), *[q.shape] * 4]  # lse; q, k, v, out
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    # a mask of the model's own still takes the masked path
+    own = torch.ones(24, 24, dtype=torch.bool).tril()
+    own[1:, 1] = False  # key 1 a pad
+    attention.attention(q, k, v, attn_mask=own)
+    assert attention._last is not None
