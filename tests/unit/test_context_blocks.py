@@ -78,7 +78,9 @@ def test_a_plain_causal_call_keeps_no_mask_and_no_gathered_keys():
     attention = ContextAttention(split, dist.group.WORLD)
     q, k, v = _inputs(torch.float32, 2, 2)
     saved: list[torch.Size] = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append(t.shape) or t, lambda t: t
+    ):
         out = attention.attention(q, k, v, is_causal=True)
     assert attention._last is None  # no mask made
     assert sorted(saved, key=len) == [(2, 2, 24), *[q.shape] * 4]  # lse; q, k, v, out

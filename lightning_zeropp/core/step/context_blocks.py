@@ -43,9 +43,7 @@ def gather_rows(x: torch.Tensor, group: dist.ProcessGroup, order: torch.Tensor) 
     return gathered.index_select(0, order.to(x.device)).movedim(0, -2)
 
 
-def scatter_rows(
-    grad: torch.Tensor, group: dist.ProcessGroup, order: torch.Tensor
-) -> torch.Tensor:
+def scatter_rows(grad: torch.Tensor, group: dist.ProcessGroup, order: torch.Tensor) -> torch.Tensor:
     """`gather_rows`'s adjoint: `grad` (global order along dim -2) back in gathered order, and
     reduce-scattered (summed: each rank's keys serve every rank's queries)."""
     size = dist.get_world_size(group)
