@@ -163,7 +163,9 @@ def predicted(cp: int, length: int) -> int:
 
     with torch.device("meta"):
         meta = GPT(GPTConfig(seq_len=length, **MODEL))
-    config = ZeroPPConfig(**_layout(cp))
+    # whole logits, as the rows run them (a loss_fn of their own, split="stack"): the planner's
+    # default would price the head and loss in chunks, as a run of the engine's defaults
+    config = ZeroPPConfig(**_layout(cp), loss_chunk=0)
     return rank_memory(meta, config, cp, 1, length, device_type="cpu")[0]["activations"]
 
 
@@ -258,10 +260,9 @@ def write(meta: dict[str, Any], rows: list[dict], plans: list[dict], notes: list
             "|---:|---:|---:|---:|---:|---:|---:|",
             *[_measured_line(r) for r in rows],
             "",
-            "The activation peak per rank against cp 1's at the same length (1/cp would be the "
-            "sequence's split alone; the rest is what each attention call keeps: the gathered K "
-            "and V of the whole sequence and the (L/cp x L) mask, which a model this narrow "
-            "feels most):",
+            "The activation peak per rank against cp 1's at the same length (1/cp is the "
+            "sequence's split alone: on the CPU the attention runs by blocks, "
+            "`core.step.context_blocks`, and keeps no gathered K/V and no (L/cp x L) mask):",
             "",
             "| tokens | " + " | ".join(f"cp {cp}" for cp in CPS) + " |",
             "|---:|" + "---:|" * len(CPS),
@@ -334,7 +335,8 @@ def main() -> None:
             r["planner_activations"] = predicted(r["cp"], r["length"])
         note = (
             f"The planner column was recomputed by the driver at commit {machine()['commit']} "
-            "(`--replan`): the run's ranks had computed it after training, wrongly at cp 4."
+            '(`--replan`): the rows run whole logits (a loss_fn of their own, split="stack"), '
+            "which the planner prices when told `loss_chunk=0`."
         )
         notes = [f"Measured lengths: {sorted({r['length'] for r in saved['measured']})}.", note]
         write(saved["machine"], saved["measured"], saved["planner"], notes)

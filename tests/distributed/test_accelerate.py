@@ -162,6 +162,7 @@ def test_torchrun_with_settings_from_environment(tmp_path):
     assert_matches(results, reference(**case))
 
 
+@pytest.mark.slow  # a launcher run from fresh interpreters; torchrun runs in CI (test_recipes.py)
 def test_accelerate_launch(tmp_path):
     """`accelerate launch --multi_gpu` (on CPU with ACCELERATE_USE_CPU=1), layout from ZEROPP_*."""
     case = {"id": "launch-sgd-lambda-nosplit", "layout": None, "optimizer": "sgd"}
