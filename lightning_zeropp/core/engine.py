@@ -135,7 +135,7 @@ class ZeroPPEngine:
         set_loss_chunk(chunk_for_run(cfg.loss_chunk, self.split, self.num_stages, cfg.cp_size))
         built = build_stages(
             model, cfg, self.plan, self.stage_ids, self.split, self.dims, self.device,
-            self._meta, example_args, example_kwargs, init, load_from,
+            self._meta, example_args, example_kwargs, init, load_from, self._attention,
         )  # fmt: skip
         self._call_inputs, self._plus, self._tied = built.call_inputs, built.plus, built.tied
         self.offload = built.offload  # what the activation offload moved to host (or None)

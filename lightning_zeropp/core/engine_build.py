@@ -143,6 +143,7 @@ def build_stages(
     example_kwargs: dict[str, Any] | None,
     init: InitFn | None,
     load_from: str | Path | None,
+    recompute_under: Any = None,
 ) -> Built:
     """Split `model` into this rank's stages, prepare and shard each, and fill their values
     (a meta model's from `init` or `load_from`; a built one's from `load_from` if given)."""
@@ -170,7 +171,7 @@ def build_stages(
     offload = OffloadStats() if any(config.offloads(s) for s in stage_ids) else None
     for stage_id, module in zip(stage_ids, modules, strict=True):
         blocks = plan.stage_blocks(stage_id) if plan is not None else []
-        _prepare_stage(module, stage_id, blocks, config, dims, device, meta, plus)
+        _prepare_stage(module, stage_id, blocks, config, dims, device, meta, plus, recompute_under)
         if offload is not None and config.offloads(stage_id):
             # Around the whole stage (its checkpointed blocks inside), inside FSDP's hooks:
             # gathered weights are parameters and are not copied. A split backward reads the
@@ -205,8 +206,10 @@ def _prepare_stage(
     device: torch.device,
     meta: bool,
     plus: Plus,
+    recompute_under: Any = None,
 ) -> None:
-    """One stage moved to `device`, its blocks compiled and checkpointed as configured, sharded."""
+    """One stage moved to `device`, its blocks compiled and checkpointed as configured (their
+    recomputation under `recompute_under`, the step's CP attention), sharded."""
     if meta:
         real_to(module, device)  # the rest is allocated once sharded
     else:
@@ -215,7 +218,7 @@ def _prepare_stage(
         regions = splits_backward(config.schedule, config.split_backward)
         compile_blocks(module, blocks, regions=regions)
     if config.recomputes(stage_id):
-        apply_activation_checkpointing(module, blocks)
+        apply_activation_checkpointing(module, blocks, recompute_under)
     shard_stage(module, blocks, dims.dp_mesh, config, plus)
 
 

@@ -38,6 +38,12 @@ CASES = [
          schedule="zeropp"),
     _gpt("pp2-cp2-zbv", pp_size=2, dp_shard_size=1, cp_size=2, num_microbatches=4,
          schedule="zbv"),
+    # recomputation (what the planner picks at long sequences): each block's attention runs
+    # again in the backward, its K/V gathered again, inside ZeroPP's input-gradient task. Before:
+    # torch's checkpoint recomputed without the CP attention ("Recomputed values for the
+    # following tensors have different metadata than during the forward pass")
+    _gpt("pp2-cp2-zeropp-recompute", pp_size=2, dp_shard_size=1, cp_size=2, num_microbatches=4,
+         schedule="zeropp", activation_checkpointing=True),
     # ZeRO++ over FSDP's shard group of dp_shard x cp = 4 ranks in nodes of 2: hpZ's
     # partitions, and the custom all-gather and two-hop reduce-scatter at full precision
     _gpt("cp2-dp_shard2-zeropp_plus", pp_size=1, dp_shard_size=2, cp_size=2,

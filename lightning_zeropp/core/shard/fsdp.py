@@ -12,8 +12,10 @@ data-parallel ranks itself (`core.step.grads.average_whole_grads`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -60,15 +62,23 @@ def shard_stage(
     return stage
 
 
-def apply_activation_checkpointing(stage: nn.Module, block_names: Sequence[str]) -> None:
+def apply_activation_checkpointing(
+    stage: nn.Module, block_names: Sequence[str], recompute_under: Any = None
+) -> None:
     """Recompute each block's activations in backward instead of keeping them.
 
     The block's `forward` is wrapped in place, so parameter names do not change (a wrapper module
-    would add a prefix to every name and break name-based checkpoints).
+    would add a prefix to every name and break name-based checkpoints). `recompute_under`: a
+    context manager the recomputation must run under, as the forward ran (the engine's CP
+    attention, a `TorchFunctionMode`): torch's checkpoint re-enters only a device context for
+    it, and the backward does not carry the step's function modes.
     """
+    options: dict[str, Any] = {"use_reentrant": False}
+    if recompute_under is not None:
+        options["context_fn"] = lambda: (contextlib.nullcontext(), recompute_under)
     for name in block_names:
         block = _find_block(stage, name)
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        block.forward = functools.partial(checkpoint, block.forward, **options)
 
 
 def _find_block(stage: nn.Module, name: str) -> nn.Module:

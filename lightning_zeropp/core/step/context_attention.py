@@ -103,9 +103,16 @@ class ContextAttention(TorchFunctionMode):
         self._paused = False
         # The last call's mask and what it was made from (kept: their ids cannot be reused).
         self._last: tuple[tuple[Any, ...], torch.Tensor | None] | None = None
+        self._depth = 0  # entered by the step, and again by each block's recomputation in it
+
+    def __enter__(self) -> ContextAttention:
+        self._depth += 1
+        return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
-        self._last = None  # a step's mask is not held past it
+        self._depth -= 1
+        if not self._depth:
+            self._last = None  # a step's mask is not held past it
         super().__exit__(*exc)
 
     @contextlib.contextmanager
