@@ -40,6 +40,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_zeropp.core._torch_private import is_fused_attention
 from lightning_zeropp.core.settings.layout import ZeroPPLayout
+from lightning_zeropp.core.step.context_blocks import blocks_apply
 from lightning_zeropp.core.step.context_masks import call_mask, local_causal
 from lightning_zeropp.plan.profile import ModelProfile, lm_loss, profile_model
 
@@ -100,7 +101,8 @@ class _MetaContext(TorchFunctionMode):
         source = kwargs.get("attn_mask")
         if source is not None and not is_causal and local_causal(source, query.shape[-2]):
             source, is_causal = None, True  # the runtime reads it as causal over all keys
-        if self.blocks and source is None and not dropout_p:
+        gqa = bool(kwargs.get("enable_gqa")) or query.shape[1] != key.shape[1]
+        if self.blocks and blocks_apply(query, key, value, source, dropout_p, gqa, "cpu"):
             with torch.no_grad():  # counted as the masked path counts: queries x all keys
                 out, lse = func(query, *gathered, 0.0, False, scale=kwargs.get("scale"))
             return _KeepsLocal.apply(query, key, value, out, lse), lse

@@ -77,16 +77,52 @@ def test_a_plain_causal_call_keeps_no_mask_and_no_gathered_keys():
     split.set_length(24)
     attention = ContextAttention(split, dist.group.WORLD)
     q, k, v = _inputs(torch.float32, 2, 2)
-    saved: list[torch.Size] = []
-    with torch.autograd.graph.saved_tensors_hooks(
-        lambda t: saved.append(t.shape) or t, lambda t: t
-    ):
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         out = attention.attention(q, k, v, is_causal=True)
     assert attention._last is None  # no mask made
-    assert sorted(saved, key=len) == [(2, 2, 24), *[q.shape] * 4]  # lse; q, k, v, out
+    assert sorted((t.shape for t in saved), key=len) == [(2, 2, 24), *[q.shape] * 4]
+    # the call's own K and V (one rank here: gathered ones would have the same shapes)
+    ids = {t.untyped_storage().data_ptr() for t in saved}
+    assert {k.untyped_storage().data_ptr(), v.untyped_storage().data_ptr()} <= ids
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
     # a mask of the model's own still takes the masked path
     own = torch.ones(24, 24, dtype=torch.bool).tril()
     own[1:, 1] = False  # key 1 a pad
     attention.attention(q, k, v, attn_mask=own)
     assert attention._last is not None
+
+
+@pytest.mark.parametrize(
+    ("shapes", "gqa", "blocks"),
+    [
+        (((2, 4, 8, 4), (2, 2, 8, 4), (2, 2, 8, 4)), True, True),
+        (((2, 4, 8, 4), (2, 2, 8, 4), (2, 2, 8, 4)), False, False),  # torch's raises: masked
+        (((2, 3, 8, 4), (2, 2, 8, 4), (2, 2, 8, 4)), True, False),
+        (((2, 2, 8, 4), (1, 2, 8, 4), (1, 2, 8, 4)), False, False),  # K/V broadcast over rows
+        (((2, 2, 8, 4), (2, 2, 8, 4), (2, 2, 8, 6)), False, False),  # V's head size differs
+        (((2, 8, 4), (2, 8, 4), (2, 8, 4)), False, False),  # 3-D
+    ],
+)
+def test_calls_the_kernel_cannot_take_keep_the_masked_path(shapes, gqa, blocks):
+    from lightning_zeropp.core.step.context_blocks import blocks_apply
+
+    q, k, v = (torch.zeros(s) for s in shapes)
+    assert blocks_apply(q, k, v, None, 0.0, gqa) is blocks
+    assert not blocks_apply(q, k, v, torch.ones(8, 8, dtype=torch.bool), 0.0, gqa)
+    assert not blocks_apply(q, k, v, None, 0.1, gqa)
+
+
+def test_a_recomputation_inside_the_step_keeps_the_steps_mask():
+    # the engine enters the mode for a step, and torch's checkpoint again for each block's
+    # recomputation: leaving the inner one keeps the micro-batch's mask, the outer one drops it
+    split = ContextSplit(1, 0, _Ids())
+    split.set_length(8)
+    attention = ContextAttention(split, dist.group.WORLD)
+    query = torch.zeros(1, 2, 8, 3)
+    with attention:
+        mask = attention._mask(None, True, query)
+        with attention:
+            assert attention._mask(None, True, query) is mask
+        assert attention._last is not None and attention._mask(None, True, query) is mask
+    assert attention._last is None

@@ -2,12 +2,17 @@
 the whole sequence, with no change to the model's code.
 
 While the stages run, `ContextAttention` (a `TorchFunctionMode`) answers each call with this
-rank's queries against the keys and values of every CP rank: they are all-gathered along the
-sequence in the forward (`gather_sequence`, a custom autograd Function) and their gradients
-reduce-scattered (summed) back in the backward. The causal mask is built from the global
-positions of this rank's query chunks; a mask the model gives must already span the whole
-sequence's keys. Grouped-query attention gathers the K/V heads only (the call's own
-`enable_gqa`). This runs anywhere gloo or NCCL does; torch's ring attention is not used.
+rank's queries against the keys and values of every CP rank, all-gathered along the sequence in
+the forward, their gradients reduce-scattered (summed) back in the backward. Two paths:
+- by blocks (`core.step.context_blocks`): a call with no mask (causal or not) and no dropout,
+  on the CPU; no mask is made and the gathered K/V are not kept;
+- masked: the rest (a mask of the model's, dropout, another device). K and V are gathered by
+  `gather_sequence` (a custom autograd Function) and kept by the attention for its backward;
+  the causal mask is built from the global positions of this rank's query chunks, once per
+  micro-batch; a mask the model gives must already span the whole sequence's keys.
+Grouped-query attention gathers the K/V heads only (the call's own `enable_gqa`). This runs
+anywhere gloo or NCCL does; torch's ring attention is not used. A block's recomputation runs
+under this mode too: the engine hands it to torch's checkpoint (`core.shard.fsdp`).
 
 Positions a model makes itself stay global under the same mode: a `torch.arange(T)`-valued index
 into an embedding table (the bundled GPT's `pos_emb(arange(T))`) and a parameter sliced `[:T]`
@@ -103,6 +108,7 @@ class ContextAttention(TorchFunctionMode):
         self._paused = False
         # The last call's mask and what it was made from (kept: their ids cannot be reused).
         self._last: tuple[tuple[Any, ...], torch.Tensor | None] | None = None
+        self._causal_read: tuple[torch.Tensor, bool] | None = None  # the last model mask read
         self._depth = 0  # entered by the step, and again by each block's recomputation in it
 
     def __enter__(self) -> ContextAttention:
@@ -112,7 +118,7 @@ class ContextAttention(TorchFunctionMode):
     def __exit__(self, *exc: Any) -> None:
         self._depth -= 1
         if not self._depth:
-            self._last = None  # a step's mask is not held past it
+            self._last = self._causal_read = None  # a step's masks are not held past it
         super().__exit__(*exc)
 
     @contextlib.contextmanager
@@ -205,11 +211,11 @@ class ContextAttention(TorchFunctionMode):
                 f"{key.shape[-2]} keys where this rank holds {local} of the {length} tokens; "
                 "set cp_size=1 for this model."
             )
-        if attn_mask is not None and not is_causal and local_causal(attn_mask, local):
+        if attn_mask is not None and not is_causal and self._local_causal(attn_mask):
             # a causal mask the model built over its own chunk (a traced HF stage does): the
             # causal mask over global positions is meant
             attn_mask, is_causal = None, True
-        if blocks_apply(query, is_causal, attn_mask, dropout_p):  # no mask made (the default)
+        if blocks_apply(query, key, value, attn_mask, dropout_p, enable_gqa):  # no mask made
             chunks = (split.rank, 2 * split.size - 1 - split.rank)
             return block_attention(
                 query, key, value, self.group, split.order, chunks, is_causal, scale
@@ -221,6 +227,15 @@ class ContextAttention(TorchFunctionMode):
             query, key, value, attn_mask=mask, dropout_p=dropout_p, scale=scale,
             enable_gqa=enable_gqa,
         )  # fmt: skip
+
+    def _local_causal(self, mask: torch.Tensor) -> bool:
+        """`context_masks.local_causal` of a model's mask, read once per mask object: every
+        layer's call gets the same one, and reading it costs (local length)^2 work."""
+        if self._causal_read is not None and self._causal_read[0] is mask:
+            return self._causal_read[1]
+        causal = local_causal(mask, self.split.local_length)
+        self._causal_read = mask, causal
+        return causal
 
     def _mask(
         self, attn_mask: torch.Tensor | None, is_causal: bool, query: torch.Tensor

@@ -7,7 +7,9 @@ their own chunk causally, so each query chunk is two kernel calls with no mask a
 the keys before it, one causal over its own chunk (square, so the kernel's top-left causal
 alignment is the right one). Their outputs merge exactly by their log-sum-exp rows, as ring
 attention merges its steps. The backward runs the kernel's own backward per block with the
-merged output and log-sum-exp (the softmax over all blocks).
+merged output and log-sum-exp (the softmax over all blocks). In fp32 this is one process's
+attention to rounding (1e-6); in bf16 each block's output is rounded before the fp32 merge, so
+results may differ from one process's by one unit in the last place.
 
 Against the masked path (`core.step.context_masks.call_mask`), nothing quadratic is kept: no
 (local queries x all keys) mask lives through a micro-batch, and the gathered K and V are not
@@ -55,10 +57,26 @@ def scatter_rows(grad: torch.Tensor, group: dist.ProcessGroup, order: torch.Tens
     return local.movedim(0, -2)
 
 
-def blocks_apply(query: torch.Tensor, is_causal: bool, attn_mask: Any, dropout_p: float) -> bool:
+def blocks_apply(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Any,
+    dropout_p: float,
+    enable_gqa: bool,
+    device_type: str | None = None,
+) -> bool:
     """Whether a call runs here: no mask, no dropout (the kernel is called without either), on
-    the CPU (the kernel's device)."""
-    return attn_mask is None and dropout_p == 0.0 and query.device.type == "cpu"
+    the CPU (the kernel's device; `device_type` stands in for the query's on the meta device),
+    and shapes the kernel computes as torch's attention does: 4-D, K and V alike (the head
+    sizes of an MLA-style V differ), one batch for all three (the kernel does not broadcast
+    K/V), and the heads equal or grouped as `enable_gqa` asks."""
+    if attn_mask is not None or dropout_p or (device_type or query.device.type) != "cpu":
+        return False
+    if query.dim() != 4 or key.shape != value.shape or key.shape[0] != query.shape[0]:
+        return False
+    heads, kv_heads = query.shape[1], key.shape[1]
+    return heads == kv_heads or (enable_gqa and heads % kv_heads == 0)
 
 
 def key_blocks(chunk: int, size: int, length: int, is_causal: bool) -> list[Block]:
@@ -124,6 +142,8 @@ class _BlockAttention(torch.autograd.Function):
                 d_query[..., rows, :] += dq
                 d_kv[0, ..., a:b, :] += dk
                 d_kv[1, ..., a:b, :] += dv
+        del kv  # the backward's peak: the gathered K/V are not needed for the scatter
+        # summed over the CP ranks in the accumulation dtype (fp32 for bf16), then cast
         d_local = scatter_rows(d_kv, ctx.group, ctx.order).to(key.dtype)
         return d_query.to(query.dtype), d_local[0], d_local[1], None, None, None, None, None
 
