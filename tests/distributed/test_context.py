@@ -58,7 +58,8 @@ CASES = [
     # left-padded rows (the pads never a key) and packed documents (position_ids restarting,
     # no attention_mask, as DataCollatorWithFlattening): a 4-D mask over all keys
     {"id": "llama-left-cp2-dp_shard2", "kind": "llama", "labels": False, "rows": "left",
-     "layout": {"pp_size": 1, "dp_shard_size": 2, "cp_size": 2, "num_microbatches": 2}},
+     "layout": {"pp_size": 1, "dp_shard_size": 2, "cp_size": 2, "num_microbatches": 2,
+                "activation_checkpointing": True}},  # the masked path recomputed
     {"id": "llama-packed-labels-cp4", "kind": "llama", "labels": True, "rows": "packed",
      "layout": {"pp_size": 1, "cp_size": 4, "num_microbatches": 2}},
     # HF's own loss from `labels` (shifted by the engine on the whole sequence); a traced
