@@ -87,6 +87,16 @@ def test_labels_are_shifted_on_the_whole_sequence_before_the_split():
         assert kwargs["shift_labels"].tolist() == [want]
 
 
+def test_shift_labels_alone_are_split_and_ask_for_no_loss():
+    """`shift_labels` without `labels` (a last-stage loss's call under CP: the blocks get the
+    keywords the split was checked with) computes no loss in one process: no `labels` added."""
+    shifted = torch.arange(8).unsqueeze(0) + 10
+    split = ContextSplit(2, 1, _Ids())
+    _, kwargs, _ = split.split((), {"input_ids": shifted - 10, "shift_labels": shifted}, None)
+    assert "labels" not in kwargs
+    assert kwargs["shift_labels"].tolist() == [[12, 13, 14, 15]]
+
+
 def test_positions_are_given_global_to_a_forward_that_takes_them():
     split = ContextSplit(2, 1, _TakesPositions())
     args, kwargs, target = split.split((torch.zeros(3, 8, dtype=torch.long),), {}, None)

@@ -128,7 +128,9 @@ class ContextSplit:
                 assert labels is not None
                 shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], 1)
             shifted = self.local(shifted)
-            out_kwargs["labels"], out_kwargs["shift_labels"] = shifted, shifted
+            out_kwargs["shift_labels"] = shifted
+            if labels is not None:  # `shift_labels` alone computes no loss, as in one process
+                out_kwargs["labels"] = shifted
         # in the forward's own order: a traced stage takes its inputs in the order it was traced
         # with, and the keywords added here must not shift the others
         last = len(self.names)
