@@ -54,9 +54,26 @@ LAST_LOSS = [
     {"id": "cp-loop", "loop": LOSS_CP2, **LOOP},
     {"id": "cp-func", "func": True, "plugin": {**LOSS_CP2, "seq_buckets": 8},
      "script": {"rows": "padded", "args": {"gradient_accumulation_steps": 2, **EVALUATED}}},
+    # SGD: under AdamW one element of up_proj (a near-zero gradient, summed in another order
+    # over the CP ranks) lands 1.3e-5 off after AdamW's division by its own size (loss and grad
+    # norm agree to 1e-7), as test_trl.py's SGD note describes
     {"id": "cp-smooth", "plugin": {**LOSS_CP2, "seq_buckets": 8},
-     "script": {"rows": "padded", "args": {"label_smoothing_factor": 0.1, **EVALUATED}}},
+     "script": {"rows": "padded", "args": {"label_smoothing_factor": 0.1, **EVALUATED,
+                                           "optim": "sgd", "learning_rate": 0.3}}},
 ]  # fmt: skip
+# TRL's SFT (completion-only loss, evaluated at steps 2 and 3) at pp 2 x cp 2, rows padded to
+# multiples of 2 x cp by TRL's collator, against TRL's SFTTrainer in one process on the 8-row batch.
+# Without SFTConfig's default gradient checkpointing: recomputed under CP, the blocks' attention
+# saved tensors in another order than its forward (torch's CheckpointError), a CP attention
+# matter apart from the loss. SGD: under AdamW the first step's grad norm agrees to 1e-7, but
+# near-zero lm_head gradients summed in another order grow to 7e-5 in the weights (test_trl.py)
+SFT = [
+    {"id": "cp-sft", "plugin": LOSS_CP2, "batch": 2, "eval": True,
+     "args": {"completion_only_loss": True, "eval_strategy": "steps", "eval_steps": 2,
+              "pad_to_multiple_of": 4, "gradient_checkpointing": False,
+              "optim": "sgd", "learning_rate": 0.3}},
+]  # fmt: skip
+SFT_ONE = [{**c, "plugin": None, "batch": 8} for c in SFT]
 LAST_LOSS_ONE = [
     {"id": "cp-loop", "loop": None, "rows": 8, **LOOP},
     *({**c, "plugin": None, "script": {**c["script"], **TRAINER_ONE_BATCH}} for c in LAST_LOSS[1:]),
@@ -129,6 +146,7 @@ def launched(request: Any, tmp_path_factory: Any) -> tuple[list[dict[str, Any]],
         "lightning_across": [dict(c) for c in selected_cases(request, LIGHTNING_ACROSS)],
         "trainer_across": [dict(c) for c in selected_cases(request, TRAINER_ACROSS)],
         "last_loss": [dict(c) for c in LAST_LOSS],
+        "trl": [dict(c) for c in SFT],
         "out_dir": str(out / "four"),
         "init_process_group": False,
     }
@@ -143,6 +161,7 @@ def launched(request: Any, tmp_path_factory: Any) -> tuple[list[dict[str, Any]],
         "trainer": trainer_refs,
         "hf_lightning": [{"id": c["id"], "strategy": None} for c in HF_LIGHTNING],
         "last_loss": [dict(c) for c in LAST_LOSS_ONE],
+        "trl": [dict(c) for c in SFT_ONE],
         "devices": 1,
         "out_dir": str(out / "one"),
         "init_process_group": False,
@@ -343,6 +362,27 @@ def test_the_trainers_own_loss_under_cp_matches_one_process(launched, case):
         assert len(evals) == len(want_evals) == 2
         _close(evals, want_evals, f"rank {rank} eval loss")
     weights = four[0][case]["weights"]
+    assert weights.keys() == ref["weights"].keys()
+    for name, want in ref["weights"].items():
+        _close(weights[name], want, name)
+
+
+def test_trl_sft_under_cp_matches_trl_in_one_process(launched):
+    four, one = launched
+    ref = one["cp-sft"]
+    metrics = ("loss", "entropy", "mean_token_accuracy", "grad_norm")
+    evaluated = ("eval_loss", "eval_entropy", "eval_mean_token_accuracy")
+    for rank, r in enumerate(four):  # every rank logs the numbers
+        for keys, want_n in ((metrics, 3), (evaluated, 2)):
+            got = [log for log in r["cp-sft"]["logs"] if keys[0] in log]
+            want = [log for log in ref["logs"] if keys[0] in log]
+            assert len(got) == len(want) == want_n
+            for a, b in zip(got, want, strict=True):
+                for key in keys:
+                    _close(a[key], b[key], f"rank {rank} {key}")
+                tokens = "num_tokens" if keys is metrics else "eval_num_tokens"
+                assert a[tokens] == b[tokens]
+    weights = four[0]["cp-sft"]["weights"]
     assert weights.keys() == ref["weights"].keys()
     for name, want in ref["weights"].items():
         _close(weights[name], want, name)
