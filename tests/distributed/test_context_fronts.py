@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from tests.distributed.common import lm_loss, make_batches, make_model, reference, sampler_batches
-from tests.distributed.conftest import case_of, merged_params, selected_cases, slow_case
+from tests.distributed.conftest import (
+    as_params,
+    case_of,
+    merged_params,
+    selected_cases,
+    slow_case,
+)
 from tests.distributed.launch import launch
 
 pytestmark = pytest.mark.distributed
@@ -57,10 +63,20 @@ LAST_LOSS = [
     # SGD: under AdamW one element of up_proj (a near-zero gradient, summed in another order
     # over the CP ranks) lands 1.3e-5 off after AdamW's division by its own size (loss and grad
     # norm agree to 1e-7), as test_trl.py's SGD note describes
-    {"id": "cp-smooth", "plugin": {**LOSS_CP2, "seq_buckets": 8},
-     "script": {"rows": "padded", "args": {"label_smoothing_factor": 0.1, **EVALUATED,
-                                           "optim": "sgd", "learning_rate": 0.3}}},
+    slow_case({"id": "cp-smooth", "plugin": {**LOSS_CP2, "seq_buckets": 8},
+               "script": {"rows": "padded",
+                          "args": {"label_smoothing_factor": 0.1, **EVALUATED, "optim": "sgd",
+                                   "learning_rate": 0.3}}}),
 ]  # fmt: skip
+
+
+def _one_process(case: dict[str, Any]) -> dict[str, Any]:
+    """A LAST_LOSS case's reference: one process reading the global batch of 8 rows."""
+    if "loop" in case:
+        return {**case, "loop": None, "rows": 8}
+    return {**case, "plugin": None, "script": {**case["script"], **TRAINER_ONE_BATCH}}
+
+
 # TRL's SFT (completion-only loss, evaluated at steps 2 and 3) at pp 2 x cp 2, rows padded to
 # multiples of 2 x cp by TRL's collator, against TRL's SFTTrainer in one process on the 8-row batch.
 # Without SFTConfig's default gradient checkpointing: recomputed under CP, the blocks' attention
@@ -74,10 +90,6 @@ SFT = [
               "optim": "sgd", "learning_rate": 0.3}},
 ]  # fmt: skip
 SFT_ONE = [{**c, "plugin": None, "batch": 8} for c in SFT]
-LAST_LOSS_ONE = [
-    {"id": "cp-loop", "loop": None, "rows": 8, **LOOP},
-    *({**c, "plugin": None, "script": {**c["script"], **TRAINER_ONE_BATCH}} for c in LAST_LOSS[1:]),
-]
 # a LightningModule calling an HF Llama with labels= on right-padded rows (its own loss,
 # computed on the whole sequences' logits under CP), then validated
 HF_LIGHTNING = [
@@ -145,7 +157,7 @@ def launched(request: Any, tmp_path_factory: Any) -> tuple[list[dict[str, Any]],
         "across": [dict(c) for c in selected_cases(request, ACROSS)],
         "lightning_across": [dict(c) for c in selected_cases(request, LIGHTNING_ACROSS)],
         "trainer_across": [dict(c) for c in selected_cases(request, TRAINER_ACROSS)],
-        "last_loss": [dict(c) for c in LAST_LOSS],
+        "last_loss": [dict(c) for c in selected_cases(request, LAST_LOSS)],
         "trl": [dict(c) for c in SFT],
         "out_dir": str(out / "four"),
         "init_process_group": False,
@@ -160,7 +172,7 @@ def launched(request: Any, tmp_path_factory: Any) -> tuple[list[dict[str, Any]],
         "accelerate": refs,
         "trainer": trainer_refs,
         "hf_lightning": [{"id": c["id"], "strategy": None} for c in HF_LIGHTNING],
-        "last_loss": [dict(c) for c in LAST_LOSS_ONE],
+        "last_loss": [_one_process(c) for c in selected_cases(request, LAST_LOSS)],
         "trl": [dict(c) for c in SFT_ONE],
         "devices": 1,
         "out_dir": str(out / "one"),
@@ -345,9 +357,10 @@ def test_an_accelerate_loop_with_its_own_loss_under_cp_matches_one_process(launc
         _close(weights[name], want, name)
 
 
-@pytest.mark.parametrize("case", ["cp-func", "cp-smooth"])
+@pytest.mark.parametrize("case", as_params(LAST_LOSS[1:]))
 def test_the_trainers_own_loss_under_cp_matches_one_process(launched, case):
     four, one = launched
+    case = case["id"]
     ref = one[case]
     for rank, r in enumerate(four):  # every rank logs the numbers
         got = r[case]
