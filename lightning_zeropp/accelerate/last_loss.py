@@ -13,7 +13,10 @@ a model under `compute_loss_func`), counts the global batch's labels and runs th
 `LastLossStep` as the engine's loss (`core.step.last_loss`: the contract and the weighting).
 Forward only, the labels of the samples Accelerate repeated to complete a short last batch are
 masked first (`repeats`): every process gets the global batch's loss, which one process computes
-without them.
+without them. Under context parallelism the last stage's output is gathered into whole sequences
+on every CP rank (`core.step.context_attention.whole_sequences`) and the loss is given the whole
+labels: each CP rank computes the whole loss, whose gradient the gather's backward sums over the
+CP ranks and the engine's mean over them divides back, as in the Lightning front.
 """
 
 from __future__ import annotations
@@ -86,13 +89,21 @@ def run_with_loss(
     if given is not None:
         items = float(given)
     else:
-        shares = loss_shares(micro, dims, cp_parts=False)  # refused under CP (`steps.use_loss`)
+        # under CP every CP rank computes the whole micro-batch's loss (whole sequences):
+        # the engine's mean over equal CP values keeps them, so the CP ranks are no shares
+        shares = loss_shares(micro, dims, cp_parts=False)
         items = global_items(loss, target, shares, dims.dp_groups, core.device)
+    if core.config.cp_size > 1:
+        # the blocks are called as the split checked them, on a batch with labels, which the
+        # CP split gives the model as `shift_labels` too (HF hands them down to every block);
+        # without `labels` the model computes no loss of its own
+        kwargs["shift_labels"] = pipeline._context_target(target)
     if pipeline.token_weighted:
         # the call reaches the blocks as the split checked it: with the count (it computes no
         # loss without labels, so the model reads nothing of it)
         kwargs[NUM_ITEMS] = items
-    step = LastLossStep(loss, items, micro, target, rows)
+    # under CP the loss sees whole sequences and whole, unshifted labels (`steps.loss_fn`)
+    step = LastLossStep(loss, items, micro, target, rows, whole=core.config.cp_size > 1)
     out = output_type()
     pipeline._last_step = step
     try:

@@ -282,6 +282,11 @@ class PipelineModel(nn.Module):
     def loss_fn(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         """Per micro-batch, on the last stage: the model's own loss (already weighted by
         `num_items_in_batch` when the model takes it); keeps the logits in eval mode."""
+        whole = self._last_step is not None and self._last_step.whole
+        if whole:
+            # a last-stage loss under CP runs on whole sequences, on every CP rank alike, as the
+            # Lightning front's step does (`core.step.context_attention.whole_sequences`)
+            output = self.engine.core.whole_sequences(output)
         if self._captured is not None:
             logits = (
                 output.get("logits") if hasattr(output, "get") else getattr(output, "logits", None)
@@ -289,7 +294,7 @@ class PipelineModel(nn.Module):
             if logits is None and isinstance(output, torch.Tensor) and output.dim() > 0:
                 logits = output
             # whole sequences under context parallelism, on every CP rank alike
-            self._captured.append(self.engine.core.whole_sequences(logits))
+            self._captured.append(logits if whole else self.engine.core.whole_sequences(logits))
         if self._last_step is not None:  # a last-stage loss (`use_loss`): never armed
             return self._last_step(output, target)
         if self.chunked:
@@ -328,11 +333,15 @@ class PipelineModel(nn.Module):
         if cp == 1:
             return
         if self.last_loss is not None:
-            raise ValueError(
-                f"use_loss(...) with cp_size={cp}: a last-stage loss is not run under context "
-                "parallelism yet. Drop use_loss (the model's own loss from labels=... is), or "
-                "set cp_size=1."
-            )
+            # the loss runs on whole sequences (`loss_fn`): the model computes none of its own
+            if self.last_loss.group > 1:
+                raise ValueError(
+                    f"a last-stage loss over groups of {self.last_loss.group} rows (preference "
+                    f"pairs: TRL's DPO and reward trainers) with cp_size={cp}: it is not run "
+                    "under context parallelism yet. Set cp_size=1 (pp_size or dp_shard_size "
+                    "for the ranks)."
+                )
+            return
         if self.rule is None or self.rule.pre_shift is None:
             raise ValueError(
                 f"{type(self.original).__name__} cannot run under context parallelism "

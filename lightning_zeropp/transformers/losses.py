@@ -64,7 +64,8 @@ def last_stage_inputs(
     inputs = {k: v for k, v in inputs.items() if k != NUM_ITEMS}
     if training and num_items is not None:
         engine = pipeline.engine
-        # a last-stage loss is refused under CP (`accelerate.steps`)
+        # under CP a last-stage loss runs on whole sequences, the same on every CP rank
+        # (`accelerate.last_loss`): the CP ranks are not shares of the count
         shares = loss_shares(engine.config.num_microbatches, engine.dims, cp_parts=False)
         inputs[NUM_ITEMS] = float(num_items) / shares
     return inputs

@@ -132,6 +132,8 @@ def run(
     across: list[dict[str, Any]] | None = None,
     lightning_across: list[dict[str, Any]] | None = None,
     trainer_across: list[dict[str, Any]] | None = None,
+    last_loss: list[dict[str, Any]] | None = None,
+    trl: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Every front's cases in one launch: Accelerate's first (Accelerate makes the process
     group; the Lightning Trainer then uses it)."""
@@ -142,6 +144,14 @@ def run(
         out |= clm_scenarios.run(accelerate)
     if trainer:
         out |= trainer_scenarios.run(trainer, out_dir)
+    if last_loss:  # a loss of the loop's or the Trainer's own, on the last stage
+        from tests.distributed import last_loss_scenarios
+
+        out |= last_loss_scenarios.run(last_loss, out_dir)
+    if trl:  # TRL's SFT, its loss on the last stage
+        from tests.distributed import trl_scenarios
+
+        out |= trl_scenarios.run(trl, out_dir)
     for case in across or ():  # 2 updates and save_state under one cp, the rest under another
         save_to = os.path.join(out_dir, case["id"])
         first = {"args": {**case["args"], "stop_after": 2}, "save_to": save_to}

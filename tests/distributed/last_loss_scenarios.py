@@ -39,7 +39,12 @@ def run(cases: list[dict[str, Any]], out_dir: str) -> dict[str, Any]:
         if "loop" in case:
             try:
                 results[case["id"]] = accelerate_loop(
-                    case["loop"], eval_rows=case.get("eval", 0), doubled=case.get("doubled", False)
+                    case["loop"],
+                    eval_rows=case.get("eval", 0),
+                    doubled=case.get("doubled", False),
+                    rows=case.get("rows"),
+                    multiple=case.get("multiple", 1),
+                    train_rows=case.get("train_rows", 16),
                 )
             except (ValueError, PeerFailedError) as err:  # a refusal: its message, every rank
                 results[case["id"]] = {"error": str(err), "type": type(err).__name__}
@@ -79,10 +84,12 @@ def weighted_loss(
     return loss, {"accuracy": hits}
 
 
-def weighted_collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def weighted_collate(
+    samples: list[dict[str, torch.Tensor]], multiple: int = 1
+) -> dict[str, torch.Tensor]:
     from tests.distributed.clm_loop import collate
 
-    batch = collate(samples)
+    batch = collate(samples, multiple)
     lengths = torch.tensor([len(s["input_ids"]) for s in samples])
     return {**batch, "weight": 1.0 + 0.25 * (lengths % 3)}
 
@@ -92,13 +99,23 @@ def _doubled(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 
 
 def accelerate_loop(
-    plugin: dict[str, Any] | None, steps: int = 3, eval_rows: int = 0, doubled: bool = False
+    plugin: dict[str, Any] | None,
+    steps: int = 3,
+    eval_rows: int = 0,
+    doubled: bool = False,
+    rows: int | None = None,
+    multiple: int = 1,
+    train_rows: int = 16,
 ) -> dict[str, Any]:
     """The loop with its own loss: one process calls the model and the loss itself; under
     `ZeroPPAccelerator` the loss is handed to the pipelined model (`model.use_loss`). With
     `eval_rows`, then an evaluation as run_clm writes it: each batch's loss gathered once per
     row (`gather_for_metrics(loss.repeat(rows))`), their mean; `doubled`: its collator makes
-    two rows of each sample (a repeated sample's rows cannot be told apart)."""
+    two rows of each sample (a repeated sample's rows cannot be told apart); `rows`: the batch
+    per process (default 4 in one process, 2 under the pipeline); `multiple`: rows padded to a
+    multiple of it (context parallelism's 2 x cp chunks); `train_rows`: the training set's."""
+    import functools
+
     from accelerate import Accelerator
     from torch.utils.data import DataLoader
 
@@ -108,14 +125,15 @@ def accelerate_loop(
 
     if plugin is None:
         accelerator = Accelerator(cpu=True, kwargs_handlers=PG)
-        rows = 4
+        rows = rows or 4
     else:
         accelerator = ZeroPPAccelerator(zeropp_plugin=ZeroPPPlugin(**plugin), cpu=True)
         rows = 2  # per process: the 2 processes read 4 rows a step
     model = build_model(Args())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    loader = DataLoader(Texts(16, 0), batch_size=rows, collate_fn=weighted_collate)
-    collate = _doubled if doubled else weighted_collate
+    padded = functools.partial(weighted_collate, multiple=multiple)
+    loader = DataLoader(Texts(train_rows, 0), batch_size=rows, collate_fn=padded)
+    collate = _doubled if doubled else padded
     evals = DataLoader(Texts(eval_rows, 2), batch_size=rows, collate_fn=collate)
     model, optimizer, loader, evals = accelerator.prepare(model, optimizer, loader, evals)
     if plugin is not None:

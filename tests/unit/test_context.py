@@ -87,6 +87,28 @@ def test_labels_are_shifted_on_the_whole_sequence_before_the_split():
         assert kwargs["shift_labels"].tolist() == [want]
 
 
+def test_shift_labels_alone_are_split_and_ask_for_no_loss():
+    """`shift_labels` without `labels` (a last-stage loss's call under CP: the blocks get the
+    keywords the split was checked with) computes no loss in one process: no `labels` added."""
+    shifted = torch.arange(8).unsqueeze(0) + 10
+    split = ContextSplit(2, 1, _Ids())
+    _, kwargs, _ = split.split((), {"input_ids": shifted - 10, "shift_labels": shifted}, None)
+    assert "labels" not in kwargs
+    assert kwargs["shift_labels"].tolist() == [[12, 13, 14, 15]]
+
+
+def test_the_loss_keywords_reach_the_model_in_one_order():
+    """The blocks get the model's extra keywords in the order given (HF hands them down), and
+    split='call' checks that order: with labels or shift_labels alone, num_items_in_batch
+    comes after shift_labels (as TRL's SFT forward re-adds them in the split's check)."""
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    for labelled in ("labels", "shift_labels"):
+        split = ContextSplit(2, 0, _Ids())
+        batch = {"input_ids": ids, "num_items_in_batch": 3.0, labelled: ids}
+        _, kwargs, _ = split.split((), batch, None)
+        assert list(kwargs)[-2:] == ["shift_labels", "num_items_in_batch"]
+
+
 def test_positions_are_given_global_to_a_forward_that_takes_them():
     split = ContextSplit(2, 1, _TakesPositions())
     args, kwargs, target = split.split((torch.zeros(3, 8, dtype=torch.long),), {}, None)

@@ -11,6 +11,7 @@ import torch
 
 from lightning_zeropp.accelerate.shares import share_of
 from lightning_zeropp.accelerate.steps import PipelineModel
+from lightning_zeropp.core.step.last_loss import LastLossStep, LastStageLoss
 from lightning_zeropp.fronts.hf_loss import TokenRule
 from lightning_zeropp.lightning.steps import _check_not_a_loss
 from lightning_zeropp.lightning.weighting import GlobalTokenCount
@@ -49,8 +50,11 @@ def test_the_accelerate_front_refuses_what_it_cannot_weigh_under_cp():
     causal = TokenRule(shift=1, pre_shift=0)
     PipelineModel._check_context(_pipeline(1, last_loss=object()))  # no CP: anything goes
     PipelineModel._check_context(_pipeline(2, rule=causal))  # an HF causal LM's loss
-    with pytest.raises(ValueError, match=r"use_loss\(...\) with cp_size=2"):
-        PipelineModel._check_context(_pipeline(2, last_loss=object(), rule=causal))
+    # a last-stage loss runs on whole sequences, whatever the model's own loss takes
+    PipelineModel._check_context(_pipeline(2, last_loss=LastStageLoss(len), rule=None))
+    pairs = LastStageLoss(len, shift=1, group=2)  # DPO's, the reward trainer's
+    with pytest.raises(ValueError, match="groups of 2 rows .* with cp_size=2: it is not run"):
+        PipelineModel._check_context(_pipeline(2, last_loss=pairs, rule=causal))
     with pytest.raises(ValueError, match="its loss must take num_items_in_batch and shift_labels"):
         PipelineModel._check_context(_pipeline(2, rule=TokenRule(shift=1, pre_shift=None)))
     with pytest.raises(ValueError, match="Linear cannot run under context parallelism"):
@@ -73,3 +77,18 @@ def test_each_process_of_a_data_parallel_rank_has_its_share(pp, cp, pp_rank, cp_
         config=SimpleNamespace(pp_size=pp, cp_size=cp), pp_rank=pp_rank, cp_rank=cp_rank
     )
     assert share_of(dims) == want
+
+
+def test_a_last_stage_loss_under_cp_sees_the_whole_unshifted_labels():
+    """Under CP the schedule hands the loss this CP rank's part of the labels, shifted; the
+    loss is given the micro-batch's whole labels as one process gives them."""
+    labels = torch.arange(16).reshape(4, 4)
+    seen = []
+    loss = LastStageLoss(lambda out, y, num_items_in_batch: seen.append(y) or out.sum())
+    step = LastLossStep(loss, 1.0, 2, labels, whole=True)
+    local = labels[:, 1:3]  # a CP rank's part: other columns, the same rows
+    step(torch.ones(2, 4, 3), local[:2])
+    step(torch.ones(2, 4, 3), local[2:])
+    assert [y.tolist() for y in seen] == [labels[:2].tolist(), labels[2:].tolist()]
+    with pytest.raises(RuntimeError, match="got labels of 3 rows, micro-batch 0 has 2"):
+        step(torch.ones(3, 4, 3), labels[:3])

@@ -128,7 +128,14 @@ class ContextSplit:
                 assert labels is not None
                 shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], 1)
             shifted = self.local(shifted)
-            out_kwargs["labels"], out_kwargs["shift_labels"] = shifted, shifted
+            if labels is not None:  # `shift_labels` alone computes no loss, as in one process
+                out_kwargs["labels"] = shifted
+            out_kwargs["shift_labels"] = shifted
+        if "num_items_in_batch" in out_kwargs:
+            # after shift_labels, whether the batch had labels or shift_labels: HF's loss
+            # keywords in one order (TRL's SFT forward re-adds them so), which the blocks get
+            # and split='call' checks
+            out_kwargs["num_items_in_batch"] = out_kwargs.pop("num_items_in_batch")
         # in the forward's own order: a traced stage takes its inputs in the order it was traced
         # with, and the keywords added here must not shift the others
         last = len(self.names)

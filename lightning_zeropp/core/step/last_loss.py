@@ -84,7 +84,12 @@ class LastLossStep:
 
     `target` is the whole batch's labels as the schedule splits them (into `micro` chunks along
     rows), `rows` the whole batch's per-row tensors, split the same way here; `items` the
-    `num_items_in_batch` every call is given. Each call's metrics are kept for `share_metrics`."""
+    `num_items_in_batch` every call is given. Each call's metrics are kept for `share_metrics`.
+
+    `whole`: under context parallelism the front hands each call the micro-batch's output
+    gathered into whole sequences (the same on every CP rank), while the schedule's labels are
+    this CP rank's part, shifted: `fn` is given the micro-batch's whole labels from `target`
+    instead, unshifted, as one process gives them."""
 
     loss: LastStageLoss
     items: float
@@ -92,6 +97,7 @@ class LastLossStep:
     target: torch.Tensor
     rows: Mapping[str, torch.Tensor] = field(default_factory=dict)
     metrics: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    whole: bool = False
     _calls: int = 0
 
     def probe(self, output: Any, target: torch.Tensor) -> torch.Tensor:
@@ -105,7 +111,14 @@ class LastLossStep:
         index = self._calls
         self._calls += 1
         expected = self.target.tensor_split(self.micro)[index % self.micro]
-        if target.shape != expected.shape:  # a schedule calling out of order would show here
+        if self.whole:  # whole sequences (context parallelism): the rows must still agree
+            if target.shape[:1] != expected.shape[:1]:
+                raise RuntimeError(
+                    f"last-stage loss call {index} got labels of {target.shape[0]} rows, "
+                    f"micro-batch {index % self.micro} has {expected.shape[0]}"
+                )
+            target = expected
+        elif target.shape != expected.shape:  # a schedule calling out of order would show here
             raise RuntimeError(
                 f"last-stage loss call {index} got labels of shape {tuple(target.shape)}, "
                 f"micro-batch {index % self.micro} has {tuple(expected.shape)}"
