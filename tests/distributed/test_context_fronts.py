@@ -79,14 +79,14 @@ def _one_process(case: dict[str, Any]) -> dict[str, Any]:
 
 # TRL's SFT (completion-only loss, evaluated at steps 2 and 3) at pp 2 x cp 2, rows padded to
 # multiples of 2 x cp by TRL's collator, against TRL's SFTTrainer in one process on the 8-row batch.
-# Without SFTConfig's default gradient checkpointing: recomputed under CP, the blocks' attention
-# saved tensors in another order than its forward (torch's CheckpointError), a CP attention
-# matter apart from the loss. SGD: under AdamW the first step's grad norm agrees to 1e-7, but
+# With SFTConfig's default gradient checkpointing: the blocks recompute under the CP attention
+# (before the engine handed it to torch's checkpoint: CheckpointError, "Recomputed values ...
+# have different metadata"). SGD: under AdamW the first step's grad norm agrees to 1e-7, but
 # near-zero lm_head gradients summed in another order grow to 7e-5 in the weights (test_trl.py)
 SFT = [
     {"id": "cp-sft", "plugin": LOSS_CP2, "batch": 2, "eval": True,
      "args": {"completion_only_loss": True, "eval_strategy": "steps", "eval_steps": 2,
-              "pad_to_multiple_of": 4, "gradient_checkpointing": False,
+              "pad_to_multiple_of": 4,
               "optim": "sgd", "learning_rate": 0.3}},
 ]  # fmt: skip
 SFT_ONE = [{**c, "plugin": None, "batch": 8} for c in SFT]
