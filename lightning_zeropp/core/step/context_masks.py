@@ -70,13 +70,11 @@ def call_mask(
     length: int,
 ) -> torch.Tensor | None:
     """The (local queries x all `length` keys) mask of a call, additive in the query's dtype,
-    from the model's own and the causal mask over the queries' global `positions`."""
+    from the model's own and the causal mask over the queries' global `positions`. A causal
+    mask the model built over its own chunk (`local_causal`) is read as `is_causal` by the
+    callers first, which choose the attention path by it."""
     local = positions.shape[0]
     mask = attn_mask
-    if mask is not None and not is_causal and local_causal(mask, local):
-        # a causal mask the model built over its own chunk (a traced HF stage does): the
-        # causal mask over global positions is meant
-        mask, is_causal = None, True
     if mask is not None and mask.shape[-1] != length:
         raise ValueError(
             f"context parallelism needs an attention mask over all {length} keys; the "
