@@ -126,3 +126,36 @@ def test_a_recomputation_inside_the_step_keeps_the_steps_mask():
             assert attention._mask(None, True, query) is mask
         assert attention._last is not None and attention._mask(None, True, query) is mask
     assert attention._last is None
+
+
+def test_a_checkpointed_block_recomputes_under_the_mode_it_is_given():
+    # torch's checkpoint does not carry a function mode into the recomputation (the backward
+    # starts with none): without `recompute_under` the recomputed attention call is not seen
+    from torch.overrides import TorchFunctionMode
+
+    from lightning_zeropp.core.shard.fsdp import apply_activation_checkpointing
+
+    class Counting(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is F.scaled_dot_product_attention:
+                type(self).calls += 1
+            return func(*args, **(kwargs or {}))
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.proj(x)
+            return F.scaled_dot_product_attention(h, h, h, is_causal=True)
+
+    for given, expected in ((False, 1), (True, 2)):
+        stage, mode = nn.Sequential(Block()), Counting()
+        Counting.calls = 0
+        apply_activation_checkpointing(stage, ["0"], mode if given else None)
+        with mode:
+            stage(torch.randn(1, 2, 8, 4, requires_grad=True)).sum().backward()
+        assert Counting.calls == expected
