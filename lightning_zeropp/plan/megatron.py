@@ -17,7 +17,10 @@ Assumptions (Megatron-LM's usual large-model settings; each is a choice, stated)
   weights and AdamW moments sharded over dp (12 bytes a parameter / dp), activations as the
   planner counts them for the unsplit block, divided by `tp` (sequence parallelism shards them
   all), replayed over the schedule's in-flight micro-batches; full recomputation keeps each
-  block's input only.
+  block's input only;
+- the head and the loss as Megatron computes them: the logits split over `tp` by vocabulary
+  (its vocab-parallel cross-entropy), each rank's share whole, not in chunks (the library's
+  `loss_chunk` is not Megatron's), so the last stage keeps 1/tp of a micro-batch's logits.
 """
 
 from __future__ import annotations
