@@ -11,6 +11,8 @@ import torch
 
 from lightning_zeropp import launch_layout
 from lightning_zeropp.core import ZeroPPConfig, ZeroPPEngine
+from lightning_zeropp.core._torch_private import set_compile_threads
+from lightning_zeropp.core.shard.compile import compile_stats
 from tests.distributed.common import (
     BIG_HEAD,
     GLOBAL_BATCH,
@@ -40,6 +42,9 @@ def _the_loss(out: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
 
 def _run(layout: dict[str, Any]) -> dict[str, Any]:
     config = ZeroPPConfig(**layout).resolve(torch.distributed.get_world_size())
+    if config.compile:
+        set_compile_threads(1)  # ranks share two cores: no pool of compile workers per rank
+    compiled = compile_stats().get("split_runs", 0) + compile_stats().get("whole_runs", 0)
     micro = GLOBAL_BATCH // config.dp_size // config.num_microbatches
     ids = torch.zeros(micro, BIG_HEAD.seq_len, dtype=torch.long)
     engine = ZeroPPEngine(
@@ -58,4 +63,8 @@ def _run(layout: dict[str, Any]) -> dict[str, Any]:
         "params": {n: _full(p) for n, p in engine.module.named_parameters()},
         "last": engine.last_pp_rank == engine.dims.pp_rank,
         "activation_peak": engine.activation_peak,
+        # runs of compiled blocks in this case (compile_stats counts per process)
+        "compiled": compile_stats().get("split_runs", 0)
+        + compile_stats().get("whole_runs", 0)
+        - compiled,
     }
