@@ -45,6 +45,7 @@ from lightning_zeropp.core.settings.placement import stage_ids_for_rank
 from lightning_zeropp.plan.context import rank_profile
 from lightning_zeropp.plan.cut import settle
 from lightning_zeropp.plan.loss_chunk import chunked_profile, priced_chunk
+from lightning_zeropp.plan.loss_memory import last_stage_transients
 from lightning_zeropp.plan.memory import _stage_ranges, stage_ranges
 from lightning_zeropp.plan.profile import Part, micro_batch_rows
 
@@ -245,20 +246,24 @@ def activation_peaks(
     global_batch: int,
     seq_len: int,
     *,
-    recompute_transient: bool = True,
+    transients: bool = True,
     device_type: str = "cuda",
 ) -> dict[int, int]:
     """Each pipeline rank's peak activation bytes in a step of `global_batch` rows: the saved
-    bytes, plus (`recompute_transient`) what a recomputing block holds during its backward, on
-    a `device_type` device ("cuda", or "cpu" for gloo ranks: CP attention differs)."""
+    bytes, plus (`transients`) what a recomputing block holds during its backward and what the
+    head and the loss hold while they run (`plan.loss_memory`), on a `device_type` device
+    ("cuda", or "cpu" for gloo ranks: CP attention differs)."""
     config = settle(model, config, seq_len, world_size)  # no split points: the engine's cut
     cfg = config.resolve(world_size)
     rows = micro_batch_rows(global_batch, cfg.dp_size, cfg.num_microbatches)
     per_stage = stage_activation_bytes(model, cfg, rows, seq_len, device_type)
     extra = recompute_transients(model, cfg, rows, seq_len, device_type)
-    extra = extra if recompute_transient else [0] * len(extra)
+    last = cfg.num_stages - 1
+    loss_f, loss_b = last_stage_transients(model, cfg, rows, seq_len) if transients else (0, 0)
+    extra = [0] * len(extra) if not transients else extra
+    extra[last] = max(extra[last], loss_b)  # not at once: the loss's backward precedes the blocks'
     if cfg.pp_size == 1 and cfg.num_stages == 1:
-        return {0: per_stage[0] + extra[0]}  # micro-batches run one after another
+        return {0: per_stage[0] + max(extra[0], loss_f)}  # micro-batches run one after another
     peaks = {}
     host = [cfg.offloads(s) for s in range(cfg.num_stages)]
     for rank, order in task_orders(cfg).items():
@@ -267,6 +272,8 @@ def activation_peaks(
             held = 0 if host[stage] else per_stage[stage]  # offloaded: on the host meanwhile
             if kind == "F":
                 live += held
+                # the head and the loss run at the forward's end: all it saved is held then
+                peak = max(peak, live + (loss_f if stage == last else 0))
             elif kind in "BI":  # a recomputing block's activations exist again for a moment
                 peak = max(peak, live + extra[stage])
             if kind in "BIW" and host[stage]:  # copied back for the task, freed after it

@@ -101,7 +101,7 @@ def planned_peaks() -> dict[str, dict[str, dict[int, int]]]:
         for name, chunk in (("chunked", case["layout"]["loss_chunk"]), ("whole", 0)):
             config = ZeroPPConfig(**{**case["layout"], "loss_chunk": chunk})
             priced[name] = activation_peaks(
-                model, config, 4, GLOBAL_BATCH, BIG_HEAD.seq_len, recompute_transient=False
+                model, config, 4, GLOBAL_BATCH, BIG_HEAD.seq_len, transients=False
             )
         out[case["id"]] = priced
     return out

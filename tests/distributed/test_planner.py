@@ -132,7 +132,7 @@ def test_activation_peaks_are_predicted(measured, index: int) -> None:
     config = _config(layout).resolve(4)
     # saved-tensor tracking does not see a recomputing block's transient activations
     peaks = activation_peaks(
-        model, _config(layout), 4, GLOBAL_BATCH, MODEL.seq_len, recompute_transient=False
+        model, _config(layout), 4, GLOBAL_BATCH, MODEL.seq_len, transients=False
     )
     for rank, ranks in enumerate(measured):
         want = peaks[rank // config.dp_size]

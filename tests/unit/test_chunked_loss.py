@@ -65,20 +65,27 @@ def test_linear_cross_entropy_equals_whole_logits_with_ignored_rows() -> None:
         assert torch.allclose(got_input, want_input, atol=TOL, rtol=0)
 
 
-def test_bf16_chunks_are_as_close_to_exact_as_whole_logits() -> None:
-    """In bf16 the head's weight gradient is a sum over the chunks: summed in bf16, each chunk's
-    addition rounds again (1.7x the whole logits' error at 8 chunks here); the node sums in fp32
-    and rounds once, as one whole-logits matmul does. The oracle is fp64."""
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained-head", "frozen-head"])
+def test_bf16_chunks_are_as_close_to_exact_as_whole_logits(frozen: bool) -> None:
+    """In pieces, one of the head's gradients is a sum over them (`core.step.chunked_passes`):
+    summed in bf16 over 8 token chunks, the weight's had 1.7x the whole logits' error here. Every
+    gradient must stay within 1.25x of whole logits' own bf16 error; the oracle is fp64. A
+    trained head is cut by vocabulary, a frozen one (LoRA) by tokens."""
     torch.manual_seed(0)
     tokens, dim, vocab = 512, 64, 1000
     hidden0, weight0 = torch.randn(tokens, dim), torch.randn(vocab, dim) * 0.05
     bias0, target = torch.randn(vocab) * 0.1, torch.randint(0, vocab, (tokens,))
+    target[::9] = -100
 
     def grads(dtype: torch.dtype, chunk: int) -> list[torch.Tensor]:
-        leaves = [t.to(dtype).requires_grad_() for t in (hidden0, weight0, bias0)]
+        leaves = [
+            t.to(dtype).requires_grad_(t is hidden0 or not frozen)
+            for t in (hidden0, weight0, bias0)
+        ]
         loss = linear_cross_entropy(*leaves, target, chunk=chunk) / tokens
         loss.backward()
-        return [loss.detach().double(), *(t.grad.double() for t in leaves)]
+        got = [t.grad.double() for t in leaves if t.grad is not None]
+        return [loss.detach().double(), *got]
 
     exact = grads(torch.float64, 0)
 
@@ -86,9 +93,10 @@ def test_bf16_chunks_are_as_close_to_exact_as_whole_logits() -> None:
         return [float((g - e).norm() / e.norm()) for g, e in zip(got, exact, strict=True)]
 
     whole, chunked = errors(grads(torch.bfloat16, 0)), errors(grads(torch.bfloat16, 64))
-    for name, w, c in zip(("loss", "hidden", "weight", "bias"), whole, chunked, strict=True):
+    assert len(whole) == (2 if frozen else 4)
+    for name, w, c in zip(("loss", "hidden", "weight", "bias"), whole, chunked, strict=False):
         assert c <= 1.25 * w + 1e-7, (name, c, w)
-    assert whole[2] > 1e-4  # bf16's rounding is there to compare (fp32 would be ~1e-7)
+    assert whole[1] > 1e-4  # bf16's rounding is there to compare (fp32 would be ~1e-7)
 
 
 def test_the_bundled_gpt_loss_equals_whole_logits() -> None:

@@ -83,6 +83,7 @@ from lightning_zeropp.core._torch_private.pytree import (  # noqa: E402
     tree_unflatten,
 )
 from lightning_zeropp.core._torch_private.tensors import (  # noqa: E402
+    TorchDispatchMode,
     flash_attention_backward,
     flash_attention_lse,
     fused_attention,
@@ -102,6 +103,7 @@ __all__ = [
     "PipelineSchedule",
     "ScheduleRuntime",
     "ShapeInferenceStage",
+    "TorchDispatchMode",
     "TreeSpec",
     "add_reduce_grad",
     "add_send_recv",

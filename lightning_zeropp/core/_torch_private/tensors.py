@@ -1,14 +1,18 @@
 """Tensors' private corners: storage identity and version, view bases, subclass instances, the
 flash-attention kernel on the CPU and its FLOP count, a DTensor's local chunk, whether the running
-backward reaches an autograd node (`core.weights`, `core.measure`, `core.step.chunked_loss`,
-`plan.profile`, the Lightning front).
+backward reaches an autograd node, the mode that sees every operation's tensors (`core.weights`,
+`core.measure`, `core.step.chunked_loss`, `plan.profile`, `plan.loss_memory`, the Lightning front).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+# The mode every operation's dispatch passes through (no public twin in torch 2.13).
+from torch.utils._python_dispatch import TorchDispatchMode
+
 __all__ = [
+    "TorchDispatchMode",
     "flash_attention_backward",
     "flash_attention_lse",
     "fused_attention",

@@ -1,13 +1,16 @@
-"""The head and the cross-entropy over chunks of tokens: a micro-batch's logits never exist whole.
+"""The head and the cross-entropy in pieces: a micro-batch's logits never exist whole.
 
 With today's vocabularies the logits are the biggest activation of a decoder: 4096 tokens over a
 128k vocabulary are 2.1 GB in fp32, and a whole-logits cross-entropy keeps them (its softmax) for
-backward. `linear_cross_entropy` computes `cross_entropy(hidden @ weight.T + bias, target)` a chunk
-of `chunk` tokens at a time, as one autograd node (`_LinearCrossEntropy`) that keeps the hidden
-states, the weight and the targets only; its backward recomputes one chunk's logits at a time, and
-their gradient, then frees them. The sum of the chunks' summed losses is the whole cross-entropy's
-sum (fp32 logits, as a whole-logits loss upcasts them), so the loss and every gradient agree with
-whole logits up to the order of fp32 additions.
+backward. `linear_cross_entropy` computes `cross_entropy(hidden @ weight.T + bias, target)` as one
+autograd node (`_LinearCrossEntropy`) that keeps the hidden states, the weight and the targets
+(and, cut by vocabulary, one log-sum-exp per token) only. It runs over pieces of the logits, each
+no bigger than `chunk` tokens' whole rows, and its backward computes each piece's logits again,
+their gradient, then frees them (`core.step.chunked_passes`): chunks of tokens where the head is
+fp32 or frozen, slices of the vocabulary where its weight takes a bf16 gradient, so that every
+sum over the pieces runs in fp32 without a buffer of the head's size. The loss and every gradient
+agree with whole logits up to the order of fp32 additions; in bf16 within whole logits' own
+rounding (tested against fp64).
 
 One node, not a checkpoint per chunk, for the schedules that split backward into an input- and a
 weight-gradient pass (ZB-V, DualPipeV, interleaved zero-bubble, ZeroPP): torch's split backward
@@ -18,9 +21,10 @@ pass (`will_backward_reach` tells the passes apart) computes the hidden states' 
 the same recompute of the logits, the head's weight gradient, which it keeps for the weight
 pass: ZeroPP's held-back weight tasks find the weights released, so that pass reads no weight.
 
-The chunk is the `loss_chunk` setting (`ZeroPPConfig`; 0 turns chunking off, None chunks where
-the run can): the engine sets it for the process (`chunk_for_run`, `set_loss_chunk`) and the
-model code that computes a loss this way reads it (`loss_chunk`). Pure torch.
+The chunk is the `loss_chunk` setting, in tokens (`ZeroPPConfig`; 0 turns chunking off, None
+chunks where the run can): the engine sets it for the process (`chunk_for_run`,
+`set_loss_chunk`) and the model code that computes a loss this way reads it (`loss_chunk`).
+Pure torch.
 """
 
 from __future__ import annotations
@@ -28,9 +32,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from lightning_zeropp.core._torch_private import will_backward_reach
+from lightning_zeropp.core.step import chunked_passes as passes
 
 __all__ = [
     "DEFAULT_LOSS_CHUNK",
@@ -87,38 +91,19 @@ def loss_chunk() -> int:
     return _chunk
 
 
-def _chunk_loss(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    target: torch.Tensor,
-    ignore_index: int,
-) -> torch.Tensor:
-    # The logits in fp32, as a whole-logits loss computes them (`.float()` before the loss).
-    logits = F.linear(hidden, weight, bias).float()
-    return F.cross_entropy(logits, target, ignore_index=ignore_index, reduction="sum")
-
-
-def _accumulator(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    """Zeros shaped as `tensor`, in fp32 where its dtype is narrower (bf16, fp16)."""
-    if tensor is None:
-        return None
-    wide = tensor.dtype.is_floating_point and tensor.dtype.itemsize < 4
-    return torch.zeros_like(tensor, dtype=torch.float32 if wide else tensor.dtype)
-
-
 def _viewed(tensor: torch.Tensor | None) -> torch.Tensor | None:
     """A view of `tensor` when it takes a gradient: its node can be asked whether a backward
     reaches it (a leaf's own node, its gradient accumulator, cannot be under `autograd.grad`)."""
     return tensor.view_as(tensor) if tensor is not None and tensor.requires_grad else tensor
 
 
-_NONE = (None, None, None, None)  # no gradients for the targets, ignore_index, chunk and nodes
+_NONE = (None, None, None, None)  # no gradients for the targets, ignore_index, cut and nodes
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """The summed cross-entropy of `hidden @ weight.T + bias`, chunk by chunk (see the module).
-    Its inputs are views whose nodes (`nodes`) tell backward which gradients the pass wants."""
+    """The summed cross-entropy of `hidden @ weight.T + bias` in pieces (`core.step.chunked_passes`:
+    `cut` is ("tokens", tokens a chunk) or ("vocab", vocabulary rows a slice)). Its inputs are
+    views whose nodes (`nodes`) tell backward which gradients the pass wants."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -128,14 +113,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         bias: torch.Tensor | None,
         target: torch.Tensor,
         ignore_index: int,
-        chunk: int,
+        cut: tuple[str, int],
         nodes: tuple[Any, Any, Any],
     ) -> torch.Tensor:
-        total = hidden.new_zeros((), dtype=torch.float32)
-        for part, labels in zip(hidden.split(chunk), target.split(chunk), strict=True):
-            total += _chunk_loss(part, weight, bias, labels, ignore_index)
-        ctx.save_for_backward(hidden, weight, bias, target)
-        ctx.ignore_index, ctx.chunk, ctx.nodes = ignore_index, chunk, nodes
+        kind, size = cut
+        if kind == "vocab":
+            total, lse = passes.vocab_forward(hidden, weight, bias, target, ignore_index, size)
+            ctx.save_for_backward(hidden, weight, bias, target, lse)
+        else:
+            total = passes.token_forward(hidden, weight, bias, target, ignore_index, size)
+            ctx.save_for_backward(hidden, weight, bias, target)
+        ctx.ignore_index, ctx.cut, ctx.nodes = ignore_index, cut, nodes
         return total
 
     @staticmethod
@@ -147,38 +135,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if stash is not None:  # the weight pass: the input pass computed its gradients
             ctx.stash = None
             return None, *(g if r else None for g, r in zip(stash, reach[1:], strict=True)), *_NONE
-        hidden, weight, bias, target = ctx.saved_tensors
         # Every gradient wanted at all, in one recompute of the logits: the input pass of a
         # split backward computes the weight's too and keeps it for the weight pass, which may
         # find the weight released (ZeroPP's held-back weight tasks) and would otherwise
         # recompute the logits once more.
         wants = [n is not None for n in ctx.nodes]
-        d_hidden = torch.zeros_like(hidden) if wants[0] else None
-        # The weight's and bias's gradients are sums over the chunks: summed in fp32, as one
-        # whole-logits matmul accumulates them, and rounded to their dtype once. Summed in bf16,
-        # each chunk's addition rounds again (8 chunks: 1.7x the whole logits' error).
-        d_weight = _accumulator(weight) if wants[1] else None
-        d_bias = _accumulator(bias) if wants[2] else None
-        grad = grad.float()
-        start = 0
-        for part, labels in zip(hidden.split(ctx.chunk), target.split(ctx.chunk), strict=True):
-            logits = F.linear(part, weight, bias)
-            # d(sum of cross-entropies)/d(logits) = softmax - one-hot, on the labelled rows
-            d_logits = torch.softmax(logits.float(), dim=-1)
-            kept = labels != ctx.ignore_index
-            rows = torch.arange(labels.shape[0], device=labels.device)
-            d_logits[rows[kept], labels[kept]] -= 1.0
-            d_logits[~kept] = 0.0
-            d_logits = (d_logits * grad).to(logits.dtype)  # as autograd casts it back
-            if d_hidden is not None:
-                d_hidden[start : start + part.shape[0]] = d_logits @ weight
-            if d_weight is not None:
-                d_weight += d_logits.t() @ part
-            if d_bias is not None:
-                d_bias += d_logits.sum(dim=0, dtype=d_bias.dtype)  # one rounding, at the end
-            start += part.shape[0]
-        d_weight = None if d_weight is None else d_weight.to(weight.dtype)
-        d_bias = None if d_bias is None or bias is None else d_bias.to(bias.dtype)
+        (kind, size), ignore = ctx.cut, ctx.ignore_index
+        if kind == "vocab":
+            hidden, weight, bias, target, lse = ctx.saved_tensors
+            d_hidden, d_weight, d_bias = passes.vocab_backward(
+                hidden, weight, bias, target, lse, ignore, size, grad, wants
+            )
+        else:
+            hidden, weight, bias, target = ctx.saved_tensors
+            d_hidden, d_weight, d_bias = passes.token_backward(
+                hidden, weight, bias, target, ignore, size, grad, wants
+            )
         if (wants[1] and not reach[1]) or (wants[2] and not reach[2]):
             ctx.stash = (d_weight, d_bias)  # the input pass of a split backward
         return (
@@ -199,8 +171,9 @@ def linear_cross_entropy(
     chunk: int | None = None,
 ) -> torch.Tensor:
     """The summed cross-entropy (fp32) of `hidden @ weight.T + bias` against `target` over the
-    tokens whose target is not `ignore_index`, `chunk` tokens at a time (default: `loss_chunk()`;
-    0, or a chunk holding every token, computes the whole logits at once).
+    tokens whose target is not `ignore_index`, never more logits at once than `chunk` tokens'
+    whole rows (default: `loss_chunk()`; 0, or a chunk holding every token, computes the whole
+    logits at once). Without gradients (evaluation) it runs `chunk` tokens at a time.
 
     `hidden` is (..., dim) and `target` (...) of the same leading shape. Callers divide the sum
     by what their loss averages over (the labelled tokens, or the front's count)."""
@@ -212,13 +185,16 @@ def linear_cross_entropy(
             f"linear_cross_entropy: {flat.shape[0]} hidden states but {labels.shape[0]} targets"
         )
     if chunk <= 0 or chunk >= flat.shape[0]:
-        return _chunk_loss(flat, weight, bias, labels, ignore_index)
+        return passes.chunk_loss(flat, weight, bias, labels, ignore_index)
     if not torch.is_grad_enabled():
-        total = flat.new_zeros((), dtype=torch.float32)
-        for part, part_labels in zip(flat.split(chunk), labels.split(chunk), strict=True):
-            total = total + _chunk_loss(part, weight, bias, part_labels, ignore_index)
-        return total
+        return passes.token_forward(flat, weight, bias, labels, ignore_index, chunk)
+    # By vocabulary rows where the head's weight takes a narrow (bf16, fp16) gradient, whose sum
+    # over token chunks would need a head-sized fp32 buffer; by tokens otherwise (see
+    # `chunked_passes`). A slice of rows holds as many logits as `chunk` tokens' whole rows.
+    narrow = weight.requires_grad and weight.dtype.itemsize < 4
+    rows = max(1, chunk * weight.shape[0] // flat.shape[0])
+    cut = ("vocab", rows) if narrow else ("tokens", chunk)
     # Views, so that backward can ask of each input whether its pass reaches it (`_viewed`).
     h, w, b = _viewed(flat), _viewed(weight), _viewed(bias)
     nodes = tuple(None if t is None else t.grad_fn for t in (h, w, b))
-    return _LinearCrossEntropy.apply(h, w, b, labels, ignore_index, chunk, nodes)
+    return _LinearCrossEntropy.apply(h, w, b, labels, ignore_index, cut, nodes)
