@@ -15,9 +15,11 @@ them otherwise).
    (dimension 64, 64 tokens) whose every block costs, as a timed wait, what the planner's FLOPs
    of one Llama-3-8B block take on an H100 at 45% of its bf16 peak, and whose head costs what
    the 8B's head and loss take (forward F, input gradient I = F, weight gradient W = F), slowed
-   `--scale` times. The engine runs with the 8B's even and balanced split points; measured: the
-   median step (barrier to the last rank's device done); planned: the planner told the same
-   per-unit seconds.
+   `--scale` times. The engine runs with the 8B's even and balanced split points, and the
+   balanced ones with the head and the loss in chunks ("chunked": its backward computes the
+   logits again, and its input pass computes the weight's gradient too, so the head costs I = 3F
+   and W = 0); measured: the median step (barrier to the last rank's device done); planned: the
+   planner told the same per-unit seconds.
 """
 
 from __future__ import annotations
@@ -135,7 +137,16 @@ def standin() -> Any:
     return model
 
 
-def run_rank(row: str, steps: int, warmup: int, block_s: float, head_s: float, out: Path) -> None:
+def head_cost(head_s: float, chunked: bool) -> tuple[float, float, float]:
+    """The head and the loss's forward, input-gradient and weight-gradient seconds: whole logits
+    (F, F, F), or in chunks (F, 3F, 0: the logits again, the hidden states' and the weight's
+    gradients, all in the input pass, which keeps the weight's for the weight pass)."""
+    return (head_s, 3 * head_s, 0.0) if chunked else (head_s, head_s, head_s)
+
+
+def run_rank(
+    row: str, steps: int, warmup: int, block_s: float, head_s: float, out: Path, chunked: bool
+) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -153,7 +164,9 @@ def run_rank(row: str, steps: int, warmup: int, block_s: float, head_s: float, o
     device = EmulatedDevice()
     block = BlockCost(block_s, block_s, block_s)
     emulate_blocks(
-        [*model.blocks, model.head], [block] * 32 + [BlockCost(head_s, head_s, head_s)], device
+        [*model.blocks, model.head],
+        [block] * 32 + [BlockCost(*head_cost(head_s, chunked))],
+        device,
     )
     example = (torch.zeros(1, STANDIN["seq_len"], dtype=torch.long),)
     engine = ZeroPPEngine(
@@ -187,7 +200,7 @@ def _row(row: str) -> tuple[str, int, list[int]]:
     return schedule, int(pp[2:]), [int(p) for p in points.split("-")]
 
 
-def planned(row: str, block_s: float, head_s: float) -> float:
+def planned(row: str, block_s: float, head_s: float, chunked: bool = False) -> float:
     import torch
 
     from lightning_zeropp.core import ZeroPPConfig
@@ -203,7 +216,7 @@ def planned(row: str, block_s: float, head_s: float) -> float:
     cfg = config.resolve(pp)
     ranges = stage_ranges(model, cfg)
     units = [
-        [(head_s, 2 * head_s) if s == len(ranges) - 1 else (0.0, 0.0)]
+        [(head_s, sum(head_cost(head_s, chunked)[1:])) if s == len(ranges) - 1 else (0.0, 0.0)]
         + [(block_s, 2 * block_s)] * len(r)
         for s, r in enumerate(ranges)
     ]
@@ -227,11 +240,14 @@ def emulated_rows(
         if r["model"] != "llama3_8b" or r["pp"] not in pps:
             continue
         got: dict[str, Any] = {"pp": r["pp"], "schedule": r["schedule"], **s}
-        for cut in ("even", "balanced"):
-            points = "-".join(map(str, r[cut]["split_points"]))
+        for cut in ("even", "balanced", "chunked"):
+            chunked = cut == "chunked"
+            split_points = r["balanced" if chunked else cut]["split_points"]
+            points = "-".join(map(str, split_points))
             row = f"{r['schedule']}@pp{r['pp']}@{points}"
             extra = ["--steps", str(args.steps), "--warmup", str(args.warmup),
-                     "--block", str(s["block_s"]), "--head", str(s["head_s"])]  # fmt: skip
+                     "--block", str(s["block_s"]), "--head", str(s["head_s"]),
+                     *(["--chunked"] if chunked else [])]  # fmt: skip
             t0, load = time.monotonic(), os.getloadavg()[0]
             ranks = launch_ranks(__file__, row, r["pp"], extra, 1500.0)
             steps = [
@@ -239,13 +255,15 @@ def emulated_rows(
                 - min(k["steps"][i]["start"] for k in ranks)
                 for i in range(len(ranks[0]["steps"]))
             ]
-            got[cut] = {"split_points": r[cut]["split_points"], "steps_s": steps,
-                        "step_s": statistics.median(steps), "planned_s": planned(row, **_bh(s)),
+            got[cut] = {"split_points": split_points, "steps_s": steps,
+                        "step_s": statistics.median(steps),
+                        "planned_s": planned(row, **_bh(s), chunked=chunked),
                         "load_1m": [load, os.getloadavg()[0]],
                         "wall_s": time.monotonic() - t0}  # fmt: skip
-            print(f"{row}: step {got[cut]['step_s']:.2f} s (planned {got[cut]['planned_s']:.2f})"
-                  f" [load {load:.1f}]", flush=True)  # fmt: skip
+            print(f"{row}{' chunked' if chunked else ''}: step {got[cut]['step_s']:.2f} s "
+                  f"(planned {got[cut]['planned_s']:.2f}) [load {load:.1f}]", flush=True)  # fmt: skip
         got["gain"] = got["even"]["step_s"] / got["balanced"]["step_s"] - 1
+        got["gain_chunked"] = got["even"]["step_s"] / got["chunked"]["step_s"] - 1
         out.append(got)
         write(meta, planner, out)  # after every row: a run stopped early keeps what it measured
     return out
@@ -293,17 +311,24 @@ def write(meta: dict[str, Any], planner: list[dict], emulated: list[dict]) -> No
             "after the row.",
             "",
             "| layout | even step (s) | planned | load | balanced step (s) | planned | load "
-            "| faster (median) | faster (fastest) | faster (planned) |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| faster (median) | faster (fastest) | faster (planned) "
+            "| balanced + chunked step (s) | planned | load | faster than even (median) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in emulated:
-            e, b = r["even"], r["balanced"]
+            e, b, c = r["even"], r["balanced"], r.get("chunked")
             fastest = min(e["steps_s"]) / min(b["steps_s"]) - 1
+            chunked = (
+                f"{c['step_s']:.2f} [{min(c['steps_s']):.2f}] | {c['planned_s']:.2f} | "
+                f"{_load(c)} | {r['gain_chunked']:+.1%}"
+                if c
+                else "- | - | - | -"
+            )
             lines.append(
                 f"| pp {r['pp']} {r['schedule']} | {e['step_s']:.2f} [{min(e['steps_s']):.2f}] | "
                 f"{e['planned_s']:.2f} | {_load(e)} | {b['step_s']:.2f} [{min(b['steps_s']):.2f}] "
                 f"| {b['planned_s']:.2f} | {_load(b)} | {r['gain']:+.1%} | {fastest:+.1%} | "
-                f"{e['planned_s'] / b['planned_s'] - 1:+.1%} |"
+                f"{e['planned_s'] / b['planned_s'] - 1:+.1%} | {chunked} |"
             )
     (RESULTS / f"{meta['out_name']}.md").write_text("\n".join(lines) + "\n")
 
@@ -326,9 +351,13 @@ def main() -> None:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--block", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--head", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--chunked", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        run_rank(args.worker, args.steps, args.warmup, args.block, args.head, Path(args.out))
+        run_rank(
+            args.worker, args.steps, args.warmup, args.block, args.head, Path(args.out),
+            args.chunked,
+        )  # fmt: skip
         return
     pps = [int(p) for p in args.pp.split(",")]
     meta = {"machine": machine(), "argv": sys.argv[1:], "scale": args.scale,
