@@ -1,12 +1,14 @@
 """A fit stopped by `max_steps` and saved after it, or in the stopped epoch's end hook (where
 `ModelCheckpoint` saves per epoch), resumes where it stopped: the checkpoint's loop state, settled
-by `lightning.stopped_epoch.settle_stopped_epoch` (what `ZeroPPStrategy` saves), makes Lightning continue
-the stopped epoch (cut short) or start the next one at its first batch (at an epoch's end).
-Lightning's own state after the stop counts the epoch completed: resumed under `max_steps`, it
-went on in the next epoch with the stopped epoch's batch count, so the unseen batches were never
-trained (mid-epoch), or the whole next epoch was taken as trained (at its end); saved in the end
-hook, it drew the rest of the epoch from the next epoch's permutation. One process, Lightning's
-default strategy: the epoch and batch index, or the rows, of every resumed step."""
+by `lightning.stopped_epoch.settle_stopped_epoch` (what `ZeroPPStrategy` saves), makes Lightning
+continue the stopped epoch (cut short) or start the next one at its first batch (at an epoch's
+end). Lightning's own state after the stop counts the epoch completed: resumed under `max_steps`,
+it went on in the next epoch with the stopped epoch's batch count, so the unseen batches were
+never trained (mid-epoch), or the whole next epoch was taken as trained (at its end); saved in the
+end hook, it drew the rest of the epoch from the next epoch's permutation. One process,
+Lightning's default strategy: the epoch and batch index, or the rows, of every resumed step; and
+the step the loggers get (against the uninterrupted fit's), also through `ZeroPPStrategy` at
+world size 1 (its load writes an epoch start for Lightning's restart under `max_steps`)."""
 
 from __future__ import annotations
 
@@ -264,7 +266,9 @@ class _SteppedGPT(LitGPT):
         return super().training_step(batch, batch_idx)
 
 
-def _zeropp_fit(module: LitGPT, max_steps: int, ckpt_path: Path | None = None) -> pl.Trainer:
+def _zeropp_fit(
+    module: LitGPT, max_steps: int, ckpt_path: Path | None = None, save_to: Path | None = None
+) -> None:
     environ = dict(os.environ)
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, strategy=ZeroPPStrategy(), max_steps=max_steps,
@@ -275,14 +279,13 @@ def _zeropp_fit(module: LitGPT, max_steps: int, ckpt_path: Path | None = None) -
     loader = DataLoader(TensorDataset(x, x), batch_size=4)  # epochs of 2 steps
     try:
         trainer.fit(module, loader, loader, ckpt_path=ckpt_path)
-        if ckpt_path is None:
-            trainer.save_checkpoint(Path(trainer.default_root_dir) / "stopped")
+        if save_to is not None:
+            trainer.save_checkpoint(save_to)
     finally:  # Lightning leaves its one-rank group and MASTER_PORT behind
         if dist.is_initialized():
             dist.destroy_process_group()
         os.environ.clear()
         os.environ.update(environ)
-    return trainer
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
@@ -291,9 +294,9 @@ def test_zeropp_strategy_resumes_a_stop_at_an_epoch_end_at_its_logger_step(
 ) -> None:
     # The strategy settles the save and, loading it under max_steps, writes the epoch start for
     # Lightning's restart; with the epoch's validation at its batch -1 the step came one too high
-    monkeypatch.chdir(tmp_path)
+    monkeypatch.chdir(tmp_path)  # Lightning's default_root_dir
     whole, first, resumed = _SteppedGPT(), _SteppedGPT(), _SteppedGPT()
     _zeropp_fit(whole, max_steps=4)
-    _zeropp_fit(first, max_steps=2)
+    _zeropp_fit(first, max_steps=2, save_to=tmp_path / "stopped")
     _zeropp_fit(resumed, max_steps=4, ckpt_path=tmp_path / "stopped")
     assert resumed.steps == whole.steps[2:] == [(1, 0, 2), (1, 1, 3)]
