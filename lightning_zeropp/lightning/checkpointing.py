@@ -36,7 +36,7 @@ from torch import nn
 from lightning_zeropp.core.weights import checkpoint as ckpt
 from lightning_zeropp.core.weights import commit, export, trust
 from lightning_zeropp.core.weights.async_checkpoint import AsyncCheckpointer
-from lightning_zeropp.lightning import data
+from lightning_zeropp.lightning import data, stopped_epoch
 
 __all__ = [
     "STATE_DICT_TYPES",
@@ -152,8 +152,8 @@ class StrategyCheckpoints:
     ) -> None:
         # The global batch, so that a resume mid-epoch with another one is named (`data`).
         checkpoint = {**checkpoint, data.BATCH_ROWS: data.batch_rows(module.trainer)}
-        # A fit a stop ended resumes where it stopped, not an epoch on (`data`).
-        checkpoint = data.settle_stopped_epoch(module.trainer, checkpoint)
+        # A fit a stop ended resumes where it stopped, not an epoch on (`stopped_epoch`).
+        checkpoint = stopped_epoch.settle_stopped_epoch(module.trainer, checkpoint)
         if self.state_dict_type == "full":
             export.save_file(path, checkpoint)  # complete on rank 0; tmp file + rename
             return
@@ -183,7 +183,8 @@ class StrategyCheckpoints:
         else:
             loaded = ckpt.load_checkpoint(path, module, optimizers, trusted)
         self.saved_rows = loaded.get(data.BATCH_ROWS)
-        return loaded
+        # A settled epoch start, as the resumed fit's loops restart it (`stopped_epoch`).
+        return stopped_epoch.restart_at_epoch_start(module.trainer, loaded)
 
     def wait(self) -> None:
         """The last checkpoint complete (an async save written)."""

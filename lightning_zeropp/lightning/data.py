@@ -26,13 +26,8 @@ With another global batch it would not: the checkpoint records its global batch 
 and a resume mid-epoch with another one is refused on every rank, naming the rows it would skip
 or train twice and the fix (the saved batch size, or a checkpoint at an epoch's end).
 
-A fit that stops inside an epoch (`max_steps`, or `trainer.should_stop` from a callback) ends
-that epoch in Lightning's bookkeeping: the loops count it completed, so a checkpoint written after
-(`trainer.save_checkpoint` once fit returns, or `ModelCheckpoint` at the epoch's end) resumed into
-the next epoch, and its unseen batches were never trained (the next epoch's were, skipped or
-replayed instead). `settle_stopped_epoch` writes such a checkpoint as what it is, an epoch stopped
-after its first batches, so the resume continues that epoch with its next unseen batch; and one
-stopped at its last batch as the next epoch's start.
+A fit that stops inside an epoch (`max_steps`, or `trainer.should_stop`) is written as the
+position it stopped at by `stopped_epoch` (on the strategy's save), so that this count resumes it.
 """
 
 from __future__ import annotations
@@ -61,7 +56,6 @@ __all__ = [
     "check_batch_size",
     "check_trained",
     "resuming_loader",
-    "settle_stopped_epoch",
     "skip_batches",
 ]
 
@@ -126,58 +120,6 @@ def resuming_loader(
         return count
 
     return ResumingLoader(loader, consumed)  # type: ignore[arg-type]
-
-
-def settle_stopped_epoch(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """`checkpoint` with the loops' state of an epoch that ended (a stop, or its last batch),
-    saved after fit returned or in the epoch's end hook (`ModelCheckpoint`'s per-epoch save),
-    written as the data position it is.
-
-    - Cut short (its batch count below the epoch's, not at its last batch): the epoch reopened,
-      processed and completed one less, as a save inside that epoch writes them, so
-      `fit(ckpt_path=...)` continues it (`ResumingLoader` skips the trained batches) instead of
-      starting the next epoch. Lightning's own state (after fit: counted completed; in the end
-      hook: processed) resumed in the next epoch, with the stopped epoch's batch count (the
-      unseen batches never trained) or its sampler epoch one on (the rest of the epoch drawn
-      from the next permutation).
-    - At its last batch: counted completed and the batch count zeroed, as the next epoch starts
-      it. Otherwise a resume under `max_steps` (Lightning restores the count then) took the
-      whole next epoch as trained, or, from the end hook, skipped a permutation.
-    """
-    loops = checkpoint.get("loops", {}).get("fit_loop")
-    batches, total = trainer.fit_loop.epoch_loop.batch_progress, trainer.num_training_batches
-    if loops is None or batches.current.ready <= 0 or total == float("inf"):
-        return checkpoint
-    epochs = loops["epoch_progress"]["current"]  # the fit loop's, as saved
-    after_fit = epochs["completed"] == epochs["processed"] == epochs["started"] == epochs["ready"]
-    in_end_hook = (
-        epochs["processed"] == epochs["started"] == epochs["ready"]
-        and epochs["completed"] == epochs["processed"] - 1
-    )
-    if epochs["started"] <= 0 or not (after_fit or in_end_hook):
-        # Saved inside the epoch: Lightning resumes it where it stopped.
-        return checkpoint
-    if batches.current.ready < total and not batches.is_last_batch:
-        # The epoch that ran is the last one started; the sampler's epoch is read from
-        # `processed` on resume, so it reshuffles as this epoch did.
-        progress = {
-            part: {**counts, "processed": counts["started"] - 1, "completed": counts["started"] - 1}
-            for part, counts in loops["epoch_progress"].items()
-        }
-        fit_loop = {**loops, "epoch_progress": progress}
-        epoch = epochs["started"] - 1
-    else:
-        progress = {
-            part: {**counts, "completed": counts["processed"]}
-            for part, counts in loops["epoch_progress"].items()
-        }
-        counts = loops["epoch_loop.batch_progress"]
-        zero = dict.fromkeys(counts["current"], 0)
-        fit_loop = {**loops, "epoch_progress": progress,
-                    "epoch_loop.batch_progress": {**counts, "current": zero,
-                                                  "is_last_batch": False}}  # fmt: skip
-        epoch = checkpoint.get("epoch", epochs["completed"])  # Lightning's, as it wrote it
-    return {**checkpoint, "loops": {**checkpoint["loops"], "fit_loop": fit_loop}, "epoch": epoch}
 
 
 def batch_rows(trainer: pl.Trainer, loader: object = None) -> int | None:
