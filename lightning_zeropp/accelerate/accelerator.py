@@ -20,7 +20,7 @@ What differs from the base class, and why:
 - `clip_grad_norm_` clips by the norm over every stage and shard: torch's clipping sees this
   rank's stages only.
 - `gather` / `gather_for_metrics` concatenate each process's share of its pipeline's batch, in
-  DDP's order (`shares`): every sample once, where DDP would put it; in eval mode
+  DDP's order (`shares`, `gathering`): every sample once, where DDP would put it; in eval mode
   `outputs.loss` is the loss of the process's share, as under DDP.
 - `save_state(dir)` commits atomically (a temporary sibling renamed when complete); the sharded
   model and optimizer go through `prepare_pipeline`'s checkpoint hooks (`checkpointing`).
@@ -33,10 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from accelerate import Accelerator
 from accelerate.state import PartialState
-from accelerate.utils import recursively_apply
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
@@ -44,23 +41,13 @@ from torch.utils.data import DataLoader
 from lightning_zeropp.accelerate import checkpointing
 from lightning_zeropp.accelerate.build import prepare_pipeline
 from lightning_zeropp.accelerate.checkpointing import BATCHES, EPOCH, ROWS, commit_state
+from lightning_zeropp.accelerate.gathering import GatheringAccelerator
 from lightning_zeropp.accelerate.preempt import Stopper, accelerate_saver, agree_at_end
-from lightning_zeropp.accelerate.prepared import (
-    check_state_made_before,
-    is_scheduler,
-    length,
-    tied_names,
-)
+from lightning_zeropp.accelerate.prepared import check_state_made_before, is_scheduler, tied_names
 from lightning_zeropp.accelerate.prepared import skeleton as _skeleton
 from lightning_zeropp.accelerate.prepared import unpack_call as _unpack_call
 from lightning_zeropp.accelerate.settings import ZeroPPPlugin
-from lightning_zeropp.accelerate.shares import (
-    in_process_order,
-    owners_only,
-    process_order,
-    share,
-    share_of,
-)
+from lightning_zeropp.accelerate.shares import process_order, share_of
 from lightning_zeropp.accelerate.steps import PipelineModel
 from lightning_zeropp.core.settings import launch
 from lightning_zeropp.core.step.failure import guarded
@@ -74,7 +61,7 @@ from lightning_zeropp.fronts.loss_rule import LossWatch
 __all__ = ["ZeroPPAccelerator"]
 
 
-class ZeroPPAccelerator(Accelerator):
+class ZeroPPAccelerator(GatheringAccelerator):
     """`Accelerator(**kwargs)` with ZeroPP pipelines; `zeropp_plugin` holds the layout (default:
     the `ZEROPP_*` variables `accelerate launch` carries, then the library's defaults)."""
 
@@ -206,51 +193,6 @@ class ZeroPPAccelerator(Accelerator):
             )
         # The engine's clipping: the global norm, a tied weight's per-stage copies counted once.
         return self.pipeline.engine.core.clip_grad_norm_(max_norm, norm_type, params)
-
-    # ------------------------------------------------------------------------- gathering
-    def gather(self, tensor: Any) -> Any:
-        """Concatenate every process's share in DDP's process order (`shares`): each sample
-        of the pipelines' batches once, from the process DDP would have loaded it on."""
-        if self.pipeline is None:
-            return super().gather(tensor)
-        full = super().gather(recursively_apply(self._share, tensor))
-        world, rows = self.num_processes, self.pipeline.given_rows
-        pp = share_of(self.pipeline.engine.dims)[0]  # processes per data-parallel rank
-
-        def arranged(t: torch.Tensor) -> torch.Tensor:
-            ordered = in_process_order(t, world, self._order)
-            # rows that do not split into shares (a packed row) came from every process of a
-            # pipeline: each once, from the pipeline's first process
-            whole_rows = rows is not None and rows % pp and t.dim() and t.shape[0] == world * rows
-            return owners_only(ordered, world, pp) if whole_rows else ordered
-
-        return recursively_apply(arranged, full)
-
-    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        if self.pipeline is None:
-            return super().gather_for_metrics(input_data, use_gather_object)
-        try:
-            recursively_apply(lambda x: x, input_data, error_on_other_type=True)
-            tensors = True
-        except TypeError:
-            tensors = False
-        if tensors and not use_gather_object:
-            return super().gather_for_metrics(input_data)  # through gather, then truncated
-        everyone: list[Any] = [None] * self.num_processes
-        dist.all_gather_object(everyone, self._share(input_data))
-        rows, pp = self.pipeline.given_rows, share_of(self.pipeline.engine.dims)[0]
-        whole_rows = rows is not None and rows % pp and length(input_data) == rows
-        order = self._order[::pp] if whole_rows else self._order  # each pipeline's rows once
-        data = [x for r in order for x in everyone[r]]
-        state = self.gradient_state
-        if state.end_of_dataloader and state.remainder > 0:
-            data = data[: state.remainder]
-        return data
-
-    def _share(self, value: Any) -> Any:
-        assert self.pipeline is not None
-        dims = self.pipeline.engine.dims
-        return share(value, self.pipeline.given_rows, *share_of(dims))
 
     # ------------------------------------------------------------------------- state
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kw: Any):

@@ -8,7 +8,8 @@ only), gradient accumulation bookkeeping, trackers, and `save_state` / `load_sta
 the sharded model and optimizer checkpoint plugs through Accelerate's save/load pre-hooks.
 
 The order of `prepare_pipeline` is the order of failure: everything a user can get wrong is
-checked on every rank from its own arguments and environment before the first collective.
+checked on every rank from its own arguments and environment before the first collective
+(`accelerate.build_checks`: the accelerator, the layout, the example micro-batch).
 """
 
 from __future__ import annotations
@@ -23,17 +24,21 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from accelerate import Accelerator, DistributedType
+from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
+from lightning_zeropp.accelerate.build_checks import (
+    check_accelerator,
+    default_example,
+    example_rows,
+    resolve_layout,
+)
 from lightning_zeropp.accelerate.data import (
     Unpack,
     check_loader,
-    example_microbatch,
-    rows_per_rank,
     shard_loader,
     unpack_batch,
     widen_loader,
@@ -43,7 +48,6 @@ from lightning_zeropp.accelerate.optim import PipelineScheduler
 from lightning_zeropp.core.engine import LossFn, ZeroPPEngine
 from lightning_zeropp.core.measure.layout import describe_layout
 from lightning_zeropp.core.settings.config import ZeroPPConfig, ZeroPPLayout
-from lightning_zeropp.core.settings.values import fields_of, setting_error
 from lightning_zeropp.core.split.methods import SplitMethod
 from lightning_zeropp.core.step.failure import guarded
 from lightning_zeropp.core.weights.materialize import InitFn
@@ -60,8 +64,6 @@ from lightning_zeropp.fronts.settings import RunSettings, merge_settings
 __all__ = ["prepare_pipeline"]
 
 log = logging.getLogger(__name__)
-
-_SUPPORTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
 
 @guarded  # setup communicates: a rank failing or lost in it is named on every rank
@@ -123,9 +125,9 @@ def prepare_pipeline(
         `accelerator.save_state`.
     """
     # 1. Everything a user can get wrong, on every rank, before any collective.
-    _check_accelerator(accelerator)
+    check_accelerator(accelerator)
     settings = _settings(config, split)
-    config = _resolved(settings, accelerator.num_processes)
+    config = resolve_layout(settings, accelerator.num_processes)
     split = settings.split
     is_factory = callable(optimizer) and not isinstance(optimizer, Optimizer)
     given = cast(Optimizer, optimizer)  # when not a factory: an optimizer (checked there)
@@ -141,8 +143,8 @@ def prepare_pipeline(
     if example_args is None and example_kwargs is None and config.num_stages > 1:
         # split="stack" needs none, but checks its contract with one when the loader gives it.
         optional = split == "stack"
-        if not optional or (train_dl is not None and _rows(accelerator, train_dl, config)):
-            example_args, example_kwargs = _default_example(accelerator, train_dl, config, unpack)
+        if not optional or (train_dl is not None and example_rows(accelerator, train_dl, config)):
+            example_args, example_kwargs = default_example(accelerator, train_dl, config, unpack)
 
     disable_kv_cache(model)  # HF models: a pipeline stage returns tensors only
     # 2. The mesh and this rank's stages (collectives from here on).
@@ -191,40 +193,6 @@ def prepare_pipeline(
     return engine, wrapped, loader, sched
 
 
-# ------------------------------------------------------------------------------------ checks
-def _check_accelerator(accelerator: Accelerator) -> None:
-    kind = accelerator.distributed_type
-    if kind not in _SUPPORTED:
-        raise ValueError(
-            f"Accelerator distributed_type={kind.value}: ZeroPP shards and pipelines the model "
-            "itself. Launch without --use_fsdp / --use_deepspeed / --use_megatron_lm (plain "
-            "torchrun or `accelerate launch --multi_gpu`) and set the layout with ZEROPP_* "
-            "variables."
-        )
-    if accelerator.mixed_precision != "no":
-        raise ValueError(
-            f"Accelerator(mixed_precision={accelerator.mixed_precision!r}) autocasts prepared "
-            "models only, and the pipeline stages are not prepared. Keep mixed_precision='no' and "
-            "set ZeroPPPlugin(param_dtype='bf16') or ZEROPP_PARAM_DTYPE=bf16 (FSDP2 mixed "
-            "precision, gradients reduced in fp32)."
-        )
-    if accelerator.parallelism_config is not None:
-        raise ValueError(
-            "Accelerator(parallelism_config=...) builds Accelerate's own mesh; ZeroPP builds a "
-            "pp x dp_replicate x dp_shard mesh. Drop it and set ZEROPP_PP_SIZE, "
-            "ZEROPP_DP_SHARD_SIZE, ZEROPP_DP_REPLICATE_SIZE."
-        )
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if accelerator.num_processes == 1 and world > 1:
-        raise ValueError(
-            f"WORLD_SIZE={world} but the Accelerator runs a single process: on CPU, Accelerate "
-            "sets up multi-process training only when its process state is first made with "
-            "cpu=True: Accelerator(cpu=True) or ACCELERATE_USE_CPU=1, before anything else reads "
-            "the state (a tracker built before the Accelerator does: call "
-            "accelerate.PartialState(cpu=True) first)."
-        )
-
-
 def _settings(
     config: ZeroPPConfig | ZeroPPLayout | RunSettings | None, split: SplitMethod | None
 ) -> RunSettings:
@@ -236,47 +204,6 @@ def _settings(
     if settings.ignored and int(os.environ.get("RANK", "0")) == 0:
         log.warning("prepare_pipeline got config=...; ignoring %s", ", ".join(settings.ignored))
     return settings
-
-
-def _resolved(settings: RunSettings, world_size: int) -> ZeroPPLayout:
-    """The layout for the world; a world of one process gets the launch commands that start
-    several (the usual cause of a layout that does not fit)."""
-    try:
-        return settings.resolve(world_size)
-    except ValueError as err:
-        if world_size != 1:
-            raise
-        raise setting_error(fields_of(err), f"{err}{_ONE_PROCESS}") from err
-
-
-# `accelerate launch --cpu` starts one process whatever --num_processes says (its CPU launcher
-# is not the distributed one): naming it here would send the user back to the same command.
-_ONE_PROCESS = (
-    " Only one process was started. On CPUs start several with `torchrun --nproc_per_node N "
-    "script.py`, or `accelerate launch --multi_gpu --num_processes N script.py` with "
-    "Accelerator(cpu=True) (plain `accelerate launch --cpu` starts one); on GPUs with "
-    "`accelerate launch --multi_gpu --num_processes N script.py` or torchrun."
-)
-
-
-def _rows(accelerator: Accelerator, train_dl: DataLoader, config: ZeroPPLayout) -> int | None:
-    return rows_per_rank(train_dl, accelerator.split_batches, config.dp_size)
-
-
-def _default_example(
-    accelerator: Accelerator, train_dl: DataLoader | None, config: ZeroPPLayout, unpack: Unpack
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    rows = None
-    if train_dl is not None:
-        rows = rows_per_rank(train_dl, accelerator.split_batches, config.dp_size)
-    if rows is None:
-        raise ValueError(
-            "the split needs one example micro-batch of model inputs, and there is no "
-            "training loader with a batch size to take it from: pass example_args=(...) (one "
-            "micro-batch, per-rank rows / num_microbatches), or split='stack'."
-        )
-    assert train_dl is not None  # rows came from it
-    return example_microbatch(train_dl, rows // config.num_microbatches, unpack)
 
 
 def _check_all_placed(group_names: list[list[str]], params: dict[str, nn.Parameter]) -> None:

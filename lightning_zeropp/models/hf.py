@@ -9,9 +9,10 @@ The adapter between `transformers` and the library; the core never imports trans
   unties) tied embeddings, turns off the KV cache, makes the rotary embedding traceable and attaches
   a `CausalLMCallAdapter`, so a training step that calls `model(input_ids, labels=labels).loss` or
   `model(input_ids).logits` works unchanged under `ZeroPPStrategy`.
-- `export_hf(path, state_dict, config)` writes a consolidated HF directory (`config.json` +
-  `model.safetensors`) that `AutoModelForCausalLM.from_pretrained(path)` loads; the state dict comes
-  from `ZeroPPStrategy.full_state_dict()` or `core.weights.export.full_state_dict(...)`.
+- `export_hf(path, state_dict, config)` (`models.hf_export`, re-exported here) writes a
+  consolidated HF directory (`config.json` + `model.safetensors`) that
+  `AutoModelForCausalLM.from_pretrained(path)` loads; the state dict comes from
+  `ZeroPPStrategy.full_state_dict()` or `core.weights.export.full_state_dict(...)`.
 
 Two ways in. A plain `AutoModelForCausalLM` (no preparation) is cut by the call split: it takes
 `attention_mask` and `position_ids`, keeps tied embeddings tied (`core.split.tied`), and its loss is
@@ -28,7 +29,6 @@ and takes token ids, not hidden states, so a pruned copy cannot run a middle sta
 from __future__ import annotations
 
 import contextlib
-import copy
 import types
 from pathlib import Path
 from typing import Any
@@ -38,10 +38,9 @@ from torch import nn
 
 from lightning_zeropp.core.split.blocks import find_blocks
 from lightning_zeropp.core.split.methods import SPLIT_ATTR
-from lightning_zeropp.core.split.tied import tied_groups
-from lightning_zeropp.core.weights.export import save_consolidated
 from lightning_zeropp.core.weights.materialize import empty_parameters
 from lightning_zeropp.fronts.call_adapter import CallAdapter, set_call_adapter
+from lightning_zeropp.models.hf_export import export_hf
 
 __all__ = [
     "FAMILIES",
@@ -60,7 +59,6 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 LOSS_KWARGS = ("labels", "shift_labels", "num_items_in_batch", "ignore_index")
 
 _BLOCKS = "model.layers"
-_WEIGHTS = "model.safetensors"
 
 
 def build_causal_lm(
@@ -216,60 +214,7 @@ class CausalLMCallAdapter(CallAdapter):
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
 
-def export_hf(path: str | Path, state_dict: dict[str, torch.Tensor], config: Any) -> Path:
-    """Collective: write `state_dict` (full, on global rank 0) and `config` as an HF directory.
-
-    Every rank calls it; rank 0 writes `config.json` and `model.safetensors` into a temporary
-    sibling directory and renames it to `path` (the previous export, if any, is replaced only when
-    the new one is complete). Other ranks' `state_dict` is ignored (pass what
-    `full_state_dict` returned there: an empty dict).
-
-    A tied model (`config.tie_word_embeddings`) is written as `save_pretrained` writes it: the
-    first name of each tied weight only, after checking its pipelined copies (embedding on the
-    first stage, head on the last, `core.split.tied`) are equal.
-    """
-    config = copy.deepcopy(config)
-    config.use_cache = True  # turned off for tracing only; generation wants it back
-
-    def write(tmp: Path) -> None:
-        from safetensors.torch import save_file
-
-        state = _hf_state(state_dict, config)
-        config.save_pretrained(tmp)
-        save_file(state, str(tmp / _WEIGHTS), metadata={"format": "pt"})
-
-    return save_consolidated(path, write)
-
-
 # ---------------------------------------------------------------------- helpers
-def _hf_state(state_dict: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
-    """The tensors an HF model of `config` expects, checked: none missing, extras dropped."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    expected = list(model.state_dict())
-    missing = [k for k in expected if k not in state_dict]
-    if missing:
-        raise ValueError(
-            f"the state dict lacks {len(missing)} of the model's tensors (e.g. {missing[:3]}); "
-            "pass the full state dict from ZeroPPStrategy.full_state_dict() or "
-            "core.weights.export.full_state_dict(), which is complete on global rank 0 only."
-        )
-    for first, *others in tied_groups(model, frozen=True):
-        for other in others:
-            if not torch.equal(state_dict[first], state_dict[other]):
-                raise ValueError(
-                    f"config.tie_word_embeddings is True but '{first}' and '{other}' differ: "
-                    "the model was trained untied. Set config.tie_word_embeddings = False "
-                    "before exporting."
-                )
-            expected.remove(other)  # HF's loader ties it back to `first`
-    # Extras are constant buffers the traced stages registered (e.g. rotary frequencies), which
-    # HF recomputes from the config.
-    return {k: state_dict[k].contiguous() for k in expected}
-
-
 def _check_untied(config: Any, untie_embeddings: bool) -> None:
     if getattr(config, "tie_word_embeddings", False) and not untie_embeddings:
         raise ValueError(

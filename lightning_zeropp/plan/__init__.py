@@ -10,7 +10,8 @@
 - `plan.plus`: ZeRO++'s traffic and memory per FSDP unit;
 - `plan.megatron`: Megatron-style TP x PP x DP, priced the same way, for comparisons;
 - `plan.published`: the published runs the cluster files' efficiency ranges come from;
-- `plan.search`: the layouts that fit, fastest first; `python -m lightning_zeropp.plan`.
+- `plan.search`: the layouts that fit, fastest first; `python -m lightning_zeropp.plan` (what
+  it prints of a layout: `plan.report`).
 
 It reads the model the way the engine splits it (`core.split`) and the layout the way the engine
 resolves it (`ZeroPPConfig`), so its figures are those of the run it predicts.

@@ -10,8 +10,9 @@ naming it, the installed release and the checked range, instead of a loop that s
 override (a renamed method would no longer be called) or fails mid-run.
 
 - `TrainerOverrides`: the private methods overridden, each handing over to the `_zeropp_` method
-  of the same name that `ZeroPPTrainer` defines (its class sits right after `ZeroPPTrainer` in
-  the method order, so a TRL trainer's own methods still come after both).
+  of the same name that `ZeroPPTrainer` defines (its class sits right after `ZeroPPTrainer`'s,
+  `ZeroPPTrainer` and `TrainerCheckpoints`, in the method order, so a TRL trainer's own methods
+  still come after them).
 - Functions named for what they do, for each private name only called or read.
 
 `tests/unit/test_private_names.py` fails when a private Trainer name appears anywhere else.

@@ -15,8 +15,9 @@ callbacks, checkpoints, schedulers, gradient accumulation). What differs, and wh
   process's (the mean over every labelled token of the global batch), with no DDP scaling
   (`losses`).
 - Gradient norms (clipping, the logged `grad_norm`) are over every stage and shard.
-- Checkpoints are sharded (`checkpointing.py`) and committed atomically; `save_model` writes an
-  ordinary HF directory (adapters only for a PEFT model, as the Trainer does).
+- Checkpoints are sharded (`checkpointing.py`, through `trainer_checkpoints.py`) and committed
+  atomically; `save_model` writes an ordinary HF directory (adapters only for a PEFT model, as
+  the Trainer does).
 """
 
 from __future__ import annotations
@@ -35,24 +36,21 @@ from lightning_zeropp.accelerate.preempt import agree_at_end
 from lightning_zeropp.accelerate.settings import ZeroPPPlugin
 from lightning_zeropp.accelerate.steps import PipelineModel
 from lightning_zeropp.core.step.preempt import Preemption
-from lightning_zeropp.transformers import checkpointing, counts, losses
+from lightning_zeropp.transformers import counts, losses
 from lightning_zeropp.transformers import pipeline as pipelines
-from lightning_zeropp.transformers._private import (
-    TrainerOverrides,
-    accelerator_args_builder,
-    trainer_init_training_state,
-)
+from lightning_zeropp.transformers._private import TrainerOverrides, accelerator_args_builder
 from lightning_zeropp.transformers.release import release_weights
 from lightning_zeropp.transformers.settings import (
     accelerator_arguments,
     check_trainer_arguments,
     plugin_for,
 )
+from lightning_zeropp.transformers.trainer_checkpoints import TrainerCheckpoints
 
 __all__ = ["ZeroPPTrainer"]
 
 
-class ZeroPPTrainer(TrainerOverrides):
+class ZeroPPTrainer(TrainerCheckpoints):
     """`transformers.Trainer(...)` whose model is pipelined over FSDP2 (ZeroPP).
 
     Takes every argument of `Trainer`, plus `zeropp_plugin` (the layout; default: the
@@ -276,47 +274,3 @@ class ZeroPPTrainer(TrainerOverrides):
             stats = self._pipeline.engine.core.planning.summary()
             logs.update({f"train_{key}": value for key, value in stats.items()})
         super().log(logs, start_time)
-
-    # ------------------------------------------------------------------ checkpoints
-    def _zeropp_save_checkpoint(self, model: nn.Module, trial: Any) -> None:
-        checkpointing.save(self, trial)
-
-    def _zeropp_load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        """Checked here, on every rank; loaded once the pipeline exists (`_prepare_for_training`)."""
-        checkpointing.check_resumable(resume_from_checkpoint)
-
-    def _zeropp_init_training_state(
-        self,
-        max_steps: int,
-        num_update_steps_per_epoch: int,
-        num_train_epochs: int,
-        resume_from_checkpoint: str | None,
-        trial: Any,
-    ) -> tuple[int, int]:
-        """The Trainer's; a resume with another global batch than the checkpoint's is refused
-        here, before anything is skipped (`checkpointing.check_resumed_rows`)."""
-        sizes = (max_steps, num_update_steps_per_epoch, num_train_epochs)
-        done = trainer_init_training_state(self, *sizes, resume_from_checkpoint, trial)
-        if resume_from_checkpoint is not None:
-            checkpointing.check_resumed_rows(self, resume_from_checkpoint)
-        return done
-
-    def _zeropp_load_optimizer_and_scheduler(self, checkpoint_dir: str | None) -> None:
-        """Collective: the sharded model and optimizer, and the scheduler, of a checkpoint."""
-        if checkpoint_dir is not None:
-            checkpointing.load(self, checkpoint_dir)
-
-    def _zeropp_load_rng_state(self, checkpoint: str | None) -> None:
-        """The Trainer's, reading the RNG file as data (named, with the fix, if it is not)."""
-        if checkpoint is not None:
-            checkpointing.load_rng_state(self, checkpoint)
-
-    def _zeropp_load_best_model(self) -> None:
-        checkpointing.load_best_model(self)
-
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Collective: an ordinary HF directory (`from_pretrained` reads it) from the main
-        process; a PEFT model's adapters only, as the Trainer writes them."""
-        output_dir = output_dir or self.args.output_dir
-        assert output_dir is not None  # TrainingArguments fills in a default
-        checkpointing.save_model(self, output_dir)

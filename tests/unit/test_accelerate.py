@@ -15,7 +15,8 @@ from torch import nn
 from torch.optim import lr_scheduler as lrs
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_zeropp.accelerate.build import _check_accelerator, _resolved, _settings
+from lightning_zeropp.accelerate.build import _settings
+from lightning_zeropp.accelerate.build_checks import check_accelerator, resolve_layout
 from lightning_zeropp.accelerate.checkpointing import _nonempty_groups
 from lightning_zeropp.accelerate.data import (
     check_loader,
@@ -108,9 +109,9 @@ def test_split_from_env():
 def test_a_bad_value_from_the_environment_names_the_variables(monkeypatch):
     monkeypatch.setenv("ZEROPP_PP_SIZE", "3")
     with pytest.raises(ValueError, match=r"world has 4 processes.*ZEROPP_PP_SIZE=3 \(pp_size\)"):
-        _resolved(_settings(None, None), 4)
+        resolve_layout(_settings(None, None), 4)
     # A config in code wins over the environment (which is only reported), but a typo still fails.
-    assert _resolved(_settings(ZeroPPConfig(pp_size=2), None), 4).pp_size == 2
+    assert resolve_layout(_settings(ZeroPPConfig(pp_size=2), None), 4).pp_size == 2
     monkeypatch.setenv("ZEROPP_SCHEDUEL", "gpipe")
     with pytest.raises(ValueError, match=r"did you mean ZEROPP_SCHEDULE"):
         _settings(ZeroPPConfig(pp_size=2), None)
@@ -370,15 +371,15 @@ def fake_accelerator(**overrides: Any) -> SimpleNamespace:
     ],
 )
 def test_accelerator_settings_that_cannot_work_are_refused(overrides, match):
-    _check_accelerator(fake_accelerator())  # the supported setting passes
+    check_accelerator(fake_accelerator())  # the supported setting passes
     with pytest.raises(ValueError, match=match):
-        _check_accelerator(fake_accelerator(**overrides))
+        check_accelerator(fake_accelerator(**overrides))
 
 
 def test_single_process_accelerator_under_a_launcher_is_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(ValueError, match=r"ACCELERATE_USE_CPU=1, before anything else reads"):
-        _check_accelerator(fake_accelerator(num_processes=1, distributed_type=DistributedType.NO))
+        check_accelerator(fake_accelerator(num_processes=1, distributed_type=DistributedType.NO))
 
 
 def test_a_tracker_that_made_a_one_process_state_first_is_named(monkeypatch):

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from lightning_zeropp import ZeroPPConfig, ZeroPPStrategy
-from lightning_zeropp.accelerate.build import _resolved, _settings
+from lightning_zeropp.accelerate.build import _settings
+from lightning_zeropp.accelerate.build_checks import resolve_layout
 from lightning_zeropp.core.settings import env
 
 
@@ -68,7 +69,7 @@ def test_a_bad_policy_from_the_environment_names_the_variable(monkeypatch):
         ValueError,
         match=r"activation_checkpointing='some' is unknown.*ZEROPP_ACTIVATION_CHECKPOINTING=some",
     ):
-        _resolved(_settings(None, None), 4)
+        resolve_layout(_settings(None, None), 4)
 
 
 def test_lightning_refuses_a_misspelt_variable_even_when_code_sets_everything(monkeypatch):

@@ -4,7 +4,7 @@ and the same for the work before the first block (embeddings) and after the last
 loss).
 
 The whole model runs once (shapes only, no compute), with hooks around each block attributing
-what happens inside it; stages cut at block boundaries, so a stage's figures are sums of its
+what happens inside it (`core.split.profile_run`, re-exported here: `meta_forward`); stages cut at block boundaries, so a stage's figures are sums of its
 blocks', plus the work before the blocks on the first stage and after them on the last. This needs
 no stage modules that run on their own, so any model with a block list works: the bundled GPT,
 HF `*ForCausalLM` (which the engine cuts with split="call"), litgpt.
@@ -18,28 +18,21 @@ inputs), counted by wrapping the blocks as the engine does (`core.shard.fsdp`).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import functools
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_zeropp.core._torch_private import (
-    fused_attention,
-    fused_attention_flops,
-    storage_identity,
-)
 from lightning_zeropp.core.shard.fsdp import apply_activation_checkpointing
 from lightning_zeropp.core.split.blocks import find_blocks
-from lightning_zeropp.core.split.repeats import Repeats, repeats_skipped
+from lightning_zeropp.core.split.profile_run import Tally, meta_forward, run_tallied
+from lightning_zeropp.core.split.repeats import repeats_skipped
 from lightning_zeropp.core.step.chunked_loss import linear_cross_entropy
 
 __all__ = [
@@ -67,27 +60,6 @@ def micro_batch_rows(global_batch: int, dp_size: int, num_microbatches: int) -> 
 def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Token cross-entropy, the loss the planner assumes (computed in fp32)."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
-
-
-@contextlib.contextmanager
-def meta_forward() -> Iterator[None]:
-    """Run a model on the meta device as a real run would: attention through the fused kernels
-    (`_torch_private.fused_attention`: what they save, not the math path's whole matrix), and
-    HF's packed-sequence probe answered "not packed" (it reads values, which meta tensors do not
-    have; a batch of input ids alone is never packed)."""
-    original = F.scaled_dot_product_attention
-    # Ignored: torch's stub types the builtin with positional-only names the stand-in lacks
-    F.scaled_dot_product_attention = fused_attention  # type: ignore[assignment]
-    masking = sys.modules.get("transformers.masking_utils")
-    probe = getattr(masking, "find_packed_sequence_indices", None)
-    if probe is not None:
-        masking.find_packed_sequence_indices = lambda position_ids: None  # type: ignore[union-attr]
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = original
-        if probe is not None:
-            masking.find_packed_sequence_indices = probe  # type: ignore[union-attr]
 
 
 @dataclass(frozen=True)
@@ -174,11 +146,11 @@ def _profile(
     holder = model.get_submodule(container) if container else model
     blocks = [holder.get_submodule(n) for n in names]
     with repeats_skipped(blocks) as repeats:
-        plain = [_run(model, blocks, rows, seq_len, loss_fn, repeats) for rows in (1, 2)]
+        plain = [run_tallied(model, blocks, rows, seq_len, loss_fn, repeats) for rows in (1, 2)]
         apply_activation_checkpointing(holder, names)
         # recomputed, only what is saved counts: the FLOPs are the plain run's
         recomputed = [
-            _run(model, blocks, rows, seq_len, loss_fn, repeats, count_flops=False)
+            run_tallied(model, blocks, rows, seq_len, loss_fn, repeats, count_flops=False)
             for rows in (1, 2)
         ]
     return _assemble(plain[0], recomputed[0]), _assemble(plain[1], recomputed[1])
@@ -207,11 +179,11 @@ def profile_copy(model: nn.Module, seq_len: int) -> ModelProfile:
     holder = model.get_submodule(container) if container else model
     blocks = [holder.get_submodule(n) for n in names]
     with repeats_skipped(blocks) as repeats:
-        plain = _run(model, blocks, 1, seq_len, lm_loss, repeats)
+        plain = run_tallied(model, blocks, 1, seq_len, lm_loss, repeats)
     return _assemble(plain, plain)
 
 
-def _assemble(plain: _Tally, recomputed: _Tally) -> ModelProfile:
+def _assemble(plain: Tally, recomputed: Tally) -> ModelProfile:
     parts = [
         Part(saved=s, saved_recomputed=r, flops=f, output=o)
         for s, r, f, o in zip(
@@ -224,93 +196,3 @@ def _assemble(plain: _Tally, recomputed: _Tally) -> ModelProfile:
         blocks=parts,
         after=Part(plain.saved[-1], plain.saved[-1], plain.flops[-1], plain.output[-1]),
     )
-
-
-@dataclass
-class _Tally:
-    """Per piece (before, each block, after): saved bytes, FLOPs, output bytes."""
-
-    saved: list[int]
-    flops: list[float]
-    output: list[int]
-
-
-def _run(
-    model: nn.Module,
-    blocks: list[nn.Module],
-    rows: int,
-    seq_len: int,
-    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
-    repeats: Repeats | None = None,
-    count_flops: bool = True,
-) -> _Tally:
-    n = len(blocks)
-    tally = _Tally([0] * (n + 2), [0.0] * (n + 2), [0] * (n + 2))
-    piece = [0]  # 0: before the blocks; i + 1: inside block i; n + 1: after them
-    params = {storage_identity(p) for p in model.parameters()}
-    seen: set[int] = set()
-    counter = FlopCounterMode(display=False, custom_mapping=fused_attention_flops())
-    flops_at = [0.0]
-
-    def move_to(index: int) -> None:
-        total = float(counter.get_total_flops()) if count_flops else 0.0
-        tally.flops[piece[0]] += total - flops_at[0]
-        flops_at[0] = total
-        piece[0] = index
-
-    def enter(i: int) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any) -> None:
-            if i == 0:
-                tally.output[0] = _nbytes(args)  # the first block's input: the embeddings
-            move_to(i + 1)
-
-        return hook
-
-    if repeats is not None:
-        repeats.reset()
-
-    def leave(i: int) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            tally.output[i + 1] = _nbytes(output)
-            move_to(n + 1)  # until the next block starts, work belongs after the blocks
-            if repeats is not None:
-                repeats.credit(i, tally.saved, tally.flops, output)
-
-        return hook
-
-    def pack(t: torch.Tensor) -> Any:
-        key = storage_identity(t)
-        if key not in params and key not in seen:
-            seen.add(key)
-            tally.saved[piece[0]] += t.untyped_storage().nbytes()
-        return t
-
-    handles = []
-    for i, block in enumerate(blocks):
-        handles.append(block.register_forward_pre_hook(enter(i)))
-        handles.append(block.register_forward_hook(leave(i)))
-    tokens = torch.zeros(rows, seq_len, dtype=torch.long, device="meta")
-    try:
-        with (
-            counter if count_flops else contextlib.nullcontext(),
-            meta_forward(),
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
-        ):
-            out = model(tokens)
-            logits = getattr(out, "logits", out)
-            tally.output[n + 1] = _nbytes(logits)
-            loss_fn(logits, tokens)
-            move_to(n + 1)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return tally
-
-
-def _nbytes(value: Any) -> int:
-    """Bytes of the first tensor in `value` (a block's hidden state comes first)."""
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, (tuple, list)) and value:
-        return _nbytes(value[0])
-    return 0

@@ -19,7 +19,7 @@ the rank
    lives in global rank 0's process, which must outlive the others' reads);
 4. re-raises its own exception unchanged if it is the origin or failed with the origin's very
    error, else raises `PeerFailedError` naming the origin, its role and error, chained.
-The happy path touches no store.
+The happy path touches no store. Its errors and their text: `core.step.failure_errors`.
 
 Every store call has a deadline (`core.step.store`: the world timeout, at most 10 s). A rank
 whose store call fails, because the store's host (global rank 0) died or stopped or the network
@@ -34,14 +34,20 @@ import contextlib
 import functools
 import json
 import time
-import traceback
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import torch.distributed as dist
 
-from lightning_zeropp.core._torch_private import default_store, group_timeout
+from lightning_zeropp.core._torch_private import default_store
 from lightning_zeropp.core.mesh import describe_rank  # re-exported: its first home
+from lightning_zeropp.core.step.failure_errors import (  # re-exported: their first home
+    NOTE,
+    PeerFailedError,
+    error_text,
+    raised_at,
+    raised_everywhere,
+)
 from lightning_zeropp.core.step.roll import (
     KEY,
     NAME,
@@ -56,7 +62,7 @@ from lightning_zeropp.core.step.roll import (
 )
 from lightning_zeropp.core.step.sockets import cut_gloo_connections as _cut_gloo_connections
 from lightning_zeropp.core.step.sockets import tcp_port
-from lightning_zeropp.core.step.store import BoundedStore, StoreLost, store_deadline_s
+from lightning_zeropp.core.step.store import BoundedStore, StoreLost, world_deadline_s
 
 __all__ = [
     "FailureBoard",
@@ -67,19 +73,7 @@ __all__ = [
     "raised_everywhere",
 ]
 
-_NOTE = "[lightning_zeropp] "  # starts the note on an exception this module already handled
-_MAX_ERROR_CHARS = 4000
-_E = TypeVar("_E", bound=BaseException)
 _PROCESS: list[Any] = []  # [world group, its board]: the process's board (`of_process`)
-
-
-class PeerFailedError(RuntimeError):
-    """This rank stopped because another rank failed first; `origin` and `error` say which, how."""
-
-    def __init__(self, message: str, *, origin: str = "", error: str = "") -> None:
-        super().__init__(message)
-        self.origin = origin  # e.g. "rank 3 (pipeline stage 1, dp_shard 1)"
-        self.error = error  # e.g. "ValueError: bad loss shape"
 
 
 @contextlib.contextmanager
@@ -91,14 +85,6 @@ def failure_guard() -> Iterator[None]:
         return
     with FailureBoard.of_process().guard(patient=True):
         yield
-
-
-def raised_everywhere(err: _E) -> _E:
-    """Mark an error that every rank raises alike, agreed on in a collective that succeeded
-    (`agree`, `raise_on_every_rank`): nobody waits on anybody and the groups stay usable, so
-    the board lets it pass unrecorded."""
-    err._lzpp_everywhere = True  # type: ignore[attr-defined]
-    return err
 
 
 def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -148,7 +134,7 @@ class FailureBoard:
         self.description = description or f"rank {self.rank}"
         self.namer: Callable[[int], str] = lambda r: f"rank {r}"
         raw = store if store is not None else default_store()
-        deadline = store_deadline_s or _deadline_s()
+        deadline = store_deadline_s or world_deadline_s()
         self.store: Any = BoundedStore(raw, deadline)
         self.groups = [g for g in groups if isinstance(g, dist.ProcessGroup)]
         self.grace_s = grace_s
@@ -200,7 +186,7 @@ class FailureBoard:
         except Exception as err:
             if getattr(err, "_lzpp_everywhere", False):
                 raise  # every rank raises it, with the groups intact: nothing to tell
-            if any(n.startswith(_NOTE) for n in getattr(err, "__notes__", ())):
+            if any(n.startswith(NOTE) for n in getattr(err, "__notes__", ())):
                 raise  # an inner guard already handled it
             instead = self._handle(err, patient)
             if instead is None:
@@ -209,31 +195,31 @@ class FailureBoard:
 
     def _handle(self, err: Exception, patient: bool = False) -> BaseException | None:
         """Record or learn the first failure, wake the peers; the error to raise instead, if any."""
-        mine = {"rank": str(self.rank), "origin": self.description, "error": _error_text(err)}
+        mine = {"rank": str(self.rank), "origin": self.description, "error": error_text(err)}
         notes = []
         if self._record is None:
             try:
                 wait_s = self.grace_s if patient and not isinstance(err, RuntimeError) else None
                 if self._everyone_raised(mine["error"], wait_s or self.settle_s):  # no failure
                     return None
-                self._record = self._publish(mine | {"where": _where(err)}, err)
+                self._record = self._publish(mine | {"where": raised_at(err)}, err)
             except StoreLost as lost:  # its host died or stopped, or the network to it is cut
                 self._wake_peers()
                 if not isinstance(err, RuntimeError):  # this rank's own error: still its own
-                    err.add_note(f"{_NOTE}{self._store_host()} {lost}: no other rank was told.")
+                    err.add_note(f"{NOTE}{self._store_host()} {lost}: no other rank was told.")
                     return None
                 self._record = host_lost_record(lost, lost.answered, self.namer)
             else:
                 self._wake_peers()  # only now: a woken peer must find the record
                 if missing := self._acknowledge():
-                    notes.append(f"{_NOTE}ranks {missing} did not report within {self.grace_s}s")
+                    notes.append(f"{NOTE}ranks {missing} did not report within {self.grace_s}s")
         first = self._record
         raised: BaseException = err
         if "lost" in first:
             message = f"{first['said']}; {self.description} stopped because of it."
             raised = PeerFailedError(message, origin=first["origin"], error=first["error"])
         elif first["rank"] == mine["rank"] or first["error"] == mine["error"]:
-            notes.insert(0, f"{_NOTE}{first['origin']} failed first; every rank was told.")
+            notes.insert(0, f"{NOTE}{first['origin']} failed first; every rank was told.")
         else:
             where = f" (at {first['where']})" if first["where"] else ""
             raised = PeerFailedError(
@@ -312,18 +298,3 @@ class FailureBoard:
 def _answer_roll_call(store: dist.Store, rank: int, keep_port: int | None) -> None:
     """The answering thread (`roll.answer_roll_call`), cutting with this module's cut."""
     answer_roll_call(store, rank, keep_port, lambda port: _cut_gloo_connections(port))
-
-
-def _deadline_s() -> float:
-    world = group_timeout(dist.group.WORLD) if dist.is_initialized() else None
-    return store_deadline_s(world)
-
-
-def _error_text(err: BaseException) -> str:
-    return f"{type(err).__name__}: {err}"[:_MAX_ERROR_CHARS]
-
-
-def _where(err: BaseException) -> str:
-    """'file.py:42 in fn', where the error was raised: the origin's traceback stays in its log."""
-    frames = traceback.extract_tb(err.__traceback__)
-    return f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""

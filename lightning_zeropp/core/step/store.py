@@ -21,7 +21,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["BoundedStore", "StoreLost", "store_deadline_s"]
+from lightning_zeropp.core._torch_private import group_timeout
+
+__all__ = ["BoundedStore", "StoreLost", "store_deadline_s", "world_deadline_s"]
 
 _LONGEST_S = 10.0  # a store answers in milliseconds; a failing rank must not wait the world timeout
 
@@ -39,6 +41,12 @@ def store_deadline_s(timeout: timedelta | None) -> float:
     if timeout is None:
         return _LONGEST_S
     return max(1.0, min(timeout.total_seconds(), _LONGEST_S))
+
+
+def world_deadline_s() -> float:
+    """`store_deadline_s` of the default process group's timeout (10 s before one exists)."""
+    world = group_timeout(dist.group.WORLD) if dist.is_initialized() else None
+    return store_deadline_s(world)
 
 
 class BoundedStore:
