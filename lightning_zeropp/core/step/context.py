@@ -39,7 +39,7 @@ class ContextSplit:
     def __init__(self, size: int, rank: int, model: nn.Module) -> None:
         self.size, self.rank = size, rank
         params = inspect.signature(model.forward).parameters
-        self.takes_positions = "position_ids" in params
+        self.takes_positions = "position_ids" in params or _passes_down(model, "position_ids")
         self.takes_mask = "attention_mask" in params
         self.names = {name: i for i, name in enumerate(params)}
         self.length = 0  # the global sequence length of the current batch
@@ -179,6 +179,21 @@ class ContextSplit:
                 "right (tokenizer.padding_side = 'right', label -100 on the pads) with one "
                 'document per row, use split="call" (or pp_size=1), or set cp_size=1.'
             )
+
+
+def _passes_down(model: nn.Module, name: str) -> bool:
+    """Whether `model` is a PEFT model (`get_base_model()`) whose forward hands its keyword
+    arguments down to a base model taking `name`: PEFT's `PeftModelForCausalLM.forward` names
+    no `position_ids`, yet passes them on; without them the base model's RoPE would read this
+    CP rank's local positions (0 .. T/cp - 1) as its tokens' own."""
+    base = getattr(model, "get_base_model", None)
+    if not callable(base):
+        return False
+    params = inspect.signature(model.forward).parameters.values()
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return False
+    inner = base()
+    return inner is not model and name in inspect.signature(inner.forward).parameters
 
 
 def attention_refusal(model: nn.Module) -> str | None:
