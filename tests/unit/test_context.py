@@ -249,6 +249,33 @@ def test_a_sliding_window_model_is_refused_under_cp(family: str, refused: bool) 
     assert attention_refusal(model) is None
 
 
+def test_a_head_pooling_each_row_in_its_forward_is_refused_under_cp() -> None:
+    """A sequence-classification head (TRL's reward model) pools each row at its last non-pad
+    token inside its forward, which under CP sees one rank's part of the sequence: refused at
+    setup, also inside a module that wraps it (a LightningModule's child, a PEFT model); the
+    causal LM of the same config is not."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from lightning_zeropp.core.step.context import attention_refusal
+
+    config = AutoConfig.for_model(
+        "llama", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, vocab_size=32, num_labels=1,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    with torch.device("meta"):
+        head = AutoModelForSequenceClassification.from_config(config)
+        causal = AutoModelForCausalLM.from_config(config)
+    wrapper = nn.Module()
+    wrapper.model = head
+    for model in (head, wrapper):
+        refusal = attention_refusal(model)
+        assert refusal is not None
+        assert refusal.startswith("LlamaForSequenceClassification pools each row at its last")
+        assert "(cp_size > 1)" in refusal and "Set cp_size=1" in refusal
+    assert attention_refusal(causal) is None
+
+
 def test_a_peft_model_is_given_the_global_positions_its_base_model_takes() -> None:
     """PEFT's `PeftModelForCausalLM.forward` names no `position_ids` but hands its keywords to
     the base model: each CP rank must give it the global positions of its chunks (without them
