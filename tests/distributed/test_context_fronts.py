@@ -58,6 +58,10 @@ LOOP = {"multiple": 4, "train_rows": 24, "eval": 16}
 EVALUATED = {"eval_strategy": "steps", "eval_steps": 2}
 LAST_LOSS = [
     {"id": "cp-loop", "loop": LOSS_CP2, **LOOP},
+    # cp 2 x dp_shard 2 (pp 1): the count over data-parallel ranks only, each CP rank computing
+    # the whole loss; FSDP's group is dp_shard x cp
+    {"id": "cp-dp-loop", "loop": {"pp_size": 1, "cp_size": 2, "dp_shard_size": 2,
+                                  "num_microbatches": 2}, **LOOP},
     {"id": "cp-func", "func": True, "plugin": {**LOSS_CP2, "seq_buckets": 8},
      "script": {"rows": "padded", "args": {"gradient_accumulation_steps": 2, **EVALUATED}}},
     # SGD: under AdamW one element of up_proj (a near-zero gradient, summed in another order
