@@ -66,6 +66,7 @@ def loss_shares(micro: int, dims: ParallelDims, *, cp_parts: bool) -> int:
     in a CP rank's forward: the engine's mean over the CP ranks must then divide by them too).
     A loss computed on whole sequences, the same on every CP rank (Lightning's step under CP),
     is not: averaging equal values over the CP ranks keeps them. A last-stage loss (`use_loss`)
-    runs on whole sequences under CP too (`accelerate.last_loss`); DPO's pairs are refused there.
+    runs on whole sequences under CP too (`accelerate.last_loss`), a loss over pairs of rows
+    (DPO's) included: CP splits the sequence, not the rows.
     """
     return micro * (dims.grad_size if cp_parts else dims.dp_size)

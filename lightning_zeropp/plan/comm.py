@@ -20,7 +20,10 @@
 
 - context parallelism (`plan.context`): FSDP's gathers and reductions over dp_shard x cp (named
   "dp_shard"); per block and micro-batch, K and V all-gathered over "cp" in each forward
-  (recomputation included) and their gradients reduce-scattered in the backward.
+  (recomputation included) and their gradients reduce-scattered in the backward, as the
+  attention runs on the `device_type` device (`plan.context.kv_traffic`: masked on a GPU, two
+  calls each way; by blocks on the CPU, one stacked call each way, the K/V gathered again in
+  the backward, their gradients reduced in fp32 for a 2-byte run).
 
 Not modelled (it raises): resharding after forward under a pipeline; left out: the engine's few
 scalar collectives (the loss, the step's four agreement flags).
@@ -40,7 +43,7 @@ from lightning_zeropp.core.settings.placement import (
     stage_ids_for_rank,
 )
 from lightning_zeropp.plan.activations import stage_parts
-from lightning_zeropp.plan.context import fsdp_view, kv_bytes
+from lightning_zeropp.plan.context import fsdp_view, kv_traffic
 from lightning_zeropp.plan.memory import stage_units
 from lightning_zeropp.plan.plus import unit_traffic
 from lightning_zeropp.plan.profile import micro_batch_rows
@@ -61,9 +64,11 @@ def predict_comm(
     world_size: int,
     global_batch: int,
     seq_len: int,
+    device_type: str = "cuda",
 ) -> dict[int, Summary]:
     """Each global rank's predicted `CommCounter` summary of one training step (all-gather,
-    reduce-scatter, ZeRO++'s all-to-alls, send and recv only)."""
+    reduce-scatter, ZeRO++'s all-to-alls, send and recv only) on `device_type` devices ("cuda",
+    or "cpu" for gloo ranks: CP attention's traffic differs)."""
     cfg = config.resolve(world_size)
     fsdp = fsdp_view(cfg)  # under CP, FSDP's group is dp_shard x cp
     if cfg.pp_size > 1 and cfg.reshard_after_forward:
@@ -73,7 +78,7 @@ def predict_comm(
     boundary = [part.output for part in stage_parts(model, cfg, rows, seq_len)]
     programs = programs_for(cfg)
     style = schedule_style(cfg.schedule)
-    kv = kv_bytes(model, seq_len, cfg.param_dtype, cfg.cp_size) * rows
+    kv = kv_traffic(model, seq_len, cfg.param_dtype, cfg.cp_size, device_type)
     out = {}
     for rank in range(world_size):
         pp_rank = rank // fsdp.dp_size
@@ -91,11 +96,16 @@ def predict_comm(
             if fsdp.dp_shard_size > 1:
                 _count_units(summary, fsdp, shapes, full, node, reduced)
             m = cfg.num_microbatches
-            if kv:  # CP attention: K and V gathered per block and forward, reduced per backward
+            if kv.share:  # CP attention: K and V gathered per block and forward (by blocks,
+                # again per backward), their gradients reduced per backward
                 forwards = m * len(block_shapes) * (2 if cfg.recomputes(stage) else 1)
                 backwards = m * len(block_shapes)
-                _add(summary, "all_gather", "cp", 2 * forwards, forwards * kv)
-                _add(summary, "reduce_scatter", "cp", 2 * backwards, backwards * kv * cfg.cp_size)
+                again = backwards if kv.backward_calls else 0
+                calls = forwards * kv.forward_calls + backwards * kv.backward_calls
+                _add(summary, "all_gather", "cp", calls, (forwards + again) * kv.share * rows)
+                # a reduce-scatter's input is the whole gathered gradient (CommCounter's count)
+                moved = backwards * kv.reduce_share * rows * cfg.cp_size
+                _add(summary, "reduce_scatter", "cp", backwards * kv.reduce_calls, moved)
             if (
                 stage + 1 < cfg.num_stages
                 and rank_of_stage(style, stage + 1, cfg.pp_size) != pp_rank

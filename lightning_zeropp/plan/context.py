@@ -12,14 +12,17 @@ shares it). So one CP rank:
   call keeps the gathered K and V (the whole sequence, K/V heads only), and the first call of a
   micro-batch its mask (additive, in the query's dtype), which the later calls share. On the
   CPU a call with no mask of the model's runs by blocks (`core.step.context_blocks`) and keeps
-  neither: just its own tensors and a log-sum-exp row, as at cp 1 (`device_type="cpu"`; the
-  traffic below is still the masked path's, which GPUs run);
+  neither: just its own tensors and a log-sum-exp row, as at cp 1 (`device_type="cpu"`);
 - computes 1/cp of the model's FLOPs (its queries against all keys: the load balance makes the
   ranks equal);
 - per attention call and micro-batch, all-gathers its K and V (ring: (cp - 1) hops of its own
   K/V bytes) in the forward (again where a block recomputes) and reduce-scatters their
   gradients in the backward; the runtime waits for each before the attention runs, so neither
-  overlaps compute (priced as exposed);
+  overlaps compute (priced as exposed). Masked: K and V in two calls each way, the gathered
+  ones kept for the backward. By blocks (the CPU): one all-gather of K and V stacked in the
+  forward, the same again in the backward (nothing gathered is kept), and one reduce-scatter
+  of their stacked gradients in the blocks' accumulation dtype (fp32 for a bf16 or fp16 run)
+  (`kv_traffic`);
 - holds 1/(dp_shard x cp) of its stages' model state: FSDP shards over dp_shard x cp (`fsdp_view`).
 
 All of it is measured the planner's way: the model runs on the meta device at `seq_len / cp`
@@ -44,7 +47,7 @@ from lightning_zeropp.core.step.context_blocks import blocks_apply
 from lightning_zeropp.core.step.context_masks import call_mask, local_causal
 from lightning_zeropp.plan.profile import ModelProfile, lm_loss, profile_model
 
-__all__ = ["check_length", "fsdp_view", "kv_bytes", "rank_profile"]
+__all__ = ["KVTraffic", "check_length", "fsdp_view", "kv_bytes", "kv_traffic", "rank_profile"]
 
 
 def fsdp_view(cfg: ZeroPPLayout) -> ZeroPPLayout:
@@ -77,12 +80,13 @@ class _MetaContext(TorchFunctionMode):
     `core.step.context_blocks`): the FLOPs of the local queries against all keys, and saved
     what that path saves, the call's own query, keys and values, its output and log-sum-exp.
 
-    Records each call's local K + V bytes (what this rank hands to the all-gathers)."""
+    Records each call's local K + V bytes (what this rank hands to the all-gathers), whether it
+    ran by blocks, and K's element size."""
 
     def __init__(self, cp: int, blocks: bool = False) -> None:
         super().__init__()
         self.cp, self.blocks = cp, blocks
-        self.kv: list[int] = []
+        self.kv: list[tuple[int, bool, int]] = []
         self._last: tuple[tuple[Any, ...], torch.Tensor] | None = None  # the micro-batch's mask
 
     def __torch_function__(
@@ -92,7 +96,7 @@ class _MetaContext(TorchFunctionMode):
         if not is_fused_attention(func):
             return func(*args, **kwargs)
         query, key, value, dropout_p, is_causal = (*args, 0.0, False)[:5]
-        self.kv.append(_nbytes(key) + _nbytes(value))
+        kv = _nbytes(key) + _nbytes(value)
         gathered = [
             torch.empty((*t.shape[:-2], t.shape[-2] * self.cp, t.shape[-1]), dtype=t.dtype,
                         device=t.device, requires_grad=t.requires_grad)
@@ -102,7 +106,9 @@ class _MetaContext(TorchFunctionMode):
         if source is not None and not is_causal and local_causal(source, query.shape[-2]):
             source, is_causal = None, True  # the runtime reads it as causal over all keys
         gqa = bool(kwargs.get("enable_gqa")) or query.shape[1] != key.shape[1]
-        if self.blocks and blocks_apply(query, key, value, source, dropout_p, gqa, "cpu"):
+        by_blocks = self.blocks and blocks_apply(query, key, value, source, dropout_p, gqa, "cpu")
+        self.kv.append((kv, by_blocks, key.element_size()))
+        if by_blocks:
             with torch.no_grad():  # counted as the masked path counts: queries x all keys
                 out, lse = func(query, *gathered, 0.0, False, scale=kwargs.get("scale"))
             return _KeepsLocal.apply(query, key, value, out, lse), lse
@@ -151,7 +157,8 @@ def _loss(cp: int, blocks: bool) -> Any:
     return loss
 
 
-_KV: dict[tuple[Any, ...], int] = {}  # (model, seq_len, dtype, cp) -> first call's K + V bytes
+# (model, seq_len, dtype, cp, blocks) -> the first call's K + V bytes, path and element size
+_KV: dict[tuple[Any, ...], tuple[int, bool, int]] = {}
 
 
 def rank_profile(
@@ -173,14 +180,46 @@ def rank_profile(
     with mode:
         out = profile_model(model, rows, seq_len // cp, dtype, _loss(cp, blocks))
     if mode.kv:  # run now (not cached): its first call is the one-row run's
-        _KV[model, seq_len, dtype, cp] = mode.kv[0]
+        _KV[model, seq_len, dtype, cp, blocks] = mode.kv[0]
     return out
 
 
 def kv_bytes(model: nn.Module, seq_len: int, dtype: torch.dtype | None, cp: int) -> int:
     """Bytes of K and V one CP rank hands to an attention call's all-gathers, per row (0 when
     cp is 1 or the model has no fused attention call)."""
+    return kv_traffic(model, seq_len, dtype, cp).share
+
+
+@dataclasses.dataclass(frozen=True)
+class KVTraffic:
+    """One block's CP attention traffic per micro-batch and row, on one CP rank.
+
+    `share`: this rank's K + V bytes, what the all-gathers of one forward (or one backward)
+    take from it in all; `forward_calls` / `backward_calls`: all-gathers in a forward (2 masked:
+    K and V; 1 by blocks: stacked) and in a backward (0 masked: kept; 1 by blocks: gathered
+    again); `reduce_calls`: reduce-scatters of their gradients in a backward (2; 1 stacked);
+    `reduce_share`: this rank's share of those, in the dtype they are summed in (fp32 by blocks
+    for a 2-byte run: the blocks accumulate in fp32 and reduce before the cast)."""
+
+    share: int = 0
+    forward_calls: int = 0
+    backward_calls: int = 0
+    reduce_calls: int = 0
+    reduce_share: int = 0
+
+
+def kv_traffic(
+    model: nn.Module, seq_len: int, dtype: torch.dtype | None, cp: int, device_type: str = "cuda"
+) -> KVTraffic:
+    """`KVTraffic` of the model's first attention call as the runtime runs it on a `device_type`
+    device (nothing when cp is 1 or the model has no fused attention call)."""
     if cp == 1:
-        return 0
-    rank_profile(model, 1, seq_len, dtype, cp)
-    return _KV.get((model, seq_len, dtype, cp), 0)
+        return KVTraffic()
+    blocks = device_type == "cpu"
+    rank_profile(model, 1, seq_len, dtype, cp, device_type)
+    share, by_blocks, size = _KV.get((model, seq_len, dtype, cp, blocks), (0, False, 4))
+    if not share:
+        return KVTraffic()
+    if not by_blocks:
+        return KVTraffic(share, 2, 0, 2, share)
+    return KVTraffic(share, 1, 1, 1, share * 4 // size if size < 4 else share)

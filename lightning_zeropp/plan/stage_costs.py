@@ -33,7 +33,7 @@ from lightning_zeropp.core.settings.placement import rank_of_stage, schedule_sty
 from lightning_zeropp.core.settings.plus import hpz_size
 from lightning_zeropp.plan.activations import stage_parts
 from lightning_zeropp.plan.comm import padded_shard
-from lightning_zeropp.plan.context import fsdp_view, kv_bytes, rank_profile
+from lightning_zeropp.plan.context import fsdp_view, kv_traffic, rank_profile
 from lightning_zeropp.plan.hardware import SPLIT_BACKWARD, Hardware
 from lightning_zeropp.plan.loss_chunk import head_recompute_flops, priced_chunk
 from lightning_zeropp.plan.memory import StageUnits, stage_ranges, stage_units
@@ -172,19 +172,24 @@ def _context_seconds(
     model: nn.Module, cfg: ZeroPPLayout, rows: int, seq_len: int, hardware: Hardware
 ) -> tuple[float, float]:
     """Seconds of one block's CP attention traffic per micro-batch (`plan.context`): the ring
-    all-gathers of K and V in the forward, the reduce-scatters of their gradients in the
-    backward; each waited for before the attention runs (not overlapped). (0, 0) without CP."""
+    all-gathers of K and V in the forward, the reduce-scatters of their gradients (and, by
+    blocks on the CPU, the K/V gathered again) in the backward; each waited for before the
+    attention runs (not overlapped). (0, 0) without CP. A device without overlap (gloo on the
+    CPU) runs the attention by blocks where it applies (`plan.context.kv_traffic`)."""
     cp = cfg.cp_size
     if cp == 1:
         return 0.0, 0.0
-    kv = kv_bytes(model, seq_len, cfg.param_dtype, cp) * rows  # this rank's K + V bytes
+    device = "cuda" if hardware.overlap else "cpu"  # as `plan.search` picks the device
+    kv = kv_traffic(model, seq_len, cfg.param_dtype, cp, device)
+    share, reduced = kv.share * rows, kv.reduce_share * rows  # this rank's bytes
     first = 0  # a CP group is cp consecutive ranks (the mesh's fastest axis)
     ag_lat, ag_bw = hardware.hop("all_gather", first, first + cp - 1, cp)
     rs_lat, rs_bw = hardware.hop("reduce_scatter", first, first + cp - 1, cp)
-    # two calls (K, V), each (cp - 1) ring hops of this rank's share
+    # each call: (cp - 1) ring hops, of this rank's share over the calls together
+    gather_again = kv.backward_calls * ag_lat + (share / ag_bw if kv.backward_calls else 0.0)
     return (
-        (cp - 1) * (2 * ag_lat + kv / ag_bw),
-        (cp - 1) * (2 * rs_lat + kv / rs_bw),
+        (cp - 1) * (kv.forward_calls * ag_lat + share / ag_bw),
+        (cp - 1) * (gather_again + kv.reduce_calls * rs_lat + reduced / rs_bw),
     )
 
 

@@ -29,7 +29,11 @@ precomputed pass disables them itself. Refused at construction, on every rank: `
 `use_weighting`, activation offloading, an MoE auxiliary loss, PEFT other than plain LoRA adapters
 (`dpo_checks.py`, `adapters.py`); `predict()` raises (TRL's reads logits its fused head lacks).
 Evaluation runs the same loss forward-only: every process gets the global eval batch's pair mean,
-TRL's metrics go to its "eval" set.
+TRL's metrics go to its "eval" set. Under context parallelism (`cp_size > 1`) the last stage's
+logits are gathered into whole sequences on every CP rank before `dpo_loss` (and the reference's
+sums) run (`accelerate.last_loss`): CP splits the sequence, not the rows, so the pairs, the
+`counted` rows and the reference's per-row values are as at cp 1; rows are padded to a multiple
+of 2 x cp_size by TRL's collator (`DPOConfig(pad_to_multiple_of=...)`).
 
 Overridden TRL methods: `compute_loss` (the whole body), `_precompute_ref_logps` (the whole body), and,
 from `ZeroPPTrainer`, everything it overrides of the Trainer (its place first in the method order).
@@ -185,7 +189,7 @@ class ZeroPPDPOTrainer(ZeroPPTrainer, DPOTrainer):
             raise ValueError(
                 f"ZeroPPDPOTrainer: a batch of {pairs} pairs does not split into {micro} "
                 "micro-batches of whole pairs (a pair's chosen and rejected rows must meet in one "
-                f"micro-batch). Make per_device_{which}_batch_size x pp_size a multiple of "
+                f"micro-batch). Make per_device_{which}_batch_size x pp_size x cp_size a multiple of "
                 "num_microbatches (and drop a short last batch: dataloader_drop_last=True)."
             )
         if self._reference is not None:  # TRL's reference forward, through the pipeline
@@ -203,7 +207,8 @@ class ZeroPPDPOTrainer(ZeroPPTrainer, DPOTrainer):
         local = torch.tensor(float(real), device=engine.device)
         total = float(summed_over_data_parallel(local, pipeline).item())
         if not model.training:  # evaluation: the global batch's pair mean on every process
-            shares = loss_shares(micro, engine.dims, cp_parts=False)  # use_loss: no CP
+            # a last-stage loss runs on whole sequences, the same on every CP rank
+            shares = loss_shares(micro, engine.dims, cp_parts=False)
             inputs = {**inputs, NUM_ITEMS: total / shares}
             keep, pipeline.eval_logits = pipeline.eval_logits, False  # TRL's fused head has none
             try:

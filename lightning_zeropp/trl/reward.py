@@ -22,7 +22,8 @@ overrides of the Trainer. Evaluation runs the same loss forward-only (in as many
 up to `num_microbatches`, as split the batch's rows): every process gets the global eval batch's
 pair mean, TRL's metrics go to its "eval" set. Refused: `predict()` (the rewards exist on the
 last stage only), a per-data-parallel-rank number of pairs that does not split into the
-micro-batches.
+micro-batches, and `cp_size > 1` at construction (the head's pooling at each row's last
+non-pad token would run on one CP rank's part of the sequence).
 """
 
 from __future__ import annotations
@@ -38,12 +39,19 @@ from lightning_zeropp.accelerate.repeats import repeated_samples
 from lightning_zeropp.core.schedule.build import eval_microbatches
 from lightning_zeropp.transformers.counts import summed_over_data_parallel
 from lightning_zeropp.transformers.trainer import ZeroPPTrainer
+from lightning_zeropp.trl.adapters import is_peft
 from lightning_zeropp.trl.mode import follow_pipeline_mode
 
 __all__ = ["ZeroPPRewardTrainer", "paired", "reward_loss"]
 
 _MARGIN = "margin"  # TRL's per-pair margin column (DataCollatorForPreference)
 _IGNORED = -100  # the label of a row that counts nothing
+_NO_CONTEXT = (
+    "ZeroPPRewardTrainer: cp_size={cp} (context parallelism) is not supported: {model} pools "
+    "each row at its last non-pad token inside its own forward, which under context parallelism "
+    "sees one CP rank's part of the sequence only (that token is on one CP rank), so the rewards "
+    "would be wrong. Set cp_size=1 (pp_size or dp_shard_size for the ranks)."
+)
 _NO_PREDICT = (
     "ZeroPPRewardTrainer: predict() is not supported: the rewards exist on the last stage only, "
     "one micro-batch at a time. Use evaluate() for the loss and TRL's metrics, or score with the "
@@ -120,6 +128,11 @@ class ZeroPPRewardTrainer(ZeroPPTrainer, RewardTrainer):
         self._tokens = torch.zeros((), dtype=torch.long)  # this rank's batch's attention mask
         self._micro = 1  # micro-batches of the last call (a forward-only one may run fewer)
         super().__init__(*args, zeropp_plugin=zeropp_plugin, **kwargs)
+        cp = self._zeropp_plugin.run_settings().config.cp_size
+        if cp > 1:  # the same verdict on every rank: the settings and the model's class
+            model: Any = self.model
+            base = model.get_base_model() if is_peft(model) else model
+            raise ValueError(_NO_CONTEXT.format(cp=cp, model=type(base).__name__))
 
     def predict(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(_NO_PREDICT)

@@ -134,6 +134,7 @@ def run(
     trainer_across: list[dict[str, Any]] | None = None,
     last_loss: list[dict[str, Any]] | None = None,
     trl: list[dict[str, Any]] | None = None,
+    trl_dpo: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Every front's cases in one launch: Accelerate's first (Accelerate makes the process
     group; the Lightning Trainer then uses it)."""
@@ -152,6 +153,10 @@ def run(
         from tests.distributed import trl_scenarios
 
         out |= trl_scenarios.run(trl, out_dir)
+    if trl_dpo:  # TRL's DPO: a loss over pairs of rows on the last stage's whole sequences
+        from tests.distributed import trl_dpo_scenarios
+
+        out |= trl_dpo_scenarios.run(trl_dpo, out_dir)
     for case in across or ():  # 2 updates and save_state under one cp, the rest under another
         save_to = os.path.join(out_dir, case["id"])
         first = {"args": {**case["args"], "stop_after": 2}, "save_to": save_to}

@@ -58,6 +58,10 @@ LOOP = {"multiple": 4, "train_rows": 24, "eval": 16}
 EVALUATED = {"eval_strategy": "steps", "eval_steps": 2}
 LAST_LOSS = [
     {"id": "cp-loop", "loop": LOSS_CP2, **LOOP},
+    # cp 2 x dp_shard 2 (pp 1): the count over data-parallel ranks only, each CP rank computing
+    # the whole loss; FSDP's group is dp_shard x cp
+    {"id": "cp-dp-loop", "loop": {"pp_size": 1, "cp_size": 2, "dp_shard_size": 2,
+                                  "num_microbatches": 2}, **LOOP},
     {"id": "cp-func", "func": True, "plugin": {**LOSS_CP2, "seq_buckets": 8},
      "script": {"rows": "padded", "args": {"gradient_accumulation_steps": 2, **EVALUATED}}},
     # SGD: under AdamW one element of up_proj (a near-zero gradient, summed in another order
@@ -90,6 +94,19 @@ SFT = [
               "optim": "sgd", "learning_rate": 0.3}},
 ]  # fmt: skip
 SFT_ONE = [{**c, "plugin": None, "batch": 8} for c in SFT]
+# TRL's DPO (a loss over pairs of rows: a chosen and a rejected row per pair) at pp 2 x cp 2,
+# one pair per process (4 pairs a step, 2 per micro-batch), rows padded to multiples of 2 x cp
+# by TRL's collator, evaluated after steps 2 and 3 on 7 pairs (a last batch of 3 pairs, one
+# micro-batch), against TRL's DPOTrainer in one process on the 4-pair batch: LoRA adapters with
+# TRL's reference (adapters disabled) run each step through the pipeline; (slow) a reference
+# model loaded from the policy's path, run each step with its weights swapped into the shards
+DPO_ARGS = {"precompute_ref_log_probs": False, "pad_to_multiple_of": 4}
+DPO = [
+    {"id": "cp-dpo-lora", "plugin": LOSS_CP2, "batch": 1, "eval": True, "eval_pairs": 7,
+     "init": {"peft_config": {}}, "args": DPO_ARGS},
+    slow_case({"id": "cp-dpo-ref-model", "plugin": LOSS_CP2, "batch": 1, "eval": True,
+               "eval_pairs": 7, "from_path": True, "args": DPO_ARGS}),
+]  # fmt: skip
 # a LightningModule calling an HF Llama with labels= on right-padded rows (its own loss,
 # computed on the whole sequences' logits under CP), then validated
 HF_LIGHTNING = [
@@ -159,6 +176,7 @@ def launched(request: Any, tmp_path_factory: Any) -> tuple[list[dict[str, Any]],
         "trainer_across": [dict(c) for c in selected_cases(request, TRAINER_ACROSS)],
         "last_loss": [dict(c) for c in selected_cases(request, LAST_LOSS)],
         "trl": [dict(c) for c in SFT],
+        "trl_dpo": [dict(c) for c in selected_cases(request, DPO)],
         "out_dir": str(out / "four"),
         "init_process_group": False,
     }
@@ -174,6 +192,7 @@ def launched(request: Any, tmp_path_factory: Any) -> tuple[list[dict[str, Any]],
         "hf_lightning": [{"id": c["id"], "strategy": None} for c in HF_LIGHTNING],
         "last_loss": [_one_process(c) for c in selected_cases(request, LAST_LOSS)],
         "trl": [dict(c) for c in SFT_ONE],
+        "trl_dpo": [{**c, "plugin": None, "batch": 4} for c in selected_cases(request, DPO)],
         "devices": 1,
         "out_dir": str(out / "one"),
         "init_process_group": False,
@@ -339,25 +358,30 @@ def test_a_zeropp_trainer_checkpoint_resumes_under_another_cp_size(launched, cas
         _close(got["weights"][name], value, name)
 
 
-def test_an_accelerate_loop_with_its_own_loss_under_cp_matches_one_process(launched):
+LOOPS = [c for c in LAST_LOSS if "loop" in case_of(c)]
+
+
+@pytest.mark.parametrize("case", as_params(LOOPS))
+def test_an_accelerate_loop_with_its_own_loss_under_cp_matches_one_process(launched, case):
     four, one = launched
-    ref = one["cp-loop"]
+    case = case["id"]
+    ref = one[case]
     assert len(ref["logs"]) == 3
     for rank, r in enumerate(four):  # loss and metric, the same on every rank
-        got = r["cp-loop"]
+        got = r[case]
         assert len(got["logs"]) == 3
         for a, b in zip(got["logs"], ref["logs"], strict=True):
             assert a.keys() == b.keys() == {"loss", "accuracy"}
             _close(a["loss"], b["loss"], f"rank {rank} loss")
             _close(a["accuracy"], b["accuracy"], f"rank {rank} accuracy")
         _close(got["eval_loss"], ref["eval_loss"], f"rank {rank} eval loss")
-    weights = four[0]["cp-loop"]["weights"]
+    weights = four[0][case]["weights"]
     assert weights.keys() == ref["weights"].keys()
     for name, want in ref["weights"].items():
         _close(weights[name], want, name)
 
 
-@pytest.mark.parametrize("case", as_params(LAST_LOSS[1:]))
+@pytest.mark.parametrize("case", as_params([c for c in LAST_LOSS if c not in LOOPS]))
 def test_the_trainers_own_loss_under_cp_matches_one_process(launched, case):
     four, one = launched
     case = case["id"]
@@ -399,3 +423,14 @@ def test_trl_sft_under_cp_matches_trl_in_one_process(launched):
     assert weights.keys() == ref["weights"].keys()
     for name, want in ref["weights"].items():
         _close(weights[name], want, name)
+
+
+@pytest.mark.parametrize("case", as_params(DPO))
+def test_trl_dpo_under_cp_matches_trl_in_one_process(launched, case):
+    from tests.distributed.test_trl_dpo import check_equal
+
+    four, one = launched
+    name = case["id"]
+    # loss, grad norm and TRL's metrics per step on every rank, eval_* after steps 2 and 3,
+    # num_tokens equal, the saved weights (the adapters under LoRA)
+    check_equal(four[0][name], one[name], [rank[name] for rank in four])

@@ -40,6 +40,13 @@ REFUSED = [
     # 5 pairs, 4 a step: the last step's single pair cannot be cut into 2 micro-batches
     {"id": "short", "plugin": PP, "batch": 2, "pairs": 5, "expect_error": True},
     {"id": "predict", "plugin": PP, "batch": 2, "predict": True, "expect_error": True},
+    # the head pools each row at its last non-pad token, on one CP rank's part of the sequence
+    {
+        "id": "cp",
+        "plugin": {"pp_size": 1, "cp_size": 2, "num_microbatches": 2},
+        "batch": 2,
+        "expect_error": True,
+    },
 ]
 WIDE = [MORE[0], CASES[0], CASES[1]]  # 4 ranks: pp 2 x dp 2, evaluation included
 # slow: a resume from the checkpoint of step 2 by a new trainer (margins and centring on),
@@ -112,6 +119,14 @@ def test_predict_is_refused_on_every_rank(two):
     for rank in ranks:
         error = rank["predict"]["error"]
         assert "predict() is not supported: the rewards exist on the last stage only" in error
+
+
+def test_context_parallelism_is_refused_on_every_rank(two):
+    ranks, _ = two
+    for rank in ranks:
+        error = rank["cp"]["error"]
+        assert error.startswith("ZeroPPRewardTrainer: cp_size=2 (context parallelism) is not")
+        assert "LlamaForSequenceClassification pools each row at its last non-pad token" in error
 
 
 def _against_one_process(tmp_path, world: int, cases: list[dict]) -> None:

@@ -104,7 +104,7 @@ def run(cases: list[dict[str, Any]], out_dir: str) -> dict[str, Any]:
         recorder = Recorder()
         try:
             trainer = _trainer(case, folder, recorder)
-        except NotImplementedError as err:  # refused at construction
+        except (NotImplementedError, ValueError) as err:  # refused at construction
             results[case["id"]] = {"error": str(err)}
             continue
         if case.get("expect_error"):  # a refusal: its message, from every rank

@@ -3,6 +3,8 @@ labels shifted on the whole sequence, and the batches refused."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from torch import nn
@@ -245,3 +247,56 @@ def test_a_sliding_window_model_is_refused_under_cp(family: str, refused: bool) 
     assert "cp_size=1" in refusal and "sliding_window=None" in refusal
     model.config.sliding_window = None  # the fix it names
     assert attention_refusal(model) is None
+
+
+def test_a_head_pooling_each_row_in_its_forward_is_refused_under_cp() -> None:
+    """A sequence-classification head (TRL's reward model) pools each row at its last non-pad
+    token inside its forward, which under CP sees one rank's part of the sequence: refused at
+    setup, also inside a module that wraps it (a LightningModule's child, a PEFT model); the
+    causal LM of the same config is not."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from lightning_zeropp.core.step.context import attention_refusal
+
+    config = AutoConfig.for_model(
+        "llama", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, vocab_size=32, num_labels=1,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    with torch.device("meta"):
+        head = AutoModelForSequenceClassification.from_config(config)
+        causal = AutoModelForCausalLM.from_config(config)
+    wrapper = nn.Module()
+    wrapper.model = head
+    for model in (head, wrapper):
+        refusal = attention_refusal(model)
+        assert refusal is not None
+        assert refusal.startswith("LlamaForSequenceClassification pools each row at its last")
+        assert "(cp_size > 1)" in refusal and "Set cp_size=1" in refusal
+    assert attention_refusal(causal) is None
+
+
+def test_a_peft_model_is_given_the_global_positions_its_base_model_takes() -> None:
+    """PEFT's `PeftModelForCausalLM.forward` names no `position_ids` but hands its keywords to
+    the base model: each CP rank must give it the global positions of its chunks (without them
+    the base model's RoPE read 0 .. T/cp - 1: DPO with LoRA at pp 2 x cp 2 had a first-step
+    grad norm of 0.70165 against TRL's 0.70190 in one process)."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "llama", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, vocab_size=32, attn_implementation="sdpa",
+    )  # fmt: skip
+    base = AutoModelForCausalLM.from_config(config)
+    lora = peft.LoraConfig(task_type="CAUSAL_LM", r=2, target_modules=["q_proj"])
+    model = peft.get_peft_model(base, lora)
+    assert "position_ids" not in inspect.signature(model.forward).parameters
+    split = ContextSplit(2, 1, model)
+    assert split.takes_positions
+    ids = torch.arange(16).reshape(2, 8)
+    _, kwargs, _ = split.split((), {"input_ids": ids}, None)
+    # CP rank 1 of 2 holds chunks 1 and 2 of 4: global positions 2, 3, 4, 5
+    assert kwargs["position_ids"].tolist() == [[2, 3, 4, 5]] * 2
+    # a forward with neither position_ids nor a base model to hand them to gets none
+    assert not ContextSplit(2, 1, nn.Linear(2, 2)).takes_positions

@@ -53,8 +53,8 @@ def test_the_accelerate_front_refuses_what_it_cannot_weigh_under_cp():
     # a last-stage loss runs on whole sequences, whatever the model's own loss takes
     PipelineModel._check_context(_pipeline(2, last_loss=LastStageLoss(len), rule=None))
     pairs = LastStageLoss(len, shift=1, group=2)  # DPO's, the reward trainer's
-    with pytest.raises(ValueError, match="groups of 2 rows .* with cp_size=2: it is not run"):
-        PipelineModel._check_context(_pipeline(2, last_loss=pairs, rule=causal))
+    # pairs of rows: CP splits the sequence, not the rows (DPO on a causal LM runs)
+    PipelineModel._check_context(_pipeline(2, last_loss=pairs, rule=causal))
     with pytest.raises(ValueError, match="its loss must take num_items_in_batch and shift_labels"):
         PipelineModel._check_context(_pipeline(2, rule=TokenRule(shift=1, pre_shift=None)))
     with pytest.raises(ValueError, match="Linear cannot run under context parallelism"):
@@ -92,3 +92,25 @@ def test_a_last_stage_loss_under_cp_sees_the_whole_unshifted_labels():
     assert [y.tolist() for y in seen] == [labels[:2].tolist(), labels[2:].tolist()]
     with pytest.raises(RuntimeError, match="got labels of 3 rows, micro-batch 0 has 2"):
         step(torch.ones(3, 4, 3), labels[:3])
+
+
+def test_the_shape_probe_of_a_last_stage_loss_under_cp_is_a_zero_through_the_output():
+    """torch's shape-inference call hands the loss this CP rank's part of the output, which a
+    per-token row of the whole sequence (DPO's completion mask, 8 tokens) does not fit: the
+    probe is a zero the backward runs through, and the loss is not called."""
+    labels = torch.zeros(4, 8, dtype=torch.long)
+    mask = torch.ones(4, 8)
+
+    def needs_whole(out, y, num_items_in_batch, completion_mask):
+        return (out[..., 0] * completion_mask[: out.shape[0]]).sum()
+
+    loss = LastStageLoss(needs_whole, rows=("completion_mask",))
+    part = torch.ones(2, 4, 3, requires_grad=True)  # 4 of the 8 tokens
+    with pytest.raises(RuntimeError):  # what the loss itself does with a CP rank's part
+        LastLossStep(loss, 1.0, 2, labels, {"completion_mask": mask}).probe(part, labels[:2, :4])
+    step = LastLossStep(loss, 1.0, 2, labels, {"completion_mask": mask}, whole=True)
+    probe = step.probe(part, labels[:2, :4])
+    assert probe.item() == 0.0
+    probe.backward()
+    assert torch.equal(part.grad, torch.zeros_like(part))
+    assert step.metrics == [] and step._calls == 0  # no micro-batch counted

@@ -116,6 +116,50 @@ def test_kv_traffic_is_each_ranks_keys_and_values_per_block_and_micro_batch(cp):
     )
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize(("cp", "dtype"), [(2, None), (4, None), (2, torch.bfloat16)])
+def test_on_the_cpu_the_blocks_traffic_is_priced(cp, dtype, recompute):
+    # the runtime's CPU path (`core.step.context_blocks`), per block and micro-batch: K and V
+    # stacked in one all-gather in the forward (again where the block recomputes), one more
+    # in the backward (nothing gathered is kept), and one reduce-scatter of their stacked
+    # gradients, summed in fp32 for a bf16 run
+    model, rows, m = _model(), 2, 2
+    size = 2 if dtype is torch.bfloat16 else 4
+    local_kv = 2 * rows * (SEQ // cp) * DIM * size  # this rank's K and V
+    summed = 2 * rows * SEQ * DIM * 4  # the whole stacked gradient, fp32 (the scatter's input)
+    config = ZeroPPConfig(
+        pp_size=1, dp_shard_size=1, cp_size=cp, num_microbatches=m, param_dtype=dtype,
+        activation_checkpointing=recompute,
+    )  # fmt: skip
+    forwards = LAYERS * m * (2 if recompute else 1)
+    summary = predict_comm(model, config, cp, rows * m, SEQ, device_type="cpu")[0]
+    assert summary["all_gather"]["cp"] == {
+        "count": forwards + LAYERS * m,
+        "bytes": (forwards + LAYERS * m) * local_kv,
+    }
+    assert summary["reduce_scatter"]["cp"] == {"count": LAYERS * m, "bytes": LAYERS * m * summed}
+    # on a GPU the masked path's: K and V apart, kept for the backward, reduced in their dtype
+    gpu = predict_comm(model, config, cp, rows * m, SEQ)[0]
+    assert gpu["all_gather"]["cp"] == {"count": 2 * forwards, "bytes": forwards * local_kv}
+    assert gpu["reduce_scatter"]["cp"] == {
+        "count": 2 * LAYERS * m,
+        "bytes": LAYERS * m * local_kv * cp,
+    }
+    # the step time, on a CPU machine (no overlap): (cp - 1) ring hops of this rank's share per
+    # call, the forward's gather, the backward's gather and reduce-scatter (fp32: 4 / size)
+    hw = dataclasses.replace(_hardware(), overlap=False)
+    free = dataclasses.replace(hw, intra_node_Bps=1e30, latency_s=0.0)
+    plain = predict_step_time(model, config, cp, rows * m, SEQ, hw)
+    none = predict_step_time(model, config, cp, rows * m, SEQ, free)
+    hop = local_kv / hw.intra_node_Bps
+    forward = (cp - 1) * (hw.latency_s + hop)
+    backward = (cp - 1) * (2 * hw.latency_s + hop + hop * 4 / size)
+    per_block = forward * (2 if recompute else 1) + backward
+    assert plain.ranks[0].compute - none.ranks[0].compute == pytest.approx(
+        per_block * LAYERS * m, rel=0.05
+    )
+
+
 def test_the_search_tries_cp_inside_a_node_that_splits_the_sequence():
     assert context_sizes(8, 4, 1024) == [1, 2, 4]
     assert context_sizes(8, 4, 12) == [1, 2]  # 12 tokens do not split into 8 chunks

@@ -39,7 +39,7 @@ class ContextSplit:
     def __init__(self, size: int, rank: int, model: nn.Module) -> None:
         self.size, self.rank = size, rank
         params = inspect.signature(model.forward).parameters
-        self.takes_positions = "position_ids" in params
+        self.takes_positions = "position_ids" in params or _passes_down(model, "position_ids")
         self.takes_mask = "attention_mask" in params
         self.names = {name: i for i, name in enumerate(params)}
         self.length = 0  # the global sequence length of the current batch
@@ -181,10 +181,37 @@ class ContextSplit:
             )
 
 
+def _passes_down(model: nn.Module, name: str) -> bool:
+    """Whether `model` is a PEFT model (`get_base_model()`) whose forward hands its keyword
+    arguments down to a base model taking `name`: PEFT's `PeftModelForCausalLM.forward` names
+    no `position_ids`, yet passes them on; without them the base model's RoPE would read this
+    CP rank's local positions (0 .. T/cp - 1) as its tokens' own."""
+    base = getattr(model, "get_base_model", None)
+    if not callable(base):
+        return False
+    params = inspect.signature(model.forward).parameters.values()
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return False
+    inner = base()
+    return inner is not model and name in inspect.signature(inner.forward).parameters
+
+
 def attention_refusal(model: nn.Module) -> str | None:
     """Why `model`'s attention cannot run under context parallelism (None when it can): CP
     attention takes over `F.scaled_dot_product_attention` calls, so an HF model must use its
-    "sdpa" implementation."""
+    "sdpa" implementation; and a head that pools each row inside the forward sees this CP
+    rank's part of it only."""
+    pooled = next((n for m in model.modules() if (n := type(m).__name__).endswith(_POOLING)), None)
+    if pooled is not None:
+        # (batch, classes) out of the forward: no sequence dimension left to gather, and the
+        # row's last non-pad token, which it reads, is on one CP rank
+        return (
+            f"{pooled} pools each row at its last non-pad token inside its own forward, which "
+            "under context parallelism (cp_size > 1) sees one CP rank's part of the sequence "
+            "only (that token is on one CP rank): its scores, and a loss over them (TRL's "
+            "RewardTrainer), would be wrong. Set cp_size=1 for this model (pp_size or "
+            "dp_shard_size for the ranks)."
+        )
     config = getattr(model, "config", None)
     if (window := _sliding_window(config)) is not None:
         # CP attention builds causal, padding and document masks over whole sequences; a
@@ -204,6 +231,11 @@ def attention_refusal(model: nn.Module) -> str | None:
         'scaled_dot_product_attention. Load the model with attn_implementation="sdpa", or set '
         "cp_size=1."
     )
+
+
+# HF heads that pool each row inside the model's forward (at its last non-pad token, or one per
+# choice); FSDP2's `FSDP<name>` classes and PEFT's `PeftModelFor<task>` keep the suffix
+_POOLING = ("ForSequenceClassification", "ForMultipleChoice")
 
 
 def _sliding_window(config: Any) -> int | None:

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_zeropp.core._torch_private import tree_flatten
+
 __all__ = ["LastStageLoss", "LastLossStep", "global_items", "share_metrics"]
 
 IGNORE_INDEX = -100  # HF's and torch's cross-entropy default: "no loss here"
@@ -102,7 +104,14 @@ class LastLossStep:
 
     def probe(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         """torch's shape-inference call (no micro-batch of the step): the first micro-batch's
-        loss, nothing counted or kept."""
+        loss, nothing counted or kept. Under context parallelism (`whole`) a zero that backward
+        runs through, as the Lightning front's probe: the output is this CP rank's part, which
+        per-token rows of the whole sequence (DPO's completion mask) would not fit, and
+        gathering it would be a collective outside the schedule's."""
+        if self.whole:
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+            zero = torch.zeros((), device=tensors[0].device if tensors else target.device)
+            return sum((t.sum() * 0.0 for t in tensors if t.requires_grad), zero)
         rows = {k: v.tensor_split(self.micro)[0] for k, v in self.rows.items()}
         result = self.loss.fn(output, target, num_items_in_batch=self.items, **rows)
         return _split_result(result)[0]
