@@ -45,7 +45,7 @@ from lightning_zeropp.core.settings.placement import stage_ids_for_rank
 from lightning_zeropp.plan.context import rank_profile
 from lightning_zeropp.plan.cut import settle
 from lightning_zeropp.plan.loss_chunk import chunked_profile, priced_chunk
-from lightning_zeropp.plan.loss_memory import last_stage_transients
+from lightning_zeropp.plan.loss_memory import held_weight_gradient, last_stage_transients
 from lightning_zeropp.plan.memory import _stage_ranges, stage_ranges
 from lightning_zeropp.plan.profile import Part, micro_batch_rows
 
@@ -248,11 +248,18 @@ def activation_peaks(
     *,
     transients: bool = True,
     device_type: str = "cuda",
+    recompute_transient: bool | None = None,
 ) -> dict[int, int]:
     """Each pipeline rank's peak activation bytes in a step of `global_batch` rows: the saved
     bytes, plus (`transients`) what a recomputing block holds during its backward and what the
     head and the loss hold while they run (`plan.loss_memory`), on a `device_type` device
-    ("cuda", or "cpu" for gloo ranks: CP attention differs)."""
+    ("cuda", or "cpu" for gloo ranks: CP attention differs). `recompute_transient`: the
+    earlier name of `transients`.
+
+    Under a split backward, the last stage also holds from each micro-batch's I to its W what the
+    chunked loss keeps for the weight pass (`plan.loss_memory.held_weight_gradient`)."""
+    if recompute_transient is not None:
+        transients = recompute_transient
     config = settle(model, config, seq_len, world_size)  # no split points: the engine's cut
     cfg = config.resolve(world_size)
     rows = micro_batch_rows(global_batch, cfg.dp_size, cfg.num_microbatches)
@@ -262,6 +269,8 @@ def activation_peaks(
     loss_f, loss_b = last_stage_transients(model, cfg, rows, seq_len) if transients else (0, 0)
     extra = [0] * len(extra) if not transients else extra
     extra[last] = max(extra[last], loss_b)  # not at once: the loss's backward precedes the blocks'
+    # not a saved tensor either: left out with the transients, as the memory report leaves it
+    held = held_weight_gradient(model, cfg, rows, seq_len) if transients else 0
     if cfg.pp_size == 1 and cfg.num_stages == 1:
         return {0: per_stage[0] + max(extra[0], loss_f)}  # micro-batches run one after another
     peaks = {}
@@ -269,9 +278,9 @@ def activation_peaks(
     for rank, order in task_orders(cfg).items():
         live = peak = 0
         for kind, stage, _ in order:
-            held = 0 if host[stage] else per_stage[stage]  # offloaded: on the host meanwhile
+            kept = 0 if host[stage] else per_stage[stage]  # offloaded: on the host meanwhile
             if kind == "F":
-                live += held
+                live += kept
                 # the head and the loss run at the forward's end: all it saved is held then
                 peak = max(peak, live + (loss_f if stage == last else 0))
             elif kind in "BI":  # a recomputing block's activations exist again for a moment
@@ -279,7 +288,9 @@ def activation_peaks(
             if kind in "BIW" and host[stage]:  # copied back for the task, freed after it
                 peak = max(peak, live + per_stage[stage] + extra[stage])
             if kind in "BW":  # I keeps the graph for its W
-                live -= held
+                live -= kept
+            if stage == last and kind in "IW":  # the head's weight gradient, from I to W
+                live += held if kind == "I" else -held
             peak = max(peak, live)
         peaks[rank] = peak
     return peaks

@@ -34,7 +34,13 @@ from lightning_zeropp.core.settings.layout import ZeroPPLayout
 from lightning_zeropp.core.step.chunked_loss import linear_cross_entropy
 from lightning_zeropp.plan.loss_chunk import chunked_head, priced_chunk
 
-__all__ = ["LiveBytes", "head_weight", "last_stage_transients", "loss_transients"]
+__all__ = [
+    "LiveBytes",
+    "head_weight",
+    "held_weight_gradient",
+    "last_stage_transients",
+    "loss_transients",
+]
 
 
 class LiveBytes(TorchDispatchMode):
@@ -76,6 +82,12 @@ class LiveBytes(TorchDispatchMode):
         """The allocations not released yet."""
         return set(self._alive.values())
 
+    def allocations(self, tensor: torch.Tensor | None) -> set[int]:
+        """The allocation under `tensor`, if this mode made it and it lives."""
+        if tensor is None or storage_identity(tensor) not in self._alive:
+            return set()
+        return {self._alive[storage_identity(tensor)]}
+
     def peak(self, start: int = 0, leave_out: set[int] | None = None) -> int:
         """The most bytes live at once from event `start` on, leaving out `leave_out`'s
         allocations."""
@@ -111,7 +123,18 @@ def loss_transients(
     if weight is None:
         return 0, 0
     vocab, dim = weight.shape
-    return _transients(vocab, dim, tokens, dtype or weight.dtype, chunk)
+    return _transients(vocab, dim, tokens, dtype or weight.dtype, chunk, weight.requires_grad)
+
+
+def held_weight_gradient(model: nn.Module, config: ZeroPPLayout, rows: int, seq_len: int) -> int:
+    """Bytes the chunked loss holds from a micro-batch's input-gradient pass to its weight pass
+    under a split backward: the head's weight gradient, computed in the input pass and kept for
+    the weight pass (`core.step.chunked_loss`), in the run's compute dtype; 0 where the run does
+    not chunk or the head is frozen."""
+    weight = head_weight(model)
+    if weight is None or not weight.requires_grad or not priced_chunk(model, config, rows, seq_len):
+        return 0
+    return weight.numel() * (config.param_dtype or weight.dtype).itemsize
 
 
 def last_stage_transients(
@@ -126,18 +149,20 @@ def last_stage_transients(
 
 @functools.lru_cache(maxsize=256)
 def _transients(
-    vocab: int, dim: int, tokens: int, dtype: torch.dtype, chunk: int
+    vocab: int, dim: int, tokens: int, dtype: torch.dtype, chunk: int, trained: bool
 ) -> tuple[int, int]:
     hidden = torch.empty(tokens, dim, device="meta", dtype=dtype, requires_grad=True)
-    weight = torch.empty(vocab, dim, device="meta", dtype=dtype, requires_grad=True)
+    weight = torch.empty(vocab, dim, device="meta", dtype=dtype, requires_grad=trained)
     target = torch.zeros(tokens, dtype=torch.long, device="meta")
-    with LiveBytes() as track:
+    with torch.enable_grad(), LiveBytes() as track:  # a training step's, whatever the caller's
         loss = _forward(hidden, weight, target, chunk)
         forward_peak, saved, mark = track.peak(0), track.live, len(track.events)
         loss.backward()
-        # what outlives the backward is not transient: the gradients handed on (the hidden
-        # states' to the previous stage, the weight's to FSDP's reduction) and the loss
-        backward_peak = track.peak(mark, track.surviving())
+        # What outlives the backward is not transient: the hidden states' gradient (sent to the
+        # previous stage) and the loss. The weight's is: from the second micro-batch of a step
+        # on, it is added into the gradient FSDP holds (`plan.peaks.gradient_buffers`) and freed.
+        kept = track.surviving() - track.allocations(weight.grad)
+        backward_peak = track.peak(mark, kept)
     return forward_peak - saved, max(0, backward_peak - saved)
 
 
@@ -147,7 +172,12 @@ def _forward(
     """The summed loss as the run computes it: in chunks, or from whole fp32 logits."""
     if 0 < chunk < hidden.shape[0]:
         return linear_cross_entropy(hidden, weight, None, target, chunk=chunk)
-    return F.cross_entropy(F.linear(hidden, weight).float(), target, reduction="sum")
+    # the logits stay referenced while the loss runs, as a model's output holds them (HF's
+    # `ForCausalLMLoss` upcasts them inside the loss)
+    logits = F.linear(hidden, weight)
+    loss = F.cross_entropy(logits.float(), target, reduction="sum")
+    del logits
+    return loss
 
 
 def _run(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, chunk: int) -> None:

@@ -99,6 +99,16 @@ def test_bf16_chunks_are_as_close_to_exact_as_whole_logits(frozen: bool) -> None
     assert whole[1] > 1e-4  # bf16's rounding is there to compare (fp32 would be ~1e-7)
 
 
+def test_a_target_outside_the_vocabulary_is_refused_as_whole_logits_refuse_it() -> None:
+    hidden = torch.randn(8, 4, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(10, 4, dtype=torch.bfloat16, requires_grad=True)  # cut by vocabulary
+    target = torch.tensor([1, 2, 3, 10, 4, 5, 6, -100])
+    with pytest.raises(IndexError, match="target 10 is out of bounds for a vocabulary of 10"):
+        linear_cross_entropy(hidden, weight, None, target, chunk=2)
+    with pytest.raises(IndexError):
+        F.cross_entropy(F.linear(hidden, weight).float(), target)
+
+
 def test_the_bundled_gpt_loss_equals_whole_logits() -> None:
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=300, seq_len=32, dim=32, num_heads=2, num_layers=2))

@@ -16,8 +16,16 @@ import torch
 
 from lightning_zeropp.core.settings.config import ZeroPPConfig
 from lightning_zeropp.models import GPT, GPTConfig
+from lightning_zeropp.plan import activations
 from lightning_zeropp.plan.activations import activation_peaks
-from lightning_zeropp.plan.loss_memory import LiveBytes, _run, last_stage_transients
+from lightning_zeropp.plan.loss_memory import (
+    LiveBytes,
+    _forward,
+    _run,
+    held_weight_gradient,
+    last_stage_transients,
+    loss_transients,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 MIB = 2**20
@@ -68,15 +76,54 @@ def test_the_tracked_peak_is_the_process_peak(chunk: int) -> None:
 
 
 @pytest.mark.parametrize("chunk", [0, 256], ids=["whole", "chunked"])
-def test_the_meta_count_is_a_real_runs(chunk: int) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "trained"),
+    [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)],
+    ids=["fp32", "bf16", "bf16-frozen-head"],
+)
+def test_the_meta_count_is_a_real_runs(chunk: int, dtype: torch.dtype, trained: bool) -> None:
     def tracked(device: str) -> int:
-        hidden = torch.zeros(2048, 64, device=device, requires_grad=True)
-        weight = torch.zeros(4000, 64, device=device, requires_grad=True)
+        hidden = torch.zeros(2048, 64, device=device, dtype=dtype, requires_grad=True)
+        weight = torch.zeros(4000, 64, device=device, dtype=dtype, requires_grad=trained)
         with LiveBytes() as track:
             _run(hidden, weight, torch.zeros(2048, dtype=torch.long, device=device), chunk)
         return track.peak()
 
     assert tracked("meta") == pytest.approx(tracked("cpu"), rel=0.02)
+
+
+def test_a_frozen_head_is_priced_as_the_runtime_cuts_it() -> None:
+    """A frozen bf16 head (LoRA) is cut by tokens at run time, a trained one by vocabulary."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=32000, seq_len=2048, dim=64, num_heads=2, num_layers=2))
+    trained = loss_transients(model, 2048, torch.bfloat16, 256)
+    model.head.requires_grad_(False)
+    frozen = loss_transients(model, 2048, torch.bfloat16, 256)
+    assert frozen != trained
+    # a real run's count, cut as the runtime cuts it
+    hidden = torch.zeros(2048, 64, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.zeros(32000, 64, dtype=torch.bfloat16)
+    with LiveBytes() as track:
+        loss = _forward(hidden, weight, torch.zeros(2048, dtype=torch.long), 256)
+        saved, mark = track.live, len(track.events)
+        loss.backward()
+    assert frozen[1] == pytest.approx(track.peak(mark, track.surviving()) - saved, rel=0.02)
+
+
+def test_split_backward_holds_the_heads_weight_gradient_from_i_to_w(monkeypatch) -> None:
+    """The chunked loss keeps each micro-batch's head weight gradient for its weight pass."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=32000, seq_len=2048, dim=64, num_heads=2, num_layers=4))
+    config = ZeroPPConfig(pp_size=2, num_microbatches=4, schedule="zeropp", loss_chunk=256)
+    held = held_weight_gradient(model, config.resolve(2), 1, 2048)
+    assert held == 32000 * 64 * 4  # fp32: the weight's size
+    whole = ZeroPPConfig(pp_size=2, num_microbatches=4, schedule="zeropp", loss_chunk=0)
+    assert held_weight_gradient(model, whole.resolve(2), 1, 2048) == 0
+    with_it = activation_peaks(model, config, 2, 4, 2048)
+    monkeypatch.setattr(activations, "held_weight_gradient", lambda *a: 0)
+    without = activation_peaks(model, config, 2, 4, 2048)
+    grew = [with_it[r] - without[r] for r in with_it]
+    assert max(grew) >= held and all(g % held == 0 for g in grew), grew
 
 
 def test_chunks_hold_far_less_and_the_planner_adds_it_on_the_last_stage() -> None:

@@ -118,6 +118,8 @@ def run_tallied(
     tokens = torch.zeros(rows, seq_len, dtype=torch.long, device="meta")
     try:
         with (
+            # what a training step saves, even where the caller runs without gradients
+            torch.enable_grad(),
             counter if count_flops else contextlib.nullcontext(),
             meta_forward(),
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),

@@ -87,13 +87,28 @@ def vocab_forward(
     label = _scale_and_label(target, ignore, None)[1]
     lse = hidden.new_full((hidden.shape[0],), float("-inf"), dtype=torch.float32)
     picked = hidden.new_zeros((hidden.shape[0],), dtype=torch.float32)
+    found = torch.zeros_like(label, dtype=torch.bool)
     for start in range(0, weight.shape[0], rows):
         logits = _slice_logits(hidden, weight, bias, start, rows).float()
         inside, at = _where_in(label, start, logits.shape[1])
+        found |= inside
         picked += torch.where(inside, logits.gather(1, at), 0.0).squeeze(1)
         most = logits.amax(dim=1, keepdim=True)
         lse = torch.logaddexp(lse, most.squeeze(1) + logits.sub_(most).exp_().sum(dim=1).log())
-    return torch.where(target != ignore, lse - picked, 0.0).sum(), lse
+    kept = target != ignore
+    _check_labels(target, kept & ~found.squeeze(1), weight.shape[0], ignore)
+    return torch.where(kept, lse - picked, 0.0).sum(), lse
+
+
+def _check_labels(target: Tensor, missing: Tensor, vocab: int, ignore: int) -> None:
+    """Raise as whole logits' cross-entropy does for a label no vocabulary row holds (one
+    device sync a call; the meta device has no values to check)."""
+    if missing.device.type != "meta" and bool(missing.any()):
+        bad = int(target[missing][0])
+        raise IndexError(
+            f"linear_cross_entropy: target {bad} is out of bounds for a vocabulary of {vocab} "
+            f"(ignore_index={ignore})."
+        )
 
 
 def vocab_backward(
