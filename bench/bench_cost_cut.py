@@ -212,7 +212,10 @@ def planned(row: str, block_s: float, head_s: float, chunked: bool = False) -> f
         model = standin()
         for b in [*model.blocks, model.head]:  # the emulated device's one-element weight path
             b.register_parameter("emulated_weight", torch.nn.Parameter(torch.zeros(1)))
-    config = ZeroPPConfig(**layout(schedule, pp, pp, 2), split_points=points)
+    # a chunk below the stand-in's 64 tokens: the planner prices the head as chunked (its weight
+    # gradient in the input pass), with the seconds given below
+    chunk = 16 if chunked else 0
+    config = ZeroPPConfig(**layout(schedule, pp, pp, 2), split_points=points, loss_chunk=chunk)
     cfg = config.resolve(pp)
     ranges = stage_ranges(model, cfg)
     units = [

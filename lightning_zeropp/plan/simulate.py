@@ -37,7 +37,9 @@ class StageCost:
     gather_node: tuple[float, ...] = ()  # ... from hpZ's in-node copy (empty: as `gather`)
     reduce: tuple[float, ...] = ()  # reduce-scatter of each segment's gradients (empty: none)
     send: float = 0.0  # this stage's output reaching the next stage's rank (and its gradient back)
-    weight_share: float = 0.5  # part of a backward that is the weight-gradient task W
+    # part of a backward that is the weight-gradient task W: for every segment, or per segment
+    # (the chunked loss computes the head's weight gradient in the input pass: its W share is 0)
+    weight_share: float | tuple[float, ...] = 0.5
     recompute: bool = False  # a backward first recomputes the forward
     overhead: float = 0.0  # fixed seconds of every task (the runtime's and FSDP's hooks)
     input_grad_in_weight: bool = False  # a split backward's I does nothing, its W everything
@@ -72,11 +74,22 @@ def _segment_seconds(cost: StageCost, kind: str) -> list[float]:
     if kind == "F":
         return [cost.forward[0] + cost.overhead, *cost.forward[1:]]
     redo = cost.forward if cost.recompute else (0.0,) * len(cost.forward)
-    weight = 1.0 if cost.input_grad_in_weight else cost.weight_share
-    share = {"B": 1.0, "I": 1.0 - weight, "W": weight}[kind]
+    n = len(cost.backward)
+    given = cost.weight_share
+    weights = (
+        (1.0,) * n
+        if cost.input_grad_in_weight
+        else given
+        if isinstance(given, tuple)
+        else (given,) * n
+    )
+    shares = [{"B": 1.0, "I": 1.0 - w, "W": w}[kind] for w in weights]
     # the recomputation runs with the first part of the backward that runs at all
     redo_here = kind == "B" or (kind == "I") != cost.input_grad_in_weight
-    out = [b * share + (r if redo_here else 0.0) for b, r in zip(cost.backward, redo, strict=True)]
+    out = [
+        b * share + (r if redo_here else 0.0)
+        for b, r, share in zip(cost.backward, redo, shares, strict=True)
+    ]
     out[0] += cost.overhead
     return out[::-1]  # backward visits the units last to first
 

@@ -105,8 +105,12 @@ def stage_costs(
         lat, link = hardware.hop("p2p", *sorted((where[s] * group, nxt * group)))
         # CP attention's gathers (forward) and reduce-scatters (backward) in each block
         extra = [(0.0, 0.0), *[attend] * (len(seconds) - 1)]
+        # the chunked loss's input pass computes the head's weight gradient too (its weight
+        # pass only hands it on): the last stage's head unit has no W share
+        head_in_input = chunked and s == cfg.num_stages - 1
         costs.append(
             StageCost(
+                weight_share=(0.0, *[0.5] * (len(seconds) - 1)) if head_in_input else 0.5,
                 forward=tuple(f + a for (f, _), (a, _) in zip(seconds, extra, strict=True)),
                 backward=tuple(b + a for (_, b), (_, a) in zip(seconds, extra, strict=True)),
                 gather=gather,

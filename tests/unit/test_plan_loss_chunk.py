@@ -18,6 +18,7 @@ from lightning_zeropp.models.hf import build_causal_lm
 from lightning_zeropp.plan import Hardware
 from lightning_zeropp.plan.activations import stage_parts
 from lightning_zeropp.plan.loss_chunk import chunked_head, loss_chunk_of
+from lightning_zeropp.plan.simulate import _segment_seconds
 from lightning_zeropp.plan.stage_costs import stage_costs
 
 # A vocabulary large against the hidden size: the logits dwarf a block's activations.
@@ -102,3 +103,10 @@ def test_the_backward_computes_the_head_again() -> None:
     head = 2 * ROWS * SEQ * BIG_HEAD.dim * BIG_HEAD.vocab_size / 1e12
     assert chunked[-1].backward[0] == pytest.approx(whole[-1].backward[0] + head, rel=1e-9)
     assert chunked[-1].backward[1:] == whole[-1].backward[1:]
+    # its input pass computes the head's weight gradient too: the head unit has no W share
+    assert chunked[-1].weight_share == (0.0, *[0.5] * (len(chunked[-1].backward) - 1))
+    assert whole[-1].weight_share == 0.5
+    head_i = _segment_seconds(chunked[-1], "I")[-1]  # (the backward visits units last to first)
+    assert head_i == pytest.approx(chunked[-1].backward[0] + chunked[-1].overhead, rel=1e-9)
+    assert _segment_seconds(chunked[-1], "W")[-1] == 0.0
+    assert _segment_seconds(whole[-1], "W")[-1] == pytest.approx(whole[-1].backward[0] / 2)
