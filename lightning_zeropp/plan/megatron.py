@@ -38,9 +38,9 @@ from lightning_zeropp.core.settings.placement import (
     stage_ids_for_rank,
 )
 from lightning_zeropp.core.split.blocks import find_blocks
-from lightning_zeropp.plan.activations import task_orders
 from lightning_zeropp.plan.hardware import Hardware
 from lightning_zeropp.plan.memory import stage_ranges
+from lightning_zeropp.plan.orders import task_orders
 from lightning_zeropp.plan.profile import ModelProfile, micro_batch_rows, profile_model
 from lightning_zeropp.plan.programs import programs_for
 from lightning_zeropp.plan.simulate import StageCost, simulate

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from lightning_zeropp.core.settings.layout import ZeroPPLayout
 from lightning_zeropp.core.settings.plus import hpz_size
-from lightning_zeropp.plan.activations import schedule_key, task_orders, zeropp_plans
+from lightning_zeropp.plan.orders import schedule_key, task_orders, zeropp_plans
 from lightning_zeropp.plan.simulate import Op
 
 __all__ = ["programs_for"]

@@ -124,7 +124,7 @@ def test_the_config_and_the_plan_import_no_schedule_or_runtime() -> None:
 @pytest.mark.parametrize("settings", CONFIGS)
 def test_the_planners_lowering_is_the_runtimes(settings: dict) -> None:
     # the planner lowers without re-checking the orders for deadlocks: the same plans
-    from lightning_zeropp.plan.activations import _lowered
+    from lightning_zeropp.plan.orders import _lowered
 
     for extra in ({}, {"split_backward": False}, {"grad_reduce": "microbatch"}):
         config = _config({**settings, **extra})
