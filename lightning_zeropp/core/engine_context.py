@@ -16,7 +16,8 @@ from torch import nn
 
 from lightning_zeropp.core.mesh import ParallelDims
 from lightning_zeropp.core.step.context import ContextSplit, attention_refusal
-from lightning_zeropp.core.step.context_attention import ContextAttention, whole_sequences
+from lightning_zeropp.core.step.context_attention import ContextAttention
+from lightning_zeropp.core.step.context_gather import whole_sequences
 
 __all__ = ["EngineContext"]
 

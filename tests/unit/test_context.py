@@ -211,7 +211,7 @@ def test_one_attention_mask_serves_every_layer_of_a_micro_batch():
     assert attention._mask(None, True, torch.zeros(1, 2, 8, 3)).shape == (8, 16)
 
 
-def test_whole_sequences_refuses_a_2d_output_as_wide_as_the_local_part():
+def test_whole_sequences_refuses_a_2d_output_as_wide_as_the_local_part_and_pooled_rows():
     # (batch, tokens) and (batch, classes) look alike when classes == this rank's tokens:
     # refused, never gathered by a guess; per-token outputs have a feature dimension
     from lightning_zeropp.core.step.context_attention import whole_sequences
@@ -220,8 +220,13 @@ def test_whole_sequences_refuses_a_2d_output_as_wide_as_the_local_part():
     split.set_length(8)  # 4 tokens on each rank
     with pytest.raises(ValueError, match=r"shape \(3, 4\) whose dim 1 equals this rank's 4"):
         whole_sequences({"scores": torch.zeros(3, 4)}, split, None)  # type: ignore[arg-type]
-    classes = torch.zeros(3, 10)
-    assert whole_sequences(classes, split, None) is classes  # type: ignore[arg-type]
+    # a value per row computed inside the forward (a pooled head: a reward model's score, BERT's
+    # pooler) saw this rank's part of each sequence only: refused, never passed on
+    for pooled in (torch.zeros(3, 10), torch.zeros(3), torch.zeros(3, 2, 5)):
+        with pytest.raises(ValueError, match="no sequence dimension of this rank's 4"):
+            whole_sequences({"pooled": pooled}, split, None)  # type: ignore[arg-type]
+    scalar = torch.zeros(())  # a loss over this rank's tokens (an MoE auxiliary loss)
+    assert whole_sequences(scalar, split, None) is scalar  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -300,3 +305,41 @@ def test_a_peft_model_is_given_the_global_positions_its_base_model_takes() -> No
     assert kwargs["position_ids"].tolist() == [[2, 3, 4, 5]] * 2
     # a forward with neither position_ids nor a base model to hand them to gets none
     assert not ContextSplit(2, 1, nn.Linear(2, 2)).takes_positions
+
+
+def test_a_wrapper_hiding_the_positions_from_a_rotary_model_is_refused_under_cp() -> None:
+    """A module of the user's around an HF model (a LightningModule's net, an Accelerate user's
+    wrapper) whose forward takes no position_ids: the model inside would make positions
+    0 .. T/cp - 1 for each CP rank's tokens and rotate them so (RoPE is a matmul of the positions,
+    which CP attention cannot correct), so it is refused at setup; one naming position_ids, the
+    model itself, PEFT's wrapper and a compiled model are not."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lightning_zeropp.core.step.context import attention_refusal, takes_positions
+
+    config = AutoConfig.for_model(
+        "llama", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, vocab_size=32, attn_implementation="sdpa",
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+
+    class Hides(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm = model
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            return self.lm(input_ids=input_ids).logits
+
+    class Passes(Hides):
+        def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None):  # type: ignore[override]
+            return self.lm(input_ids=input_ids, position_ids=position_ids).logits
+
+    refusal = attention_refusal(Hides())
+    assert refusal is not None and refusal.startswith(
+        "Hides.forward takes no position_ids, but LlamaRotaryEmbedding inside it"
+    )
+    assert "Name position_ids in your module's forward" in refusal and "cp_size=1" in refusal
+    for fine in (Passes(), model, torch.compile(model)):
+        assert takes_positions(fine) and attention_refusal(fine) is None

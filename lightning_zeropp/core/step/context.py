@@ -27,7 +27,7 @@ from torch import nn
 
 from lightning_zeropp.core.step.context_masks import plain_rows, row_mask
 
-__all__ = ["ContextSplit", "attention_refusal"]
+__all__ = ["ContextSplit", "attention_refusal", "takes_positions"]
 
 IGNORE = -100  # the label of a position with no target (torch's and HF's ignore_index)
 SPLIT_KEYS = ("labels", "shift_labels", "position_ids", "attention_mask")
@@ -38,8 +38,8 @@ class ContextSplit:
 
     def __init__(self, size: int, rank: int, model: nn.Module) -> None:
         self.size, self.rank = size, rank
-        params = inspect.signature(model.forward).parameters
-        self.takes_positions = "position_ids" in params or _passes_down(model, "position_ids")
+        params = inspect.signature(_called(model).forward).parameters
+        self.takes_positions = takes_positions(model)
         self.takes_mask = "attention_mask" in params
         self.names = {name: i for i, name in enumerate(params)}
         self.length = 0  # the global sequence length of the current batch
@@ -181,6 +181,32 @@ class ContextSplit:
             )
 
 
+def _called(model: nn.Module) -> nn.Module:
+    """The module whose forward a call of `model` runs: a `torch.compile`d model's original."""
+    original = getattr(model, "_orig_mod", None)
+    return original if isinstance(original, nn.Module) else model
+
+
+def takes_positions(model: nn.Module) -> bool:
+    """Whether `model`'s forward takes `position_ids` (by name, or a PEFT model's, passed down)."""
+    called = _called(model)
+    named = "position_ids" in inspect.signature(called.forward).parameters
+    return named or _passes_down(called, "position_ids")
+
+
+def _rotary_from_positions(model: nn.Module) -> str | None:
+    """The class of a module of `model` that turns `position_ids` into rotary angles (HF's
+    `*RotaryEmbedding`), if any: it reads the positions it is given, not the tokens' own."""
+    for module in model.modules():
+        kind = type(module).__name__
+        if (
+            kind.endswith("RotaryEmbedding")
+            and "position_ids" in inspect.signature(module.forward).parameters
+        ):
+            return kind
+    return None
+
+
 def _passes_down(model: nn.Module, name: str) -> bool:
     """Whether `model` is a PEFT model (`get_base_model()`) whose forward hands its keyword
     arguments down to a base model taking `name`: PEFT's `PeftModelForCausalLM.forward` names
@@ -211,6 +237,16 @@ def attention_refusal(model: nn.Module) -> str | None:
             "only (that token is on one CP rank): its scores, and a loss over them (TRL's "
             "RewardTrainer), would be wrong. Set cp_size=1 for this model (pp_size or "
             "dp_shard_size for the ranks)."
+        )
+    rotary = _rotary_from_positions(model)
+    if rotary is not None and not takes_positions(model):
+        # the model inside would make positions 0 .. T/cp - 1 for this rank's tokens
+        return (
+            f"{type(model).__name__}.forward takes no position_ids, but {rotary} inside it "
+            "computes rotary angles from the positions it is given: under context parallelism "
+            "(cp_size > 1) each CP rank's tokens would be rotated as positions 0 .. T/cp - 1 "
+            "instead of their own. Name position_ids in your module's forward and pass it to "
+            "the model (or hand the library the model itself), or set cp_size=1."
         )
     config = getattr(model, "config", None)
     if (window := _sliding_window(config)) is not None:

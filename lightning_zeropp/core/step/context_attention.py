@@ -31,71 +31,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_zeropp.core._torch_private import tree_map
 from lightning_zeropp.core.step.context import ContextSplit
 from lightning_zeropp.core.step.context_blocks import (
     block_attention,
     blocks_apply,
-    gather_rows,
-    scatter_rows,
 )
+from lightning_zeropp.core.step.context_gather import gather_sequence, whole_sequences
 from lightning_zeropp.core.step.context_masks import call_mask, local_causal
 
 __all__ = ["ContextAttention", "gather_sequence", "whole_sequences"]
 
 _aten = torch.ops.aten
-
-
-class _GatherSequence(torch.autograd.Function):
-    """All-gather along dim -2 over the CP group, rows put in global order; backward: the
-    gradient's rows back in gathered order, reduce-scattered (summed: each rank's keys serve
-    every rank's queries)."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, order: torch.Tensor
-    ) -> torch.Tensor:
-        ctx.group, ctx.order = group, order
-        return gather_rows(x, group, order)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        return scatter_rows(grad, ctx.group, ctx.order), None, None
-
-
-def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, order: torch.Tensor) -> torch.Tensor:
-    """Every CP rank's `x` along dim -2 in global sequence order (differentiable)."""
-    return _GatherSequence.apply(x, group, order.to(x.device))
-
-
-def whole_sequences(output: Any, split: ContextSplit, group: dist.ProcessGroup) -> Any:
-    """`output` with every per-token tensor, (batch, this rank's tokens, features...), gathered
-    over the CP group into whole sequences, in order (differentiable). A loss the front then
-    computes from it is the same on every CP rank, and the backward's reduce-scatter sums the
-    CP ranks' equal gradients, which the engine's mean over CP ranks divides back: one
-    process's gradient.
-
-    Per-token means three or more dimensions with dim 1 this rank's token count (logits, hidden
-    states). A 2-D tensor whose dim 1 equals that count is refused: (batch, tokens) and
-    (batch, classes) look alike there, and gathering one of them would be wrong."""
-    local = split.local_length
-
-    def whole(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] == local:
-            raise ValueError(
-                "under context parallelism (cp_size > 1) the network returned a 2-D tensor of "
-                f"shape {tuple(value.shape)} whose dim 1 equals this rank's {local} of the "
-                f"{split.length} tokens: the library cannot tell per-token values (batch, "
-                "tokens) from per-row features (batch, classes). Return per-token values with "
-                "a trailing feature dimension, (batch, tokens, 1), or set cp_size=1."
-            )
-        if isinstance(value, torch.Tensor) and value.dim() >= 3 and value.shape[1] == local:
-            moved = value.movedim(1, -2)
-            # contiguous, as a model's own output is (losses `.view` their logits)
-            return gather_sequence(moved, group, split.order).movedim(-2, 1).contiguous()
-        return value
-
-    return tree_map(whole, output)
 
 
 class ContextAttention(TorchFunctionMode):
