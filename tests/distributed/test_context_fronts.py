@@ -87,13 +87,15 @@ def _one_process(case: dict[str, Any]) -> dict[str, Any]:
 # (before the engine handed it to torch's checkpoint: CheckpointError, "Recomputed values ...
 # have different metadata"). SGD: under AdamW the first step's grad norm agrees to 1e-7, but
 # near-zero lm_head gradients summed in another order grow to 7e-5 in the weights (test_trl.py)
+SFT_ARGS = {"completion_only_loss": True, "eval_strategy": "steps", "eval_steps": 2,
+            "pad_to_multiple_of": 4, "optim": "sgd", "learning_rate": 0.3}  # fmt: skip
 SFT = [
-    {"id": "cp-sft", "plugin": LOSS_CP2, "batch": 2, "eval": True,
-     "args": {"completion_only_loss": True, "eval_strategy": "steps", "eval_steps": 2,
-              "pad_to_multiple_of": 4,
-              "optim": "sgd", "learning_rate": 0.3}},
+    {"id": "cp-sft", "plugin": LOSS_CP2, "batch": 2, "eval": True, "args": SFT_ARGS},
+    # LoRA adapters (PEFT's wrapper names no position_ids but hands them to the base model: the
+    # positions it is given under CP must be the global ones)
+    slow_case({"id": "cp-sft-lora", "plugin": LOSS_CP2, "batch": 2, "eval": True, "lora": True,
+               "args": SFT_ARGS}),
 ]  # fmt: skip
-SFT_ONE = [{**c, "plugin": None, "batch": 8} for c in SFT]
 # TRL's DPO (a loss over pairs of rows: a chosen and a rejected row per pair) at pp 2 x cp 2,
 # one pair per process (4 pairs a step, 2 per micro-batch), rows padded to multiples of 2 x cp
 # by TRL's collator, evaluated after steps 2 and 3 on 7 pairs (a last batch of 3 pairs, one
@@ -175,7 +177,7 @@ def launched(request: Any, tmp_path_factory: Any) -> tuple[list[dict[str, Any]],
         "lightning_across": [dict(c) for c in selected_cases(request, LIGHTNING_ACROSS)],
         "trainer_across": [dict(c) for c in selected_cases(request, TRAINER_ACROSS)],
         "last_loss": [dict(c) for c in selected_cases(request, LAST_LOSS)],
-        "trl": [dict(c) for c in SFT],
+        "trl": [dict(c) for c in selected_cases(request, SFT)],
         "trl_dpo": [dict(c) for c in selected_cases(request, DPO)],
         "out_dir": str(out / "four"),
         "init_process_group": False,
@@ -191,7 +193,7 @@ def launched(request: Any, tmp_path_factory: Any) -> tuple[list[dict[str, Any]],
         "trainer": trainer_refs,
         "hf_lightning": [{"id": c["id"], "strategy": None} for c in HF_LIGHTNING],
         "last_loss": [_one_process(c) for c in selected_cases(request, LAST_LOSS)],
-        "trl": [dict(c) for c in SFT_ONE],
+        "trl": [{**c, "plugin": None, "batch": 8} for c in selected_cases(request, SFT)],
         "trl_dpo": [{**c, "plugin": None, "batch": 4} for c in selected_cases(request, DPO)],
         "devices": 1,
         "out_dir": str(out / "one"),
@@ -404,14 +406,16 @@ def test_the_trainers_own_loss_under_cp_matches_one_process(launched, case):
         _close(weights[name], want, name)
 
 
-def test_trl_sft_under_cp_matches_trl_in_one_process(launched):
+@pytest.mark.parametrize("case", as_params(SFT))
+def test_trl_sft_under_cp_matches_trl_in_one_process(launched, case):
     four, one = launched
-    ref = one["cp-sft"]
+    case = case["id"]
+    ref = one[case]
     metrics = ("loss", "entropy", "mean_token_accuracy", "grad_norm")
     evaluated = ("eval_loss", "eval_entropy", "eval_mean_token_accuracy")
     for rank, r in enumerate(four):  # every rank logs the numbers
         for keys, want_n in ((metrics, 3), (evaluated, 2)):
-            got = [log for log in r["cp-sft"]["logs"] if keys[0] in log]
+            got = [log for log in r[case]["logs"] if keys[0] in log]
             want = [log for log in ref["logs"] if keys[0] in log]
             assert len(got) == len(want) == want_n
             for a, b in zip(got, want, strict=True):
@@ -419,7 +423,7 @@ def test_trl_sft_under_cp_matches_trl_in_one_process(launched):
                     _close(a[key], b[key], f"rank {rank} {key}")
                 tokens = "num_tokens" if keys is metrics else "eval_num_tokens"
                 assert a[tokens] == b[tokens]
-    weights = four[0]["cp-sft"]["weights"]
+    weights = four[0][case]["weights"]
     assert weights.keys() == ref["weights"].keys()
     for name, want in ref["weights"].items():
         _close(weights[name], want, name)

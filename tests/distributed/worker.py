@@ -26,6 +26,9 @@ def main() -> None:
     # The launcher sends SIGUSR1 before it kills a rank that ran past its time: every thread's
     # stack goes to the rank's log, so a hang says where it hung.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # A rank that dies of a signal (SIGSEGV, SIGABRT: seen once, a rank exiting -11 in a gloo
+    # collective) leaves its threads' Python stacks in its log too.
+    faulthandler.enable(all_threads=True)
     scenario, params, out_dir = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
     module_name, _, fn_name = scenario.rpartition(".")
     fn = getattr(importlib.import_module(f"tests.distributed.{module_name}"), fn_name)
