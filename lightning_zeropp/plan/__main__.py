@@ -16,9 +16,10 @@ Keys (besides Hydra's `model=` and `cluster=` groups and any `model.*` / `cluste
   quantized_weights=null, quantized_gradients=null, hpz_partition_size=null
                      ZeRO++ (qwZ int8/bf16, qgZ int8/int4, hpZ ranks), priced in every layout
   loss_chunk=null    the loss_chunk setting priced: the head and the loss in chunks of this
-                     many tokens where the run computes them so (null: 1024 there; 0: whole
-                     logits, e.g. an HF model under the Lightning recipe, whose training_step
-                     reads the logits); see docs/chunked-loss.md
+                     many tokens where the run computes them so (0: whole logits, e.g. an HF
+                     model under the Lightning recipe, whose training_step reads the logits;
+                     null: each layout that would chunk is priced both ways, and the layout
+                     found says loss_chunk: 0 where whole logits fit); see docs/chunked-loss.md
   split=auto         the engine's split the run uses (auto: the model's own, else call); only
                      the call split, or one stage, computes the loss in chunks (a loss_chunk
                      given prices cp_size 1 only: context parallelism computes whole logits)

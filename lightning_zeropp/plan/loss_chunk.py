@@ -18,13 +18,15 @@ Lightning `training_step` over an HF model's `.logits`): those keep whole logits
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_zeropp.core.settings.config import ZeroPPConfig
 from lightning_zeropp.core.settings.layout import ZeroPPLayout
 from lightning_zeropp.core.split.methods import resolve_split
-from lightning_zeropp.core.split.profile import ModelProfile, profile_model
+from lightning_zeropp.core.split.profile import ModelProfile, micro_batch_rows, profile_model
 from lightning_zeropp.core.step.chunked_loss import chunk_for_run
 from lightning_zeropp.fronts.hf_chunked import ChunkedHead
 
@@ -34,6 +36,7 @@ __all__ = [
     "head_recompute_flops",
     "loss_chunk_of",
     "priced_chunk",
+    "with_whole_logits",
 ]
 
 
@@ -86,3 +89,26 @@ def chunked_profile(
     saved = chunked.after.saved
     after = dataclasses.replace(profile.after, saved=saved, saved_recomputed=saved)
     return dataclasses.replace(profile, after=after)
+
+
+def with_whole_logits(
+    model: nn.Module,
+    space: list[dict[str, Any]],
+    world_size: int,
+    global_batch: int,
+    seq_len: int,
+) -> list[dict[str, Any]]:
+    """`space` with each layout whose run would compute its head and loss in chunks (`loss_chunk`
+    unset) also priced with whole logits (`loss_chunk=0`): never slower, and much faster under
+    a split backward, where the chunked loss's input task carries the head's weight gradient
+    (`plan.stage_costs`); the search keeps it where its memory fits."""
+    out = []
+    for settings in space:
+        out.append(settings)
+        if settings.get("loss_chunk") is not None:
+            continue
+        cfg = ZeroPPConfig(**settings).resolve(world_size)
+        rows = micro_batch_rows(global_batch, cfg.dp_size, cfg.num_microbatches)
+        if priced_chunk(model, cfg, rows, seq_len) > 0:
+            out.append({**settings, "loss_chunk": 0})
+    return out

@@ -25,6 +25,7 @@ from lightning_zeropp.core.settings.layout import ZeroPPLayout
 from lightning_zeropp.core.split.blocks import find_blocks
 from lightning_zeropp.plan.cut import with_cut
 from lightning_zeropp.plan.hardware import Hardware
+from lightning_zeropp.plan.loss_chunk import with_whole_logits
 from lightning_zeropp.plan.peaks import rank_memory
 from lightning_zeropp.plan.per_rank import per_rank_variants
 from lightning_zeropp.plan.steptime import StepTimePlan, predict_range, price
@@ -189,6 +190,8 @@ def search(
     space = [
         s if s.get("split_points") else with_cut(model, s, seq_len, cut, world_size) for s in space
     ]
+    if layouts is None:
+        space = with_whole_logits(model, space, world_size, global_batch, seq_len)
     device = "cuda" if hardware.overlap else "cpu"
     modes: dict[str, Any] = {"compiled": compiled}
     # Cheapest first: price every layout, then simulate in order of the bound no simulation

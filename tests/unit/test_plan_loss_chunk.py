@@ -110,3 +110,57 @@ def test_the_backward_computes_the_head_again() -> None:
     assert head_i == pytest.approx(chunked[-1].backward[0] + chunked[-1].overhead, rel=1e-9)
     assert _segment_seconds(chunked[-1], "W")[-1] == 0.0
     assert _segment_seconds(whole[-1], "W")[-1] == pytest.approx(whole[-1].backward[0] / 2)
+
+
+def test_the_search_takes_whole_logits_where_they_fit_and_chunks_where_they_do_not() -> None:
+    """Every enumerated layout whose run would chunk is priced with whole logits too: never
+    slower (one head forward less; under a split backward no head weight gradient in the input
+    task), so where memory allows the search's fastest layout keeps whole logits, and where only
+    the chunked loss fits it chunks."""
+    from lightning_zeropp.plan.loss_chunk import with_whole_logits
+    from lightning_zeropp.plan.peaks import rank_memory
+    from lightning_zeropp.plan.search import search
+
+    seq = 1024  # 2 rows a micro-batch: more tokens than the default chunk (1024)
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=1280, seq_len=seq, dim=16, num_heads=2, num_layers=4))
+    world, batch = 2, 4
+    space = [{"pp_size": 2, "num_microbatches": 2, "schedule": "zeropp", "node_size": 2}]
+    expanded = with_whole_logits(model, space, world, batch, seq)
+    assert expanded == [space[0], {**space[0], "loss_chunk": 0}]
+    assert with_whole_logits(model, [{**space[0], "loss_chunk": 16}], world, batch, seq) == [
+        {**space[0], "loss_chunk": 16}
+    ]
+    one_chunk = [{**space[0], "num_microbatches": 4}]  # 1 row: 1024 tokens, one chunk: whole
+    assert with_whole_logits(model, one_chunk, world, batch, seq) == one_chunk
+    hardware = Hardware(flops_per_s=1e12, intra_node_Bps=1e11, inter_node_Bps=1e10, node_size=2)
+    free = search(model, world, batch, seq, hardware, top=200)
+    whole = {
+        tuple(sorted((k, str(v)) for k, v in c.settings.items() if k != "loss_chunk")): c
+        for c in free
+        if c.settings.get("loss_chunk") == 0
+    }
+    assert whole, "layouts that chunk are priced with whole logits too"
+    chunked, twin = next(
+        (c, whole[key])
+        for c in free
+        if c.settings.get("loss_chunk") is None
+        and (key := tuple(sorted((k, str(v)) for k, v in c.settings.items()))) in whole
+    )
+    assert twin.step_s <= chunked.step_s
+    assert free.index(twin) < free.index(chunked)
+    assert twin.memory_bytes > chunked.memory_bytes
+    # a budget the chunked layout fits and its whole-logits twin does not
+    budget = dataclasses.replace(
+        hardware, memory_bytes=(twin.memory_bytes + chunked.memory_bytes) // 2
+    )
+    tight = search(model, world, batch, seq, budget, top=50, per_rank=False)
+    settings = [c.settings for c in tight]
+    assert chunked.settings in settings and twin.settings not in settings
+    assert (
+        max(
+            r["total"]
+            for r in rank_memory(model, ZeroPPConfig(**chunked.settings), world, batch, seq)
+        )
+        == chunked.memory_bytes
+    )
