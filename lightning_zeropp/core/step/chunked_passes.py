@@ -63,7 +63,8 @@ def token_backward(
     d_hidden = torch.zeros_like(hidden) if wants[0] else None
     d_weight = _accumulator(weight) if wants[1] else None
     d_bias = _accumulator(bias) if wants[2] and bias is not None else None
-    scale, label = _scale_and_label(target, ignore, grad)
+    kept, label = _labels(target, ignore)
+    scale = kept * grad.float()  # d(sum)/d(each token's loss), 0 where unlabelled
     for start in range(0, hidden.shape[0], chunk):
         part = hidden[start : start + chunk]
         logits = F.linear(part, weight, bias)
@@ -84,7 +85,7 @@ def vocab_forward(
 ) -> tuple[Tensor, Tensor]:
     """The summed cross-entropy (fp32) and each token's log-sum-exp, `rows` vocabulary rows at a
     time; in place on one fp32 slice of logits."""
-    label = _scale_and_label(target, ignore, None)[1]
+    kept, label = _labels(target, ignore)
     lse = hidden.new_full((hidden.shape[0],), float("-inf"), dtype=torch.float32)
     picked = hidden.new_zeros((hidden.shape[0],), dtype=torch.float32)
     found = torch.zeros_like(label, dtype=torch.bool)
@@ -95,7 +96,7 @@ def vocab_forward(
         picked += torch.where(inside, logits.gather(1, at), 0.0).squeeze(1)
         most = logits.amax(dim=1, keepdim=True)
         lse = torch.logaddexp(lse, most.squeeze(1) + logits.sub_(most).exp_().sum(dim=1).log())
-    kept = target != ignore
+    kept = kept.squeeze(1)
     _check_labels(target, kept & ~found.squeeze(1), weight.shape[0], ignore)
     return torch.where(kept, lse - picked, 0.0).sum(), lse
 
@@ -126,7 +127,8 @@ def vocab_backward(
     d_hidden = _accumulator(hidden) if wants[0] else None
     d_weight = torch.empty_like(weight) if wants[1] else None
     d_bias = torch.empty_like(bias) if wants[2] and bias is not None else None
-    scale, label = _scale_and_label(target, ignore, grad)
+    kept, label = _labels(target, ignore)
+    scale = kept * grad.float()  # d(sum)/d(each token's loss), 0 where unlabelled
     for start in range(0, weight.shape[0], rows):
         logits = _slice_logits(hidden, weight, bias, start, rows)
         end, dtype = start + logits.shape[1], logits.dtype
@@ -152,11 +154,10 @@ def _slice_logits(
     return F.linear(hidden, weight[start : start + rows], part)
 
 
-def _scale_and_label(target: Tensor, ignore: int, grad: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Per token (as a column): d(sum)/d(its loss), 0 where unlabelled; its label, 0 there."""
+def _labels(target: Tensor, ignore: int) -> tuple[Tensor, Tensor]:
+    """Per token (as a column): whether it is labelled; its label, 0 where it is not."""
     kept = (target != ignore).unsqueeze(1)
-    scale = kept * (grad.float() if grad is not None else 1.0)
-    return scale, torch.where(kept, target.unsqueeze(1), 0)
+    return kept, torch.where(kept, target.unsqueeze(1), 0)
 
 
 def _where_in(label: Tensor, start: int, width: int) -> tuple[Tensor, Tensor]:

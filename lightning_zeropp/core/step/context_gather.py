@@ -59,11 +59,7 @@ def whole_sequences(output: Any, split: ContextSplit, group: dist.ProcessGroup) 
     def whole(value: Any) -> Any:
         if not isinstance(value, torch.Tensor) or value.dim() == 0:
             return value
-        if (
-            value.dim() < 2
-            or (value.dim() >= 3 and value.shape[1] != local)
-            or (value.dim() == 2 and value.shape[1] != local)
-        ):
+        if value.dim() < 2 or value.shape[1] != local:
             raise ValueError(
                 "under context parallelism (cp_size > 1) the network returned a tensor of "
                 f"shape {tuple(value.shape)} with no sequence dimension of this rank's {local} "
@@ -72,7 +68,7 @@ def whole_sequences(output: Any, split: ContextSplit, group: dist.ProcessGroup) 
                 "sequence only, and would differ on every CP rank. Return per-token outputs "
                 "(batch, tokens, ...) and pool them in the step, or set cp_size=1."
             )
-        if value.dim() == 2 and value.shape[1] == local:
+        if value.dim() == 2:  # (batch, this rank's tokens) or (batch, as many classes)
             raise ValueError(
                 "under context parallelism (cp_size > 1) the network returned a 2-D tensor of "
                 f"shape {tuple(value.shape)} whose dim 1 equals this rank's {local} of the "
@@ -80,10 +76,9 @@ def whole_sequences(output: Any, split: ContextSplit, group: dist.ProcessGroup) 
                 "tokens) from per-row features (batch, classes). Return per-token values with "
                 "a trailing feature dimension, (batch, tokens, 1), or set cp_size=1."
             )
-        if value.dim() >= 3:  # (batch, this rank's tokens, features...)
-            moved = value.movedim(1, -2)
-            # contiguous, as a model's own output is (losses `.view` their logits)
-            return gather_sequence(moved, group, split.order).movedim(-2, 1).contiguous()
-        return value
+        # (batch, this rank's tokens, features...); contiguous, as a model's own output is
+        # (losses `.view` their logits)
+        moved = value.movedim(1, -2)
+        return gather_sequence(moved, group, split.order).movedim(-2, 1).contiguous()
 
     return tree_map(whole, output)
